@@ -1,0 +1,100 @@
+"""`tfkv-run`: the Hydra app. Composes and validates the config, then trains.
+
+A mistake a user can fix (a typo, a wrong type, an unknown name, a missing data set) is printed
+as one line and exits with status 2, before TensorFlow starts where the config alone shows it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from tfkv import config as config_schema
+from tfkv.errors import TfkvError
+
+log = logging.getLogger("tfkv")
+
+
+def conf_dir() -> str:
+    """The config tree: inside the installed package, or at the top of a source checkout."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "conf", here.parent / "conf"):
+        if (candidate / "config.yaml").is_file():
+            return str(candidate)
+    raise RuntimeError(f"tfkv's config tree is missing (looked in {here / 'conf'}); reinstall tfkv")
+
+
+config_schema.register()
+
+
+@hydra.main(version_base="1.3", config_path=conf_dir(), config_name="config")
+def _main(cfg: DictConfig) -> Any:
+    try:
+        return _job(cfg)
+    except TfkvError as e:  # exit here: past this point Hydra adds its own lines to the message
+        print(f"tfkv-run: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _job(cfg: DictConfig) -> dict[str, Any]:
+    config_schema.validate(cfg)
+    from hydra.core.hydra_config import HydraConfig
+
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    (run_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    from tfkv.trainer import train
+
+    final = train(cfg, run_dir, list(hc.overrides.task), search_root=Path(hc.runtime.cwd))
+    log.info("done: test_accuracy %.4f after %d epochs; run directory %s",
+             final["test_accuracy"], final["epoch"], run_dir)
+    return {k: v for k, v in final.items() if k != "history"}
+
+
+def _one_line(exc: BaseException) -> str:
+    """Hydra's and OmegaConf's multi-line messages, folded into one line with a hint."""
+    parts = []
+    for e in (exc, exc.__cause__):
+        if e is not None and str(e).strip():
+            parts.append(str(e).strip().splitlines()[0].rstrip("."))
+    text = ": ".join(dict.fromkeys(parts))
+    cause = exc.__cause__ or exc
+    key, schema = getattr(cause, "key", None), getattr(cause, "object_type", None)
+    if key is not None and dataclasses.is_dataclass(schema):
+        known = [f.name for f in dataclasses.fields(schema)]
+        close = difflib.get_close_matches(str(key), known, n=1)
+        if close:
+            text += f" (did you mean {close[0]!r}?)"
+    return text + "; see tfkv-run --help"
+
+
+def run() -> None:
+    """Console entry point of `tfkv-run`."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        _main()
+        return
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # let Hydra's errors reach us instead of printing them
+    try:
+        _main()
+    except TfkvError as e:
+        print(f"tfkv-run: {e}", file=sys.stderr)
+        sys.exit(2)
+    except (HydraException, OmegaConfBaseException) as e:
+        print(f"tfkv-run: {_one_line(e)}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("tfkv-run: interrupted; the last finished epoch's checkpoint is in the run "
+              "directory (resume=true continues from it)", file=sys.stderr)
+        sys.exit(130)

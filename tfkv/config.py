@@ -1,0 +1,163 @@
+"""Structured-config schema for `tfkv-run`, registered in Hydra's ConfigStore.
+
+The dataclasses are the single place where the shape and types of a run's configuration are
+declared; OmegaConf rejects unknown keys and wrong types while Hydra composes the tree.
+`validate()` then checks what a type cannot express (known names, device syntax, workload
+shape) once, at the edge, before TensorFlow is imported. Nothing inside re-checks.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from tfkv.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    hidden: List[int] = field(default_factory=lambda: [256, 128])  # mlp only
+    dropout: float = 0.0
+    batch_norm: bool = True  # vgg11 only; resnet18 always has it
+    width: int = 64  # channels of the first stage (vgg11, resnet18)
+
+
+@dataclass
+class DatasetConfig:
+    name: str = MISSING
+    root: str = "data"  # where mnist/cifar10 files live (relative to the working directory)
+    download: bool = True  # fetch from the standard URL when files are missing and we are online
+    augment: bool = False  # random crop + flip for image sets (cifar10)
+    test_fraction: float = 0.2  # digits: share held out for testing
+    # synthetic only: a learnable random problem
+    num_train: int = 4096
+    num_test: int = 1024
+    shape: List[int] = field(default_factory=lambda: [32, 32, 3])
+    num_classes: int = 10
+
+
+@dataclass
+class ScheduleConfig:
+    name: str = "constant"  # constant | step | cosine
+    factor: float = 0.1  # step: multiply the rate by this ...
+    milestones: List[int] = field(default_factory=list)  # ... at these epochs
+    warmup_epochs: float = 0.0  # linear warm-up from 0, any schedule
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = MISSING  # sgd | adam
+    lr: float = 0.1
+    momentum: float = 0.0  # sgd
+    wd: float = 0.0
+    beta1: float = 0.9  # adam
+    beta2: float = 0.999  # adam
+    epsilon: float = 1e-8  # adam
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+
+
+@dataclass
+class KVStoreConfig:
+    type: str = MISSING
+    # true: the store runs the optimizer (MXNet's default); false: the store only sums gradients
+    # and every device applies the update to its own copy of the weights.
+    update_on_kvstore: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = MISSING
+    dataset: DatasetConfig = MISSING
+    optimizer: OptimizerConfig = MISSING
+    kvstore: KVStoreConfig = MISSING
+    devices: List[str] = field(default_factory=lambda: ["cpu:0"])
+    work_load_list: Optional[List[float]] = None
+    batch_size: int = 64  # per machine; split across `devices`
+    eval_batch_size: int = 1000
+    epochs: int = 10
+    seed: int = 0
+    deterministic: bool = False  # tf.config.experimental.enable_op_determinism()
+    resume: Any = False  # false | true (last checkpoint of the same command) | a run dir
+    progress: bool = True  # progress bar on a terminal
+    log_every: int = 20  # steps between progress-bar and TensorBoard step updates
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="tfkv_schema", node=Config)
+
+
+_DEVICE = re.compile(r"^(cpu|gpu):(\d+)$")
+
+
+def parse_device(spec: str) -> tuple[str, int]:
+    """`gpu:2` -> ("gpu", 2); anything else is a ConfigError."""
+    m = _DEVICE.match(str(spec).strip().lower())
+    if not m:
+        raise ConfigError(
+            f"devices: {spec!r} is not a device; write cpu:N or gpu:N, e.g. devices=[gpu:0,gpu:1]"
+        )
+    return m.group(1), int(m.group(2))
+
+
+def split_batch(batch_size: int, work_load_list: Optional[List[float]], num_devices: int) -> list[int]:
+    """Examples per device, MXNet's rule: proportional to the work load, the remainder to the last."""
+    loads = list(work_load_list) if work_load_list else [1.0] * num_devices
+    total = float(sum(loads))
+    sizes = [int(round(w * batch_size / total)) for w in loads]
+    sizes[-1] += batch_size - sum(sizes)
+    return sizes
+
+
+def validate(cfg: Any) -> None:
+    """Reject what the schema's types cannot: unknown names, bad devices, a bad workload split."""
+    from tfkv import data, models, store, optim
+
+    def known(kind: str, value: str, names: list[str], group: str) -> None:
+        if value not in names:
+            raise ConfigError(
+                f"{kind}={value!r} is not known; choose one of {', '.join(sorted(names))} "
+                f"(e.g. {group}={sorted(names)[0]})"
+            )
+
+    known("model.name", cfg.model.name, models.names(), "model")
+    known("dataset.name", cfg.dataset.name, data.names(), "dataset")
+    known("optimizer.name", cfg.optimizer.name, optim.names(), "optimizer")
+    known("optimizer.schedule.name", cfg.optimizer.schedule.name, optim.schedule_names(),
+          "optimizer.schedule.name")
+    known("kvstore.type", cfg.kvstore.type, store.names(), "kvstore")
+
+    devices = list(cfg.devices)
+    if not devices:
+        raise ConfigError("devices is empty; give at least one, e.g. devices=[cpu:0]")
+    parsed = [parse_device(d) for d in devices]
+    if len(set(parsed)) != len(parsed):
+        raise ConfigError(f"devices={devices} names a device twice; list each device once")
+    for key in ("batch_size", "eval_batch_size", "epochs", "log_every"):
+        if getattr(cfg, key) < 1:
+            raise ConfigError(f"{key}={getattr(cfg, key)} must be at least 1")
+    if cfg.work_load_list is not None:
+        loads = list(cfg.work_load_list)
+        if len(loads) != len(devices):
+            raise ConfigError(
+                f"work_load_list={loads} has {len(loads)} entries for {len(devices)} devices; "
+                "give one weight per device"
+            )
+        if any(w <= 0 for w in loads):
+            raise ConfigError(f"work_load_list={loads} must hold positive weights")
+    sizes = split_batch(cfg.batch_size, cfg.work_load_list, len(devices))
+    if min(sizes) < 1:
+        raise ConfigError(
+            f"batch_size={cfg.batch_size} split over {devices} "
+            f"(work_load_list={cfg.work_load_list}) gives {sizes} examples per device; "
+            "every device needs at least one: raise batch_size or even out the work load"
+        )
+    if cfg.optimizer.lr <= 0:
+        raise ConfigError(f"optimizer.lr={cfg.optimizer.lr} must be positive")
+    resume = cfg.resume
+    if not isinstance(resume, (bool, str)):
+        raise ConfigError(f"resume={resume!r} must be true, false or a run directory")

@@ -1,0 +1,17 @@
+"""Errors a user can act on: their message is one line saying what is wrong and how to fix it.
+
+`tfkv-run` prints these as a single line and exits non-zero; anything else is a bug and keeps
+its traceback.
+"""
+
+
+class TfkvError(Exception):
+    """Base of every user-facing error."""
+
+
+class ConfigError(TfkvError):
+    """The configuration is wrong (unknown name, bad device, impossible split...)."""
+
+
+class DataError(TfkvError):
+    """A data set is missing or malformed on disk."""

@@ -1,0 +1,1 @@
+"""Spreading training over devices: data parallelism now, model parallelism beside it."""

@@ -1,0 +1,205 @@
+"""Data parallelism: one model copy per device, the batch split across them, gradients summed
+through a KVStore, as MXNet's Module does.
+
+Each step, device i runs forward and backward on its slice (b/k examples, or its share of
+`work_load_list`); every parameter is pushed as a list of per-device gradients (the store sums
+them), then pulled back into every copy. With `update_on_kvstore` the store runs the optimizer;
+otherwise it only sums, and each device applies the update to its own copy.
+
+Stores whose push/pull are TensorFlow ops (`traceable`) are traced into the step's tf.function;
+the others (the parameter-server client) are called between two compiled halves of the step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from tfkv import optim
+from tfkv.store.base import KVStore
+from tfkv.store.tf_updater import TFUpdater
+
+
+class DataParallel:
+    def __init__(
+        self,
+        build_model: Callable[[], Any],
+        devices: Sequence[str],
+        store: KVStore,
+        optimizer: optim.Optimizer,
+        batch_sizes: Sequence[int],
+        update_on_kvstore: bool = True,
+        initial_weights: Sequence[np.ndarray] | None = None,
+        loss_scale: float | None = None,
+    ):
+        """`devices` are TensorFlow device names; `batch_sizes[i]` examples go to device i.
+
+        The loss is summed over examples and scaled by `loss_scale` (default: 1 / the global
+        batch, the batch of every worker together), so the sum over devices and workers is the
+        gradient of the mean loss of the global batch, whatever the split.
+        """
+        if len(batch_sizes) != len(devices):
+            raise ValueError(f"{len(batch_sizes)} batch sizes for {len(devices)} devices")
+        self.devices = list(devices)
+        self.store = store
+        self.batch_sizes = [int(n) for n in batch_sizes]
+        self.update_on_kvstore = update_on_kvstore
+        self.loss_scale = loss_scale or 1.0 / (sum(self.batch_sizes) * store.num_workers)
+        self.replicas = []
+        for d in self.devices:
+            with tf.device(d):
+                self.replicas.append(build_model())
+        if initial_weights is not None:
+            self.replicas[0].set_weights(list(initial_weights))
+        self.params = [r.trainable_variables for r in self.replicas]
+        self.keys = list(range(len(self.params[0])))
+
+        self._updaters: list[TFUpdater] = []
+        if update_on_kvstore:
+            store.set_optimizer(optimizer)
+        else:
+            for d, params in zip(self.devices, self.params):
+                updater = TFUpdater(optimizer)
+                for k in self.keys:
+                    updater.create_state(k, params[k], d)
+                self._updaters.append(updater)
+        # Every copy starts from the first one's weights (MXNet: init, then pull everywhere).
+        for k in self.keys:
+            store.broadcast(k, self.params[0][k], out=[p[k] for p in self.params], priority=-k)
+        self._sync_non_trainable(source=0)
+
+        with tf.device("/device:CPU:0"):
+            self._loss_sum = tf.Variable(0.0, dtype=tf.float64, trainable=False)
+            self._correct = tf.Variable(0, dtype=tf.int64, trainable=False)
+            self._seen = tf.Variable(0, dtype=tf.int64, trainable=False)
+        if store.traceable:
+            self._step = tf.function(self._fused_step)
+        else:
+            self._grads = tf.function(self._forward_backward)
+            self._set_weights = tf.function(self._assign_all)
+            self._apply = tf.function(self._apply_aggregated)
+        self._eval = tf.function(self._eval_step)
+
+    # -- one training step ---------------------------------------------------------------------
+
+    def step(self, x: Any, y: Any) -> None:
+        """Train on one batch (x, y) of sum(batch_sizes) examples."""
+        if self.store.traceable:
+            self._step(x, y)
+            return
+        grads = self._grads(x, y)
+        for k in self.keys:  # first layers last: their gradients are ready last in backprop
+            self.store.push(k, [g[k] for g in grads], priority=-k)
+        pulled = [self.store.pull(k, priority=-k) for k in self.keys]
+        if self.update_on_kvstore:
+            self._set_weights(pulled)
+        else:
+            self._apply(pulled)
+
+    def _forward_backward(self, x: Any, y: Any) -> list[list[Any]]:
+        grads, offset = [], 0
+        loss_sum, correct = [], []
+        for d, model, n in zip(self.devices, self.replicas, self.batch_sizes):
+            with tf.device(d):
+                xs, ys = x[offset:offset + n], y[offset:offset + n]
+                with tf.GradientTape() as tape:
+                    logits = model(xs, training=True)
+                    losses = tf.nn.sparse_softmax_cross_entropy_with_logits(ys, tf.cast(logits, tf.float32))
+                    loss = tf.reduce_sum(losses) * self.loss_scale
+                grads.append(tape.gradient(loss, model.trainable_variables))
+                loss_sum.append(tf.reduce_sum(tf.cast(losses, tf.float64)))
+                correct.append(tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, -1, output_type=ys.dtype), ys),
+                                                     tf.int64)))
+            offset += n
+        self._loss_sum.assign_add(tf.add_n(loss_sum))
+        self._correct.assign_add(tf.add_n(correct))
+        self._seen.assign_add(offset)
+        return grads
+
+    def _fused_step(self, x: Any, y: Any) -> None:
+        grads = self._forward_backward(x, y)
+        for k in self.keys:
+            self.store.push(k, [g[k] for g in grads], priority=-k)
+            if self.update_on_kvstore:
+                self.store.pull(k, out=[p[k] for p in self.params], priority=-k)
+            else:
+                self._update_copies(k, self.store.pull(k, priority=-k))
+
+    def _update_copies(self, k: int, aggregated: Any) -> None:
+        for d, params, updater in zip(self.devices, self.params, self._updaters):
+            with tf.device(d):
+                updater.update(k, params[k], tf.identity(aggregated))
+
+    def _assign_all(self, weights: list[Any]) -> None:
+        for k, w in zip(self.keys, weights):
+            for d, params in zip(self.devices, self.params):
+                with tf.device(d):
+                    params[k].assign(w)
+
+    def _apply_aggregated(self, grads: list[Any]) -> None:
+        for k, g in zip(self.keys, grads):
+            self._update_copies(k, g)
+
+    # -- metrics, evaluation, state ------------------------------------------------------------
+
+    def take_metrics(self) -> tuple[float, float, int]:
+        """(mean loss, accuracy, examples) since the last call, and reset."""
+        seen = int(self._seen.numpy())
+        loss = float(self._loss_sum.numpy()) / max(seen, 1)
+        acc = float(self._correct.numpy()) / max(seen, 1)
+        self._loss_sum.assign(0.0)
+        self._correct.assign(0)
+        self._seen.assign(0)
+        return loss, acc, seen
+
+    def peek_loss(self) -> float:
+        return float(self._loss_sum.numpy()) / max(int(self._seen.numpy()), 1)
+
+    def _eval_step(self, x: Any, y: Any) -> tuple[Any, Any]:
+        with tf.device(self.devices[0]):
+            logits = self.replicas[0](x, training=False)
+            losses = tf.nn.sparse_softmax_cross_entropy_with_logits(y, tf.cast(logits, tf.float32))
+            correct = tf.equal(tf.argmax(logits, -1, output_type=y.dtype), y)
+            return tf.reduce_sum(tf.cast(losses, tf.float64)), tf.reduce_sum(tf.cast(correct, tf.int64))
+
+    def evaluate(self, batches: Any) -> tuple[float, float]:
+        """(mean loss, accuracy) of the first copy over an iterable of (x, y) batches."""
+        loss, correct, n = 0.0, 0, 0
+        for x, y in batches:
+            batch_loss, batch_correct = self._eval(x, y)
+            loss += float(batch_loss)
+            correct += int(batch_correct)
+            n += int(y.shape[0])
+        return loss / max(n, 1), correct / max(n, 1)
+
+    def sync_non_trainable(self) -> None:
+        """Average state that gradients do not move (BatchNorm statistics) across the copies."""
+        self._sync_non_trainable(source=None)
+
+    def _sync_non_trainable(self, source: int | None) -> None:
+        if len(self.replicas) == 1:
+            return
+        for vs in zip(*(r.non_trainable_variables for r in self.replicas)):
+            value = vs[source].numpy() if source is not None else np.mean([v.numpy() for v in vs], axis=0)
+            for v in vs:
+                v.assign(value)
+
+    def get_weights(self) -> list[np.ndarray]:
+        """All variables of the first copy, in `model.weights` order."""
+        return [np.asarray(w) for w in self.replicas[0].get_weights()]
+
+    def weight_names(self) -> list[str]:
+        return [f"{i:04d}/{v.path}" for i, v in enumerate(self.replicas[0].weights)]
+
+    def optimizer_states(self) -> dict[str, np.ndarray]:
+        if self.update_on_kvstore:
+            raise RuntimeError("the store holds the optimizer state; use store.save_optimizer_states")
+        return self._updaters[0].get_states()
+
+    def load_optimizer_states(self, states: dict[str, np.ndarray]) -> None:
+        if self.update_on_kvstore:
+            raise RuntimeError("the store holds the optimizer state; use store.load_optimizer_states")
+        for u in self._updaters:
+            u.set_states(states)

@@ -1,0 +1,92 @@
+"""The KVStore interface every store type implements, with MXNet's calling conventions.
+
+A key is an int or a str. A value is one array, or a list of arrays (one per device) that the
+store sums before it stores or updates. `push`/`pull`/`init` also take a list of keys with a
+list of values. What a store can do beyond the common API is a capability query, not a guess
+from its type name.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Hashable, Iterator, Sequence
+
+Key = Hashable
+
+
+def pairs(key: Key | Sequence[Key], value: Any) -> Iterator[tuple[Key, list[Any]]]:
+    """Normalise MXNet's argument forms to (key, [one value per device]) pairs."""
+    if isinstance(key, (list, tuple)):
+        if value is None:
+            value = [None] * len(key)
+        if len(value) != len(key):
+            raise ValueError(f"{len(key)} keys but {len(value)} values")
+        for k, v in zip(key, value):
+            yield from pairs(k, v)
+        return
+    if value is None:
+        yield key, []
+    elif isinstance(value, (list, tuple)):
+        yield key, list(value)
+    else:
+        yield key, [value]
+
+
+class KVStore(ABC):
+    """Sums what devices (and, for dist types, machines) push; serves the result on pull."""
+
+    #: the registry name, e.g. "local"
+    type: str = ""
+    #: push/pull are TensorFlow ops that may be traced into the training tf.function
+    traceable: bool = False
+
+    @property
+    def rank(self) -> int:
+        """This worker's index among `num_workers`."""
+        return 0
+
+    @property
+    def num_workers(self) -> int:
+        return 1
+
+    @abstractmethod
+    def init(self, key: Key | Sequence[Key], value: Any) -> None:
+        """Give each key its initial value; a key is initialised once."""
+
+    @abstractmethod
+    def push(self, key: Key | Sequence[Key], value: Any, priority: int = 0) -> None:
+        """Sum the value(s) of each key; with an optimizer set, update the stored weight."""
+
+    @abstractmethod
+    def pull(self, key: Key | Sequence[Key], out: Any = None, priority: int = 0) -> Any:
+        """Copy each key's stored value into `out` (variables), or return it when out is None."""
+
+    def pushpull(self, key: Key | Sequence[Key], value: Any, out: Any = None, priority: int = 0) -> Any:
+        self.push(key, value, priority)
+        return self.pull(key, out if out is not None else None, priority)
+
+    def broadcast(self, key: Key | Sequence[Key], value: Any, out: Any, priority: int = 0) -> None:
+        """Initialise keys from `value` and copy them into every `out`."""
+        self.init(key, value)
+        self.pull(key, out, priority)
+
+    @abstractmethod
+    def set_optimizer(self, optimizer: Any) -> None:
+        """Run `optimizer` (a `tfkv.optim` rule) inside the store on every push."""
+
+    def barrier(self) -> None:
+        """Wait until every worker reaches this point (a no-op with one worker)."""
+
+    @abstractmethod
+    def save_optimizer_states(self, fname: str) -> None:
+        """Write the optimizer state held by the store (npz, no pickle)."""
+
+    @abstractmethod
+    def load_optimizer_states(self, fname: str) -> None: ...
+
+    def is_capable(self, capability: str) -> bool:
+        """MXNet's capability query; "optimizer": can run an optimizer in the store."""
+        return capability == "optimizer"
+
+    def close(self) -> None:
+        """Release sockets and threads; a store is unusable afterwards."""

@@ -1,0 +1,151 @@
+"""The epoch loop: data -> data-parallel step -> store; metrics, progress, checkpoints.
+
+The trainer asks the store only for what the MXNet API offers (rank, num_workers, optimizer
+state), so every KVStore type, local or distributed, runs through it unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("tfkv")
+
+
+def _summary(history: list[dict[str, Any]]) -> dict[str, Any]:
+    last = history[-1]
+    # The first epoch pays for tracing and warm-up; steady state is what a user plans with.
+    steady = history[1:] or history
+    samples = sum(h["samples"] for h in steady)
+    seconds = sum(h["train_seconds"] for h in steady)
+    return {
+        "epoch": last["epoch"],
+        "test_accuracy": last["test_accuracy"],
+        "test_loss": last["test_loss"],
+        "train_loss": last["train_loss"],
+        "train_accuracy": last["train_accuracy"],
+        "samples_per_sec": samples / seconds if seconds else 0.0,
+        "history": history,
+    }
+
+
+def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | None = None) -> dict[str, Any]:
+    """Train as `cfg` (a validated `tfkv.config.Config`) says; return the final metrics."""
+    import keras
+    import tensorflow as tf
+    from tqdm import tqdm
+
+    from tfkv import checkpoint, data, models, optim, store as stores
+    from tfkv.config import split_batch
+    from tfkv.parallel import devices as devices_mod
+    from tfkv.parallel.data_parallel import DataParallel
+
+    run_dir = Path(run_dir)
+    tf_devices = devices_mod.setup(cfg.devices)
+    keras.utils.set_random_seed(cfg.seed)
+    if cfg.deterministic:
+        tf.config.experimental.enable_op_determinism()
+
+    store = stores.create(cfg.kvstore.type, devices=tf_devices)
+    try:
+        ds = data.load(cfg.dataset, seed=cfg.seed)
+        steps = data.steps_per_epoch(ds, cfg.batch_size, store.num_workers)
+        optimizer = optim.from_config(cfg.optimizer, steps, cfg.epochs)
+        resume_from = checkpoint.find_resume(cfg.resume, run_dir, search_root or Path.cwd(), overrides)
+        ckpt = checkpoint.load(resume_from) if resume_from else None
+        if cfg.resume not in (False, "false") and ckpt is None:
+            log.warning("resume: no earlier checkpoint of this command found; starting from scratch")
+
+        sizes = split_batch(cfg.batch_size, cfg.work_load_list, len(tf_devices))
+        dp = DataParallel(
+            lambda: models.build(cfg.model, ds.input_shape, ds.num_classes),
+            tf_devices, store, optimizer, sizes,
+            update_on_kvstore=cfg.kvstore.update_on_kvstore,
+            initial_weights=ckpt.weights if ckpt else None,
+        )
+        history: list[dict[str, Any]] = list(ckpt.history) if ckpt else []
+        start = ckpt.epoch + 1 if ckpt else 1
+        if ckpt:
+            _load_optimizer(dp, store, ckpt.optimizer, run_dir)
+            log.info("resumed from %s at epoch %d", ckpt.path, ckpt.epoch)
+        chief = store.rank == 0
+        log.info("%s on %s (batch %s per device), kvstore=%s, %d worker(s), %d steps/epoch",
+                 cfg.model.name, ",".join(cfg.devices), sizes, store.type, store.num_workers, steps)
+        writer = tf.summary.create_file_writer(str(run_dir / "tensorboard")) if chief else None
+
+        for epoch in range(start, cfg.epochs + 1):
+            batches = data.train_dataset(ds, cfg.batch_size, epoch, cfg.seed, store.num_workers,
+                                         store.rank, cfg.dataset.augment)
+            bar = tqdm(total=steps, desc=f"epoch {epoch}/{cfg.epochs}", unit="step", leave=False,
+                       disable=None if (cfg.progress and chief) else True, mininterval=0.5)
+            t0 = time.perf_counter()
+            for i, (x, y) in enumerate(batches, 1):
+                dp.step(x, y)
+                if i % cfg.log_every == 0 or i == steps:
+                    loss = dp.peek_loss()
+                    bar.update(i - bar.n)
+                    bar.set_postfix(loss=f"{loss:.4f}")
+                    if writer is not None:
+                        with writer.as_default():
+                            tf.summary.scalar("train/step_loss", loss, step=(epoch - 1) * steps + i)
+            seconds = time.perf_counter() - t0
+            bar.close()
+            train_loss, train_acc, seen = dp.take_metrics()
+            dp.sync_non_trainable()
+            test_loss, test_acc = dp.evaluate(data.test_dataset(ds, cfg.eval_batch_size))
+            record = {
+                "epoch": epoch, "train_loss": train_loss, "train_accuracy": train_acc,
+                "test_loss": test_loss, "test_accuracy": test_acc,
+                "samples_per_sec": seen / seconds, "samples": seen, "train_seconds": seconds,
+            }
+            history.append(record)
+            log.info("epoch %d/%d  train_loss %.4f  train_acc %.4f  test_loss %.4f  test_acc %.4f  "
+                     "%.0f samples/s  %.1fs", epoch, cfg.epochs, train_loss, train_acc, test_loss,
+                     test_acc, record["samples_per_sec"], seconds)
+            if chief:
+                with writer.as_default():
+                    for name in ("train_loss", "train_accuracy", "test_loss", "test_accuracy",
+                                 "samples_per_sec"):
+                        tf.summary.scalar(f"epoch/{name}", record[name], step=epoch)
+                writer.flush()
+                checkpoint.save(run_dir, epoch, dp.get_weights(), dp.weight_names(),
+                                lambda path: _save_optimizer(dp, store, path), history)
+                _write_metrics(run_dir, _summary(history))
+        if not history:
+            raise RuntimeError(f"nothing to train: epochs={cfg.epochs} and the checkpoint is at "
+                               f"epoch {start - 1}")
+        final = _summary(history)
+        if chief:
+            _write_metrics(run_dir, final)
+        store.barrier()
+        return final
+    finally:
+        store.close()
+
+
+def _save_optimizer(dp: Any, store: Any, path: str) -> None:
+    if dp.update_on_kvstore:
+        store.save_optimizer_states(path)
+    else:
+        np.savez(path, **dp.optimizer_states())
+
+
+def _load_optimizer(dp: Any, store: Any, states: dict[str, np.ndarray], run_dir: Path) -> None:
+    if dp.update_on_kvstore:
+        tmp = run_dir / ".resume-optimizer.npz"
+        np.savez(tmp, **states)
+        store.load_optimizer_states(str(tmp))
+        tmp.unlink()
+    else:
+        dp.load_optimizer_states(states)
+
+
+def _write_metrics(run_dir: Path, metrics: dict[str, Any]) -> None:
+    tmp = run_dir / ".metrics.json.tmp"
+    tmp.write_text(json.dumps(metrics, indent=1))
+    tmp.replace(run_dir / "metrics.json")
