@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
-# name -> "module:function"; builders are imported only when a model is built.
-_REGISTRY: dict[str, str] = {
+from tfkv.registry import Registry
+
+# Each builder: (cfg: ModelConfig, input_shape, num_classes) -> built keras.Model giving logits.
+REGISTRY = Registry("model", {
     "mlp": "tfkv.models.mlp:build",
     "lenet": "tfkv.models.lenet:build",
     "vgg11": "tfkv.models.vgg:build_vgg11",
     "resnet18": "tfkv.models.resnet:build_resnet18",
-}
-
-
-def names() -> list[str]:
-    return sorted(_REGISTRY)
+})
+names = REGISTRY.names
 
 
 def build(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> Any:
@@ -23,5 +21,4 @@ def build(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> Any:
 
     Returns a built `keras.Model` whose output is unnormalised logits of shape (batch, num_classes).
     """
-    module, func = _REGISTRY[cfg.name].split(":")
-    return getattr(importlib.import_module(module), func)(cfg, tuple(input_shape), num_classes)
+    return REGISTRY.get(cfg.name)(cfg, tuple(input_shape), num_classes)

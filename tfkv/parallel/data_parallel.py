@@ -8,6 +8,8 @@ otherwise it only sums, and each device applies the update to its own copy.
 
 Stores whose push/pull are TensorFlow ops (`traceable`) are traced into the step's tf.function;
 the others (the parameter-server client) are called between two compiled halves of the step.
+With one device on one machine there is nothing to sum, and, as MXNet does, the store is left
+out: the device updates its weights itself, with the same rule and the same numbers.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ class DataParallel:
         self.devices = list(devices)
         self.store = store
         self.batch_sizes = [int(n) for n in batch_sizes]
-        self.update_on_kvstore = update_on_kvstore
+        self.uses_store = len(self.devices) > 1 or store.distributed
+        self.update_on_kvstore = update_on_kvstore and self.uses_store
         self.loss_scale = loss_scale or 1.0 / (sum(self.batch_sizes) * store.num_workers)
         self.replicas = []
         for d in self.devices:
@@ -57,7 +60,7 @@ class DataParallel:
         self.keys = list(range(len(self.params[0])))
 
         self._updaters: list[TFUpdater] = []
-        if update_on_kvstore:
+        if self.update_on_kvstore:
             store.set_optimizer(optimizer)
         else:
             for d, params in zip(self.devices, self.params):
@@ -65,16 +68,17 @@ class DataParallel:
                 for k in self.keys:
                     updater.create_state(k, params[k], d)
                 self._updaters.append(updater)
-        # Every copy starts from the first one's weights (MXNet: init, then pull everywhere).
-        for k in self.keys:
-            store.broadcast(k, self.params[0][k], out=[p[k] for p in self.params], priority=-k)
+        if self.uses_store:
+            # Every copy starts from the first one's weights (MXNet: init, then pull everywhere).
+            for k in self.keys:
+                store.broadcast(k, self.params[0][k], out=[p[k] for p in self.params], priority=-k)
         self._sync_non_trainable(source=0)
 
         with tf.device("/device:CPU:0"):
             self._loss_sum = tf.Variable(0.0, dtype=tf.float64, trainable=False)
             self._correct = tf.Variable(0, dtype=tf.int64, trainable=False)
             self._seen = tf.Variable(0, dtype=tf.int64, trainable=False)
-        if store.traceable:
+        if store.traceable or not self.uses_store:
             self._step = tf.function(self._fused_step)
         else:
             self._grads = tf.function(self._forward_backward)
@@ -86,7 +90,7 @@ class DataParallel:
 
     def step(self, x: Any, y: Any) -> None:
         """Train on one batch (x, y) of sum(batch_sizes) examples."""
-        if self.store.traceable:
+        if self.store.traceable or not self.uses_store:
             self._step(x, y)
             return
         grads = self._grads(x, y)
@@ -120,6 +124,9 @@ class DataParallel:
 
     def _fused_step(self, x: Any, y: Any) -> None:
         grads = self._forward_backward(x, y)
+        if not self.uses_store:
+            self._apply_aggregated(grads[0])
+            return
         for k in self.keys:
             self.store.push(k, [g[k] for g in grads], priority=-k)
             if self.update_on_kvstore:

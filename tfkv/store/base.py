@@ -39,6 +39,8 @@ class KVStore(ABC):
     type: str = ""
     #: push/pull are TensorFlow ops that may be traced into the training tf.function
     traceable: bool = False
+    #: values cross machines (a parameter server); False for the single-machine stores
+    distributed: bool = False
 
     @property
     def rank(self) -> int:

@@ -1,0 +1,105 @@
+"""samples/s of a tfkv `local` training step against a plain TensorFlow custom loop, same run.
+
+The baseline is what a TensorFlow user writes by hand: GradientTape + keras SGD.apply_gradients
+inside one tf.function, on the same model, batch and device. tfkv runs the same model through
+DataParallel + KVStore(local) on 1 device, then on k logical CPU devices. Trials alternate
+between the contenders and the median is reported, because this machine is shared and noisy.
+
+    python benchmarks/bench_local_step.py [--seconds 1] [--trials 5] [--devices 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from tfkv import optim, store  # noqa: E402
+from tfkv.config import ModelConfig  # noqa: E402
+from tfkv.models import build  # noqa: E402
+from tfkv.parallel import devices  # noqa: E402
+from tfkv.parallel.data_parallel import DataParallel  # noqa: E402
+
+CASES = {
+    # name: (model config, input shape, batch)
+    "mlp-digits": (ModelConfig(name="mlp", hidden=[256, 128]), (8, 8, 1), 64),
+    "mlp-1M": (ModelConfig(name="mlp", hidden=[1024, 256]), (28, 28, 1), 128),
+    "lenet-mnist": (ModelConfig(name="lenet"), (28, 28, 1), 128),
+}
+
+
+def plain_tf(make, x, y, lr):
+    model = make()
+    opt = keras.optimizers.SGD(learning_rate=lr, momentum=0.9)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            logits = model(x, training=True)
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    return lambda: step(x, y)
+
+
+def tfkv_step(make, x, y, lr, tf_devices, kind="local"):
+    batch = int(x.shape[0])
+    k = len(tf_devices)
+    sizes = [batch // k] * k
+    sizes[-1] += batch - sum(sizes)
+    sgd = optim.SGD(schedule=optim.Schedule(lr=lr), momentum=0.9)
+    dp = DataParallel(make, tf_devices, store.create(kind, devices=tf_devices), sgd, sizes)
+    return lambda: dp.step(x, y)
+
+
+def rate(step, batch, seconds):
+    """Steps run back to back for at least `seconds`; each call returns when its step is done."""
+    step()  # trace
+    step()
+    n, t0 = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - t0) < seconds:
+        for _ in range(10):
+            step()
+        n += 10
+    return batch * n / elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=1.0, help="per trial and contender")
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--devices", type=int, default=4)
+    ap.add_argument("--cases", default=",".join(CASES))
+    args = ap.parse_args()
+    tf_devices = devices.setup([f"cpu:{i}" for i in range(args.devices)])
+    print(f"{'case':<12} {'plain TF':>10} {'tfkv x1':>10} {'ratio':>6}   "
+          f"{'tfkv x' + str(args.devices):>10} {'vs x1':>6}  (samples/s, median of {args.trials})")
+    for name in args.cases.split(","):
+        cfg, shape, batch = CASES[name]
+        keras.utils.set_random_seed(0)
+        x = tf.random.normal((batch, *shape))
+        y = tf.random.uniform((batch,), 0, 10, dtype=tf.int32)
+        make = lambda: build(cfg, shape, 10)  # noqa: E731
+        contenders = {
+            "plain": plain_tf(make, x, y, 0.01),
+            "x1": tfkv_step(make, x, y, 0.01, tf_devices[:1]),
+            "xk": tfkv_step(make, x, y, 0.01, tf_devices),
+        }
+        results = {k: [] for k in contenders}
+        for _ in range(args.trials):
+            for k, step in contenders.items():
+                results[k].append(rate(step, batch, args.seconds))
+        med = {k: statistics.median(v) for k, v in results.items()}
+        print(f"{name:<12} {med['plain']:>10.0f} {med['x1']:>10.0f} {med['x1'] / med['plain']:>6.3f}   "
+              f"{med['xk']:>10.0f} {med['xk'] / med['x1']:>6.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""`tfkv-run` end to end, as a user runs it: the installed console script in a fresh directory."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import tfkv_run
+
+
+def _run_dirs(root: Path, kind: str = "outputs") -> list[Path]:
+    pattern = "*/*" if kind == "outputs" else "*/*/*"
+    return sorted(p for p in (root / kind).glob(pattern) if (p / ".hydra").is_dir())
+
+
+def test_default_job_trains_and_leaves_its_record(tmp_path):
+    proc = tfkv_run("epochs=3", "devices=[cpu:0,cpu:1]", cwd=tmp_path)
+    (run,) = _run_dirs(tmp_path)
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert {"test_accuracy", "train_loss", "samples_per_sec", "epoch"} <= set(metrics)
+    assert metrics["epoch"] == 3 and len(metrics["history"]) == 3
+    assert metrics["test_accuracy"] >= 0.9, metrics
+    assert metrics["history"][-1]["train_loss"] < metrics["history"][0]["train_loss"]
+    assert "epoch 3/3" in proc.stdout + proc.stderr
+    assert (run / "config_resolved.yaml").is_file() and (run / ".hydra" / "config.yaml").is_file()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["epoch-0001", "epoch-0002", "epoch-0003"]
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    assert (run / "tfkv.log").read_text().count("  test_acc ") == 3  # one line per epoch
+
+
+@pytest.mark.parametrize("args,message", [
+    (["epoch=3"], "did you mean 'epochs'?"),
+    (["batch_size=lots"], "could not be converted to Integer"),
+    (["kvstore=dist_nope"], "Could not find 'kvstore/dist_nope'"),
+    (["model=vgg11"], "needs inputs of at least 32x32"),
+    (["devices=[gpu:7]"], "gpu:7 does not exist on this machine"),
+    (["dataset=mnist", "dataset.download=false", "dataset.root=nowhere"], "nowhere"),
+])
+def test_bad_input_is_one_line_and_nonzero(tmp_path, args, message):
+    proc = tfkv_run(*args, cwd=tmp_path, check=False)
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("tfkv-run:")]
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_sweep_runs_every_job_in_its_own_directory(tmp_path):
+    tfkv_run("-m", "optimizer.lr=0.1,0.05", "kvstore=local,device", "devices=[cpu:0,cpu:1]",
+             "epochs=1", cwd=tmp_path)
+    runs = _run_dirs(tmp_path, "multirun")
+    assert len(runs) == 4
+    seen = set()
+    for run in runs:
+        cfg = (run / "config_resolved.yaml").read_text()
+        lr = [ln for ln in cfg.splitlines() if ln.strip().startswith("lr:")][0].split()[-1]
+        kind = [ln for ln in cfg.splitlines() if ln.strip().startswith("type:")][0].split()[-1]
+        seen.add((lr, kind))
+        assert json.loads((run / "metrics.json").read_text())["epoch"] == 1
+    assert seen == {("0.1", "local"), ("0.1", "device"), ("0.05", "local"), ("0.05", "device")}
+
+
+SLOW_JOB = ["dataset=synthetic", "dataset.shape=[16,16,3]", "dataset.num_train=2048", "model=lenet",
+            "epochs=4", "batch_size=32", "devices=[cpu:0,cpu:1]", "optimizer.lr=0.02", "progress=false"]
+
+
+def _weights(ckpt: Path) -> list[np.ndarray]:
+    with np.load(ckpt / "weights.npz") as f:
+        return [f[k] for k in sorted(f.files)]
+
+
+@pytest.mark.slow
+def test_resume_after_a_crash_continues_as_if_never_stopped(tmp_path):
+    clean, crashed = tmp_path / "clean", tmp_path / "crashed"
+    clean.mkdir(), crashed.mkdir()
+    tfkv_run(*SLOW_JOB, cwd=clean)
+    (clean_run,) = _run_dirs(clean)
+
+    # Kill the same command hard once its second epoch is checkpointed.
+    proc = subprocess.Popen(["tfkv-run", *SLOW_JOB], cwd=crashed, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=os.environ.copy())
+    deadline = time.time() + 240
+    while time.time() < deadline and not list(crashed.glob("outputs/*/*/checkpoints/epoch-0002")):
+        assert proc.poll() is None, "the run ended before it could be interrupted"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    (first,) = _run_dirs(crashed)
+    assert not (first / "checkpoints" / "epoch-0004").exists()
+
+    out = tfkv_run(*SLOW_JOB, "resume=true", cwd=crashed)
+    resumed = [r for r in _run_dirs(crashed) if r != first][0]
+    assert "resumed from" in out.stdout + out.stderr
+    metrics = json.loads((resumed / "metrics.json").read_text())
+    assert [h["epoch"] for h in metrics["history"]] == [1, 2, 3, 4]
+    # Same data order (seeded by epoch), same weights and optimizer state: the same result.
+    for a, b in zip(_weights(resumed / "checkpoints" / "epoch-0004"),
+                    _weights(clean_run / "checkpoints" / "epoch-0004")):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    clean_metrics = json.loads((clean_run / "metrics.json").read_text())
+    assert metrics["test_accuracy"] == pytest.approx(clean_metrics["test_accuracy"], abs=1e-6)
+
+
+def test_resume_from_an_explicit_run_directory(tmp_path):
+    tfkv_run("epochs=1", "kvstore.update_on_kvstore=false", "devices=[cpu:0,cpu:1]", cwd=tmp_path)
+    (first,) = _run_dirs(tmp_path)
+    out = tfkv_run("epochs=2", "kvstore.update_on_kvstore=false", "devices=[cpu:0,cpu:1]",
+                   f"resume={first}", cwd=tmp_path)
+    assert f"resumed from {first / 'checkpoints' / 'epoch-0001'}" in out.stdout + out.stderr
+    second = [r for r in _run_dirs(tmp_path) if r != first][0]
+    assert [h["epoch"] for h in json.loads((second / "metrics.json").read_text())["history"]] == [1, 2]

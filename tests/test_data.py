@@ -1,0 +1,516 @@
+"""tfkv.data: loaders on tiny files in the real on-disk formats, safe unpickling, sharding, pipelines.
+
+Nothing here touches the network: every test uses download=False or replaces `urlopen`.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import tarfile
+import urllib.error
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+import tfkv.data as data
+from tfkv.config import DatasetConfig
+from tfkv.data import cifar10, download, mnist, safe_pickle
+from tfkv.errors import ConfigError, DataError
+
+
+def cfg(name: str, root=".", **kw):
+    return OmegaConf.structured(DatasetConfig(name=name, root=str(root), download=False, **kw))
+
+
+@pytest.fixture(autouse=True)
+def no_network(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise urllib.error.URLError("network disabled in tests")
+
+    monkeypatch.setattr(download, "urlopen", refuse)
+
+
+# ---------------------------------------------------------------------------------------------
+# MNIST (IDX)
+
+
+def idx_bytes(array: np.ndarray) -> bytes:
+    magic = 0x0800 | array.ndim  # 0x08 = unsigned byte
+    header = magic.to_bytes(4, "big") + b"".join(int(d).to_bytes(4, "big") for d in array.shape)
+    return header + array.astype(np.uint8).tobytes()
+
+
+def write_mnist(directory, n_train=5, n_test=3, gzip_name="train-images-idx3-ubyte"):
+    rng = np.random.default_rng(1)
+    arrays = {
+        "train-images-idx3-ubyte": rng.integers(0, 256, (n_train, 28, 28), dtype=np.uint8),
+        "train-labels-idx1-ubyte": rng.integers(0, 10, n_train, dtype=np.uint8),
+        "t10k-images-idx3-ubyte": rng.integers(0, 256, (n_test, 28, 28), dtype=np.uint8),
+        "t10k-labels-idx1-ubyte": rng.integers(0, 10, n_test, dtype=np.uint8),
+    }
+    os.makedirs(directory, exist_ok=True)
+    for name, array in arrays.items():
+        raw = idx_bytes(array)
+        if name == gzip_name:
+            with open(os.path.join(directory, name + ".gz"), "wb") as f:
+                f.write(gzip.compress(raw))
+        else:
+            with open(os.path.join(directory, name), "wb") as f:
+                f.write(raw)
+    return arrays
+
+
+@pytest.mark.parametrize("subdir", ["", "mnist"])
+def test_mnist_round_trip(tmp_path, subdir):
+    arrays = write_mnist(tmp_path / subdir)
+    ds = data.load(cfg("mnist", tmp_path))
+    assert ds.name == "mnist" and ds.num_classes == 10
+    assert ds.x_train.shape == (5, 28, 28, 1) and ds.x_train.dtype == np.uint8
+    assert ds.x_test.shape == (3, 28, 28, 1) and ds.input_shape == (28, 28, 1)
+    assert ds.y_train.dtype == np.int32 and ds.y_test.dtype == np.int32
+    np.testing.assert_array_equal(ds.x_train[..., 0], arrays["train-images-idx3-ubyte"])
+    np.testing.assert_array_equal(ds.y_train, arrays["train-labels-idx1-ubyte"])
+    np.testing.assert_array_equal(ds.x_test[..., 0], arrays["t10k-images-idx3-ubyte"])
+    np.testing.assert_array_equal(ds.y_test, arrays["t10k-labels-idx1-ubyte"])
+    assert ds.mean == (0.1307,) and ds.std == (0.3081,)
+
+
+def test_mnist_truncated_file(tmp_path):
+    write_mnist(tmp_path)
+    path = tmp_path / "t10k-images-idx3-ubyte"
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(DataError, match="t10k-images-idx3-ubyte") as e:
+        data.load(cfg("mnist", tmp_path))
+    assert "truncated" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_mnist_truncated_gzip(tmp_path):
+    write_mnist(tmp_path)
+    path = tmp_path / "train-images-idx3-ubyte.gz"
+    path.write_bytes(path.read_bytes()[:40])
+    with pytest.raises(DataError, match="train-images-idx3-ubyte.gz"):
+        data.load(cfg("mnist", tmp_path))
+
+
+def test_mnist_wrong_magic(tmp_path):
+    write_mnist(tmp_path)
+    # a labels file where the images should be: valid IDX, wrong kind
+    (tmp_path / "t10k-images-idx3-ubyte").write_bytes(idx_bytes(np.zeros(3, np.uint8)))
+    with pytest.raises(DataError, match=r"t10k-images-idx3-ubyte.*magic 0x00000801"):
+        data.load(cfg("mnist", tmp_path))
+
+
+def test_mnist_missing_offline(tmp_path):
+    with pytest.raises(DataError) as e:
+        data.load(cfg("mnist", tmp_path))
+    message = str(e.value)
+    assert str(tmp_path) in message and "\n" not in message
+    for name in mnist.FILES.values():
+        assert name in message
+    assert mnist.MIRRORS[0] in message
+
+
+def test_mnist_download_failure_is_one_line(tmp_path):
+    config = cfg("mnist", tmp_path)
+    config.download = True
+    with pytest.raises(DataError, match="download failed") as e:
+        data.load(config)
+    assert str(tmp_path) in str(e.value) and "\n" not in str(e.value)
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".part-")]  # no temp file left
+
+
+def test_mnist_download_writes_files(tmp_path, monkeypatch):
+    source = tmp_path / "source"
+    arrays = write_mnist(source, gzip_name=None)
+    requested = []
+
+    def fake_urlopen(url, timeout):
+        requested.append(url)
+        assert timeout <= 10
+        name = url.rsplit("/", 1)[1][: -len(".gz")]
+        return io.BytesIO(gzip.compress((source / name).read_bytes()))
+
+    monkeypatch.setattr(download, "urlopen", fake_urlopen)
+    root = tmp_path / "root"
+    config = cfg("mnist", root)
+    config.download = True
+    ds = data.load(config)
+    assert all(url.startswith(mnist.MIRRORS[0]) for url in requested) and len(requested) == 4
+    assert sorted(os.listdir(root)) == sorted(n + ".gz" for n in mnist.FILES.values())
+    np.testing.assert_array_equal(ds.y_test, arrays["t10k-labels-idx1-ubyte"])
+
+
+# ---------------------------------------------------------------------------------------------
+# CIFAR-10 (pickled batches)
+
+
+def write_cifar(root, n=4):
+    rng = np.random.default_rng(2)
+    directory = root / cifar10.DIRNAME
+    directory.mkdir(parents=True, exist_ok=True)
+    written = {}
+    for name in cifar10.TRAIN_FILES + (cifar10.TEST_FILE,):
+        batch = {
+            b"batch_label": f"{name} of 5".encode(),
+            b"labels": [int(v) for v in rng.integers(0, 10, n)],
+            b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+            b"filenames": [f"img_{i}.png".encode() for i in range(n)],
+        }
+        with open(directory / name, "wb") as f:
+            pickle.dump(batch, f, protocol=2)  # the originals are protocol-2 pickles
+        written[name] = batch
+    return written
+
+
+def test_cifar10_round_trip(tmp_path):
+    written = write_cifar(tmp_path)
+    ds = data.load(cfg("cifar10", tmp_path))
+    assert ds.x_train.shape == (20, 32, 32, 3) and ds.x_train.dtype == np.uint8
+    assert ds.x_test.shape == (4, 32, 32, 3) and ds.num_classes == 10
+    assert ds.y_train.dtype == np.int32
+    first = written["data_batch_1"][b"data"]
+    # pixel (row 5, col 7) of image 2: red, green and blue planes are 1024 apart
+    for c in range(3):
+        assert ds.x_train[2, 5, 7, c] == first[2, c * 1024 + 5 * 32 + 7]
+    expected_x = np.concatenate([written[n][b"data"] for n in cifar10.TRAIN_FILES])
+    np.testing.assert_array_equal(ds.x_train.transpose(0, 3, 1, 2).reshape(20, 3072), expected_x)
+    expected_y = sum((written[n][b"labels"] for n in cifar10.TRAIN_FILES), [])
+    np.testing.assert_array_equal(ds.y_train, expected_y)
+    np.testing.assert_array_equal(ds.y_test, written["test_batch"][b"labels"])
+    assert len(ds.mean) == len(ds.std) == 3
+
+
+def py2_batch_bytes(data_array, labels):
+    """A batch pickled the way Python 2's cPickle wrote the original files: py2 `str` opcodes
+    (U/T) for keys and raw bytes, and numpy's pre-2.0 `numpy.core.multiarray` path."""
+
+    def s(b):
+        return b"U" + bytes([len(b)]) + b
+
+    def k(i):
+        return b"K" + bytes([i])
+
+    raw = data_array.tobytes()
+    shape = b"(" + b"".join(b"J" + struct.pack("<i", d) for d in data_array.shape) + b"t"
+    array = (b"cnumpy.core.multiarray\n_reconstruct\ncnumpy\nndarray\n" + k(0) + b"\x85"
+             + s(b"b") + b"\x87R(" + k(1) + shape + b"cnumpy\ndtype\n" + s(b"u1") + k(0) + k(1)
+             + b"\x87R(" + k(3) + s(b"|") + b"NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xff" + k(0)
+             + b"tb\x89T" + struct.pack("<I", len(raw)) + raw + b"tb")
+    return (b"\x80\x02}(" + s(b"batch_label") + s(b"training batch 1 of 5") + s(b"data") + array
+            + s(b"labels") + b"](" + b"".join(k(v) for v in labels) + b"eu.")
+
+
+def test_cifar10_reads_python2_pickles(tmp_path):
+    write_cifar(tmp_path)
+    rng = np.random.default_rng(5)
+    pixels = rng.integers(0, 256, (4, 3072), dtype=np.uint8)
+    labels = [3, 1, 4, 1]
+    (tmp_path / cifar10.DIRNAME / "data_batch_1").write_bytes(py2_batch_bytes(pixels, labels))
+    ds = data.load(cfg("cifar10", tmp_path))
+    np.testing.assert_array_equal(ds.x_train[:4].transpose(0, 3, 1, 2).reshape(4, 3072), pixels)
+    np.testing.assert_array_equal(ds.y_train[:4], labels)
+
+
+class _Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_malicious_pickle_is_refused(tmp_path):
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps({b"data": _Evil(marker), b"labels": []}, protocol=2)
+    with pytest.raises(pickle.UnpicklingError, match="system"):
+        safe_pickle.loads(payload)
+    write_cifar(tmp_path)
+    (tmp_path / cifar10.DIRNAME / "data_batch_3").write_bytes(payload)
+    with pytest.raises(DataError, match="data_batch_3") as e:
+        data.load(cfg("cifar10", tmp_path))
+    assert "\n" not in str(e.value)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("protocol", [2, 4, 5])
+def test_safe_pickle_reads_numpy_arrays(protocol):
+    value = {b"data": np.arange(12, dtype=np.uint8).reshape(3, 4), b"labels": [1, 2, 3]}
+    loaded = safe_pickle.loads(pickle.dumps(value, protocol=protocol))
+    np.testing.assert_array_equal(loaded[b"data"], value[b"data"])
+    assert loaded[b"labels"] == [1, 2, 3]
+
+
+def test_safe_pickle_refuses_other_codecs():
+    import codecs
+
+    payload = pickle.dumps(codecs.encode, protocol=2)  # a bare reference to the global is fine...
+    assert safe_pickle.loads(payload)("abc", "latin1") == b"abc"
+    with pytest.raises(pickle.UnpicklingError):  # ...but only for latin1
+        safe_pickle.loads(payload)("abc", "rot13")
+
+
+def test_cifar10_wrong_layout(tmp_path):
+    write_cifar(tmp_path)
+    with open(tmp_path / cifar10.DIRNAME / "test_batch", "wb") as f:
+        pickle.dump({b"data": np.zeros((2, 10), np.uint8), b"labels": [0, 1]}, f, protocol=2)
+    with pytest.raises(DataError, match="test_batch.*not a CIFAR-10 batch"):
+        data.load(cfg("cifar10", tmp_path))
+
+
+def test_cifar10_missing_offline(tmp_path):
+    with pytest.raises(DataError) as e:
+        data.load(cfg("cifar10", tmp_path))
+    message = str(e.value)
+    assert "\n" not in message
+    for part in (str(tmp_path), "cifar-10-batches-py", "data_batch_1..5", "test_batch", cifar10.URL):
+        assert part in message
+
+
+def test_cifar10_download_failure_is_one_line(tmp_path):
+    config = cfg("cifar10", tmp_path)
+    config.download = True
+    with pytest.raises(DataError, match="download failed") as e:
+        data.load(config)
+    assert str(tmp_path) in str(e.value) and cifar10.URL in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def _tarball(path, source_dir, extra=None):
+    with tarfile.open(path, "w:gz") as tar:
+        tar.add(source_dir, arcname=cifar10.DIRNAME)
+        if extra is not None:
+            tar.addfile(extra, io.BytesIO(b"x"))
+
+
+def test_cifar10_extracts_local_archive(tmp_path, monkeypatch):
+    written = write_cifar(tmp_path / "src")
+    root = tmp_path / "root"
+    root.mkdir()
+    archive = root / cifar10.ARCHIVE
+    _tarball(archive, tmp_path / "src" / cifar10.DIRNAME)
+    monkeypatch.setattr(cifar10, "MD5", download.file_md5(str(archive)))
+    ds = data.load(cfg("cifar10", root))
+    np.testing.assert_array_equal(ds.y_test, written["test_batch"][b"labels"])
+    assert not [p for p in os.listdir(root) if p.startswith(".cifar10-extract")]
+
+
+def test_cifar10_archive_md5_mismatch(tmp_path):
+    write_cifar(tmp_path / "src")
+    _tarball(tmp_path / cifar10.ARCHIVE, tmp_path / "src" / cifar10.DIRNAME)
+    with pytest.raises(DataError, match="md5"):
+        data.load(cfg("cifar10", tmp_path))
+
+
+def test_cifar10_archive_path_traversal_refused(tmp_path, monkeypatch):
+    write_cifar(tmp_path / "src")
+    root = tmp_path / "root"
+    root.mkdir()
+    escape = tarfile.TarInfo(f"{cifar10.DIRNAME}/../../escaped")
+    escape.size = 1
+    archive = root / cifar10.ARCHIVE
+    _tarball(archive, tmp_path / "src" / cifar10.DIRNAME, extra=escape)
+    monkeypatch.setattr(cifar10, "MD5", download.file_md5(str(archive)))
+    with pytest.raises(DataError, match="cannot extract"):
+        data.load(cfg("cifar10", root))
+    assert not (tmp_path / "escaped").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# digits, synthetic, registry
+
+
+def test_names_and_unknown():
+    assert data.names() == ["cifar10", "digits", "mnist", "synthetic"]
+    with pytest.raises(ConfigError, match="cifar10, digits, mnist, synthetic"):
+        data.load(cfg("imagenet"))
+
+
+def test_digits_split_is_fixed():
+    a = data.load(cfg("digits", test_fraction=0.25), seed=0)
+    b = data.load(DatasetConfig(name="digits", test_fraction=0.25), seed=123)
+    assert a.x_train.shape[1:] == (8, 8, 1) and a.x_train.dtype == np.float32
+    assert len(a.x_test) == round(1797 * 0.25) and len(a.x_train) + len(a.x_test) == 1797
+    assert 0.0 <= a.x_train.min() and a.x_train.max() <= 1.0
+    np.testing.assert_array_equal(a.x_test, b.x_test)
+    np.testing.assert_array_equal(a.y_test, b.y_test)
+    assert a.mean[0] == pytest.approx(float(a.x_train.mean()))
+    with pytest.raises(ConfigError, match="test_fraction"):
+        data.load(cfg("digits", test_fraction=0.0))
+
+
+def test_synthetic_is_seeded_and_learnable():
+    config = cfg("synthetic", num_train=300, num_test=50, shape=[4, 4, 2], num_classes=3)
+    a, b, c = data.load(config, seed=1), data.load(config, seed=1), data.load(config, seed=2)
+    assert a.x_train.shape == (300, 4, 4, 2) and a.x_test.shape == (50, 4, 4, 2)
+    assert a.x_train.dtype == np.float32 and a.y_train.dtype == np.int32 and a.num_classes == 3
+    np.testing.assert_array_equal(a.x_train, b.x_train)
+    np.testing.assert_array_equal(a.y_test, b.y_test)
+    assert not np.array_equal(a.x_train, c.x_train)
+    assert set(np.unique(a.y_train)) == {0, 1, 2}
+    # the labels are a linear function of x: least squares on one-hot targets separates them
+    x = np.concatenate([a.x_train, a.x_test]).reshape(350, -1)
+    y = np.concatenate([a.y_train, a.y_test])
+    w, *_ = np.linalg.lstsq(x, np.eye(3)[y], rcond=None)
+    assert (np.argmax(x @ w, axis=1) == y).mean() > 0.8
+
+
+def test_import_does_not_load_tensorflow():
+    code = ("import sys, tfkv.data as d; from tfkv.config import DatasetConfig; "
+            "d.load(DatasetConfig(name='synthetic', num_train=8, num_test=8)); "
+            "assert 'tensorflow' not in sys.modules, 'tensorflow imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))))
+
+
+# ---------------------------------------------------------------------------------------------
+# sharding and pipelines
+
+
+def split_sampler(length, num_parts, part_index):
+    """The index list of MXNet's gluon.data SplitSampler (as used by its distributed examples)."""
+    part_len = length // num_parts
+    start = part_len * part_index
+    end = start + part_len
+    return list(range(start, end))
+
+
+@pytest.mark.parametrize("length,num_parts", [(10, 1), (10, 3), (12, 4), (7, 7), (5, 8)])
+def test_shard_range_matches_split_sampler(length, num_parts):
+    seen = set()
+    for part in range(num_parts):
+        start, end = data.shard_range(length, num_parts, part)
+        indices = list(range(start, end))
+        assert indices == split_sampler(length, num_parts, part)
+        assert not seen & set(indices)
+        seen |= set(indices)
+    assert len(seen) == (length // num_parts) * num_parts  # the remainder is dropped
+
+
+def test_shard_range_validates():
+    for args in [(10, 0, 0), (10, 2, 2), (10, 2, -1)]:
+        with pytest.raises(ValueError):
+            data.shard_range(*args)
+
+
+def indexed_set(n_train=40, n_test=10, hw=4):
+    """uint8 images whose pixels all equal the example's index, labels = index % 10."""
+    x = np.broadcast_to(np.arange(n_train + n_test, dtype=np.uint8)[:, None, None, None],
+                        (n_train + n_test, hw, hw, 1)).copy()
+    y = (np.arange(n_train + n_test) % 10).astype(np.int32)
+    return data.DataSet("indexed", x[:n_train], y[:n_train], x[n_train:], y[n_train:], 10,
+                        mean=(0.5,), std=(0.25,))
+
+
+def collect(dataset):
+    xs, ys = zip(*[(x.numpy(), y.numpy()) for x, y in dataset])
+    return np.stack(xs), np.stack(ys)
+
+
+def test_steps_per_epoch():
+    ds = indexed_set()
+    assert data.steps_per_epoch(ds, 8) == 5
+    assert data.steps_per_epoch(ds, 8, num_parts=3) == 13 // 8
+    with pytest.raises(DataError, match="batch_size=16") as e:
+        data.steps_per_epoch(ds, 16, num_parts=3)
+    assert "13" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_train_dataset_order_and_normalisation():
+    ds = indexed_set()
+    seed, epoch, parts, part = 3, 2, 3, 1
+    dataset = data.train_dataset(ds, 4, epoch=epoch, seed=seed, num_parts=parts, part_index=part)
+    x_spec, y_spec = dataset.element_spec
+    assert tuple(x_spec.shape) == (4, 4, 4, 1) and tuple(y_spec.shape) == (4,)
+    assert x_spec.dtype.name == "float32" and y_spec.dtype.name == "int32"
+    xs, ys = collect(dataset)
+    start, end = data.shard_range(40, parts, part)  # [13, 26)
+    order = start + np.random.default_rng([seed, epoch]).permutation(end - start)
+    order = order[: (end - start) // 4 * 4]
+    np.testing.assert_array_equal(ys.reshape(-1), ds.y_train[order])
+    expected = (order.astype(np.float32) / np.float32(255) - np.float32(0.5)) / np.float32(0.25)
+    np.testing.assert_allclose(xs[:, :, 0, 0, 0].reshape(-1), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_train_dataset_deterministic_per_epoch():
+    ds = indexed_set()
+    a = collect(data.train_dataset(ds, 8, epoch=0, seed=0))
+    b = collect(data.train_dataset(ds, 8, epoch=0, seed=0))
+    c = collect(data.train_dataset(ds, 8, epoch=1, seed=0))
+    np.testing.assert_array_equal(a[0], b[0])
+    np.testing.assert_array_equal(a[1], b[1])
+    assert not np.array_equal(a[0], c[0])
+    # every epoch is a permutation of the whole (single) shard
+    assert sorted(a[0][:, :, 0, 0, 0].reshape(-1).tolist()) == sorted(
+        c[0][:, :, 0, 0, 0].reshape(-1).tolist())
+
+
+def test_train_dataset_shards_are_disjoint():
+    ds = indexed_set()
+    seen = []
+    for part in range(3):
+        xs, _ = collect(data.train_dataset(ds, 4, epoch=0, seed=0, num_parts=3, part_index=part))
+        ids = np.rint(xs[:, :, 0, 0, 0] * 0.25 * 255 + 0.5 * 255).astype(int).reshape(-1)
+        start, end = data.shard_range(40, 3, part)
+        assert ids.min() >= start and ids.max() < end
+        seen.extend(ids.tolist())
+    assert len(seen) == len(set(seen))
+
+
+def test_train_dataset_rejects_too_small_shard():
+    with pytest.raises(DataError, match="batch_size"):
+        data.train_dataset(indexed_set(), 64, epoch=0, seed=0)
+
+
+def test_augmentation_is_reproducible():
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, (16, 32, 32, 3), dtype=np.uint8)
+    y = np.zeros(16, np.int32)
+    ds = data.DataSet("img", x, y, x[:4], y[:4], 10, mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))
+    plain = collect(data.train_dataset(ds, 8, epoch=0, seed=0))[0]
+    a = collect(data.train_dataset(ds, 8, epoch=0, seed=0, augment=True))[0]
+    b = collect(data.train_dataset(ds, 8, epoch=0, seed=0, augment=True))[0]
+    c = collect(data.train_dataset(ds, 8, epoch=1, seed=0, augment=True))[0]
+    assert a.shape == plain.shape == (2, 8, 32, 32, 3)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, plain)
+    order_0 = np.random.default_rng([0, 0]).permutation(16)
+    order_1 = np.random.default_rng([0, 1]).permutation(16)
+    assert not np.array_equal(a.reshape(16, -1)[np.argsort(order_0)],
+                              c.reshape(16, -1)[np.argsort(order_1)])
+    # each augmented image is a shifted (and maybe mirrored) copy: its centre survives intact
+    originals = x[order_0].astype(np.float32) / 255
+    for got, src in zip(a.reshape(16, 32, 32, 3), originals):
+        windows = [src, src[:, ::-1]]
+        assert any(_is_shift(got, w) for w in windows)
+
+
+def _is_shift(got, src, pad=4):
+    padded = np.pad(src, [(pad, pad), (pad, pad), (0, 0)])
+    return any(np.allclose(got, padded[i:i + 32, j:j + 32], atol=1e-6)
+               for i in range(2 * pad + 1) for j in range(2 * pad + 1))
+
+
+def test_small_images_are_not_augmented():
+    ds = indexed_set()  # 4x4 images
+    a = collect(data.train_dataset(ds, 8, epoch=0, seed=0, augment=True))[0]
+    b = collect(data.train_dataset(ds, 8, epoch=0, seed=0))[0]
+    np.testing.assert_array_equal(a, b)
+
+
+def test_test_dataset_keeps_order_and_remainder():
+    ds = indexed_set(n_test=10)
+    batches = list(data.test_dataset(ds, 4))
+    assert [int(x.shape[0]) for x, _ in batches] == [4, 4, 2]
+    ys = np.concatenate([y.numpy() for _, y in batches])
+    np.testing.assert_array_equal(ys, ds.y_test)
+    xs = np.concatenate([x.numpy() for x, _ in batches])
+    expected = (np.arange(40, 50, dtype=np.float32) / np.float32(255) - 0.5) / 0.25
+    np.testing.assert_allclose(xs[:, 0, 0, 0], expected, rtol=1e-6, atol=1e-6)
+    assert batches[0][0].dtype.name == "float32" and batches[0][1].dtype.name == "int32"

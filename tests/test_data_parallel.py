@@ -1,0 +1,132 @@
+"""Data parallelism gives the weights of one device, whatever the split and the store.
+
+Exactness: each device's loss is its examples' summed loss over the global batch, so the summed
+gradients equal the one-device gradient in exact arithmetic. In float32 the sum is taken in a
+different order (per slice, then across devices), so weights agree to round-off (~1e-6
+relative), not bit for bit; the tolerance below is a few hundred times that, far below any
+real difference (a wrong split or a missed device changes weights by >1e-2).
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfkv import optim, store
+from tfkv.config import ModelConfig, split_batch
+from tfkv.models import build
+from tfkv.parallel.data_parallel import DataParallel
+from tfkv.store.local import LocalStore
+
+RTOL, ATOL = 2e-5, 2e-6
+SHAPE, CLASSES, BATCH, STEPS = (8, 8, 1), 10, 32, 6
+
+
+class EagerLocalStore(LocalStore):
+    """The real `local` store, driven the way a parameter-server store is: between the compiled
+    halves of the step instead of inside the graph."""
+
+    traceable = False
+
+
+def _batches():
+    rng = np.random.default_rng(42)
+    return [(tf.constant(rng.normal(size=(BATCH, *SHAPE)).astype(np.float32)),
+             tf.constant(rng.integers(0, CLASSES, BATCH).astype(np.int32))) for _ in range(STEPS)]
+
+
+def _train(devices, kv, opt, model="mlp", work_load=None, update_on_kvstore=True):
+    keras.utils.set_random_seed(7)
+    cfg = ModelConfig(name=model, hidden=[32, 16])
+    dp = DataParallel(lambda: build(cfg, SHAPE, CLASSES), devices, kv, opt,
+                      split_batch(BATCH, work_load, len(devices)), update_on_kvstore=update_on_kvstore)
+    for x, y in _batches():
+        dp.step(x, y)
+    for replica in dp.replicas[1:]:  # every copy holds the same weights after the pull
+        for a, b in zip(dp.replicas[0].get_weights(), replica.get_weights()):
+            np.testing.assert_array_equal(a, b)
+    return dp
+
+
+SGD = optim.SGD(schedule=optim.Schedule(lr=0.1), momentum=0.9, wd=1e-3)
+
+
+@pytest.fixture(scope="module")
+def reference(tf_devices):
+    return _train(tf_devices[:1], store.create("local"), SGD).get_weights()
+
+
+def _assert_same(weights, reference):
+    moved = False
+    for w, r in zip(weights, reference):
+        np.testing.assert_allclose(w, r, rtol=RTOL, atol=ATOL)
+    initial = _train_initial()
+    moved = any(not np.allclose(w, i) for w, i in zip(reference, initial))
+    assert moved, "training did not change the weights; the comparison would prove nothing"
+
+
+def _train_initial():
+    keras.utils.set_random_seed(7)
+    return build(ModelConfig(name="mlp", hidden=[32, 16]), SHAPE, CLASSES).get_weights()
+
+
+@pytest.mark.parametrize("case", [
+    dict(n=4, kind="local"),
+    dict(n=4, kind="device"),
+    dict(n=2, kind="local", work_load=[3, 1]),
+    dict(n=4, kind="device", work_load=[1, 2, 3, 2]),
+    dict(n=4, kind="local", update_on_kvstore=False),
+    dict(n=2, kind="eager"),
+    dict(n=2, kind="eager", update_on_kvstore=False),
+], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_k_devices_match_one_device(case, tf_devices, reference):
+    devices = tf_devices[:case["n"]]
+    kv = EagerLocalStore(devices) if case["kind"] == "eager" else store.create(case["kind"], devices=devices)
+    dp = _train(devices, kv, SGD, work_load=case.get("work_load"),
+                update_on_kvstore=case.get("update_on_kvstore", True))
+    _assert_same(dp.get_weights(), reference)
+
+
+def test_split_follows_work_load():
+    assert split_batch(64, None, 4) == [16, 16, 16, 16]
+    assert split_batch(64, [3, 1], 2) == [48, 16]
+    assert split_batch(10, None, 3) == [3, 3, 4]  # MXNet: the remainder goes to the last device
+    assert sum(split_batch(127, [1, 2, 3], 3)) == 127
+
+
+def test_replicas_live_on_their_devices(tf_devices):
+    dp = _train(tf_devices[:3], store.create("device", devices=tf_devices[:3]), SGD)
+    for d, replica in zip(tf_devices[:3], dp.replicas):
+        assert {v.value.device.split("/")[-1] for v in replica.weights} == {d.split("/")[-1]}
+
+
+def test_convolutional_model_with_adam(tf_devices):
+    adam = optim.Adam(schedule=optim.Schedule(lr=1e-3))
+    one = _train(tf_devices[:1], store.create("local"), adam, model="lenet").get_weights()
+    two = _train(tf_devices[:2], store.create("device", devices=tf_devices[:2]), adam, model="lenet").get_weights()
+    for a, b in zip(one, two):
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
+
+
+def test_batch_norm_statistics_are_averaged_across_copies(tf_devices):
+    keras.utils.set_random_seed(0)
+    cfg = ModelConfig(name="resnet18", width=4)
+    dp = DataParallel(lambda: build(cfg, (8, 8, 3), 10), tf_devices[:2], store.create("local", devices=tf_devices[:2]),
+                      SGD, [4, 4])
+    x = tf.concat([tf.zeros((4, 8, 8, 3)), tf.ones((4, 8, 8, 3))], 0)
+    dp.step(x, tf.zeros(8, tf.int32))
+    first = [v.numpy() for v in dp.replicas[0].non_trainable_variables]
+    second = [v.numpy() for v in dp.replicas[1].non_trainable_variables]
+    assert any(not np.allclose(a, b) for a, b in zip(first, second)), "slices differ, so must statistics"
+    dp.sync_non_trainable()
+    for a, b, v0, v1 in zip(first, second, dp.replicas[0].non_trainable_variables,
+                            dp.replicas[1].non_trainable_variables):
+        np.testing.assert_allclose(v0.numpy(), (a + b) / 2, rtol=1e-6)
+        np.testing.assert_array_equal(v0.numpy(), v1.numpy())
+
+
+def test_metrics_count_every_example(tf_devices):
+    dp = _train(tf_devices[:2], store.create("local", devices=tf_devices[:2]), SGD)
+    loss, acc, seen = dp.take_metrics()
+    assert seen == BATCH * STEPS and 0 <= acc <= 1 and loss > 0
+    assert dp.take_metrics()[2] == 0

@@ -1,0 +1,74 @@
+"""The optimizer rules: one definition, the same numbers under numpy (servers) and TensorFlow."""
+
+import json
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfkv import optim
+from tfkv.store.tf_updater import TFOps, TFUpdater
+
+
+def _run_numpy(opt, w, grads):
+    state = tuple(np.zeros_like(w) for _ in opt.state_names)
+    for t, g in enumerate(grads):
+        w, state = opt.step(optim.NumpyOps, np.float32(t), w, g, state)
+    return w
+
+
+@pytest.mark.parametrize("opt", [
+    optim.SGD(schedule=optim.Schedule(lr=0.1)),
+    optim.SGD(schedule=optim.Schedule(lr=0.1), momentum=0.9, wd=1e-3),
+    optim.Adam(schedule=optim.Schedule(lr=0.01), wd=1e-4),
+    optim.SGD(schedule=optim.Schedule(name="cosine", lr=0.1, total=4, warmup=2), momentum=0.5),
+], ids=["sgd", "sgd-momentum-wd", "adam", "sgd-cosine-warmup"])
+def test_numpy_and_tensorflow_agree(opt):
+    rng = np.random.default_rng(0)
+    w0 = rng.normal(size=(5, 3)).astype(np.float32)
+    grads = [rng.normal(size=(5, 3)).astype(np.float32) for _ in range(6)]
+    expected = _run_numpy(opt, w0.copy(), grads)
+    var = tf.Variable(w0)
+    updater = TFUpdater(opt)
+    updater.create_state("k", var, "/device:CPU:0")
+    for g in grads:
+        updater.update("k", var, tf.constant(g))
+    np.testing.assert_allclose(var.numpy(), expected, rtol=1e-5, atol=1e-6)
+    assert int(updater.get_states()["k/count"]) == 6
+    assert not np.allclose(expected, w0)
+
+
+def test_sgd_matches_mxnet_formula():
+    opt = optim.SGD(schedule=optim.Schedule(lr=0.5), momentum=0.9, wd=0.1)
+    w, g, v = np.float32(2.0), np.float32(1.0), np.float32(0.3)
+    new_w, (new_v,) = opt.step(optim.NumpyOps, 0.0, w, g, (v,))
+    assert new_v == pytest.approx(0.9 * 0.3 - 0.5 * (1.0 + 0.1 * 2.0))
+    assert new_w == pytest.approx(2.0 + new_v)
+
+
+def test_adam_first_step_moves_by_lr():
+    # With bias correction, Adam's first step is lr * sign(g) (up to epsilon).
+    opt = optim.Adam(schedule=optim.Schedule(lr=0.01))
+    w, _ = opt.step(optim.NumpyOps, 0.0, np.float32(1.0), np.float32(-3.0), (np.float32(0), np.float32(0)))
+    assert w == pytest.approx(1.01, abs=1e-6)
+
+
+def test_schedules():
+    step = optim.Schedule(name="step", lr=1.0, factor=0.1, milestones=[10, 20])
+    assert [float(step(t, optim.NumpyOps)) for t in (0, 9, 10, 19, 20, 50)] == pytest.approx(
+        [1, 1, 0.1, 0.1, 0.01, 0.01])
+    cos = optim.Schedule(name="cosine", lr=1.0, total=100)
+    assert float(cos(0, optim.NumpyOps)) == pytest.approx(1.0)
+    assert float(cos(50, optim.NumpyOps)) == pytest.approx(0.5)
+    assert float(cos(150, optim.NumpyOps)) == pytest.approx(0.0, abs=1e-7)
+    warm = optim.Schedule(lr=1.0, warmup=4)
+    assert [float(warm(t, optim.NumpyOps)) for t in (0, 1, 3, 10)] == pytest.approx([0.25, 0.5, 1, 1])
+    assert float(step(tf.constant(15.0), TFOps)) == pytest.approx(0.1)
+
+
+def test_optimizer_travels_as_json():
+    opt = optim.SGD(schedule=optim.Schedule(name="step", lr=0.2, milestones=[5]), momentum=0.9, wd=1e-4)
+    again = optim.from_dict(json.loads(json.dumps(optim.to_dict(opt))))
+    assert again == opt
+    with pytest.raises(ValueError):
+        optim.from_dict({"name": "os.system"})

@@ -1,0 +1,142 @@
+"""The single-machine KVStore types through MXNet's API: registry, push/pull, update in the
+store, aggregate-only, optimizer state, and `local` and `device` giving the same numbers."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfkv import optim, store
+from tfkv.store.base import KVStore
+
+
+def _var(value, device="/device:CPU:0"):
+    with tf.device(device):
+        return tf.Variable(np.asarray(value, np.float32))
+
+
+def test_registry_creates_types_by_name(tf_devices):
+    assert {"local", "device"} <= set(store.names())
+    kv = store.create("local")
+    assert isinstance(kv, KVStore) and kv.type == "local"
+    assert (kv.rank, kv.num_workers) == (0, 1)
+    assert kv.is_capable("optimizer")
+    assert store.create("device", devices=tf_devices[:2]).type == "device"
+    with pytest.raises(ValueError, match="unknown KVStore type 'dist_foo'"):
+        store.create("dist_foo")
+
+
+def test_register_plugs_in_a_new_type():
+    store.register("local_alias", "tfkv.store.local:LocalStore")
+    try:
+        assert store.create("local_alias").type == "local"
+    finally:
+        store.REGISTRY.unregister("local_alias")
+
+
+@pytest.mark.parametrize("kind", ["local", "device"])
+def test_push_sums_devices_and_pull_copies_everywhere(kind, tf_devices):
+    kv = store.create(kind, devices=tf_devices[:3])
+    kv.init(3, np.ones((2, 2), np.float32))
+    grads = [tf.fill((2, 2), float(i + 1)) for i in range(3)]
+    kv.push(3, grads)  # no optimizer: the store keeps the sum
+    outs = [_var(np.zeros((2, 2)), d) for d in tf_devices[:3]]
+    kv.pull(3, out=outs)
+    for o in outs:
+        np.testing.assert_array_equal(o.numpy(), np.full((2, 2), 6.0))
+    np.testing.assert_array_equal(kv.pull(3).numpy(), np.full((2, 2), 6.0))
+
+
+def test_lists_of_keys_pushpull_and_broadcast(tf_devices):
+    kv = store.create("local")
+    kv.init(["a", "b"], [np.zeros(2, np.float32), np.zeros(3, np.float32)])
+    out = kv.pushpull(["a", "b"], [[tf.ones(2), tf.ones(2)], tf.fill((3,), 5.0)])
+    np.testing.assert_array_equal(out[0].numpy(), [2, 2])
+    np.testing.assert_array_equal(out[1].numpy(), [5, 5, 5])
+    targets = [_var(np.zeros(4), d) for d in tf_devices[:2]]
+    kv.broadcast("c", tf.range(4, dtype=tf.float32), out=targets, priority=-1)
+    for t in targets:
+        np.testing.assert_array_equal(t.numpy(), [0, 1, 2, 3])
+
+
+def test_errors_name_the_key():
+    kv = store.create("local")
+    kv.init(0, np.zeros(2, np.float32))
+    with pytest.raises(ValueError, match="already initialised"):
+        kv.init(0, np.zeros(2, np.float32))
+    with pytest.raises(KeyError, match="key 7 was not initialised"):
+        kv.push(7, tf.ones(2))
+    with pytest.raises(RuntimeError, match="no optimizer"):
+        kv.save_optimizer_states("/tmp/never-written.npz")
+
+
+def _train_store(kind, devices, opt, steps=5, keys=4):
+    kv = store.create(kind, devices=devices)
+    kv.set_optimizer(opt)
+    rng = np.random.default_rng(1)
+    for k in range(keys):
+        kv.init(k, rng.normal(size=(3, k + 2)).astype(np.float32))
+    for _ in range(steps):
+        for k in range(keys):
+            kv.push(k, [tf.constant(rng.normal(size=(3, k + 2)).astype(np.float32)) for _ in devices],
+                    priority=-k)
+    return kv, [kv.pull(k).numpy() for k in range(keys)]
+
+
+def test_update_in_store_follows_the_rule(tf_devices):
+    opt = optim.SGD(schedule=optim.Schedule(lr=0.1), momentum=0.9, wd=0.01)
+    kv = store.create("local", devices=tf_devices[:2])
+    kv.set_optimizer(opt)
+    w0 = np.array([1.0, -2.0], np.float32)
+    kv.init("w", w0)
+    g = [np.array([0.5, 0.5], np.float32), np.array([1.5, -0.5], np.float32)]
+    kv.push("w", [tf.constant(x) for x in g])
+    kv.push("w", [tf.constant(x) for x in g])
+    w, state = w0, (np.zeros(2, np.float32),)
+    for t in range(2):
+        w, state = opt.step(optim.NumpyOps, float(t), w, g[0] + g[1], state)
+    np.testing.assert_allclose(kv.pull("w").numpy(), w, rtol=1e-6)
+
+
+def test_local_and_device_give_the_same_numbers(tf_devices):
+    opt = optim.Adam(schedule=optim.Schedule(lr=0.01), wd=1e-3)
+    _, local = _train_store("local", tf_devices[:4], opt)
+    kv, device = _train_store("device", tf_devices[:4], opt)
+    homes = {kv._values[k].device for k in range(4)}
+    assert len(homes) > 1, "the device store should spread keys over the devices"
+    for a, b in zip(local, device):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_optimizer_state_saves_and_loads(tmp_path, tf_devices):
+    opt = optim.SGD(schedule=optim.Schedule(lr=0.05), momentum=0.9)
+    kv, _ = _train_store("local", tf_devices[:2], opt, steps=3, keys=2)
+    kv.save_optimizer_states(str(tmp_path / "opt.npz"))
+    with np.load(tmp_path / "opt.npz", allow_pickle=False) as f:
+        assert sorted(f.files) == ["0/count", "0/momentum", "1/count", "1/momentum"]
+        assert int(f["0/count"]) == 3 and np.abs(f["0/momentum"]).sum() > 0
+    other = store.create("local")
+    other.set_optimizer(opt)
+    for k in range(2):
+        other.init(k, kv.pull(k).numpy())
+    other.load_optimizer_states(str(tmp_path / "opt.npz"))
+    g = tf.ones((3, 2))
+    kv.push(0, g)
+    other.push(0, g)
+    np.testing.assert_array_equal(kv.pull(0).numpy(), other.pull(0).numpy())
+
+
+def test_push_and_pull_trace_into_a_tf_function(tf_devices):
+    kv = store.create("device", devices=tf_devices[:2])
+    kv.set_optimizer(optim.SGD(schedule=optim.Schedule(lr=1.0)))
+    kv.init(0, np.zeros(2, np.float32))
+    outs = [_var(np.zeros(2), d) for d in tf_devices[:2]]
+
+    @tf.function
+    def step(g):
+        kv.push(0, [g, g])
+        kv.pull(0, out=outs)
+
+    step(tf.ones(2))
+    step(tf.ones(2))
+    for o in outs:
+        np.testing.assert_array_equal(o.numpy(), [-4.0, -4.0])

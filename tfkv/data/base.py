@@ -1,0 +1,71 @@
+"""The in-memory `DataSet` record and the MXNet-style per-worker split of its training set."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tfkv.errors import DataError
+
+
+@dataclass
+class DataSet:
+    """Train and test arrays of one data set, plus what the pipeline needs to normalise them.
+
+    Image sets keep raw uint8 pixels (a quarter of the memory of float32); `mean`/`std` are
+    per channel and apply after scaling to [0, 1] (see `input_scale`).
+    """
+
+    name: str
+    x_train: np.ndarray  # (N, H, W, C) uint8, or float32 already scaled
+    y_train: np.ndarray  # (N,) int32 class ids
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_classes: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(int(d) for d in self.x_train.shape[1:])
+
+
+def input_scale(x: np.ndarray) -> float:
+    """Divisor that maps stored values to [0, 1]: 255 for raw pixels, 1 for float arrays."""
+    return 255.0 if x.dtype == np.uint8 else 1.0
+
+
+def shard_range(length: int, num_parts: int, part_index: int) -> tuple[int, int]:
+    """[start, end) of worker `part_index`'s contiguous shard, as MXNet's SplitSampler cuts it.
+
+    Every part gets `length // num_parts` examples; the remainder at the end is dropped so that
+    all workers run the same number of steps (they meet at every gradient push).
+    """
+    if num_parts < 1:
+        raise ValueError(f"num_parts={num_parts} must be at least 1")
+    if not 0 <= part_index < num_parts:
+        raise ValueError(f"part_index={part_index} must be in [0, {num_parts})")
+    if length < 0:
+        raise ValueError(f"length={length} must not be negative")
+    part_len = length // num_parts
+    start = part_len * part_index
+    return start, start + part_len
+
+
+def steps_per_epoch(ds: DataSet, batch_size: int, num_parts: int = 1) -> int:
+    """Full batches one worker's shard yields per epoch (the remainder is dropped)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be at least 1")
+    start, end = shard_range(len(ds.x_train), num_parts, 0)
+    shard = end - start
+    steps = shard // batch_size
+    if steps == 0:
+        split = f" ({len(ds.x_train)} split over {num_parts} workers)" if num_parts > 1 else ""
+        fix = (f"use a batch_size of at most {shard}" if shard else
+               f"use at most {len(ds.x_train)} workers")
+        raise DataError(
+            f"dataset {ds.name}: a shard of {shard} training examples{split} is smaller than "
+            f"batch_size={batch_size}; {fix}"
+        )
+    return steps
