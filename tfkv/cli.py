@@ -1,5 +1,10 @@
 """`tfkv-run`: the Hydra app. Composes and validates the config, then trains.
 
+With a `dist_*` KVStore and a cluster launcher, this process only plans and launches the job:
+the scheduler, the servers and the workers (each running `tfkv-run` again as a worker) start as
+their own processes, and this one waits and reports. A process whose environment gives it a
+role (DMLC_ROLE=server, ...) takes that role before Hydra or TensorFlow start.
+
 A mistake a user can fix (a typo, a wrong type, an unknown name, a missing data set) is printed
 as one line and exits with status 2, before TensorFlow starts where the config alone shows it.
 """
@@ -48,12 +53,49 @@ def _job(cfg: DictConfig) -> dict[str, Any]:
     config_schema.validate(cfg)
     from hydra.core.hydra_config import HydraConfig
 
+    from tfkv.store.cluster_env import ClusterEnv
+
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
-    (run_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    in_job = ClusterEnv.role_of() is not None
+    if not in_job:
+        (run_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        if config_schema.is_distributed(cfg.kvstore.type):
+            return _launch(cfg, run_dir, list(hc.overrides.task), Path(hc.runtime.cwd))
     from tfkv.trainer import train
 
     final = train(cfg, run_dir, list(hc.overrides.task), search_root=Path(hc.runtime.cwd))
+    log.info("done: test_accuracy %.4f after %d epochs; run directory %s",
+             final["test_accuracy"], final["epoch"], run_dir)
+    return {k: v for k, v in final.items() if k != "history"}
+
+
+def _launch(cfg: DictConfig, run_dir: Path, overrides: list[str], cwd: Path) -> dict[str, Any]:
+    """Start the whole parameter-server job; its workers write into this run directory."""
+    import json
+
+    from tfkv.errors import ClusterFailed
+    from tfkv.launcher import local
+    from tfkv.launcher.plan import free_port, make_plan
+
+    c = cfg.cluster
+    extra = {"TFKV_HEARTBEAT_TIMEOUT": str(c.heartbeat_timeout)}
+    if c.interface:
+        extra["DMLC_INTERFACE"] = c.interface
+    if c.verbose:
+        extra["PS_VERBOSE"] = str(c.verbose)
+    worker = [sys.executable, "-m", "tfkv.cli", *overrides, f"hydra.run.dir={run_dir}",
+              "hydra.output_subdir=null"]
+    plan = make_plan(c.num_workers, c.num_servers, worker, [sys.executable, "-m", "tfkv.store.node"],
+                     ["127.0.0.1"], c.host, c.port or free_port(c.host), extra)
+    for p in plan:
+        if p.role == "worker":
+            p.argv.append(f"hydra.job.name=worker{p.rank}")
+    log.info("launching %s: %s", cfg.kvstore.type, ", ".join(f"{p.name}@{p.host}" for p in plan))
+    result = local.run(plan, cwd=str(cwd))
+    if result.failure:
+        raise ClusterFailed(f"the {cfg.kvstore.type} job failed: {result.failure}; logs in {run_dir}")
+    final = json.loads((run_dir / "metrics.json").read_text())
     log.info("done: test_accuracy %.4f after %d epochs; run directory %s",
              final["test_accuracy"], final["epoch"], run_dir)
     return {k: v for k, v in final.items() if k != "history"}
@@ -79,6 +121,12 @@ def _one_line(exc: BaseException) -> str:
 def run() -> None:
     """Console entry point of `tfkv-run`."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from tfkv.store.cluster_env import ClusterEnv
+
+    if ClusterEnv.role_of() in ("scheduler", "server"):
+        from tfkv.store import node
+
+        node.main()  # serves until the job ends, then exits
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         _main()
         return
@@ -98,3 +146,7 @@ def run() -> None:
         print("tfkv-run: interrupted; the last finished epoch's checkpoint is in the run "
               "directory (resume=true continues from it)", file=sys.stderr)
         sys.exit(130)
+
+
+if __name__ == "__main__":
+    run()

@@ -70,11 +70,33 @@ class KVStoreConfig:
 
 
 @dataclass
+class ClusterConfig:
+    # none: this process trains alone (or is one role of a job started by hand with DMLC_*);
+    # local: start the scheduler, servers and workers as processes on this machine.
+    launcher: str = "none"
+    num_workers: int = 2
+    num_servers: int = 1
+    host: str = "127.0.0.1"  # the scheduler's address
+    port: int = 0  # the scheduler's port; 0 picks a free one
+    interface: Optional[str] = None  # network interface servers listen on (DMLC_INTERFACE)
+    heartbeat_timeout: float = 4.0  # seconds of silence before a node counts as failed
+    verbose: int = 0  # PS_VERBOSE: 1 connections, 2 every message
+
+
+LAUNCHERS = ("none", "local")
+
+
+def is_distributed(kvstore_type: str) -> bool:
+    return kvstore_type.startswith("dist")
+
+
+@dataclass
 class Config:
     model: ModelConfig = MISSING
     dataset: DatasetConfig = MISSING
     optimizer: OptimizerConfig = MISSING
     kvstore: KVStoreConfig = MISSING
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     devices: List[str] = field(default_factory=lambda: ["cpu:0"])
     work_load_list: Optional[List[float]] = None
     batch_size: int = 64  # per machine; split across `devices`
@@ -158,6 +180,33 @@ def validate(cfg: Any) -> None:
         )
     if cfg.optimizer.lr <= 0:
         raise ConfigError(f"optimizer.lr={cfg.optimizer.lr} must be positive")
+    _validate_cluster(cfg)
     resume = cfg.resume
     if not isinstance(resume, (bool, str)):
         raise ConfigError(f"resume={resume!r} must be true, false or a run directory")
+
+
+def _validate_cluster(cfg: Any) -> None:
+    import os
+
+    c, kind = cfg.cluster, cfg.kvstore.type
+    if c.launcher not in LAUNCHERS:
+        raise ConfigError(f"cluster.launcher={c.launcher!r} is not known; choose one of {', '.join(LAUNCHERS)}")
+    in_job = bool(os.environ.get("TFKV_ROLE") or os.environ.get("DMLC_ROLE"))
+    if is_distributed(kind):
+        if c.launcher == "none" and not in_job:
+            raise ConfigError(
+                f"kvstore={kind} needs a parameter-server cluster: add cluster=local "
+                "(cluster.num_workers=2 cluster.num_servers=1), or start the roles yourself with DMLC_ROLE etc.")
+        if "async" in kind and not cfg.kvstore.update_on_kvstore:
+            raise ConfigError(
+                f"kvstore={kind} needs the optimizer on the servers (kvstore.update_on_kvstore=true): "
+                "without one every push would overwrite the weights")
+    elif c.launcher != "none":
+        raise ConfigError(f"cluster={c.launcher} starts a parameter-server job, but kvstore={kind} is a "
+                          "single-machine store; use kvstore=dist_sync (or dist_async, ...) or drop cluster=")
+    for key in ("num_workers", "num_servers"):
+        if getattr(c, key) < 1:
+            raise ConfigError(f"cluster.{key}={getattr(c, key)} must be at least 1")
+    if c.heartbeat_timeout <= 0:
+        raise ConfigError(f"cluster.heartbeat_timeout={c.heartbeat_timeout} must be positive")

@@ -15,3 +15,7 @@ class ConfigError(TfkvError):
 
 class DataError(TfkvError):
     """A data set is missing or malformed on disk."""
+
+
+class ClusterFailed(TfkvError):
+    """A role of a distributed job failed; the message names it."""

@@ -123,9 +123,11 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
         if chief:
             _write_metrics(run_dir, final)
         store.barrier()
-        return final
-    finally:
-        store.close()
+    except BaseException as e:
+        store.abort(f"{type(e).__name__}: {e}")
+        raise
+    store.close()
+    return final
 
 
 def _save_optimizer(dp: Any, store: Any, path: str) -> None:

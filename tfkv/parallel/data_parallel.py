@@ -94,9 +94,11 @@ class DataParallel:
             self._step(x, y)
             return
         grads = self._grads(x, y)
-        for k in self.keys:  # first layers last: their gradients are ready last in backprop
-            self.store.push(k, [g[k] for g in grads], priority=-k)
-        pulled = [self.store.pull(k, priority=-k) for k in self.keys]
+        # One call each, so that a remote store has every request in flight before it waits;
+        # priority -k: the first layer's weights first, as the next forward pass needs them.
+        priority = [-k for k in self.keys]
+        self.store.push(self.keys, [[g[k] for g in grads] for k in self.keys], priority=priority)
+        pulled = self.store.pull(self.keys, priority=priority)
         if self.update_on_kvstore:
             self._set_weights(pulled)
         else:

@@ -14,6 +14,10 @@ from tfkv.store.base import KVStore
 REGISTRY = Registry("KVStore type", {
     "local": "tfkv.store.local:LocalStore",
     "device": "tfkv.store.local:DeviceStore",
+    "dist_sync": "tfkv.store.dist:DistStore",
+    "dist_async": "tfkv.store.dist:DistAsync",
+    "dist_sync_device": "tfkv.store.dist:DistSyncDevice",
+    "dist_async_device": "tfkv.store.dist:DistAsyncDevice",
 })
 register = REGISTRY.register
 names = REGISTRY.names

@@ -2,8 +2,10 @@
 
 A key is an int or a str. A value is one array, or a list of arrays (one per device) that the
 store sums before it stores or updates. `push`/`pull`/`init` also take a list of keys with a
-list of values. What a store can do beyond the common API is a capability query, not a guess
-from its type name.
+list of values. `priority` (an int, or one per key) orders a store's requests, higher first,
+where it has any to order (the parameter-server client); the single-machine stores run inside
+one graph and ignore it. What a store can do beyond the common API is a capability query, not
+a guess from its type name.
 """
 
 from __future__ import annotations
@@ -56,18 +58,18 @@ class KVStore(ABC):
         """Give each key its initial value; a key is initialised once."""
 
     @abstractmethod
-    def push(self, key: Key | Sequence[Key], value: Any, priority: int = 0) -> None:
+    def push(self, key: Key | Sequence[Key], value: Any, priority: int | Sequence[int] = 0) -> None:
         """Sum the value(s) of each key; with an optimizer set, update the stored weight."""
 
     @abstractmethod
-    def pull(self, key: Key | Sequence[Key], out: Any = None, priority: int = 0) -> Any:
+    def pull(self, key: Key | Sequence[Key], out: Any = None, priority: int | Sequence[int] = 0) -> Any:
         """Copy each key's stored value into `out` (variables), or return it when out is None."""
 
-    def pushpull(self, key: Key | Sequence[Key], value: Any, out: Any = None, priority: int = 0) -> Any:
+    def pushpull(self, key: Key | Sequence[Key], value: Any, out: Any = None, priority: int | Sequence[int] = 0) -> Any:
         self.push(key, value, priority)
         return self.pull(key, out if out is not None else None, priority)
 
-    def broadcast(self, key: Key | Sequence[Key], value: Any, out: Any, priority: int = 0) -> None:
+    def broadcast(self, key: Key | Sequence[Key], value: Any, out: Any, priority: int | Sequence[int] = 0) -> None:
         """Initialise keys from `value` and copy them into every `out`."""
         self.init(key, value)
         self.pull(key, out, priority)
@@ -91,4 +93,7 @@ class KVStore(ABC):
         return capability == "optimizer"
 
     def close(self) -> None:
-        """Release sockets and threads; a store is unusable afterwards."""
+        """Leave cleanly and release sockets and threads; a store is unusable afterwards."""
+
+    def abort(self, reason: str) -> None:
+        """Leave after a failure: a distributed store tells its peers at once, naming `reason`."""

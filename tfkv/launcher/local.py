@@ -1,0 +1,113 @@
+"""Run a plan as processes on this machine: merged, prefixed output; no process outlives the job.
+
+Every role runs in its own session (process group) and is killed with the launcher if the
+launcher dies (PR_SET_PDEATHSIG). When one role fails, the others get a moment to report the
+failure themselves, then every group still running is terminated, then killed. Ctrl-C does the
+same at once. The result names what failed first.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import IO
+
+from tfkv.launcher.plan import Process
+
+GRACE = 2.0  # seconds the others get to notice a failure on their own
+
+
+@dataclass
+class Result:
+    returncode: int
+    failure: str | None  # what failed first, e.g. "worker 1 exited with status 1"
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _status(code: int) -> str:
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with status {code}"
+
+
+def _pump(name: str, stream: IO[bytes], out: IO[str], lock: threading.Lock) -> None:
+    for raw in iter(stream.readline, b""):
+        line = raw.decode(errors="replace").rstrip("\n")
+        with lock:
+            out.write(f"[{name}] {line}\n")
+            out.flush()
+    stream.close()
+
+
+def _signal_group(child: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(child.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run(plan: list[Process], cwd: str | None = None, out: IO[str] | None = None) -> Result:
+    """Start every process of `plan` here and wait for the job to end."""
+    out = out or sys.stdout
+    lock = threading.Lock()
+    children: dict[str, subprocess.Popen] = {}
+    pumps = []
+    failure: str | None = None
+    try:
+        for p in plan:
+            child = subprocess.Popen(
+                p.argv, cwd=cwd, env={**os.environ, **p.env, "PYTHONUNBUFFERED": "1"},
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True, preexec_fn=_die_with_parent)
+            children[p.name] = child
+            t = threading.Thread(target=_pump, args=(p.name, child.stdout, out, lock), daemon=True)
+            t.start()
+            pumps.append(t)
+        failed_at = None
+        while any(c.poll() is None for c in children.values()):
+            for name, c in children.items():
+                if c.returncode not in (None, 0) and failure is None:
+                    failure, failed_at = f"{name} {_status(c.returncode)}", time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > GRACE:
+                break
+            time.sleep(0.05)
+        if failure is None:
+            for name, c in children.items():
+                if c.returncode:
+                    failure = f"{name} {_status(c.returncode)}"
+                    break
+    except KeyboardInterrupt:
+        failure = "interrupted (Ctrl-C)"
+    finally:
+        _stop(list(children.values()))
+        for t in pumps:
+            t.join(timeout=5)
+    return Result(0 if failure is None else 1, failure)
+
+
+def _stop(children: list[subprocess.Popen]) -> None:
+    """Terminate, then kill, every process group still running; reap them all."""
+    alive = [c for c in children if c.poll() is None]
+    for c in alive:
+        _signal_group(c, signal.SIGTERM)
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline and any(c.poll() is None for c in alive):
+        time.sleep(0.05)
+    for c in children:
+        _signal_group(c, signal.SIGKILL)  # also whatever a role left behind in its group
+        try:
+            c.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass

@@ -1,0 +1,49 @@
+"""Which role runs where, and with which environment: the plan every launcher backend executes.
+
+Placement follows MXNet's launch.py: the scheduler on the first host; servers, then workers,
+cycling through the hosts (5 hosts, 3 servers, 3 workers: servers on hosts 1-3, workers on
+hosts 4, 5, 1).
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Process:
+    name: str  # "worker 1": also the prefix of its output lines
+    role: str
+    rank: int
+    host: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on `host` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def make_plan(num_workers: int, num_servers: int, worker_argv: list[str], node_argv: list[str],
+              hosts: list[str], scheduler_host: str, scheduler_port: int,
+              extra_env: dict[str, str] | None = None) -> list[Process]:
+    """The scheduler, `num_servers` servers and `num_workers` workers, placed on `hosts`."""
+    base = {
+        "DMLC_PS_ROOT_URI": scheduler_host, "DMLC_PS_ROOT_PORT": str(scheduler_port),
+        "DMLC_NUM_SERVER": str(num_servers), "DMLC_NUM_WORKER": str(num_workers), **(extra_env or {}),
+    }
+
+    def env(role: str, rank: int) -> dict[str, str]:
+        return {**base, "DMLC_ROLE": role, "TFKV_RANK_HINT": str(rank)}
+
+    plan = [Process("scheduler", "scheduler", 0, hosts[0], list(node_argv), env("scheduler", 0))]
+    for i in range(num_servers):
+        plan.append(Process(f"server {i}", "server", i, hosts[i % len(hosts)], list(node_argv), env("server", i)))
+    for i in range(num_workers):
+        host = hosts[(num_servers + i) % len(hosts)]
+        plan.append(Process(f"worker {i}", "worker", i, host, list(worker_argv), env("worker", i)))
+    return plan

@@ -1,0 +1,127 @@
+"""Where a parameter-server process learns its role and its cluster: environment variables.
+
+tfkv's own names come first; MXNet's (DMLC_*, PS_*, MXNET_KVSTORE_*) are read too, so a job
+launched by hand the way the MXNet guide shows works unchanged. Read once into a dataclass.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Mapping
+
+ROLES = ("scheduler", "server", "worker")
+
+
+def _get(env: Mapping[str, str], *names: str, default: str | None = None) -> str | None:
+    for n in names:
+        if env.get(n):
+            return env[n]
+    return default
+
+
+class ClusterEnvError(ValueError):
+    """An environment variable is missing or malformed; the message names it."""
+
+
+@dataclass(frozen=True)
+class ClusterEnv:
+    role: str
+    scheduler_host: str
+    scheduler_port: int
+    num_servers: int
+    num_workers: int
+    interface: str | None = None
+    rank_hint: int | None = None  # the launcher's index, so that ranks match log prefixes
+    bigarray_bound: int = 1_000_000
+    verbose: int = 0
+    resend: bool = False
+    resend_timeout: float = 1.0  # seconds
+    heartbeat_interval: float = 0.5
+    heartbeat_timeout: float = 4.0
+    start_timeout: float = 120.0
+    max_message_bytes: int = 1 << 31
+
+    @staticmethod
+    def role_of(env: Mapping[str, str] | None = None) -> str | None:
+        """The role set in the environment, or None for an ordinary (non-cluster) process."""
+        role = _get(os.environ if env is None else env, "TFKV_ROLE", "DMLC_ROLE")
+        return role.lower() if role else None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "ClusterEnv":
+        env = os.environ if env is None else env
+
+        def need(*names: str) -> str:
+            value = _get(env, *names)
+            if value is None:
+                raise ClusterEnvError(f"{names[-1]} (or {names[0]}) is not set; a parameter-server "
+                                      "process needs DMLC_ROLE, DMLC_PS_ROOT_URI, DMLC_PS_ROOT_PORT, "
+                                      "DMLC_NUM_SERVER and DMLC_NUM_WORKER")
+            return value
+
+        def number(kind: type, value: str | None, name: str) -> int | float:
+            try:
+                return kind(value)
+            except (TypeError, ValueError):
+                raise ClusterEnvError(f"{name}={value!r} is not a {kind.__name__}") from None
+
+        role = need("TFKV_ROLE", "DMLC_ROLE").lower()
+        if role not in ROLES:
+            raise ClusterEnvError(f"DMLC_ROLE={role!r} must be one of {', '.join(ROLES)}")
+        hint = _get(env, "TFKV_RANK_HINT")
+        return cls(
+            role=role,
+            scheduler_host=need("TFKV_SCHEDULER_HOST", "DMLC_PS_ROOT_URI"),
+            scheduler_port=int(number(int, need("TFKV_SCHEDULER_PORT", "DMLC_PS_ROOT_PORT"), "DMLC_PS_ROOT_PORT")),
+            num_servers=int(number(int, need("TFKV_NUM_SERVER", "DMLC_NUM_SERVER"), "DMLC_NUM_SERVER")),
+            num_workers=int(number(int, need("TFKV_NUM_WORKER", "DMLC_NUM_WORKER"), "DMLC_NUM_WORKER")),
+            interface=_get(env, "TFKV_INTERFACE", "DMLC_INTERFACE"),
+            rank_hint=int(number(int, hint, "TFKV_RANK_HINT")) if hint else None,
+            bigarray_bound=int(number(int, _get(env, "TFKV_BIGARRAY_BOUND", "MXNET_KVSTORE_BIGARRAY_BOUND",
+                                                default="1000000"), "MXNET_KVSTORE_BIGARRAY_BOUND")),
+            verbose=int(number(int, _get(env, "TFKV_VERBOSE", "PS_VERBOSE", default="0"), "PS_VERBOSE")),
+            resend=_get(env, "TFKV_RESEND", "PS_RESEND", default="0") not in ("0", "false", ""),
+            resend_timeout=number(float, _get(env, "TFKV_RESEND_TIMEOUT", "PS_RESEND_TIMEOUT",
+                                              default="1000"), "PS_RESEND_TIMEOUT") / 1000.0,
+            heartbeat_interval=number(float, _get(env, "TFKV_HEARTBEAT_INTERVAL", default="0.5"),
+                                      "TFKV_HEARTBEAT_INTERVAL"),
+            heartbeat_timeout=number(float, _get(env, "TFKV_HEARTBEAT_TIMEOUT", default="4"),
+                                     "TFKV_HEARTBEAT_TIMEOUT"),
+            start_timeout=number(float, _get(env, "TFKV_START_TIMEOUT", default="120"), "TFKV_START_TIMEOUT"),
+            max_message_bytes=int(number(int, _get(env, "TFKV_MAX_MESSAGE_BYTES", default=str(1 << 31)),
+                                         "TFKV_MAX_MESSAGE_BYTES")),
+        )
+
+    def bind_address(self) -> str:
+        """The address this node listens on: the chosen interface's, else the one that routes
+        to the scheduler. Never 0.0.0.0."""
+        if self.interface:
+            return interface_address(self.interface)
+        return route_address(self.scheduler_host, self.scheduler_port)
+
+
+def interface_address(name: str) -> str:
+    """IPv4 address of a network interface such as eth0 (Linux SIOCGIFADDR)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
+        except OSError:
+            known = ", ".join(n for _, n in socket.if_nameindex())
+            raise ClusterEnvError(f"DMLC_INTERFACE={name!r} has no IPv4 address here; "
+                                  f"interfaces: {known}") from None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def route_address(host: str, port: int) -> str:
+    """The local address the kernel would use to reach host:port (no packet is sent)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(host), port or 9))
+            return s.getsockname()[0]
+    except OSError as e:
+        raise ClusterEnvError(f"cannot reach the scheduler at {host}:{port} ({e}); check "
+                              "DMLC_PS_ROOT_URI") from None

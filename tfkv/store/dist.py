@@ -1,0 +1,313 @@
+"""The worker side of the parameter server: the `dist_sync`, `dist_async`, `dist_sync_device`
+and `dist_async_device` KVStore types.
+
+A key lives on one server, picked as MXNet does (`key * 9973 % num_servers`), unless it holds
+more than the big-array bound (MXNET_KVSTORE_BIGARRAY_BOUND, 1,000,000 elements), in which case
+it is cut into one contiguous part per server. A push first sums this machine's device values
+(in host memory, or on the first device for the `*_device` types), then sends one message per
+part without waiting; a pull sends every part's request before it waits for any answer.
+
+Creating a store in a process whose role is `server` or `scheduler` runs that role and exits,
+as MXNet does, so one command can be started for every role of a job.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Hashable, Sequence
+
+import numpy as np
+import zmq
+
+from tfkv import optim
+from tfkv.store import protocol as P
+from tfkv.store.base import Key, KVStore, pairs
+from tfkv.store.cluster_env import ClusterEnv
+from tfkv.store.scheduler_link import SchedulerLink
+
+log = logging.getLogger("tfkv.ps")
+
+_STR_KEY_BASE = 1 << 40  # string keys get ids from here, in init order (the same on every worker)
+
+
+class DistError(RuntimeError):
+    """A server refused a request; the message is the server's."""
+
+
+@dataclass
+class Layout:
+    shape: tuple[int, ...]
+    size: int
+    parts: list[tuple[int, int, int]]  # (server, start, end) over the flattened value
+
+
+class DistStore(KVStore):
+    type = "dist_sync"
+    distributed = True
+    sync = True
+    on_device = False
+
+    def __init__(self, devices: Sequence[str] | None = None, env: ClusterEnv | None = None):
+        env = env or ClusterEnv.from_env()
+        if env.role != "worker":
+            from tfkv.store.node import run_role
+
+            sys.exit(run_role(env))
+        self.env = env
+        self._devices = list(devices or [])
+        self.link = SchedulerLink(env, "worker")
+        ctx = zmq.Context.instance()
+        self._socks = []
+        self._poller = zmq.Poller()
+        for server in self.link.servers:
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 2000)
+            sock.setsockopt(zmq.MAXMSGSIZE, env.max_message_bytes)
+            sock.connect(f"tcp://{server['host']}:{server['port']}")
+            self._poller.register(sock, zmq.POLLIN)
+            self._socks.append(sock)
+        self._index = {sock: i for i, sock in enumerate(self._socks)}
+        self._seq = itertools.count(1)
+        self._pending: dict[int, list[Any]] = {}  # seq -> [server, frames, sent_at]
+        self._replies: dict[int, P.Message] = {}
+        self._ids: dict[Hashable, int] = {}
+        self._layouts: dict[int, Layout] = {}
+        self._has_optimizer = False
+        if self.rank == 0:
+            self._wait([self._send(s, P.Message(P.Type.CONFIGURE, meta={"sync": self.sync}))
+                        for s in range(len(self._socks))])
+        self.barrier()
+
+    @property
+    def rank(self) -> int:
+        return self.link.rank
+
+    @property
+    def num_workers(self) -> int:
+        return self.link.num_workers
+
+    # -- transport -----------------------------------------------------------------------------
+
+    def _send(self, server: int, msg: P.Message) -> int:
+        msg.sender, msg.seq = self.link.id, next(self._seq)
+        frames = P.encode(msg)
+        self._socks[server].send_multipart(frames, copy=False)
+        self._pending[msg.seq] = [server, frames, time.monotonic()]
+        return msg.seq
+
+    def _receive(self, timeout_ms: float) -> None:
+        for sock, _ in self._poller.poll(timeout_ms):
+            while True:
+                try:
+                    frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                try:
+                    msg = P.decode(frames, self.env.max_message_bytes // 4)
+                except P.ProtocolError as e:
+                    log.warning("dropped a malformed reply from server %d: %s", self._index[sock], e)
+                    continue
+                if self._pending.pop(msg.seq, None) is None:
+                    continue  # a late answer to a request already answered (resend)
+                if msg.type == P.Type.ERROR:
+                    raise DistError(f"server {self._index[sock]}: {(msg.meta or {}).get('message')}")
+                if msg.type != P.Type.ACK:
+                    self._replies[msg.seq] = msg
+
+    def _resend_overdue(self) -> None:
+        now = time.monotonic()
+        for seq, entry in self._pending.items():
+            if now - entry[2] > self.env.resend_timeout:
+                if self.env.verbose >= 1:
+                    log.info("resending request %d to server %d", seq, entry[0])
+                self._socks[entry[0]].send_multipart(entry[1], copy=False)
+                entry[2] = now
+
+    def _wait(self, seqs: Sequence[int] | None = None) -> None:
+        """Wait for the answers to `seqs` (default: everything outstanding); data replies stay
+        in `_replies` for the caller to take."""
+        wanted = list(self._pending) if seqs is None else list(seqs)
+        tick = min(100.0, self.env.resend_timeout * 1000)
+        while any(s in self._pending for s in wanted):
+            self._receive(tick)
+            if self.env.resend:
+                self._resend_overdue()
+
+    # -- keys ----------------------------------------------------------------------------------
+
+    def _id(self, key: Hashable) -> int:
+        if key not in self._ids:
+            if isinstance(key, (int, np.integer)) and 0 <= int(key) < _STR_KEY_BASE:
+                self._ids[key] = int(key)
+            else:
+                self._ids[key] = _STR_KEY_BASE + sum(1 for k in self._ids if not isinstance(k, int))
+        return self._ids[key]
+
+    def _layout(self, key: Hashable) -> tuple[int, Layout]:
+        kid = self._ids.get(key)
+        if kid is None or kid not in self._layouts:
+            raise KeyError(f"key {key!r} was not initialised; call init({key!r}, value) first")
+        return kid, self._layouts[kid]
+
+    def _plan(self, kid: int, shape: tuple[int, ...]) -> Layout:
+        size = int(np.prod(shape))
+        n = len(self._socks)
+        if size < self.env.bigarray_bound or n == 1:
+            return Layout(shape, size, [((kid * 9973) % n, 0, size)])
+        return Layout(shape, size, [(i, i * size // n, (i + 1) * size // n) for i in range(n)])
+
+    def _merge(self, values: list[Any]) -> np.ndarray:
+        """One flat float32 array: the sum of this machine's device values."""
+        if len(values) > 1 and self.on_device:
+            import tensorflow as tf
+
+            with tf.device(self._devices[0] if self._devices else "/device:CPU:0"):
+                values = [tf.add_n([tf.identity(v) for v in values])]
+        arrays = [np.asarray(v, dtype=np.float32) for v in values]
+        total = arrays[0] if len(arrays) == 1 else np.add(arrays[0], arrays[1])
+        for a in arrays[2:]:
+            np.add(total, a, out=total)
+        return np.ascontiguousarray(total).reshape(-1)
+
+    @staticmethod
+    def _ordered(items: list[tuple[Key, list[Any]]], priority: int | Sequence[int]) -> list[tuple[Key, list[Any]]]:
+        if isinstance(priority, (list, tuple)):
+            return [it for _, it in sorted(zip(priority, items), key=lambda t: -t[0])]
+        return items
+
+    # -- the KVStore API -----------------------------------------------------------------------
+
+    def init(self, key: Key | Sequence[Key], value: Any) -> None:
+        for k, values in pairs(key, value):
+            kid = self._id(k)
+            if kid in self._layouts:
+                raise ValueError(f"key {k!r} is already initialised")
+            flat = self._merge(values[:1])
+            self._layouts[kid] = layout = self._plan(kid, tuple(np.shape(values[0])))
+            if self.rank == 0:  # worker 0's value wins; the others wait at the barrier
+                for server, a, b in layout.parts:
+                    self._send(server, P.Message(P.Type.INIT, key=kid, data=flat[a:b]))
+        self._wait()
+        self.barrier()
+
+    def push(self, key: Key | Sequence[Key], value: Any, priority: int | Sequence[int] = 0) -> None:
+        if not self.sync and not self._has_optimizer:
+            raise RuntimeError(f"{self.type} needs an optimizer on the servers (set_optimizer, "
+                               "update_on_kvstore=true): without one each push would replace the weights")
+        for k, values in self._ordered(list(pairs(key, value)), priority):
+            kid, layout = self._layout(k)
+            flat = self._merge(values)
+            if flat.size != layout.size:
+                raise ValueError(f"key {k!r}: pushed {flat.size} values, it holds {layout.size}")
+            for server, a, b in layout.parts:
+                self._send(server, P.Message(P.Type.PUSH, key=kid, data=flat[a:b]))
+        self._receive(0)  # collect acknowledgements that are already here
+
+    def pull(self, key: Key | Sequence[Key], out: Any = None, priority: int | Sequence[int] = 0) -> Any:
+        items = self._ordered(list(pairs(key, out)), priority)
+        requests = []
+        for k, outs in items:
+            kid, layout = self._layout(k)
+            seqs = [(self._send(server, P.Message(P.Type.PULL, key=kid)), a, b) for server, a, b in layout.parts]
+            requests.append((k, outs, layout, seqs))
+        self._wait()
+        results = {}
+        for k, outs, layout, seqs in requests:
+            value = np.empty(layout.size, np.float32)
+            for seq, a, b in seqs:
+                value[a:b] = self._replies.pop(seq).data
+            value = value.reshape(layout.shape)
+            for o in outs:
+                o.assign(value)
+            results[k] = value
+        if out is not None:
+            return None
+        if isinstance(key, (list, tuple)):
+            return [results[k] for k in key]
+        return results[key]
+
+    def set_optimizer(self, optimizer: Any) -> None:
+        self._has_optimizer = True
+        self._optimizer = optimizer
+        if self.rank == 0:
+            spec = {"optimizer": optim.to_dict(optimizer)}
+            for s in range(len(self._socks)):
+                self._send(s, P.Message(P.Type.SET_OPTIMIZER, meta=spec))
+        self._wait()
+        self.barrier()
+
+    def barrier(self) -> None:
+        self._wait()
+        self.link.barrier()
+
+    def save_optimizer_states(self, fname: str) -> None:
+        """Gather the optimizer state of every key from the servers into one npz file."""
+        requests = []
+        for k, kid in self._ids.items():
+            layout = self._layouts[kid]
+            requests.append((k, layout, [(self._send(s, P.Message(P.Type.GET_STATE, key=kid)), a, b)
+                                         for s, a, b in layout.parts]))
+        self._wait()
+        out: dict[str, np.ndarray] = {}
+        for k, layout, seqs in requests:
+            replies = [(self._replies.pop(seq), a, b) for seq, a, b in seqs]
+            names = replies[0][0].meta["names"]
+            for j, name in enumerate(names):
+                full = np.empty(layout.size, np.float32)
+                for reply, a, b in replies:
+                    full[a:b] = np.split(reply.data, len(names))[j]
+                out[f"{k}/{name}"] = full.reshape(layout.shape)
+            out[f"{k}/count"] = np.asarray(replies[0][0].meta["count"])
+        np.savez(fname, **out)
+
+    def load_optimizer_states(self, fname: str) -> None:
+        if self.rank == 0:
+            with np.load(fname, allow_pickle=False) as f:
+                states = {n: f[n] for n in f.files}
+            for k, kid in self._ids.items():
+                layout = self._layouts[kid]
+                names = list(self._optimizer.state_names) if self._optimizer else []
+                count = int(states.get(f"{k}/count", 0))
+                for s, a, b in layout.parts:
+                    data = np.concatenate([states[f"{k}/{n}"].reshape(-1)[a:b] for n in names]) if names else None
+                    self._send(s, P.Message(P.Type.SET_STATE, key=kid, data=data,
+                                            meta={"count": count, "names": names}))
+        self._wait()
+        self.barrier()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._wait()
+        self.link.done()
+        for sock in self._socks:
+            sock.close()
+
+    def abort(self, reason: str) -> None:
+        if not self._closed:
+            self._closed = True
+            self.link.abort(reason)
+
+    _closed = False
+    _optimizer: Any = None
+
+
+class DistAsync(DistStore):
+    type = "dist_async"
+    sync = False
+
+
+class DistSyncDevice(DistStore):
+    type = "dist_sync_device"
+    on_device = True
+
+
+class DistAsyncDevice(DistStore):
+    type = "dist_async_device"
+    sync = False
+    on_device = True

@@ -1,0 +1,43 @@
+"""Entry point of the scheduler and server roles: `python -m tfkv.store.node`.
+
+The role and the cluster come from the environment (DMLC_ROLE, DMLC_PS_ROOT_URI, ... or the
+TFKV_ names), as in MXNet, where every process of a job can run the same command. `tfkv-run`
+calls `run_role` too, before Hydra or TensorFlow start, so a server never imports TensorFlow.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from tfkv.store.cluster_env import ClusterEnv, ClusterEnvError
+from tfkv.store.scheduler_link import ClusterError
+
+
+def run_role(env: ClusterEnv) -> int:
+    """Run the scheduler or a server until the job ends; the process's exit status."""
+    if env.role == "scheduler":
+        from tfkv.store.scheduler import Scheduler
+
+        return Scheduler(env).run()
+    if env.role == "server":
+        from tfkv.store.server import Server
+
+        return Server(env).run()
+    raise ClusterEnvError(f"role {env.role!r} is not run by tfkv.store.node; workers run the training command")
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s",
+                        stream=sys.stdout)
+    try:
+        sys.exit(run_role(ClusterEnv.from_env()))
+    except (ClusterEnvError, ClusterError, OSError) as e:
+        print(f"tfkv: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

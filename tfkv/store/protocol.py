@@ -1,0 +1,153 @@
+"""The parameter server's wire format: ZeroMQ multipart messages with a fixed binary header.
+
+    frame 0   header, 28 bytes, little-endian (HEADER below)
+    frame 1   JSON object, only if FLAG_META is set (control messages; at most MAX_META bytes)
+    frame 2   float32 payload of `count` elements, only if FLAG_DATA is set; sent from and
+              received into numpy buffers without copies
+
+Nothing received is unpickled or evaluated: the header is unpacked with `struct`, metadata is
+parsed by `json`, payloads are viewed by `numpy.frombuffer`. Every field is checked; a message
+that does not fit raises `ProtocolError` and the receiver answers with an error or drops it.
+This module imports neither TensorFlow nor anything heavy.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+MAGIC = 0x4B54  # "TK"
+VERSION = 1
+HEADER = struct.Struct("<HBBBBHIQQ")  # magic version type flags dtype sender seq key count
+MAX_META = 1 << 20
+
+FLAG_META = 1
+FLAG_DATA = 2
+FLAG_REPLY = 4
+
+
+class DType(enum.IntEnum):
+    NONE = 0
+    FLOAT32 = 1
+
+
+class Type(enum.IntEnum):
+    # node <-> scheduler
+    REGISTER = 1  # meta: role, host, port, rank_hint, pid, hostname
+    ADDRESS_BOOK = 2  # meta: id, role, rank, nodes
+    HEARTBEAT = 3
+    BARRIER = 4
+    BARRIER_DONE = 5
+    DONE = 6  # a worker finished cleanly
+    SHUTDOWN = 7
+    FAILED = 8  # meta: node, reason; every receiver exits non-zero
+    # worker <-> server
+    CONFIGURE = 20  # meta: sync
+    SET_OPTIMIZER = 21  # meta: optimizer dict (tfkv.optim.to_dict)
+    INIT = 22  # data: initial value of this server's part of `key`
+    PUSH = 23  # data: gradient part
+    PULL = 24  # reply data: value part
+    GET_STATE = 25  # reply meta: names, count; data: the states, concatenated
+    SET_STATE = 26
+    ACK = 30
+    ERROR = 31  # meta: message
+
+
+class ProtocolError(ValueError):
+    """A message that is not valid tfkv protocol; the text says what is wrong."""
+
+
+@dataclass
+class Message:
+    type: Type
+    sender: int = 0
+    seq: int = 0
+    key: int = 0
+    meta: dict[str, Any] | None = None
+    data: np.ndarray | None = None  # float32, 1-D
+    reply: bool = False
+    frames: list[Any] = field(default_factory=list, repr=False)  # keeps received buffers alive
+
+
+def encode(msg: Message) -> list[Any]:
+    """Frames for `socket.send_multipart(frames, copy=False)`; the payload is not copied."""
+    flags = FLAG_REPLY if msg.reply else 0
+    frames: list[Any] = [b""]
+    if msg.meta is not None:
+        flags |= FLAG_META
+        frames.append(json.dumps(msg.meta, separators=(",", ":")).encode())
+    count, dtype = 0, DType.NONE
+    if msg.data is not None:
+        data = np.ascontiguousarray(msg.data, dtype=np.float32).reshape(-1)
+        flags |= FLAG_DATA
+        count, dtype = data.size, DType.FLOAT32
+        frames.append(memoryview(data).cast("B"))
+    frames[0] = HEADER.pack(MAGIC, VERSION, int(msg.type), flags, int(dtype), msg.sender,
+                            msg.seq & 0xFFFFFFFF, msg.key, count)
+    return frames
+
+
+def _buffer(frame: Any) -> memoryview:
+    return frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+
+
+def decode(frames: Sequence[Any], max_count: int | None = None) -> Message:
+    """Parse received frames (bytes or zmq.Frame); raises ProtocolError on anything off."""
+    if not frames:
+        raise ProtocolError("empty message")
+    head = _buffer(frames[0])
+    if len(head) != HEADER.size:
+        raise ProtocolError(f"header is {len(head)} bytes, expected {HEADER.size}")
+    magic, version, type_, flags, dtype, sender, seq, key, count = HEADER.unpack(head)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic 0x{magic:04x}: not a tfkv message")
+    if version != VERSION:
+        raise ProtocolError(f"protocol version {version}, this node speaks {VERSION}")
+    try:
+        kind = Type(type_)
+    except ValueError:
+        raise ProtocolError(f"unknown message type {type_}") from None
+    if flags & ~(FLAG_META | FLAG_DATA | FLAG_REPLY):
+        raise ProtocolError(f"unknown flags 0x{flags:02x}")
+    expected = 1 + bool(flags & FLAG_META) + bool(flags & FLAG_DATA)
+    if len(frames) != expected:
+        raise ProtocolError(f"{kind.name}: {len(frames)} frames, flags say {expected}")
+    msg = Message(kind, sender, seq, key, reply=bool(flags & FLAG_REPLY), frames=list(frames))
+    i = 1
+    if flags & FLAG_META:
+        raw = _buffer(frames[i])
+        if len(raw) > MAX_META:
+            raise ProtocolError(f"{kind.name}: metadata of {len(raw)} bytes exceeds {MAX_META}")
+        try:
+            meta = json.loads(bytes(raw))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise ProtocolError(f"{kind.name}: metadata is not JSON ({e})") from None
+        if not isinstance(meta, dict):
+            raise ProtocolError(f"{kind.name}: metadata must be a JSON object")
+        msg.meta = meta
+        i += 1
+    if flags & FLAG_DATA:
+        if dtype != DType.FLOAT32:
+            raise ProtocolError(f"{kind.name}: dtype code {dtype} is not supported (float32 only)")
+        if max_count is not None and count > max_count:
+            raise ProtocolError(f"{kind.name}: {count} elements exceed the limit of {max_count}")
+        raw = _buffer(frames[i])
+        if len(raw) != count * 4:
+            raise ProtocolError(f"{kind.name}: payload is {len(raw)} bytes, header says {count} float32")
+        msg.data = np.frombuffer(raw, dtype=np.float32)
+    elif count or dtype:
+        raise ProtocolError(f"{kind.name}: count/dtype set without a payload")
+    return msg
+
+
+def error(to: Message, text: str, sender: int = 0) -> Message:
+    return Message(Type.ERROR, sender=sender, seq=to.seq, key=to.key, meta={"message": text}, reply=True)
+
+
+def ack(to: Message, sender: int = 0, **meta: Any) -> Message:
+    return Message(Type.ACK, sender=sender, seq=to.seq, key=to.key, meta=meta or None, reply=True)

@@ -1,0 +1,178 @@
+"""The scheduler: membership, ranks, barriers and failure detection for one job.
+
+It waits for every server and worker to register, gives each a rank and the address book
+(where every server listens), then watches heartbeats. Barriers are released when every worker
+has arrived. When a node goes silent for longer than the heartbeat timeout, every remaining node
+is told which one failed and the scheduler exits non-zero; when every worker reports DONE, the
+servers are told to shut down and it exits 0. No TensorFlow here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from tfkv.store import protocol as P
+from tfkv.store.cluster_env import ClusterEnv
+from tfkv.store.scheduler_link import node_name
+
+log = logging.getLogger("tfkv.ps")
+
+
+@dataclass
+class Node:
+    identity: bytes
+    role: str
+    host: str
+    port: int
+    rank_hint: int | None
+    hostname: str
+    pid: int
+    id: int = 0
+    rank: int = 0
+    last_seen: float = 0.0
+    done: bool = False
+
+    @property
+    def name(self) -> str:
+        return node_name(self.role, self.rank)
+
+
+class Scheduler:
+    def __init__(self, env: ClusterEnv):
+        self.env = env
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_META + 4096)  # control traffic only
+        try:
+            self.sock.bind(f"tcp://{env.scheduler_host}:{env.scheduler_port}")
+        except zmq.ZMQError as e:
+            raise OSError(f"scheduler cannot listen on {env.scheduler_host}:{env.scheduler_port} ({e}); "
+                          "pick another DMLC_PS_ROOT_PORT or a local address for DMLC_PS_ROOT_URI") from None
+        self.nodes: dict[bytes, Node] = {}
+
+    def run(self) -> int:
+        """Run the job's membership to the end; 0 when every worker finished, 1 on a failure."""
+        if not self._gather():
+            return 1
+        return self._watch()
+
+    def _recv(self, timeout_ms: float) -> tuple[bytes, P.Message] | None:
+        if not self.sock.poll(timeout_ms):
+            return None
+        frames = self.sock.recv_multipart(copy=False)
+        identity = frames[0].bytes
+        try:
+            return identity, P.decode(frames[1:])
+        except P.ProtocolError as e:
+            log.warning("scheduler: dropped a malformed message: %s", e)
+            return None
+
+    def _send(self, node: Node, msg: P.Message) -> None:
+        self.sock.send_multipart([node.identity, *P.encode(msg)], copy=False)
+
+    def _gather(self) -> bool:
+        want = {"server": self.env.num_servers, "worker": self.env.num_workers}
+        deadline = time.monotonic() + self.env.start_timeout
+        log.info("scheduler: waiting for %d servers and %d workers on %s:%d", want["server"],
+                 want["worker"], self.env.scheduler_host, self.env.scheduler_port)
+        while len(self.nodes) < sum(want.values()):
+            if time.monotonic() > deadline:
+                have = {r: sum(n.role == r for n in self.nodes.values()) for r in want}
+                missing = ", ".join(f"{want[r] - have[r]} {r}(s)" for r in want if have[r] < want[r])
+                reason = f"only {len(self.nodes)} of {sum(want.values())} nodes registered within " \
+                         f"{self.env.start_timeout:.0f} s (missing {missing})"
+                log.error("scheduler: %s", reason)
+                for node in self.nodes.values():
+                    self._send(node, P.Message(P.Type.FAILED, meta={"node": "the cluster", "reason": reason}))
+                return False
+            got = self._recv(200)
+            if got is None:
+                continue
+            identity, msg = got
+            if msg.type != P.Type.REGISTER or not isinstance(msg.meta, dict):
+                continue
+            m = msg.meta
+            role = m.get("role")
+            if role not in want or sum(n.role == role for n in self.nodes.values()) >= want[role]:
+                self.sock.send_multipart([identity, *P.encode(P.error(msg, f"no place for a {role!r} in this job"))])
+                continue
+            try:
+                self.nodes[identity] = Node(identity, role, str(m.get("host", "")), int(m.get("port", 0)),
+                                            m.get("rank_hint") if isinstance(m.get("rank_hint"), int) else None,
+                                            str(m.get("hostname", "")), int(m.get("pid", 0)))
+            except (TypeError, ValueError):
+                continue
+            if self.env.verbose >= 1:
+                log.info("scheduler: %s registered from %s (pid %s)", role, m.get("hostname"), m.get("pid"))
+
+        next_id = 1
+        for role in ("server", "worker"):
+            members = [n for n in self.nodes.values() if n.role == role]
+            members.sort(key=lambda n: (n.rank_hint is None, n.rank_hint or 0))
+            for rank, node in enumerate(members):
+                node.rank, node.id = rank, next_id
+                next_id += 1
+        servers = sorted((n for n in self.nodes.values() if n.role == "server"), key=lambda n: n.rank)
+        book: dict[str, Any] = {
+            "num_servers": self.env.num_servers, "num_workers": self.env.num_workers,
+            "servers": [{"rank": n.rank, "id": n.id, "host": n.host, "port": n.port} for n in servers],
+            "nodes": [{"id": n.id, "role": n.role, "rank": n.rank, "hostname": n.hostname, "pid": n.pid}
+                      for n in self.nodes.values()],
+        }
+        now = time.monotonic()
+        for node in self.nodes.values():
+            node.last_seen = now
+            self._send(node, P.Message(P.Type.ADDRESS_BOOK, meta={**book, "id": node.id, "rank": node.rank}))
+        log.info("scheduler: cluster complete: %s", ", ".join(
+            f"{n.name}@{n.hostname}" for n in sorted(self.nodes.values(), key=lambda n: n.id)))
+        return True
+
+    def _fail(self, culprit: str, reason: str) -> int:
+        log.error("scheduler: %s failed (%s); stopping every node", culprit, reason)
+        for node in self.nodes.values():
+            if not node.done:
+                self._send(node, P.Message(P.Type.FAILED, meta={"node": culprit, "reason": reason}))
+        return 1
+
+    def _watch(self) -> int:
+        waiting: set[bytes] = set()
+        workers = [n for n in self.nodes.values() if n.role == "worker"]
+        while True:
+            got = self._recv(self.env.heartbeat_interval * 500)
+            now = time.monotonic()
+            if got is not None:
+                identity, msg = got
+                node = self.nodes.get(identity)
+                if node is None:
+                    continue  # a stranger: not part of this job
+                node.last_seen = now
+                if msg.type == P.Type.HEARTBEAT:
+                    self._send(node, P.Message(P.Type.HEARTBEAT, reply=True))
+                elif msg.type == P.Type.BARRIER and node.role == "worker":
+                    waiting.add(identity)
+                    if len(waiting) == len(workers):
+                        for w in workers:
+                            self._send(w, P.Message(P.Type.BARRIER_DONE))
+                        waiting.clear()
+                elif msg.type == P.Type.DONE and node.role == "worker":
+                    node.done = True
+                    if self.env.verbose >= 1:
+                        log.info("scheduler: %s finished", node.name)
+                    if all(w.done for w in workers):
+                        for n in self.nodes.values():
+                            if n.role == "server":
+                                self._send(n, P.Message(P.Type.SHUTDOWN))
+                        log.info("scheduler: every worker finished; shutting the servers down")
+                        return 0
+                elif msg.type == P.Type.FAILED:
+                    return self._fail(node.name, (msg.meta or {}).get("reason", "it reported a failure"))
+            for node in self.nodes.values():
+                if not node.done and now - node.last_seen > self.env.heartbeat_timeout:
+                    return self._fail(node.name, f"no heartbeat for {now - node.last_seen:.1f} s "
+                                                 f"from pid {node.pid} on {node.hostname}")

@@ -1,0 +1,152 @@
+"""A server's or worker's line to the scheduler: registration, the address book, heartbeats,
+barriers, and leaving at once when the scheduler reports that a node failed.
+
+After registering, a background thread owns the socket: it heartbeats, answers the
+scheduler's heartbeats, releases barriers, and when a node fails (or the scheduler goes
+silent) it prints which one and ends this process with EXIT_PEER_FAILED, so that nothing waits
+forever on a peer that is gone. No TensorFlow here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from tfkv.store import protocol as P
+from tfkv.store.cluster_env import ClusterEnv
+
+log = logging.getLogger("tfkv.ps")
+
+EXIT_PEER_FAILED = 3
+
+
+class ClusterError(RuntimeError):
+    """The cluster could not be formed or broke; the message says which node and why."""
+
+
+def node_name(role: str, rank: int) -> str:
+    return f"{role} {rank}"
+
+
+class SchedulerLink:
+    def __init__(self, env: ClusterEnv, role: str, host: str = "", port: int = 0):
+        self.env = env
+        self.role = role
+        self.ctx = zmq.Context.instance()
+        self._sock = self.ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 2000)
+        self._sock.connect(f"tcp://{env.scheduler_host}:{env.scheduler_port}")
+        self._send(P.Message(P.Type.REGISTER, meta={
+            "role": role, "host": host, "port": port, "rank_hint": env.rank_hint,
+            "pid": os.getpid(), "hostname": socket.gethostname()}))
+        book = self._await_address_book()
+        self.id: int = book["id"]
+        self.rank: int = book["rank"]
+        self.name = node_name(role, self.rank)
+        self.num_workers: int = book["num_workers"]
+        self.num_servers: int = book["num_servers"]
+        self.servers: list[dict[str, Any]] = book["servers"]
+        self.workers: dict[int, str] = {n["id"]: node_name(n["role"], n["rank"]) for n in book["nodes"]
+                                        if n["role"] == "worker"}
+        if env.verbose >= 1:
+            log.info("%s (id %d): cluster of %d servers, %d workers; servers at %s", self.name, self.id,
+                     self.num_servers, self.num_workers,
+                     ", ".join(f"{s['host']}:{s['port']}" for s in self.servers))
+        self.shutdown = threading.Event()
+        self._barrier = threading.Event()
+        self._outbox: queue.Queue[P.Message] = queue.Queue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="tfkv-scheduler-link", daemon=True)
+        self._thread.start()
+
+    # -- main-thread API -----------------------------------------------------------------------
+
+    def barrier(self) -> None:
+        """Block until every worker has called barrier()."""
+        self._barrier.clear()
+        self._outbox.put(P.Message(P.Type.BARRIER, sender=self.id))
+        while not self._barrier.wait(0.2):
+            pass
+
+    def done(self) -> None:
+        """Tell the scheduler this worker finished cleanly, then stop heartbeating."""
+        self._outbox.put(P.Message(P.Type.DONE, sender=self.id))
+        self._outbox.join()
+        self._closed = True
+        self._thread.join(timeout=5)
+
+    def abort(self, reason: str) -> None:
+        """Report that this node is failing, so the scheduler stops the job now, not after a
+        heartbeat timeout."""
+        self._outbox.put(P.Message(P.Type.FAILED, sender=self.id, meta={"reason": reason[:500]}))
+        self._outbox.join()
+        self._closed = True
+        self._thread.join(timeout=5)
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _send(self, msg: P.Message) -> None:
+        self._sock.send_multipart(P.encode(msg), copy=False)
+
+    def _await_address_book(self) -> dict[str, Any]:
+        deadline = time.monotonic() + self.env.start_timeout
+        while time.monotonic() < deadline:
+            if self._sock.poll(200):
+                try:
+                    msg = P.decode(self._sock.recv_multipart(copy=False))
+                except P.ProtocolError as e:
+                    log.warning("ignored a malformed message from the scheduler: %s", e)
+                    continue
+                if msg.type == P.Type.ADDRESS_BOOK and msg.meta:
+                    return msg.meta
+                if msg.type in (P.Type.FAILED, P.Type.ERROR) and msg.meta:
+                    raise ClusterError(f"scheduler refused {self.role}: "
+                                       f"{msg.meta.get('reason') or msg.meta.get('message')}")
+        raise ClusterError(
+            f"{self.role}: no answer from the scheduler at {self.env.scheduler_host}:"
+            f"{self.env.scheduler_port} within {self.env.start_timeout:.0f} s; is it running, and are "
+            "DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT right?")
+
+    def _die(self, reason: str) -> None:
+        sys.stdout.flush()
+        print(f"tfkv: {self.name}: {reason}; exiting", file=sys.stderr, flush=True)
+        os._exit(EXIT_PEER_FAILED)
+
+    def _loop(self) -> None:
+        interval, timeout = self.env.heartbeat_interval, self.env.heartbeat_timeout
+        last_sent = 0.0
+        last_heard = time.monotonic()
+        while not self._closed:
+            now = time.monotonic()
+            if now - last_sent >= interval:
+                self._send(P.Message(P.Type.HEARTBEAT, sender=self.id))
+                last_sent = now
+            while not self._outbox.empty():
+                self._send(self._outbox.get())
+                self._outbox.task_done()
+            if self._sock.poll(min(interval, 0.05) * 1000):
+                try:
+                    msg = P.decode(self._sock.recv_multipart(copy=False))
+                except P.ProtocolError as e:
+                    log.warning("ignored a malformed message from the scheduler: %s", e)
+                    continue
+                last_heard = time.monotonic()
+                if msg.type == P.Type.BARRIER_DONE:
+                    self._barrier.set()
+                elif msg.type == P.Type.SHUTDOWN:
+                    self.shutdown.set()
+                elif msg.type == P.Type.FAILED:
+                    meta = msg.meta or {}
+                    self._die(f"{meta.get('node', 'a node')} failed ({meta.get('reason', 'no reason given')})")
+            elif time.monotonic() - last_heard > timeout and not self.shutdown.is_set():
+                self._die(f"the scheduler at {self.env.scheduler_host}:{self.env.scheduler_port} "
+                          f"has been silent for {timeout:.1f} s")
+        self._sock.close()

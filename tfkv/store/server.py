@@ -1,0 +1,232 @@
+"""A parameter server: holds its share of the keys and applies what workers push.
+
+Synchronous mode (`dist_sync*`): pushes of a key are summed until every worker has pushed once;
+then the optimizer runs (or the sum becomes the value, when workers update themselves), and
+pulls that arrived meanwhile from workers who pushed are answered with the new value. A worker
+that pushes the same key twice before the round closes has the second push held for the next
+round. Asynchronous mode (`dist_async*`): every push is applied on arrival; requests are handled
+one at a time, so each update of a key is atomic.
+
+Requests are handled by one thread. A malformed or wrong-size request gets an ERROR reply and
+the server carries on. A request seen before (same sender and sequence number, as resent
+under PS_RESEND) is acknowledged again but never applied twice. No TensorFlow here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+
+from tfkv import optim
+from tfkv.store import protocol as P
+from tfkv.store.cluster_env import ClusterEnv
+from tfkv.store.np_updater import NumpyUpdater
+from tfkv.store.scheduler_link import SchedulerLink
+
+log = logging.getLogger("tfkv.ps")
+
+_DEDUP_WINDOW = 4096
+
+
+class RequestError(ValueError):
+    """The request cannot be served; its text goes back to the sender."""
+
+
+@dataclass
+class Round:
+    """One synchronous round of a key: who has pushed and what is waiting."""
+
+    merged: np.ndarray | None = None
+    pushed: set[int] = field(default_factory=set)
+    pulls: list[tuple[bytes, P.Message]] = field(default_factory=list)
+    held: list[tuple[bytes, P.Message]] = field(default_factory=list)
+
+
+class Server:
+    def __init__(self, env: ClusterEnv):
+        self.env = env
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        # Bounded by the transport: a peer cannot make this process allocate more than this.
+        self.sock.setsockopt(zmq.MAXMSGSIZE, env.max_message_bytes)
+        self.host = env.bind_address()
+        self.port = self.sock.bind_to_random_port(f"tcp://{self.host}")
+        self.link = SchedulerLink(env, "server", self.host, self.port)
+        self.id = self.link.id
+        self.workers = set(self.link.workers)
+        self.sync = True
+        self.updater: NumpyUpdater | None = None
+        self.values: dict[int, np.ndarray] = {}
+        self.rounds: dict[int, Round] = defaultdict(Round)
+        self._seen: dict[int, OrderedDict[int, None]] = defaultdict(OrderedDict)
+        self.max_count = env.max_message_bytes // 4
+        log.info("%s listening on %s:%d", self.link.name, self.host, self.port)
+
+    # -- loop ----------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        while not self.link.shutdown.is_set():
+            if not self.sock.poll(100):
+                continue
+            frames = self.sock.recv_multipart(copy=False)
+            self.handle(frames[0].bytes, frames[1:])
+        log.info("%s: shut down by the scheduler", self.link.name)
+        return 0
+
+    def reply(self, identity: bytes, msg: P.Message) -> None:
+        msg.sender = self.id
+        self.sock.send_multipart([identity, *P.encode(msg)], copy=False)
+
+    def handle(self, identity: bytes, frames: list[Any]) -> None:
+        try:
+            msg = P.decode(frames, self.max_count)
+        except P.ProtocolError as e:
+            log.warning("%s: refused a malformed request: %s", self.link.name, e)
+            seq = 0
+            if frames and len(frames[0]) == P.HEADER.size:
+                seq = P.HEADER.unpack(frames[0].bytes if hasattr(frames[0], "bytes") else frames[0])[6]
+            self.reply(identity, P.Message(P.Type.ERROR, seq=seq, meta={"message": str(e)}, reply=True))
+            return
+        if self.env.verbose >= 2:
+            log.info("%s: %s key=%d from %d seq=%d (%s floats)", self.link.name, msg.type.name, msg.key,
+                     msg.sender, msg.seq, 0 if msg.data is None else msg.data.size)
+        if msg.sender not in self.workers:
+            self.reply(identity, P.error(msg, f"sender {msg.sender} is not a worker of this job"))
+            return
+        mutating = msg.type in (P.Type.PUSH, P.Type.INIT, P.Type.SET_STATE, P.Type.SET_OPTIMIZER, P.Type.CONFIGURE)
+        if mutating and self._duplicate(msg):
+            self.reply(identity, P.ack(msg))
+            return
+        try:
+            handler = self._handlers.get(msg.type)
+            if handler is None:
+                raise RequestError(f"{msg.type.name} is not a request a server serves")
+            handler(self, identity, msg)
+        except RequestError as e:
+            self.reply(identity, P.error(msg, str(e)))
+
+    def _duplicate(self, msg: P.Message) -> bool:
+        seen = self._seen[msg.sender]
+        if msg.seq in seen:
+            return True
+        seen[msg.seq] = None
+        if len(seen) > _DEDUP_WINDOW:
+            seen.popitem(last=False)
+        return False
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def _value(self, msg: P.Message) -> np.ndarray:
+        value = self.values.get(msg.key)
+        if value is None:
+            raise RequestError(f"key {msg.key} is not initialised on this server")
+        return value
+
+    def _payload(self, msg: P.Message, size: int | None = None) -> np.ndarray:
+        if msg.data is None:
+            raise RequestError(f"{msg.type.name} carries no data")
+        if size is not None and msg.data.size != size:
+            raise RequestError(f"key {msg.key}: {msg.data.size} values pushed, the key holds {size}")
+        return msg.data
+
+    def on_configure(self, identity: bytes, msg: P.Message) -> None:
+        self.sync = bool((msg.meta or {}).get("sync", True))
+        self.reply(identity, P.ack(msg))
+
+    def on_set_optimizer(self, identity: bytes, msg: P.Message) -> None:
+        try:
+            opt = optim.from_dict((msg.meta or {}).get("optimizer", {}))
+        except (TypeError, ValueError) as e:
+            raise RequestError(f"bad optimizer description: {e}") from None
+        if self.updater is None or self.updater.optimizer != opt:
+            self.updater = NumpyUpdater(opt)
+        self.reply(identity, P.ack(msg))
+
+    def on_init(self, identity: bytes, msg: P.Message) -> None:
+        data = self._payload(msg)
+        if msg.key not in self.values:  # the first init wins, as in MXNet
+            self.values[msg.key] = np.array(data, np.float32)
+        self.reply(identity, P.ack(msg))
+
+    def on_push(self, identity: bytes, msg: P.Message) -> None:
+        data = self._payload(msg, self._value(msg).size)
+        if not self.sync:
+            if self.updater is None:
+                raise RequestError("dist_async needs an optimizer on the servers: without one each "
+                                   "push would overwrite the weights; set update_on_kvstore=true")
+            self.values[msg.key] = self.updater.update(msg.key, self.values[msg.key], data)
+            self.reply(identity, P.ack(msg))
+            return
+        r = self.rounds[msg.key]
+        if msg.sender in r.pushed:
+            r.held.append((identity, msg))
+            return  # acknowledged when its round opens
+        # The received buffer is read-only and owned by zmq: sum into a fresh array.
+        r.merged = np.array(data, np.float32) if r.merged is None else np.add(r.merged, data)
+        r.pushed.add(msg.sender)
+        self.reply(identity, P.ack(msg))
+        if len(r.pushed) == len(self.workers):
+            self._close_round(msg.key, r)
+
+    def _close_round(self, key: int, r: Round) -> None:
+        assert r.merged is not None
+        if self.updater is not None:
+            self.values[key] = self.updater.update(key, self.values[key], r.merged)
+        else:
+            self.values[key] = r.merged
+        pulls, held = r.pulls, r.held
+        self.rounds[key] = Round()
+        for identity, pull in pulls:
+            self._answer_pull(identity, pull)
+        for identity, push in held:
+            self.on_push(identity, push)
+
+    def on_pull(self, identity: bytes, msg: P.Message) -> None:
+        self._value(msg)
+        r = self.rounds.get(msg.key)
+        if self.sync and r is not None and msg.sender in r.pushed:
+            r.pulls.append((identity, msg))  # answered when the round closes
+            return
+        self._answer_pull(identity, msg)
+
+    def _answer_pull(self, identity: bytes, msg: P.Message) -> None:
+        self.reply(identity, P.Message(P.Type.PULL, seq=msg.seq, key=msg.key, data=self.values[msg.key], reply=True))
+
+    def on_get_state(self, identity: bytes, msg: P.Message) -> None:
+        value = self._value(msg)
+        if self.updater is None:
+            raise RequestError("this server has no optimizer, so no optimizer state")
+        states, count = self.updater.get(msg.key, value.size)
+        data = np.concatenate(states) if states else np.zeros(0, np.float32)
+        self.reply(identity, P.Message(P.Type.GET_STATE, seq=msg.seq, key=msg.key, reply=True, data=data,
+                                       meta={"names": list(self.updater.optimizer.state_names), "count": count}))
+
+    def on_set_state(self, identity: bytes, msg: P.Message) -> None:
+        value = self._value(msg)
+        if self.updater is None:
+            raise RequestError("set the optimizer before its state")
+        names = list(self.updater.optimizer.state_names)
+        if (msg.meta or {}).get("names", names) != names:
+            raise RequestError(f"state names {msg.meta.get('names')} do not match this optimizer's {names}")
+        data = self._payload(msg, value.size * len(names)) if names else np.zeros(0, np.float32)
+        count = (msg.meta or {}).get("count", 0)
+        if not isinstance(count, int) or count < 0:
+            raise RequestError("state count must be a non-negative integer")
+        self.updater.set(msg.key, list(np.split(data, len(names))) if names else [], count)
+        self.reply(identity, P.ack(msg))
+
+    _handlers = {
+        P.Type.CONFIGURE: on_configure,
+        P.Type.SET_OPTIMIZER: on_set_optimizer,
+        P.Type.INIT: on_init,
+        P.Type.PUSH: on_push,
+        P.Type.PULL: on_pull,
+        P.Type.GET_STATE: on_get_state,
+        P.Type.SET_STATE: on_set_state,
+    }
