@@ -2,8 +2,10 @@
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -43,3 +45,103 @@ def tfkv_run(*args: str, cwd: Path, timeout: float = 300, env: dict | None = Non
 def python(script: Path, *args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(script), *args], cwd=cwd, capture_output=True,
                           text=True, timeout=timeout)
+
+
+# -- parameter-server clusters made of real processes -------------------------------------------
+
+TAG = "TFKV_TEST_TAG"
+
+
+def tagged_pids(tag: str) -> list[int]:
+    """PIDs of live processes whose environment carries this test's tag."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if f"{TAG}={tag}".encode() in f.read().split(b"\0"):
+                    with open(f"/proc/{entry}/stat") as s:
+                        if s.read().split(")")[-1].split()[0] != "Z":  # zombies are already dead
+                            found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+class Cluster:
+    """Scheduler, servers and workers started by hand with DMLC_* variables, as the MXNet guide's
+    manual launch does. Output of each process goes to a file in the test's directory."""
+
+    def __init__(self, tmp_path: Path, num_servers: int, num_workers: int, env: dict | None = None):
+        from tfkv.launcher.plan import free_port
+
+        self.dir = tmp_path
+        self.tag = f"{tmp_path.name}-{os.getpid()}"
+        self.env = {**os.environ, TAG: self.tag, "PYTHONUNBUFFERED": "1", "DMLC_PS_ROOT_URI": "127.0.0.1",
+                    "DMLC_PS_ROOT_PORT": str(free_port()), "DMLC_NUM_SERVER": str(num_servers),
+                    "DMLC_NUM_WORKER": str(num_workers), "TFKV_HEARTBEAT_TIMEOUT": "3", **(env or {})}
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.num_servers, self.num_workers = num_servers, num_workers
+
+    def start(self, name: str, role: str, argv: list[str], **env: str) -> subprocess.Popen:
+        log = open(self.dir / f"{name.replace(' ', '-')}.log", "wb")
+        proc = subprocess.Popen(argv, env={**self.env, "DMLC_ROLE": role, **env}, stdout=log,
+                                stderr=subprocess.STDOUT, cwd=self.dir, start_new_session=True)
+        self.procs[name] = proc
+        return proc
+
+    def start_servers(self, argv: list[str] | None = None) -> None:
+        argv = argv or [sys.executable, "-m", "tfkv.store.node"]
+        self.start("scheduler", "scheduler", argv)
+        for i in range(self.num_servers):
+            self.start(f"server {i}", "server", argv, TFKV_RANK_HINT=str(i))
+
+    def start_workers(self, scenario: str, *args: str, **env: str) -> list[Path]:
+        outs = []
+        for i in range(self.num_workers):
+            out = self.dir / f"worker{i}.json"
+            self.start(f"worker {i}", "worker", [sys.executable, str(REPO / "tests" / "dist_worker.py"),
+                                                   scenario, str(out), *args], TFKV_RANK_HINT=str(i), **env)
+            outs.append(out)
+        return outs
+
+    def wait(self, timeout: float = 120) -> dict[str, int]:
+        deadline = time.time() + timeout
+        for name, p in self.procs.items():
+            try:
+                p.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"{name} still running after {timeout} s:\n{self.output(name)}")
+        return {name: p.returncode for name, p in self.procs.items()}
+
+    def output(self, name: str) -> str:
+        return (self.dir / f"{name.replace(' ', '-')}.log").read_text(errors="replace")
+
+    def outputs(self) -> str:
+        return "\n".join(f"--- {n}\n{self.output(n)[-3000:]}" for n in self.procs)
+
+    def kill_all(self) -> None:
+        for p in self.procs.values():
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            p.wait()
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """Make clusters; at the end assert that none of their processes is left on the machine."""
+    made: list[Cluster] = []
+
+    def make(num_servers: int = 1, num_workers: int = 2, **env: str) -> Cluster:
+        c = Cluster(tmp_path, num_servers, num_workers, env)
+        made.append(c)
+        return c
+
+    yield make
+    leftovers = {c.tag: tagged_pids(c.tag) for c in made}
+    for c in made:
+        c.kill_all()
+    assert not any(leftovers.values()), f"processes left behind: {leftovers}"

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import IO
 
 from tfkv.launcher.plan import Process
+from tfkv.store.scheduler_link import EXIT_PEER_FAILED
 
 GRACE = 2.0  # seconds the others get to notice a failure on their own
 
@@ -75,19 +76,24 @@ def run(plan: list[Process], cwd: str | None = None, out: IO[str] | None = None)
             t = threading.Thread(target=_pump, args=(p.name, child.stdout, out, lock), daemon=True)
             t.start()
             pumps.append(t)
+        failed: list[tuple[str, int]] = []  # in the order they were seen
         failed_at = None
         while any(c.poll() is None for c in children.values()):
             for name, c in children.items():
-                if c.returncode not in (None, 0) and failure is None:
-                    failure, failed_at = f"{name} {_status(c.returncode)}", time.monotonic()
+                if c.returncode not in (None, 0) and all(name != f[0] for f in failed):
+                    failed.append((name, c.returncode))
+                    failed_at = failed_at or time.monotonic()
             if failed_at is not None and time.monotonic() - failed_at > GRACE:
                 break
             time.sleep(0.05)
-        if failure is None:
-            for name, c in children.items():
-                if c.returncode:
-                    failure = f"{name} {_status(c.returncode)}"
-                    break
+        for name, c in children.items():
+            if c.returncode not in (None, 0) and all(name != f[0] for f in failed):
+                failed.append((name, c.returncode))
+        # Processes that stopped because a peer failed say so with EXIT_PEER_FAILED: the cause is
+        # the first one that did not.
+        causes = [f for f in failed if f[1] != EXIT_PEER_FAILED] or failed
+        if causes:
+            failure = f"{causes[0][0]} {_status(causes[0][1])}"
     except KeyboardInterrupt:
         failure = "interrupted (Ctrl-C)"
     finally:

@@ -7,6 +7,7 @@ launched by hand the way the MXNet guide shows works unchanged. Read once into a
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import socket
 import struct
@@ -95,6 +96,11 @@ class ClusterEnv:
             max_message_bytes=int(number(int, _get(env, "TFKV_MAX_MESSAGE_BYTES", default=str(1 << 31)),
                                          "TFKV_MAX_MESSAGE_BYTES")),
         )
+
+    def enable_logging(self) -> None:
+        """PS_VERBOSE must show, also in a plain script that configured no logging."""
+        if self.verbose and not logging.getLogger().handlers:
+            logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s] %(message)s")
 
     def bind_address(self) -> str:
         """The address this node listens on: the chosen interface's, else the one that routes

@@ -209,6 +209,10 @@ class DistStore(KVStore):
 
     def pull(self, key: Key | Sequence[Key], out: Any = None, priority: int | Sequence[int] = 0) -> Any:
         items = self._ordered(list(pairs(key, out)), priority)
+        if self.env.resend:
+            # One connection delivers in order, so a pull cannot overtake its key's push, unless
+            # that push was lost and is being resent: then wait until it is acknowledged.
+            self._wait()
         requests = []
         for k, outs in items:
             kid, layout = self._layout(k)

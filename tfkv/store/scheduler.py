@@ -18,7 +18,7 @@ import zmq
 
 from tfkv.store import protocol as P
 from tfkv.store.cluster_env import ClusterEnv
-from tfkv.store.scheduler_link import node_name
+from tfkv.store.scheduler_link import EXIT_PEER_FAILED, node_name
 
 log = logging.getLogger("tfkv.ps")
 
@@ -57,7 +57,8 @@ class Scheduler:
         self.nodes: dict[bytes, Node] = {}
 
     def run(self) -> int:
-        """Run the job's membership to the end; 0 when every worker finished, 1 on a failure."""
+        """Run the job's membership to the end: 0 when every worker finished, EXIT_PEER_FAILED
+        when a node failed, 1 when the cluster never formed."""
         if not self._gather():
             return 1
         return self._watch()
@@ -136,9 +137,9 @@ class Scheduler:
     def _fail(self, culprit: str, reason: str) -> int:
         log.error("scheduler: %s failed (%s); stopping every node", culprit, reason)
         for node in self.nodes.values():
-            if not node.done:
+            if not node.done and node.name != culprit:
                 self._send(node, P.Message(P.Type.FAILED, meta={"node": culprit, "reason": reason}))
-        return 1
+        return EXIT_PEER_FAILED
 
     def _watch(self) -> int:
         waiting: set[bytes] = set()

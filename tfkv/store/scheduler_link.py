@@ -39,6 +39,7 @@ def node_name(role: str, rank: int) -> str:
 class SchedulerLink:
     def __init__(self, env: ClusterEnv, role: str, host: str = "", port: int = 0):
         self.env = env
+        env.enable_logging()
         self.role = role
         self.ctx = zmq.Context.instance()
         self._sock = self.ctx.socket(zmq.DEALER)
@@ -64,6 +65,7 @@ class SchedulerLink:
         self._barrier = threading.Event()
         self._outbox: queue.Queue[P.Message] = queue.Queue()
         self._closed = False
+        self._aborting = False
         self._thread = threading.Thread(target=self._loop, name="tfkv-scheduler-link", daemon=True)
         self._thread.start()
 
@@ -86,6 +88,7 @@ class SchedulerLink:
     def abort(self, reason: str) -> None:
         """Report that this node is failing, so the scheduler stops the job now, not after a
         heartbeat timeout."""
+        self._aborting = True
         self._outbox.put(P.Message(P.Type.FAILED, sender=self.id, meta={"reason": reason[:500]}))
         self._outbox.join()
         self._closed = True
@@ -143,7 +146,7 @@ class SchedulerLink:
                     self._barrier.set()
                 elif msg.type == P.Type.SHUTDOWN:
                     self.shutdown.set()
-                elif msg.type == P.Type.FAILED:
+                elif msg.type == P.Type.FAILED and not self._aborting:
                     meta = msg.meta or {}
                     self._die(f"{meta.get('node', 'a node')} failed ({meta.get('reason', 'no reason given')})")
             elif time.monotonic() - last_heard > timeout and not self.shutdown.is_set():

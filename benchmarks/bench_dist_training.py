@@ -1,0 +1,398 @@
+"""Training samples/s of tfkv `dist_sync` (2 local workers, 1 server) against `local` in one
+process and tf.distribute MultiWorkerMirroredStrategy (2 local workers), same run.
+
+Three contenders train the same model on the same synthetic in-memory batch with SGD (lr 0.01,
+momentum 0.9), the loss being the mean over the global batch of 2 x b examples:
+
+    local      tfkv DataParallel + KVStore `local`, one process, one device, batch 2 x b
+    dist_sync  tfkv DataParallel + KVStore `dist_sync`, 2 worker processes (b each) and 1 server,
+               started by tfkv.launcher (make_plan + local.run); the server runs the optimizer
+    MWMS       tf.distribute.MultiWorkerMirroredStrategy, 2 worker processes (b each; TF_CONFIG
+               with two 127.0.0.1 ports, gRPC + ring all-reduce), the model built inside
+               strategy.scope(), a custom loop: tf.function(strategy.run(step)) with GradientTape
+               and keras SGD.apply_gradients (the loop bench_local_step.py uses as its baseline;
+               model.fit adds Keras callbacks and data-adapter overhead on top of the same step)
+
+Models: LeNet (tfkv `lenet`) and an MLP of ~5.8M parameters (tfkv `mlp`, hidden [2048, 2048]),
+28x28x1 inputs, 10 classes, b = 64 per worker. Each process traces and warms up, times a few
+calibration steps, and then runs a fixed number of steps lasting about `--seconds` (the workers of
+a job must run the same count, so rank 0 picks it and writes it to a file the others wait for).
+Samples/s is for the whole job: global batch x steps / the slowest worker's time. After the timed
+steps both workers' weights are compared (they must agree), so a baseline that silently stopped
+synchronising cannot win. Trials alternate between contenders (order reversed every other trial)
+and the median is reported, because this machine is shared and noisy.
+
+    python benchmarks/bench_dist_training.py [--seconds 3] [--trials 3] [--models lenet,mlp]
+                                             [--batch 64] [--worker-threads 0]
+
+Every process runs in its own process group under a timeout and is killed with its group when it
+hangs (MWMS workers can); the script exits non-zero if anything failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+MODELS = {
+    # name: (ModelConfig kwargs, input shape)
+    "lenet": ({"name": "lenet"}, (28, 28, 1)),
+    "mlp": ({"name": "mlp", "hidden": [2048, 2048]}, (28, 28, 1)),
+}
+LR, MOMENTUM = 0.01, 0.9
+WARMUP_STEPS, CALIBRATION_STEPS = 3, 5
+
+
+# -- inside a worker process ------------------------------------------------------------------
+
+def synthetic(batch: int, shape: tuple[int, ...], seed: int = 0):
+    """The same global batch (2 x b examples) in every process; worker r trains on slice r."""
+    import numpy as np
+
+    rng = np.random.RandomState(seed)
+    x = rng.standard_normal((batch, *shape)).astype(np.float32)
+    y = rng.randint(0, 10, size=batch).astype(np.int32)
+    return x, y
+
+
+def agree_on_steps(rank: int, per_step: float, seconds: float, sync_dir: str, tag: str) -> int:
+    """Rank 0 decides the step count and writes it; the others wait for the file."""
+    path = os.path.join(sync_dir, f"{tag}.steps")
+    if rank == 0:
+        n = max(5, math.ceil(seconds / max(per_step, 1e-6)))
+        with open(path + ".tmp", "w") as f:
+            f.write(str(n))
+        os.replace(path + ".tmp", path)
+        return n
+    deadline = time.monotonic() + 120
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 never wrote {path}")
+        time.sleep(0.005)
+    with open(path) as f:
+        return int(f.read())
+
+
+def measure(step, rank: int, seconds: float, sync_dir: str, tag: str) -> tuple[int, float]:
+    for _ in range(WARMUP_STEPS):
+        step()
+    t0 = time.perf_counter()
+    for _ in range(CALIBRATION_STEPS):
+        step()
+    n = agree_on_steps(rank, (time.perf_counter() - t0) / CALIBRATION_STEPS, seconds, sync_dir, tag)
+    step()  # lines the workers up again after the file hand-over
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    return n, time.perf_counter() - t0
+
+
+def weights_checksum(weights) -> list[float]:
+    import numpy as np
+
+    return [float(np.sum(np.asarray(w, np.float64))) for w in weights]
+
+
+def set_threads(n: int) -> None:
+    import tensorflow as tf
+
+    if n:
+        tf.config.threading.set_intra_op_parallelism_threads(n)
+        tf.config.threading.set_inter_op_parallelism_threads(n)
+
+
+def run_tfkv(args: argparse.Namespace, kind: str) -> None:
+    """`local` (one process, batch 2b) or one `dist_sync` worker (batch b)."""
+    import keras
+
+    from tfkv import optim, store
+    from tfkv.config import ModelConfig
+    from tfkv.models import build
+    from tfkv.parallel import devices
+    from tfkv.parallel.data_parallel import DataParallel
+
+    set_threads(args.worker_threads if kind == "dist_sync" else 0)
+    tf_devices = devices.setup(["cpu:0"])
+    kv = store.create(kind, devices=tf_devices)
+    try:
+        rank, workers = kv.rank, kv.num_workers
+        reports = {}
+        for name in args.models.split(","):
+            cfg, shape = MODELS[name]
+            x, y = synthetic(2 * args.batch, shape)
+            if kind == "dist_sync":
+                x, y = x[rank * args.batch:(rank + 1) * args.batch], y[rank * args.batch:(rank + 1) * args.batch]
+            keras.utils.set_random_seed(0)
+            sgd = optim.SGD(schedule=optim.Schedule(lr=LR), momentum=MOMENTUM)
+            dp = DataParallel(lambda: build(ModelConfig(**cfg), shape, 10), tf_devices, kv, sgd, [len(x)])
+            n, elapsed = measure(lambda: dp.step(x, y), rank, args.seconds, args.sync_dir, f"{kind}-{name}")
+            loss, _, _ = dp.take_metrics()
+            reports[name] = {"steps": n, "seconds": elapsed, "batch": len(x) * workers, "loss": loss,
+                             "params": int(dp.replicas[0].count_params()), "checksum": weights_checksum(dp.get_weights())}
+        with open(os.path.join(args.out, f"{kind}-{rank}.json"), "w") as f:
+            json.dump(reports, f)
+    except BaseException:
+        kv.abort("bench_dist_training worker failed")
+        raise
+    kv.close()
+
+
+def run_mwms(args: argparse.Namespace) -> None:
+    """One MultiWorkerMirroredStrategy worker; TF_CONFIG is set by the parent."""
+    import tensorflow as tf
+    import keras
+
+    from tfkv.config import ModelConfig
+    from tfkv.models import build
+
+    set_threads(args.worker_threads)
+    rank = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    workers = strategy.num_replicas_in_sync
+    reports = {}
+    for name in args.models.split(","):
+        cfg, shape = MODELS[name]
+        x, y = synthetic(2 * args.batch, shape)
+        x, y = x[rank * args.batch:(rank + 1) * args.batch], y[rank * args.batch:(rank + 1) * args.batch]
+        x, y = tf.constant(x), tf.constant(y)
+        global_batch = args.batch * workers
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model = build(ModelConfig(**cfg), shape, 10)
+            opt = keras.optimizers.SGD(learning_rate=LR, momentum=MOMENTUM)
+            opt.build(model.trainable_variables)
+        loss_sum = tf.Variable(0.0, dtype=tf.float64, trainable=False)
+
+        def replica_step(x, y):
+            with tf.GradientTape() as tape:
+                logits = model(x, training=True)
+                losses = tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits)
+                loss = tf.reduce_sum(losses) / global_batch
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))  # all-reduces the gradients
+            return tf.reduce_sum(tf.cast(losses, tf.float64))
+
+        @tf.function
+        def train_step(x, y):
+            loss_sum.assign_add(strategy.experimental_local_results(strategy.run(replica_step, args=(x, y)))[0])
+
+        n, elapsed = measure(lambda: train_step(x, y), rank, args.seconds, args.sync_dir, f"mwms-{name}")
+        seen = (WARMUP_STEPS + CALIBRATION_STEPS + 1 + n) * args.batch
+        reports[name] = {"steps": n, "seconds": elapsed, "batch": global_batch, "loss": float(loss_sum.numpy()) / seen,
+                         "params": int(model.count_params()),
+                         "checksum": weights_checksum([v.numpy() for v in model.weights])}
+    with open(os.path.join(args.out, f"mwms-{rank}.json"), "w") as f:
+        json.dump(reports, f)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # MWMS's gRPC server can keep a process alive after the work is done
+
+
+# -- the parent: launching, timeouts, teardown ------------------------------------------------
+
+class Failed(RuntimeError):
+    pass
+
+
+def _kill_group(p: subprocess.Popen) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(p.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        try:
+            p.wait(timeout=3)
+            if sig == signal.SIGTERM:
+                os.killpg(p.pid, signal.SIGKILL)  # whatever the leader left behind in its group
+        except subprocess.TimeoutExpired:
+            continue
+        except ProcessLookupError:
+            pass
+        return
+
+
+def run_processes(envs: list[dict[str, str]], argv: list[str], timeout: float, what: str, logdir: str) -> None:
+    """Start one process per env (own process group each), wait for all; kill all on timeout or on
+    the first failure."""
+    procs, logs = [], []
+    try:
+        for i, env in enumerate(envs):
+            log = open(os.path.join(logdir, f"{what.replace(' ', '_')}-{i}.log"), "w+")
+            logs.append(log)
+            procs.append(subprocess.Popen(argv, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, start_new_session=True))
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs):
+            bad = [i for i, p in enumerate(procs) if p.returncode not in (None, 0)]
+            if bad:
+                raise Failed(f"{what} process {bad[0]} exited with status {procs[bad[0]].returncode}")
+            if time.monotonic() > deadline:
+                raise Failed(f"{what} ran past {timeout:.0f} s")
+            time.sleep(0.05)
+        bad = [i for i, p in enumerate(procs) if p.returncode != 0]
+        if bad:
+            raise Failed(f"{what} process {bad[0]} exited with status {procs[bad[0]].returncode}")
+    except Failed as e:
+        tails = []
+        for i, log in enumerate(logs):
+            log.flush()
+            log.seek(0)
+            tails.append(f"--- {what} process {i} ---\n" + log.read()[-3000:])
+        raise Failed(f"{e}\n" + "\n".join(tails)) from None
+    finally:
+        for p in procs:
+            _kill_group(p)
+        for log in logs:
+            log.close()
+
+
+def job_local(args, tmp: str) -> None:
+    run_processes([{}], worker_argv(args, "local", tmp), args.job_timeout, "local", tmp)
+
+
+def job_mwms(args, tmp: str) -> None:
+    from tfkv.launcher.plan import free_port
+
+    ports = [free_port(), free_port()]
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
+    envs = [{"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})} for i in range(2)]
+    run_processes(envs, worker_argv(args, "mwms", tmp), args.job_timeout, "MWMS", tmp)
+
+
+def job_dist_sync(args, tmp: str, model: str) -> None:
+    from tfkv.launcher import local
+    from tfkv.launcher.plan import free_port, make_plan
+
+    plan = make_plan(2, 1, worker_argv(args, "dist_sync", tmp, models=model),
+                     [sys.executable, "-m", "tfkv.store.node"], ["127.0.0.1"], "127.0.0.1", free_port())
+    log = io.StringIO()
+
+    def expired(*_):
+        raise Failed(f"dist_sync {model} ran past {args.job_timeout:.0f} s")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(int(args.job_timeout))
+    try:
+        result = local.run(plan, out=log)  # tears every process group down, also when Failed is raised
+    except Failed as e:
+        raise Failed(f"{e}\n{log.getvalue()[-4000:]}") from None
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    if result.failure is not None:
+        raise Failed(f"dist_sync {model}: {result.failure}\n{log.getvalue()[-4000:]}")
+
+
+def worker_argv(args, role: str, tmp: str, models: str | None = None) -> list[str]:
+    return [sys.executable, os.path.abspath(__file__), "--role", role, "--out", tmp, "--sync-dir", tmp,
+            "--models", models or args.models, "--batch", str(args.batch), "--seconds", str(args.seconds),
+            "--worker-threads", str(args.worker_threads)]
+
+
+def collect(tmp: str, kind: str, ranks: int) -> dict[str, dict]:
+    """{model: {samples_s, params, loss}} of one job; checks that the workers agree."""
+    reports = []
+    for r in range(ranks):
+        with open(os.path.join(tmp, f"{kind}-{r}.json")) as f:
+            reports.append(json.load(f))
+    out = {}
+    for name in reports[0]:
+        rs = [rep[name] for rep in reports]
+        if len({r["steps"] for r in rs}) != 1:
+            raise Failed(f"{kind} {name}: the workers ran different step counts")
+        for r in rs[1:]:
+            for a, b in zip(rs[0]["checksum"], r["checksum"]):
+                if abs(a - b) > 1e-4 * max(1.0, abs(a)):
+                    raise Failed(f"{kind} {name}: the workers' weights differ ({a} vs {b}): not synchronised")
+        if not all(math.isfinite(r["loss"]) for r in rs):
+            raise Failed(f"{kind} {name}: the loss is not finite")
+        out[name] = {"samples_s": rs[0]["batch"] * rs[0]["steps"] / max(r["seconds"] for r in rs),
+                     "params": rs[0]["params"], "loss": rs[0]["loss"]}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=3.0, help="timed steps per model, contender and trial")
+    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--models", default="lenet,mlp")
+    ap.add_argument("--batch", type=int, default=64, help="per worker (local trains on 2x this)")
+    ap.add_argument("--worker-threads", type=int, default=0,
+                    help="TF intra/inter-op threads per distributed worker (0: TensorFlow's default)")
+    ap.add_argument("--job-timeout", type=float, default=150.0, help="seconds before a job counts as hung")
+    ap.add_argument("--role", choices=["local", "dist_sync", "mwms"], help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--sync-dir", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    for m in args.models.split(","):
+        if m not in MODELS:
+            ap.error(f"unknown model {m!r}; known: {', '.join(MODELS)}")
+    if args.role == "mwms":
+        return run_mwms(args)
+    if args.role:
+        return run_tfkv(args, args.role)
+
+    models = args.models.split(",")
+    print(f"training samples/s (whole job), median of {args.trials} trials of ~{args.seconds:g} s; "
+          f"b={args.batch} per worker, global batch {2 * args.batch}; SGD momentum {MOMENTUM}; "
+          f"MWMS baseline: custom loop (strategy.run + GradientTape + keras SGD)", flush=True)
+    contenders = ["local", "dist_sync", "mwms"]
+    samples: dict[tuple[str, str], list[float]] = {}
+    info: dict[str, dict] = {}
+    t_start = time.monotonic()
+    try:
+        for trial in range(args.trials):
+            for kind in (contenders if trial % 2 == 0 else contenders[::-1]):
+                with tempfile.TemporaryDirectory(prefix="bench_dist_training_") as tmp:
+                    if kind == "local":
+                        job_local(args, tmp)
+                        got = collect(tmp, "local", 1)
+                    elif kind == "mwms":
+                        job_mwms(args, tmp)
+                        got = collect(tmp, "mwms", 2)
+                    else:
+                        got = {}
+                        for m in models:
+                            job_dist_sync(args, tmp, m)
+                            got.update(collect(tmp, "dist_sync", 2))
+                for m, r in got.items():
+                    samples.setdefault((kind, m), []).append(r["samples_s"])
+                    info.setdefault(m, {})[kind] = r
+            print(f"  trial {trial + 1}/{args.trials} done ({time.monotonic() - t_start:.0f} s)", flush=True)
+    except (Failed, OSError, ValueError, KeyError) as e:
+        print(f"bench_dist_training: FAILED: {e}", file=sys.stderr)
+        sys.exit(1)
+
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    print(f"{'model':<6} {'params':>10} {'local':>9} {'MWMS':>9} {'dist_sync':>10} "
+          f"{'dist/MWMS':>10} {'dist/local':>11}   (samples/s)")
+    slower = []
+    for m in models:
+        params = {info[m][k]["params"] for k in contenders}
+        if len(params) != 1:
+            print(f"bench_dist_training: FAILED: {m} has different parameter counts {params}", file=sys.stderr)
+            sys.exit(1)
+        lo, mw, ds = med[("local", m)], med[("mwms", m)], med[("dist_sync", m)]
+        print(f"{m:<6} {params.pop():>10,} {lo:>9.0f} {mw:>9.0f} {ds:>10.0f} {ds / mw:>10.3f} {ds / lo:>11.3f}")
+        if ds <= mw:
+            slower.append(m)
+    print(f"Target: dist_sync faster than MultiWorkerMirroredStrategy: "
+          f"{'met' if not slower else 'NOT met for ' + ', '.join(slower)}. Both run 2 workers on this "
+          f"machine's cores, so neither can beat `local` here; dist/local shows the cost of distribution.")
+    print("per-trial samples/s: " + "; ".join(
+        f"{k} {m} " + "/".join(f"{v:.0f}" for v in samples[(k, m)]) for m in models for k in contenders))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""A worker process for the parameter-server tests: `python dist_worker.py SCENARIO OUT_JSON [args]`.
+
+Each scenario uses a real `tfkv.store.create(...)` store against real scheduler and server
+processes, and writes what it observed to OUT_JSON for the test to check.
+"""
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tfkv.store  # noqa: E402
+from tfkv import optim  # noqa: E402
+from tfkv.store import protocol as P  # noqa: E402
+
+
+def semantics(kv, out):
+    """Sync sums, update on the store, a big array split over servers, string keys."""
+    r, n = kv.rank, kv.num_workers
+    kv.init([0, 1, "big"], [np.zeros((2, 3), np.float32), np.ones(5, np.float32), np.zeros(1000, np.float32)])
+    results = {}
+    for step in range(3):
+        kv.push([0, "big"], [np.full((2, 3), r + 1.0, np.float32), np.full(1000, step + r, np.float32)])
+        a, big = kv.pull([0, "big"])
+        results[f"step{step}"] = [a.tolist(), float(big[0]), float(big[-1])]
+    # Two device values from this machine are summed before the push.
+    kv.push(1, [np.full(5, 1.0, np.float32), np.full(5, 2.0, np.float32)])
+    results["device_sum"] = kv.pull(1).tolist()
+    results["rank"], results["num_workers"] = r, n
+    json.dump(results, out)
+
+
+def updates(kv, out):
+    """Update on the servers with SGD lr=1: every worker's push counted exactly once."""
+    kv.set_optimizer(optim.SGD(schedule=optim.Schedule(lr=1.0)))
+    kv.init("w", np.full(4, 100.0, np.float32))
+    steps = int(sys.argv[3])
+    for _ in range(steps):
+        kv.push("w", np.full(4, kv.rank + 1.0, np.float32))
+        value = kv.pull("w")
+    kv.barrier()
+    json.dump({"final": kv.pull("w").tolist(), "last_seen": value.tolist(), "steps": steps}, out)
+
+
+def no_optimizer(kv, out):
+    kv.init("w", np.zeros(2, np.float32))
+    try:
+        kv.push("w", np.ones(2, np.float32))
+        json.dump({"error": None}, out)
+    except RuntimeError as e:
+        json.dump({"error": str(e)}, out)
+
+
+def train(kv, out):
+    """Data-parallel training; worker r takes slice r of each global batch (see test)."""
+    import keras
+    import tensorflow as tf
+
+    from tfkv.config import ModelConfig
+    from tfkv.models import build
+    from tfkv.parallel import devices
+    from tfkv.parallel.data_parallel import DataParallel
+
+    ndev, update_on_kvstore, batch = int(sys.argv[3]), sys.argv[4] == "1", int(sys.argv[5])
+    devs = devices.setup([f"cpu:{i}" for i in range(ndev)])
+    keras.utils.set_random_seed(7)
+    opt = optim.SGD(schedule=optim.Schedule(lr=0.1), momentum=0.9, wd=1e-3)
+    dp = DataParallel(lambda: build(ModelConfig(name="mlp", hidden=[32, 16]), (8, 8, 1), 10), devs, kv, opt,
+                      [batch // ndev] * ndev, update_on_kvstore=update_on_kvstore)
+    rng = np.random.default_rng(42)
+    for _ in range(6):
+        x = rng.normal(size=(batch * kv.num_workers, 8, 8, 1)).astype(np.float32)
+        y = rng.integers(0, 10, batch * kv.num_workers).astype(np.int32)
+        sl = slice(kv.rank * batch, (kv.rank + 1) * batch)
+        dp.step(tf.constant(x[sl]), tf.constant(y[sl]))
+    np.savez(out.name + ".npz", *dp.get_weights())
+    json.dump({"rank": kv.rank}, out)
+
+
+def hang(kv, out):
+    """Stay in the job (heartbeating, in barriers) until killed or told a peer failed."""
+    kv.init(0, np.zeros(3, np.float32))
+    json.dump({"pid": os.getpid()}, out)
+    out.flush()
+    deadline = time.time() + float(sys.argv[3])
+    while time.time() < deadline:
+        kv.push(0, np.ones(3, np.float32))
+        kv.pull(0)
+        time.sleep(0.05)
+
+
+def bad_requests(kv, out):
+    """Malformed and wrong requests get ERROR replies; the server keeps serving."""
+    kv.init("w", np.zeros(8, np.float32))
+    kid, layout = kv._layout("w")
+    server = layout.parts[0][0]
+    sock = kv._socks[server]
+    errors = []
+
+    def ask(frames):
+        sock.send_multipart(frames)
+        if not sock.poll(5000):
+            errors.append("no reply")
+            return
+        reply = P.decode(sock.recv_multipart())
+        errors.append((reply.meta or {}).get("message") if reply.type == P.Type.ERROR else reply.type.name)
+
+    good = P.encode(P.Message(P.Type.PUSH, sender=kv.link.id, seq=10**6, key=kid, data=np.ones(8, np.float32)))
+    ask([b"garbage"])
+    ask([bytes(good[0])[:-1] + b"\xff", bytes(good[1])])  # count does not match the payload
+    ask(P.encode(P.Message(P.Type.PUSH, sender=kv.link.id, seq=10**6 + 1, key=kid, data=np.ones(3, np.float32))))
+    ask(P.encode(P.Message(P.Type.PULL, sender=kv.link.id, seq=10**6 + 2, key=987654)))
+    ask(P.encode(P.Message(P.Type.PUSH, sender=999, seq=10**6 + 3, key=kid, data=np.ones(8, np.float32))))
+    ask(P.encode(P.Message(P.Type.SET_OPTIMIZER, sender=kv.link.id, seq=10**6 + 4, meta={"optimizer": {"name": "x"}})))
+    raw = bytearray(bytes(good[0]))
+    raw[0] = 0  # bad magic
+    ask([bytes(raw), bytes(good[1])])
+    # Still serving: a proper push and pull.
+    kv.push("w", np.full(8, 2.0, np.float32))
+    json.dump({"errors": errors, "after": kv.pull("w").tolist()}, out)
+
+
+def lossy(kv, out):
+    """Drop the first PUSH on the wire, and deliver the second one twice (SGD lr=1: w -= g)."""
+    kv.set_optimizer(optim.SGD(schedule=optim.Schedule(lr=1.0)))
+    kv.init("w", np.zeros(4, np.float32))
+    sock = kv._socks[kv._layout("w")[1].parts[0][0]]
+    real_send = sock.send_multipart
+    pushes = {"n": 0}
+
+    def flaky(frames, *a, **kw):
+        header = P.HEADER.unpack(bytes(frames[0]))
+        if header[2] == P.Type.PUSH:
+            pushes["n"] += 1
+            if pushes["n"] == 1:
+                return None  # lost
+            if pushes["n"] == 3:
+                real_send(frames, *a, **kw)  # duplicated
+        return real_send(frames, *a, **kw)
+
+    sock.send_multipart = flaky
+    t0 = time.time()
+    kv.push("w", np.ones(4, np.float32))
+    first = kv.pull("w").tolist()
+    kv.push("w", np.ones(4, np.float32))
+    second = kv.pull("w").tolist()
+    json.dump({"first": first, "second": second, "seconds": time.time() - t0, "sends": pushes["n"]}, out)
+
+
+SCENARIOS = {f.__name__: f for f in (semantics, updates, no_optimizer, train, hang, bad_requests, lossy)}
+
+if __name__ == "__main__":
+    scenario, path = sys.argv[1], sys.argv[2]
+    kind = os.environ.get("TEST_KVSTORE", "dist_sync")
+    devices = None
+    store = tfkv.store.create(kind)
+    with open(path, "w") as f:
+        SCENARIOS[scenario](store, f)
+    store.close()

@@ -1,0 +1,71 @@
+"""`tfkv-run kvstore=dist_* cluster=local`: one command starts the whole job and reports it."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import TAG, tagged_pids, tfkv_run
+
+
+def _tagged(tmp_path):
+    return {TAG: f"cluster-run-{tmp_path.name}"}
+
+
+@pytest.mark.slow
+def test_one_command_runs_the_whole_job(tmp_path):
+    env = _tagged(tmp_path)
+    proc = tfkv_run("kvstore=dist_sync", "cluster=local", "cluster.num_workers=2", "cluster.num_servers=2",
+                    "epochs=2", "progress=false", cwd=tmp_path, env=env)
+    out = proc.stdout + proc.stderr
+    for prefix in ("[scheduler]", "[server 0]", "[server 1]", "[worker 0]", "[worker 1]"):
+        assert prefix in out
+    (metrics_path,) = tmp_path.glob("outputs/*/*/metrics.json")
+    metrics = json.loads(metrics_path.read_text())
+    assert metrics["epoch"] == 2 and metrics["test_accuracy"] > 0.8
+    run = metrics_path.parent
+    assert (run / "worker0.log").is_file() and (run / "worker1.log").is_file()
+    assert "2 worker(s)" in (run / "worker1.log").read_text()
+    assert not tagged_pids(env[TAG])
+
+
+@pytest.mark.slow
+def test_a_failing_worker_fails_the_job_and_leaves_nothing(tmp_path):
+    env = _tagged(tmp_path)
+    proc = tfkv_run("kvstore=dist_sync", "cluster=local", "dataset=mnist", "dataset.download=false",
+                    "dataset.root=nowhere", cwd=tmp_path, env=env, check=False)
+    assert proc.returncode != 0
+    last = [ln for ln in proc.stderr.splitlines() if ln.startswith("tfkv-run:")]
+    assert len(last) == 1 and "the dist_sync job failed: worker" in last[0], proc.stderr
+    assert "mnist: missing" in proc.stdout
+    assert not tagged_pids(env[TAG])
+
+
+@pytest.mark.slow
+def test_sweep_runs_each_job_as_a_cluster(tmp_path):
+    tfkv_run("-m", "kvstore=dist_sync,dist_async", "cluster=local", "epochs=1", "progress=false", cwd=tmp_path)
+    runs = sorted(tmp_path.glob("multirun/*/*/*/metrics.json"))
+    assert len(runs) == 2
+    kinds = {json.loads(p.read_text())["epoch"] for p in runs}
+    assert kinds == {1}
+
+
+@pytest.mark.parametrize("args,message", [
+    (["kvstore=dist_sync"], "needs a parameter-server cluster: add cluster=local"),
+    (["cluster=local"], "kvstore=local is a single-machine store"),
+    (["kvstore=dist_async", "cluster=local", "kvstore.update_on_kvstore=false"], "needs the optimizer on the servers"),
+    (["kvstore=dist_sync", "cluster=local", "cluster.num_workers=0"], "cluster.num_workers=0 must be at least 1"),
+])
+def test_cluster_config_mistakes_are_one_line(tmp_path, args, message):
+    proc = tfkv_run(*args, cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_server_role_does_not_import_tensorflow(tmp_path):
+    code = ("import sys, runpy; sys.argv=['tfkv-run']\n"
+            "import tfkv.store.node as n\n"
+            "from tfkv.store.cluster_env import ClusterEnv\n"
+            "import tfkv.store.server, tfkv.store.scheduler\n"
+            "assert 'tensorflow' not in sys.modules\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env={**os.environ})

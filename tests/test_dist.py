@@ -1,0 +1,177 @@
+"""The parameter server across real processes and real ZeroMQ sockets on 127.0.0.1.
+
+Every cluster is a real scheduler, real servers (`python -m tfkv.store.node`) and real worker
+processes; the `cluster` fixture asserts at the end that none of them is left running.
+"""
+
+import json
+import signal
+import time
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfkv import optim, store
+from tfkv.config import ModelConfig
+from tfkv.models import build
+from tfkv.parallel.data_parallel import DataParallel
+
+
+def _results(paths):
+    return [json.loads(p.read_text()) for p in paths]
+
+
+def _ok(c, timeout=120):
+    codes = c.wait(timeout)
+    assert all(code == 0 for code in codes.values()), f"{codes}\n{c.outputs()}"
+
+
+def test_sync_semantics_big_arrays_and_string_keys(cluster):
+    c = cluster(num_servers=2, num_workers=2, MXNET_KVSTORE_BIGARRAY_BOUND="100")
+    c.start_servers()
+    outs = c.start_workers("semantics")
+    _ok(c)
+    for r in _results(outs):
+        assert r["num_workers"] == 2
+        for step in range(3):
+            a, big_first, big_last = r[f"step{step}"]
+            assert a == [[3.0] * 3] * 2  # (0+1) + (1+1): the sum of both workers' pushes
+            assert big_first == big_last == 2 * step + 1  # split over both servers, summed per part
+        assert r["device_sum"] == [6.0] * 5  # (1 + 2) from each of the two workers
+    assert sorted(r["rank"] for r in _results(outs)) == [0, 1]
+
+
+@pytest.mark.parametrize("kind", ["dist_sync", "dist_async"])
+def test_update_on_servers_counts_every_push_once(cluster, kind):
+    c = cluster(num_servers=1, num_workers=2, TEST_KVSTORE=kind)
+    c.start_servers()
+    outs = c.start_workers("updates", "20")
+    _ok(c)
+    for r in _results(outs):
+        # SGD lr=1 from 100: every step takes off 1 (worker 0) and 2 (worker 1).
+        assert r["final"] == [100.0 - 20 * 3] * 4
+        if kind == "dist_sync":
+            assert r["last_seen"] == r["final"]  # a pull after the last push sees the last round
+
+
+def test_async_without_optimizer_is_refused(cluster):
+    c = cluster(num_servers=1, num_workers=1, TEST_KVSTORE="dist_async")
+    c.start_servers()
+    (out,) = c.start_workers("no_optimizer")
+    _ok(c)
+    assert "needs an optimizer on the servers" in _results([out])[0]["error"]
+
+
+def test_bad_requests_get_errors_and_the_server_stays_up(cluster):
+    c = cluster(num_servers=1, num_workers=1)
+    c.start_servers()
+    (out,) = c.start_workers("bad_requests")
+    _ok(c)
+    r = _results([out])[0]
+    errors = r["errors"]
+    assert "header is 7 bytes" in errors[0]
+    assert "elements exceed" in errors[1] or "payload is" in errors[1]
+    assert "3 values pushed, the key holds 8" in errors[2]
+    assert "not initialised" in errors[3]
+    assert "not a worker of this job" in errors[4]
+    assert "bad optimizer" in errors[5]
+    assert "bad magic" in errors[6]
+    assert r["after"] == [2.0] * 8  # none of the bad pushes was applied
+
+
+def test_resend_retransmits_and_never_applies_twice(cluster):
+    c = cluster(num_servers=1, num_workers=1, PS_RESEND="1", PS_RESEND_TIMEOUT="300")
+    c.start_servers()
+    (out,) = c.start_workers("lossy")
+    _ok(c)
+    r = _results([out])[0]
+    assert r["first"] == [-1.0] * 4  # the lost push arrived through the retransmission
+    assert r["second"] == [-2.0] * 4  # the duplicated push was applied once
+    assert r["sends"] >= 3
+
+
+def test_verbose_logs_connections_and_messages(cluster):
+    c = cluster(num_servers=1, num_workers=1, PS_VERBOSE="2", DMLC_INTERFACE="lo")
+    c.start_servers()
+    c.start_workers("updates", "2")
+    _ok(c)
+    assert "registered" in c.output("scheduler")
+    assert "listening on 127.0.0.1" in c.output("server 0")
+    assert "PUSH key=" in c.output("server 0") and "PULL key=" in c.output("server 0")
+    assert "cluster of 1 servers, 1 workers" in c.output("worker 0")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,ndev,update_on_kvstore", [
+    ("dist_sync", 1, "1"), ("dist_sync", 1, "0"), ("dist_sync_device", 2, "1"),
+])
+def test_dist_sync_matches_local_at_the_global_batch(cluster, tf_devices, kind, ndev, update_on_kvstore):
+    """2 workers at batch b end with the weights of `local` at batch 2b.
+
+    Worker r trains on slice r of each global batch; its loss is scaled by 1/(2b), so the
+    servers' sum is the gradient of the global batch. Float32 sums are taken in another order
+    (per worker, then across workers), so agreement is to round-off, not bit for bit.
+    """
+    b = 16
+    c = cluster(num_servers=2, num_workers=2, TEST_KVSTORE=kind, MXNET_KVSTORE_BIGARRAY_BOUND="100")
+    c.start_servers()
+    outs = c.start_workers("train", str(ndev), update_on_kvstore, str(b))
+    _ok(c, timeout=240)
+
+    keras.utils.set_random_seed(7)
+    opt = optim.SGD(schedule=optim.Schedule(lr=0.1), momentum=0.9, wd=1e-3)
+    dp = DataParallel(lambda: build(ModelConfig(name="mlp", hidden=[32, 16]), (8, 8, 1), 10),
+                      tf_devices[:2], store.create("local", devices=tf_devices[:2]), opt, [b, b])
+    rng = np.random.default_rng(42)
+    for _ in range(6):
+        dp.step(tf.constant(rng.normal(size=(2 * b, 8, 8, 1)).astype(np.float32)),
+                tf.constant(rng.integers(0, 10, 2 * b).astype(np.int32)))
+    expected = dp.get_weights()
+    for out in outs:
+        with np.load(str(out) + ".npz") as f:
+            got = [f[f"arr_{i}"] for i in range(len(f.files))]
+        for g, e in zip(got, expected):
+            np.testing.assert_allclose(g, e, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["worker 1", "server 0", "scheduler"])
+def test_a_dead_node_stops_every_other_node_fast(cluster, victim):
+    c = cluster(num_servers=2, num_workers=2)
+    c.start_servers()
+    outs = c.start_workers("hang", "120")
+    deadline = time.time() + 120
+    while not all(o.exists() and o.stat().st_size for o in outs):
+        assert time.time() < deadline, c.outputs()
+        time.sleep(0.1)
+    time.sleep(0.5)
+    c.procs[victim].send_signal(signal.SIGKILL)
+    killed_at = time.time()
+    codes = c.wait(timeout=20)
+    took = time.time() - killed_at
+    assert took < 10, f"the others took {took:.1f} s to stop"
+    for name, code in codes.items():
+        if name != victim:
+            assert code != 0, f"{name} exited 0 after {victim} died\n{c.outputs()}"
+            if name != "scheduler" and victim != "scheduler":
+                assert victim in c.output(name), c.output(name)
+    if victim == "scheduler":
+        assert "the scheduler at 127.0.0.1" in c.output("worker 0")
+
+
+@pytest.mark.slow
+def test_manual_launch_with_the_same_command_for_every_role(cluster, tmp_path):
+    """The MXNet guide's manual launch: export DMLC_*, run one command per role."""
+    run_dir = tmp_path / "run"
+    cmd = ["tfkv-run", "kvstore=dist_sync", "epochs=2", f"hydra.run.dir={run_dir}", "progress=false"]
+    c = cluster(num_servers=1, num_workers=2)
+    c.start("scheduler", "scheduler", cmd)
+    c.start("server 0", "server", cmd)
+    for i in range(2):
+        c.start(f"worker {i}", "worker", cmd + [f"hydra.job.name=worker{i}"], TFKV_RANK_HINT=str(i))
+    _ok(c, timeout=240)
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["epoch"] == 2 and metrics["test_accuracy"] > 0.8
+    assert "import tensorflow" not in c.output("server 0")
