@@ -10,8 +10,9 @@ momentum 0.9), the loss being the mean over the global batch of 2 x b examples:
     MWMS       tf.distribute.MultiWorkerMirroredStrategy, 2 worker processes (b each; TF_CONFIG
                with two 127.0.0.1 ports, gRPC + ring all-reduce), the model built inside
                strategy.scope(), a custom loop: tf.function(strategy.run(step)) with GradientTape
-               and keras SGD.apply_gradients (the loop bench_local_step.py uses as its baseline;
-               model.fit adds Keras callbacks and data-adapter overhead on top of the same step)
+               and keras SGD.apply_gradients (the loop bench_local_step.py uses as its baseline).
+               model.fit is no alternative: with Keras 3 it fails under MWMS ("Attempt to convert
+               a value (PerReplica...) to a Tensor", keras-team/keras#20585)
 
 Models: LeNet (tfkv `lenet`) and an MLP of ~5.8M parameters (tfkv `mlp`, hidden [2048, 2048]),
 28x28x1 inputs, 10 classes, b = 64 per worker. Each process traces and warms up, times a few
@@ -22,7 +23,7 @@ steps both workers' weights are compared (they must agree), so a baseline that s
 synchronising cannot win. Trials alternate between contenders (order reversed every other trial)
 and the median is reported, because this machine is shared and noisy.
 
-    python benchmarks/bench_dist_training.py [--seconds 3] [--trials 3] [--models lenet,mlp]
+    python benchmarks/bench_dist_training.py [--seconds 2] [--trials 5] [--models lenet,mlp]
                                              [--batch 64] [--worker-threads 0]
 
 Every process runs in its own process group under a timeout and is killed with its group when it
@@ -324,8 +325,8 @@ def collect(tmp: str, kind: str, ranks: int) -> dict[str, dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seconds", type=float, default=3.0, help="timed steps per model, contender and trial")
-    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=2.0, help="timed steps per model, contender and trial")
+    ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--models", default="lenet,mlp")
     ap.add_argument("--batch", type=int, default=64, help="per worker (local trains on 2x this)")
     ap.add_argument("--worker-threads", type=int, default=0,
@@ -346,7 +347,8 @@ def main() -> None:
     models = args.models.split(",")
     print(f"training samples/s (whole job), median of {args.trials} trials of ~{args.seconds:g} s; "
           f"b={args.batch} per worker, global batch {2 * args.batch}; SGD momentum {MOMENTUM}; "
-          f"MWMS baseline: custom loop (strategy.run + GradientTape + keras SGD)", flush=True)
+          f"MWMS baseline: custom loop (tf.function(strategy.run) + GradientTape + keras SGD; "
+          f"Keras 3 model.fit fails under MWMS)", flush=True)
     contenders = ["local", "dist_sync", "mwms"]
     samples: dict[tuple[str, str], list[float]] = {}
     info: dict[str, dict] = {}

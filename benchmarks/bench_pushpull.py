@@ -26,7 +26,7 @@ Each point runs a fixed count of iterations chosen from a calibration so that it
 synchronous job). Trials alternate between the contenders (in reversed order every other trial)
 and the median is reported, because this machine is shared and noisy.
 
-    python benchmarks/bench_pushpull.py [--seconds 1.5] [--trials 3] [--sizes 4K,1M,16M,64M]
+    python benchmarks/bench_pushpull.py [--seconds 1] [--trials 5] [--sizes 4K,1M,16M,64M]
 
 Exits non-zero if a job fails, hangs (--job-timeout), or a pulled value is wrong.
 """
@@ -284,8 +284,8 @@ def run_raw(num_servers: int, num_clients: int, sizes: list[int], seconds: float
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seconds", type=float, default=1.5, help="per point (size, contender, trial)")
-    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=1.0, help="per point (size, contender, trial)")
+    ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--sizes", default="4K,1M,16M,64M", help="bytes per array, comma-separated (K/M suffixes)")
     ap.add_argument("--no-copy-baseline", action="store_true", help="skip the copying raw baseline")
     ap.add_argument("--job-timeout", type=float, default=180.0, help="seconds before a job counts as hung")

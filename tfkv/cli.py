@@ -75,24 +75,15 @@ def _launch(cfg: DictConfig, run_dir: Path, overrides: list[str], cwd: Path) -> 
     import json
 
     from tfkv.errors import ClusterFailed
-    from tfkv.launcher import local
-    from tfkv.launcher.plan import free_port, make_plan
+    from tfkv.launcher import job
 
     c = cfg.cluster
-    extra = {"TFKV_HEARTBEAT_TIMEOUT": str(c.heartbeat_timeout)}
-    if c.interface:
-        extra["DMLC_INTERFACE"] = c.interface
-    if c.verbose:
-        extra["PS_VERBOSE"] = str(c.verbose)
-    worker = [sys.executable, "-m", "tfkv.cli", *overrides, f"hydra.run.dir={run_dir}",
-              "hydra.output_subdir=null"]
-    plan = make_plan(c.num_workers, c.num_servers, worker, [sys.executable, "-m", "tfkv.store.node"],
-                     ["127.0.0.1"], c.host, c.port or free_port(c.host), extra)
-    for p in plan:
-        if p.role == "worker":
-            p.argv.append(f"hydra.job.name=worker{p.rank}")
-    log.info("launching %s: %s", cfg.kvstore.type, ", ".join(f"{p.name}@{p.host}" for p in plan))
-    result = local.run(plan, cwd=str(cwd))
+    opts = job.Options(c.launcher, c.num_workers, c.num_servers, c.hostfile, c.sync_dst_dir, c.interface,
+                       c.host, c.port, c.heartbeat_timeout, c.verbose, c.python)
+    python = sys.executable if c.launcher == "local" else c.python
+    worker = [python, "-m", "tfkv.cli", *overrides, f"hydra.run.dir={job.remote_path(opts, cwd, run_dir)}",
+              "hydra.output_subdir=null", "hydra.job.name=worker{rank}"]
+    result = job.launch(opts, worker, cwd, run_dir, ["tfkv-run", *overrides], sys.stdout)
     if result.failure:
         raise ClusterFailed(f"the {cfg.kvstore.type} job failed: {result.failure}; logs in {run_dir}")
     final = json.loads((run_dir / "metrics.json").read_text())

@@ -72,10 +72,13 @@ class KVStoreConfig:
 @dataclass
 class ClusterConfig:
     # none: this process trains alone (or is one role of a job started by hand with DMLC_*);
-    # local: start the scheduler, servers and workers as processes on this machine.
+    # local | ssh | mpi | slurm | sge | yarn: start the scheduler, servers and workers that way.
     launcher: str = "none"
     num_workers: int = 2
     num_servers: int = 1
+    hostfile: Optional[str] = None  # ssh/mpi: one host per line (host, host:port, user@host)
+    sync_dst_dir: Optional[str] = None  # ssh: rsync the working directory there on every host
+    python: str = "python3"  # the interpreter on the hosts
     host: str = "127.0.0.1"  # the scheduler's address
     port: int = 0  # the scheduler's port; 0 picks a free one
     interface: Optional[str] = None  # network interface servers listen on (DMLC_INTERFACE)
@@ -83,7 +86,6 @@ class ClusterConfig:
     verbose: int = 0  # PS_VERBOSE: 1 connections, 2 every message
 
 
-LAUNCHERS = ("none", "local")
 
 
 def is_distributed(kvstore_type: str) -> bool:
@@ -189,9 +191,12 @@ def validate(cfg: Any) -> None:
 def _validate_cluster(cfg: Any) -> None:
     import os
 
+    from tfkv.launcher.base import REGISTRY as LAUNCHERS
+
     c, kind = cfg.cluster, cfg.kvstore.type
-    if c.launcher not in LAUNCHERS:
-        raise ConfigError(f"cluster.launcher={c.launcher!r} is not known; choose one of {', '.join(LAUNCHERS)}")
+    if c.launcher != "none" and c.launcher not in LAUNCHERS:
+        raise ConfigError(f"cluster.launcher={c.launcher!r} is not known; choose one of none, "
+                          f"{', '.join(LAUNCHERS.names())} (e.g. cluster=local)")
     in_job = bool(os.environ.get("TFKV_ROLE") or os.environ.get("DMLC_ROLE"))
     if is_distributed(kind):
         if c.launcher == "none" and not in_job:

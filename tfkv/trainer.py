@@ -98,10 +98,14 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
             train_loss, train_acc, seen = dp.take_metrics()
             dp.sync_non_trainable()
             test_loss, test_acc = dp.evaluate(data.test_dataset(ds, cfg.eval_batch_size))
+            # Workers of a synchronous job move in step: the job's rate is this worker's times
+            # the number of workers.
             record = {
                 "epoch": epoch, "train_loss": train_loss, "train_accuracy": train_acc,
                 "test_loss": test_loss, "test_accuracy": test_acc,
-                "samples_per_sec": seen / seconds, "samples": seen, "train_seconds": seconds,
+                "samples_per_sec": seen * store.num_workers / seconds,
+                "worker_samples_per_sec": seen / seconds,
+                "samples": seen * store.num_workers, "train_seconds": seconds,
             }
             history.append(record)
             log.info("epoch %d/%d  train_loss %.4f  train_acc %.4f  test_loss %.4f  test_acc %.4f  "

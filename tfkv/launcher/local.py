@@ -15,19 +15,14 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import IO
 
+from tfkv.launcher.base import Job, Result
 from tfkv.launcher.plan import Process
+from tfkv.launcher.record import local_versions
 from tfkv.store.scheduler_link import EXIT_PEER_FAILED
 
 GRACE = 2.0  # seconds the others get to notice a failure on their own
-
-
-@dataclass
-class Result:
-    returncode: int
-    failure: str | None  # what failed first, e.g. "worker 1 exited with status 1"
 
 
 def _die_with_parent() -> None:
@@ -37,7 +32,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def _status(code: int) -> str:
+def status_text(code: int) -> str:
     if code < 0:
         return f"was killed by {signal.Signals(-code).name}"
     return f"exited with status {code}"
@@ -57,6 +52,25 @@ def _signal_group(child: subprocess.Popen, sig: int) -> None:
         os.killpg(child.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+class LocalLauncher:
+    """Every role as a process on this machine (MXNet's `--launcher local`)."""
+
+    name = "local"
+
+    def preflight(self, job: Job) -> dict[str, dict[str, str]]:
+        return {"localhost": local_versions()}
+
+    def launch(self, job: Job, out: IO[str]) -> Result:
+        return run(job.plan, cwd=str(job.workdir), out=out)
+
+
+def first_cause(failed: list[tuple[str, int]]) -> str | None:
+    """Processes that stopped because a peer failed say so with EXIT_PEER_FAILED: the cause is
+    the first failure that did not."""
+    causes = [f for f in failed if f[1] != EXIT_PEER_FAILED] or failed
+    return f"{causes[0][0]} {status_text(causes[0][1])}" if causes else None
 
 
 def run(plan: list[Process], cwd: str | None = None, out: IO[str] | None = None) -> Result:
@@ -89,11 +103,7 @@ def run(plan: list[Process], cwd: str | None = None, out: IO[str] | None = None)
         for name, c in children.items():
             if c.returncode not in (None, 0) and all(name != f[0] for f in failed):
                 failed.append((name, c.returncode))
-        # Processes that stopped because a peer failed say so with EXIT_PEER_FAILED: the cause is
-        # the first one that did not.
-        causes = [f for f in failed if f[1] != EXIT_PEER_FAILED] or failed
-        if causes:
-            failure = f"{causes[0][0]} {_status(causes[0][1])}"
+        failure = first_cause(failed)
     except KeyboardInterrupt:
         failure = "interrupted (Ctrl-C)"
     finally:

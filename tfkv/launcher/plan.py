@@ -30,8 +30,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def make_plan(num_workers: int, num_servers: int, worker_argv: list[str], node_argv: list[str],
               hosts: list[str], scheduler_host: str, scheduler_port: int,
-              extra_env: dict[str, str] | None = None) -> list[Process]:
-    """The scheduler, `num_servers` servers and `num_workers` workers, placed on `hosts`."""
+              extra_env: dict[str, str] | None = None, show_host: bool = False) -> list[Process]:
+    """The scheduler, `num_servers` servers and `num_workers` workers, placed on `hosts`; with
+    `show_host`, names (and so output prefixes) carry the host: "worker 1 @node2"."""
     base = {
         "DMLC_PS_ROOT_URI": scheduler_host, "DMLC_PS_ROOT_PORT": str(scheduler_port),
         "DMLC_NUM_SERVER": str(num_servers), "DMLC_NUM_WORKER": str(num_workers), **(extra_env or {}),
@@ -40,10 +41,15 @@ def make_plan(num_workers: int, num_servers: int, worker_argv: list[str], node_a
     def env(role: str, rank: int) -> dict[str, str]:
         return {**base, "DMLC_ROLE": role, "TFKV_RANK_HINT": str(rank)}
 
-    plan = [Process("scheduler", "scheduler", 0, hosts[0], list(node_argv), env("scheduler", 0))]
+    def name(role: str, host: str) -> str:
+        return f"{role} @{host}" if show_host else role
+
+    plan = [Process(name("scheduler", hosts[0]), "scheduler", 0, hosts[0], list(node_argv), env("scheduler", 0))]
     for i in range(num_servers):
-        plan.append(Process(f"server {i}", "server", i, hosts[i % len(hosts)], list(node_argv), env("server", i)))
+        host = hosts[i % len(hosts)]
+        plan.append(Process(name(f"server {i}", host), "server", i, host, list(node_argv), env("server", i)))
     for i in range(num_workers):
         host = hosts[(num_servers + i) % len(hosts)]
-        plan.append(Process(f"worker {i}", "worker", i, host, list(worker_argv), env("worker", i)))
+        argv = [a.replace("{rank}", str(i)) for a in worker_argv]  # e.g. a per-worker log name
+        plan.append(Process(name(f"worker {i}", host), "worker", i, host, argv, env("worker", i)))
     return plan

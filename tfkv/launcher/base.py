@@ -1,0 +1,57 @@
+"""What every launcher backend receives and returns, and the registry of backends.
+
+A backend only decides how each planned process starts on its host (a local process, an ssh
+channel, an MPI rank, a Slurm task, an SGE task, a YARN container), keeps the job's output in
+one stream with `[role @host]` prefixes, and tears every process down when one fails or the
+user presses Ctrl-C. Roles find each other through the scheduler, not through the launcher.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Protocol
+
+from tfkv.launcher.hosts import Host
+from tfkv.launcher.plan import Process
+from tfkv.registry import Registry
+
+
+@dataclass
+class Job:
+    plan: list[Process]  # every role, with its host, command line and environment
+    hosts: list[Host] = field(default_factory=list)  # empty: this machine only
+    workdir: Path = field(default_factory=Path.cwd)  # the directory synced to every host
+    sync_dst_dir: str | None = None  # where `workdir` goes on every host (ssh)
+    run_dir: Path | None = None  # where the job's record is written
+    # The run directory as the workers on the hosts see it (under sync_dst_dir when the tree is
+    # synced); a backend whose workers write elsewhere copies it back into run_dir at the end.
+    remote_run_dir: str | None = None
+    python: str = "python3"  # the interpreter on the hosts
+
+
+@dataclass
+class Result:
+    returncode: int
+    failure: str | None  # what failed first, e.g. "worker 1 @node2 exited with status 1"
+
+
+class Launcher(Protocol):
+    name: str
+
+    def launch(self, job: Job, out: IO[str]) -> Result:
+        """Start every process of `job.plan`, stream its output to `out`, wait for the end."""
+
+
+REGISTRY = Registry("launcher", {
+    "local": "tfkv.launcher.local:LocalLauncher",
+    "ssh": "tfkv.launcher.ssh:SSHLauncher",
+    "mpi": "tfkv.launcher.mpi:MPILauncher",
+    "slurm": "tfkv.launcher.slurm:SlurmLauncher",
+    "sge": "tfkv.launcher.sge:SGELauncher",
+    "yarn": "tfkv.launcher.yarn:YarnLauncher",
+})
+
+
+def create(name: str) -> Launcher:
+    return REGISTRY.get(name)()

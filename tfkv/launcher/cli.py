@@ -1,0 +1,74 @@
+"""`tfkv-launch`: MXNet's launch.py for tfkv. Starts a scheduler, servers and workers running any
+command, through one of the launcher backends, and tears the whole job down when one fails."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from tfkv.errors import TfkvError
+
+EPILOG = """\
+examples:
+  tfkv-launch -n 2 --launcher local -- tfkv-run kvstore=dist_sync
+  tfkv-launch -n 2 -s 2 -H hosts --launcher ssh --sync-dst-dir /tmp/job -- python3 train.py
+  tfkv-launch -n 4 -H hosts --launcher mpi -- python3 train.py --kv-store dist_async
+
+Placement, as MXNet's launch.py: the scheduler on the first host; servers, then workers, cycle
+through the hosts file (5 hosts, -n 3: servers on hosts 1-3, workers on hosts 4, 5 and 1).
+Hosts file lines: host, host:port or user@host[:port]; '#' starts a comment. Every role gets
+DMLC_ROLE, DMLC_PS_ROOT_URI, DMLC_PS_ROOT_PORT, DMLC_NUM_SERVER and DMLC_NUM_WORKER; servers
+and the scheduler run `python3 -m tfkv.store.node`, workers run the command. "{rank}" in the
+command becomes the worker's index. The job's record (plan, hosts, tree hash, versions, merged
+log, rerun.sh) goes to --run-dir.
+"""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tfkv-launch", description=__doc__.splitlines()[0].split(": ", 1)[1],
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-n", "--num-workers", type=int, required=True, help="number of worker processes")
+    p.add_argument("-s", "--num-servers", type=int, help="number of server processes (default: -n)")
+    p.add_argument("-H", "--hostfile", help="hosts file (required by ssh and mpi)")
+    p.add_argument("--launcher", default="ssh", choices=["local", "ssh", "mpi", "slurm", "sge", "yarn"],
+                   help="how to start the processes (default: ssh)")
+    p.add_argument("--sync-dst-dir", help="rsync the current directory to this path on every host first")
+    p.add_argument("--interface", help="network interface the servers listen on (DMLC_INTERFACE)")
+    p.add_argument("--port", type=int, default=0, help="the scheduler's port (default: a free one)")
+    p.add_argument("--python", default="python3", help="the Python interpreter on the hosts")
+    p.add_argument("--heartbeat-timeout", type=float, default=4.0,
+                   help="seconds of silence before a node counts as failed")
+    p.add_argument("--verbose", type=int, default=0, help="PS_VERBOSE: 1 connections, 2 every message")
+    p.add_argument("--run-dir", help="where the job's record goes (default: outputs/launch-<time>)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the workers' command, after --")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser().error("give the workers' command after --, e.g. -- python3 train.py")
+    from tfkv.launcher import job
+
+    run_dir = Path(args.run_dir or f"outputs/launch-{time.strftime('%Y-%m-%d_%H-%M-%S')}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    opts = job.Options(args.launcher, args.num_workers, args.num_servers or args.num_workers, args.hostfile,
+                       args.sync_dst_dir, args.interface, port=args.port, heartbeat_timeout=args.heartbeat_timeout,
+                       verbose=args.verbose, python=args.python)
+    try:
+        result = job.launch(opts, command, Path.cwd(), run_dir.resolve(), ["tfkv-launch", *(argv or sys.argv[1:])],
+                            sys.stdout)
+    except TfkvError as e:
+        print(f"tfkv-launch: {e}", file=sys.stderr)
+        sys.exit(2)
+    if result.failure:
+        print(f"tfkv-launch: the job failed: {result.failure}; record in {run_dir}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

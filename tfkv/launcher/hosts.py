@@ -1,0 +1,56 @@
+"""The hosts file: one host per line as `host`, `host:port` or `user@host[:port]`, `#` comments.
+
+A bad line is a `HostsError` naming the file, the line number and what is wrong.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from tfkv.errors import ConfigError
+
+_LINE = re.compile(r"^(?:(?P<user>[A-Za-z0-9._-]+)@)?(?P<host>[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\])(?::(?P<port>\d+))?$")
+
+
+class HostsError(ConfigError):
+    """The hosts file cannot be used; the message names the line."""
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str  # hostname or address, as written
+    user: str | None = None
+    port: int | None = None  # the ssh port
+
+    def __str__(self) -> str:
+        return (f"{self.user}@" if self.user else "") + self.name + (f":{self.port}" if self.port else "")
+
+
+def parse_hosts(text: str, source: str = "hosts") -> list[Host]:
+    hosts = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        m = _LINE.match(line)
+        if not m:
+            raise HostsError(f"{source}:{number}: {raw.strip()!r} is not a host; write host, host:port or "
+                             "user@host[:port], one per line")
+        port = int(m["port"]) if m["port"] else None
+        if port is not None and not 0 < port < 65536:
+            raise HostsError(f"{source}:{number}: port {port} is out of range 1-65535")
+        hosts.append(Host(m["host"].strip("[]"), m["user"], port))
+    if not hosts:
+        raise HostsError(f"{source}: no hosts in the file; list one host per line")
+    return hosts
+
+
+def read_hosts(path: str | Path) -> list[Host]:
+    p = Path(path).expanduser()
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise HostsError(f"hosts file {p}: {e.strerror}; pass an existing file with -H / cluster.hostfile") from None
+    return parse_hosts(text, str(p))

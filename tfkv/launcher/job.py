@@ -1,0 +1,85 @@
+"""Plan, check, record and launch one parameter-server job: what `tfkv-run cluster=...` and
+`tfkv-launch` share."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Sequence
+
+from tfkv.errors import ConfigError
+from tfkv.launcher import base, record
+from tfkv.launcher.hosts import Host, read_hosts
+from tfkv.launcher.plan import free_port, make_plan
+
+
+@dataclass
+class Options:
+    launcher: str
+    num_workers: int
+    num_servers: int
+    hostfile: str | None = None
+    sync_dst_dir: str | None = None
+    interface: str | None = None
+    host: str = "127.0.0.1"  # the scheduler's address when there is no hosts file
+    port: int = 0
+    heartbeat_timeout: float = 4.0
+    verbose: int = 0
+    python: str = "python3"
+
+
+def remote_path(opts: Options, workdir: Path, path: Path) -> str:
+    """Where `path` (under the working directory) is on the hosts once the tree is synced."""
+    if opts.sync_dst_dir and Path(path).resolve().is_relative_to(Path(workdir).resolve()):
+        return str(Path(opts.sync_dst_dir) / Path(path).resolve().relative_to(Path(workdir).resolve()))
+    return str(path)
+
+
+def plan_job(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path) -> base.Job:
+    if opts.launcher not in base.REGISTRY:
+        raise ConfigError(f"launcher {opts.launcher!r} is not known; choose one of {', '.join(base.REGISTRY.names())}")
+    if opts.hostfile:
+        hosts = read_hosts(opts.hostfile)
+    elif opts.launcher in ("ssh", "mpi"):
+        raise ConfigError(f"the {opts.launcher} launcher needs a hosts file: -H hosts / cluster.hostfile=hosts")
+    else:
+        hosts = [Host(opts.host)]
+    local = opts.launcher == "local"
+    python = sys.executable if local else opts.python
+    scheduler_host = opts.host if local or not opts.hostfile else hosts[0].name
+    port = opts.port or free_port(opts.host if local else "0.0.0.0")
+    extra = {"TFKV_HEARTBEAT_TIMEOUT": str(opts.heartbeat_timeout)}
+    if opts.interface:
+        extra["DMLC_INTERFACE"] = opts.interface
+    if opts.verbose:
+        extra["PS_VERBOSE"] = str(opts.verbose)
+    plan = make_plan(opts.num_workers, opts.num_servers, worker_argv, [python, "-m", "tfkv.store.node"],
+                     [h.name for h in hosts], scheduler_host, port, extra, show_host=bool(opts.hostfile))
+    return base.Job(plan=plan, hosts=hosts if opts.hostfile else [], workdir=workdir,
+                    sync_dst_dir=opts.sync_dst_dir, run_dir=run_dir, python=python,
+                    remote_run_dir=remote_path(opts, workdir, run_dir))
+
+
+def describe(job: base.Job) -> str:
+    by_host: dict[str, list[str]] = {}
+    for p in job.plan:
+        by_host.setdefault(p.host, []).append(p.name.split(" @")[0])
+    return "; ".join(f"{host}: {', '.join(names)}" for host, names in by_host.items())
+
+
+def launch(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path, argv: Sequence[str],
+           out: IO[str]) -> base.Result:
+    """Plan, print the plan, check every host, write the record, run the job."""
+    job = plan_job(opts, worker_argv, workdir, run_dir)
+    out.write(f"tfkv: {opts.launcher} job, {opts.num_servers} server(s), {opts.num_workers} worker(s) - "
+              f"{describe(job)}\n")
+    out.flush()
+    launcher = base.create(opts.launcher)
+    versions = launcher.preflight(job)
+    record.write(run_dir, opts.launcher, job, argv, versions, opts.hostfile)
+    tee = record.Tee(out, run_dir / "launch" / "job.log")
+    try:
+        return launcher.launch(job, tee)
+    finally:
+        tee.close()

@@ -1,0 +1,104 @@
+"""The record a launched job leaves in its run directory, enough to trace a result and run the
+job again from that directory alone.
+
+    launch/plan.json      which role ran where, with which command and environment
+    launch/hosts          the hosts file as it was
+    launch/tree.json      a hash of the synced working tree, file by file (when synced)
+    launch/versions.json  tfkv, TensorFlow and Python versions on each host
+    launch/rerun.sh       the command line, run from the recorded working directory
+    launch/job.log        the merged output of every role
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any, Sequence
+
+# Never part of the synced tree: run outputs, VCS data, caches.
+EXCLUDE = ("outputs", "multirun", ".git", "__pycache__", ".pytest_cache", "launch")
+
+def local_versions() -> dict[str, str]:
+    """Versions on this host; `python -m tfkv.launcher.record` prints them as JSON for a remote
+    pre-flight check."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import tfkv
+
+    tf = "missing"
+    for name in ("tensorflow", "tensorflow-cpu"):
+        try:
+            tf = version(name)
+            break
+        except PackageNotFoundError:
+            continue
+    return {"python": platform.python_version(), "tfkv": tfkv.__version__, "tensorflow": tf}
+
+
+def tree_hash(root: Path) -> dict[str, Any]:
+    """sha256 of every file under `root` (EXCLUDE aside) and one digest over them all."""
+    files = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDE)
+        for name in sorted(filenames):
+            path = Path(dirpath) / name
+            if path.is_symlink() or not path.is_file():
+                continue
+            h = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+            files[str(path.relative_to(root))] = h.hexdigest()
+    total = hashlib.sha256("".join(f"{k}\0{v}\n" for k, v in sorted(files.items())).encode()).hexdigest()
+    return {"sha256": total, "files": files}
+
+
+class Tee:
+    """A text stream that writes to the console and to the job log."""
+
+    def __init__(self, console: IO[str], path: Path):
+        self.console = console
+        self.file = open(path, "a", buffering=1)
+
+    def write(self, text: str) -> int:
+        self.console.write(text)
+        return self.file.write(text)
+
+    def flush(self) -> None:
+        self.console.flush()
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def write(run_dir: Path, launcher: str, job: Any, argv: Sequence[str], versions: dict[str, Any],
+          hostfile: str | None) -> Path:
+    """Write the record (all but the log) under run_dir/launch; returns that directory."""
+    d = Path(run_dir) / "launch"
+    d.mkdir(parents=True, exist_ok=True)
+    plan = [{"name": p.name, "role": p.role, "rank": p.rank, "host": p.host, "argv": p.argv, "env": p.env}
+            for p in job.plan]
+    (d / "plan.json").write_text(json.dumps({
+        "launcher": launcher, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "workdir": str(job.workdir),
+        "sync_dst_dir": job.sync_dst_dir, "processes": plan}, indent=1))
+    if hostfile:
+        (d / "hosts").write_text(Path(hostfile).expanduser().read_text())
+    if job.sync_dst_dir:  # only a synced tree is hashed: a local job's directory may be anything
+        (d / "tree.json").write_text(json.dumps(tree_hash(Path(job.workdir)), indent=1))
+    (d / "versions.json").write_text(json.dumps(versions, indent=1))
+    rerun = d / "rerun.sh"
+    rerun.write_text("#!/bin/sh\n# Re-run this job as it was launched.\n"
+                     f"cd {shlex.quote(str(job.workdir))} && exec {shlex.join([sys.executable if a == 'python' else a for a in argv])}\n")
+    rerun.chmod(0o755)
+    return d
+
+
+if __name__ == "__main__":
+    print(json.dumps({**local_versions(), "hostname": platform.node()}))
