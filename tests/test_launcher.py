@@ -1,0 +1,91 @@
+"""The launcher's shared parts: hosts file, placement, the job record, tfkv-launch, local backend."""
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, TAG, tagged_pids
+
+from tfkv.launcher.hosts import Host, HostsError, parse_hosts
+from tfkv.launcher.plan import make_plan
+
+
+def test_hosts_file_forms_and_comments():
+    hosts = parse_hosts("# cluster\nnode1\nnode2:2222  # ssh port\nalice@10.0.0.3\nbob@node4:22\n\n[::1]:2200\n")
+    assert hosts == [Host("node1"), Host("node2", port=2222), Host("10.0.0.3", user="alice"),
+                     Host("node4", user="bob", port=22), Host("::1", port=2200)]
+
+
+@pytest.mark.parametrize("text,message", [
+    ("node1\nnode 2\n", "hosts:2: 'node 2' is not a host"),
+    ("node1:99999\n", "hosts:1: port 99999 is out of range"),
+    ("# nothing\n", "no hosts in the file"),
+    ("a@b@c\n", "hosts:1:"),
+])
+def test_bad_hosts_lines_are_named(text, message):
+    with pytest.raises(HostsError, match=message):
+        parse_hosts(text)
+
+
+def test_placement_cycles_through_the_hosts_as_mxnet_does():
+    plan = make_plan(3, 3, ["w"], ["n"], ["h1", "h2", "h3", "h4", "h5"], "h1", 9000)
+    where = {p.name: p.host for p in plan}
+    assert where["scheduler"] == "h1"
+    assert [where[f"server {i}"] for i in range(3)] == ["h1", "h2", "h3"]
+    assert [where[f"worker {i}"] for i in range(3)] == ["h4", "h5", "h1"]
+    env = next(p for p in plan if p.name == "worker 2").env
+    assert env["DMLC_ROLE"] == "worker" and env["DMLC_NUM_WORKER"] == "3" and env["DMLC_PS_ROOT_URI"] == "h1"
+
+
+def test_workers_get_their_index_in_the_command():
+    plan = make_plan(2, 1, ["run", "--log", "w{rank}.log"], ["n"], ["h"], "h", 1, show_host=True)
+    workers = [p for p in plan if p.role == "worker"]
+    assert [p.argv[-1] for p in workers] == ["w0.log", "w1.log"]
+    assert workers[1].name == "worker 1 @h"
+
+
+def _launch(*args, cwd, env=None, timeout=120):
+    return subprocess.run(["tfkv-launch", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env=env)
+
+
+def test_tfkv_launch_help_explains_itself(tmp_path):
+    out = _launch("-h", cwd=tmp_path).stdout
+    for flag in ("-n", "-s", "-H", "--launcher", "--sync-dst-dir", "--interface"):
+        assert flag in out
+    assert "servers on hosts 1-3, workers on hosts 4, 5 and 1" in out
+
+
+def test_local_launch_runs_a_job_and_leaves_its_record(tmp_path):
+    import os
+
+    env = {**os.environ, TAG: f"launch-{tmp_path.name}"}
+    proc = _launch("-n", "2", "-s", "2", "--launcher", "local", "--run-dir", "rec", "--",
+                   sys.executable, str(REPO / "tests" / "dist_worker.py"), "updates", "out{rank}.json", "4",
+                   cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "tfkv: local job, 2 server(s), 2 worker(s)" in proc.stdout
+    for i in range(2):
+        assert json.loads((tmp_path / f"out{i}.json").read_text())["final"] == [100.0 - 4 * 3] * 4
+    rec = tmp_path / "rec" / "launch"
+    plan = json.loads((rec / "plan.json").read_text())
+    assert [p["name"] for p in plan["processes"]] == ["scheduler", "server 0", "server 1", "worker 0", "worker 1"]
+    assert json.loads((rec / "versions.json").read_text())["localhost"]["tfkv"]
+    assert "[server 1]" in (rec / "job.log").read_text()
+    assert "tfkv-launch -n 2 -s 2" in (rec / "rerun.sh").read_text()
+    assert not tagged_pids(env[TAG])
+
+
+def test_a_taken_port_is_a_clear_failure_not_a_hang(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        proc = _launch("-n", "1", "--launcher", "local", "--port", str(port), "--run-dir", "rec", "--",
+                       sys.executable, "-c", "import tfkv.store; tfkv.store.create('dist_sync').close()",
+                       cwd=tmp_path, timeout=60)
+    assert proc.returncode == 1
+    assert f"scheduler cannot listen on 127.0.0.1:{port}" in proc.stdout
+    assert "the job failed: scheduler exited with status 2" in proc.stderr
