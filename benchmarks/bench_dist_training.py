@@ -23,7 +23,7 @@ steps both workers' weights are compared (they must agree), so a baseline that s
 synchronising cannot win. Trials alternate between contenders (order reversed every other trial)
 and the median is reported, because this machine is shared and noisy.
 
-    python benchmarks/bench_dist_training.py [--seconds 2] [--trials 5] [--models lenet,mlp]
+    python benchmarks/bench_dist_training.py [--seconds 2] [--trials 4] [--models lenet,mlp]
                                              [--batch 64] [--worker-threads 0]
 
 Every process runs in its own process group under a timeout and is killed with its group when it
@@ -140,7 +140,8 @@ def run_tfkv(args: argparse.Namespace, kind: str) -> None:
             n, elapsed = measure(lambda: dp.step(x, y), rank, args.seconds, args.sync_dir, f"{kind}-{name}")
             loss, _, _ = dp.take_metrics()
             reports[name] = {"steps": n, "seconds": elapsed, "batch": len(x) * workers, "loss": loss,
-                             "params": int(dp.replicas[0].count_params()), "checksum": weights_checksum(dp.get_weights())}
+                             "params": int(dp.replicas[0].count_params()),
+                             "checksum": weights_checksum(dp.get_weights())}
         with open(os.path.join(args.out, f"{kind}-{rank}.json"), "w") as f:
             json.dump(reports, f)
     except BaseException:
@@ -207,20 +208,16 @@ class Failed(RuntimeError):
 
 
 def _kill_group(p: subprocess.Popen) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    """SIGTERM the process's group, then SIGKILL whatever is left in it; reap the leader."""
+    for sig, wait in ((signal.SIGTERM, 3), (signal.SIGKILL, 5)):
         try:
             os.killpg(p.pid, sig)
         except (ProcessLookupError, PermissionError):
-            return
-        try:
-            p.wait(timeout=3)
-            if sig == signal.SIGTERM:
-                os.killpg(p.pid, signal.SIGKILL)  # whatever the leader left behind in its group
-        except subprocess.TimeoutExpired:
-            continue
-        except ProcessLookupError:
             pass
-        return
+        try:
+            p.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def run_processes(envs: list[dict[str, str]], argv: list[str], timeout: float, what: str, logdir: str) -> None:
@@ -326,7 +323,7 @@ def collect(tmp: str, kind: str, ranks: int) -> dict[str, dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=2.0, help="timed steps per model, contender and trial")
-    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--trials", type=int, default=4)
     ap.add_argument("--models", default="lenet,mlp")
     ap.add_argument("--batch", type=int, default=64, help="per worker (local trains on 2x this)")
     ap.add_argument("--worker-threads", type=int, default=0,

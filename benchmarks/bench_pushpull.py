@@ -343,7 +343,7 @@ def main() -> None:
     print(f"ratio = tfkv / raw with the same processes and traffic pattern. Target: tfkv 1x1 >= {TARGET} "
           f"of raw from 1 MiB up ({'met' if not below else 'NOT met at ' + ', '.join(below)}). "
           f"MXNet 1.9.1 ps-lite reached ~0.78 (1 MiB), 0.69 (16 MiB), 0.54 (64 MiB) of raw.")
-    print(f"per-trial spread (min-max GB/s): " + "; ".join(
+    print("per-trial spread (min-max GB/s): " + "; ".join(
         f"{s} {human(n)} {min(series[s][n]):.2f}-{max(series[s][n]):.2f}"
         for s in ("raw1", "tfkv1") for n in sizes if n >= 1 << 20))
 

@@ -153,6 +153,17 @@ def lossy(kv, out):
 
 SCENARIOS = {f.__name__: f for f in (semantics, updates, no_optimizer, train, hang, bad_requests, lossy)}
 
+def push_then_barrier(kv, out):
+    """A push followed at once by a barrier is applied before any worker passes the barrier."""
+    kv.init("w", np.zeros(1000, np.float32))
+    kv.push("w", np.full(1000, kv.rank + 1.0, np.float32))
+    kv.barrier()
+    json.dump({"after": float(kv.pull("w")[0])}, out)
+
+
+SCENARIOS["push_then_barrier"] = push_then_barrier
+
+
 if __name__ == "__main__":
     scenario, path = sys.argv[1], sys.argv[2]
     kind = os.environ.get("TEST_KVSTORE", "dist_sync")

@@ -175,3 +175,11 @@ def test_manual_launch_with_the_same_command_for_every_role(cluster, tmp_path):
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["epoch"] == 2 and metrics["test_accuracy"] > 0.8
     assert "import tensorflow" not in c.output("server 0")
+
+
+def test_a_barrier_after_a_push_sees_it_applied(cluster):
+    c = cluster(num_servers=2, num_workers=2)
+    c.start_servers()
+    outs = c.start_workers("push_then_barrier")
+    _ok(c)
+    assert [r["after"] for r in _results(outs)] == [3.0, 3.0]

@@ -72,3 +72,26 @@ def test_optimizer_travels_as_json():
     assert again == opt
     with pytest.raises(ValueError):
         optim.from_dict({"name": "os.system"})
+
+
+@pytest.mark.parametrize("opt", [
+    optim.SGD(schedule=optim.Schedule(lr=0.1), momentum=0.9, wd=1e-3),
+    optim.SGD(schedule=optim.Schedule(name="step", lr=0.5, milestones=[2])),
+    optim.Adam(schedule=optim.Schedule(lr=0.01)),
+], ids=["sgd-momentum-wd", "sgd-step", "adam"])
+def test_server_updater_follows_the_rule(opt):
+    """The servers' numpy updater (in place for SGD) gives the rule's numbers and never writes
+    into the weight it was given (it may still be in flight in a zero-copy send)."""
+    from tfkv.store.np_updater import NumpyUpdater
+
+    rng = np.random.default_rng(3)
+    w0 = rng.normal(size=50).astype(np.float32)
+    grads = [rng.normal(size=50).astype(np.float32) for _ in range(5)]
+    expected = _run_numpy(opt, w0.copy(), grads)
+    updater, w = NumpyUpdater(opt), w0.copy()
+    for g in grads:
+        before = w.copy()
+        new = updater.update(7, w, g)
+        np.testing.assert_array_equal(w, before)
+        w = new
+    np.testing.assert_allclose(w, expected, rtol=1e-6, atol=1e-7)

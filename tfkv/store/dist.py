@@ -77,6 +77,7 @@ class DistStore(KVStore):
         self._ids: dict[Hashable, int] = {}
         self._layouts: dict[int, Layout] = {}
         self._has_optimizer = False
+        self._unsynced: set[int] = set()  # servers with pushes not yet known to be applied
         if self.rank == 0:
             self._wait([self._send(s, P.Message(P.Type.CONFIGURE, meta={"sync": self.sync}))
                         for s in range(len(self._socks))])
@@ -92,11 +93,20 @@ class DistStore(KVStore):
 
     # -- transport -----------------------------------------------------------------------------
 
-    def _send(self, server: int, msg: P.Message) -> int:
+    def _send(self, server: int, msg: P.Message, track: bool = True) -> int:
+        """Send a request; `track`: wait for (and, under PS_RESEND, retransmit until) its answer."""
         msg.sender, msg.seq = self.link.id, next(self._seq)
         frames = P.encode(msg)
+        size = sum(memoryview(f).nbytes for f in frames)
+        if size > self.env.max_message_bytes:
+            # A server drops an oversized message unread (and the connection with it): say so
+            # here instead of waiting for an answer that cannot come.
+            raise ValueError(f"{msg.type.name} of key {msg.key} is {size} bytes, over TFKV_MAX_MESSAGE_BYTES="
+                             f"{self.env.max_message_bytes}; raise it or lower MXNET_KVSTORE_BIGARRAY_BOUND "
+                             "so big arrays are split across more servers")
         self._socks[server].send_multipart(frames, copy=False)
-        self._pending[msg.seq] = [server, frames, time.monotonic()]
+        if track:
+            self._pending[msg.seq] = [server, frames, time.monotonic()]
         return msg.seq
 
     def _receive(self, timeout_ms: float) -> None:
@@ -111,10 +121,11 @@ class DistStore(KVStore):
                 except P.ProtocolError as e:
                     log.warning("dropped a malformed reply from server %d: %s", self._index[sock], e)
                     continue
+                if msg.type == P.Type.ERROR:  # also for untracked pushes
+                    self._pending.pop(msg.seq, None)
+                    raise DistError(f"server {self._index[sock]}: {(msg.meta or {}).get('message')}")
                 if self._pending.pop(msg.seq, None) is None:
                     continue  # a late answer to a request already answered (resend)
-                if msg.type == P.Type.ERROR:
-                    raise DistError(f"server {self._index[sock]}: {(msg.meta or {}).get('message')}")
                 if msg.type != P.Type.ACK:
                     self._replies[msg.seq] = msg
 
@@ -130,6 +141,12 @@ class DistStore(KVStore):
     def _wait(self, seqs: Sequence[int] | None = None) -> None:
         """Wait for the answers to `seqs` (default: everything outstanding); data replies stay
         in `_replies` for the caller to take."""
+        if seqs is None and self._unsynced:
+            # Pushes are not acknowledged: a PING answered after them proves they were applied
+            # (one connection, one serving thread), before a barrier lets another worker pull.
+            for server in sorted(self._unsynced):
+                self._send(server, P.Message(P.Type.PING))
+            self._unsynced.clear()
         wanted = list(self._pending) if seqs is None else list(seqs)
         tick = min(100.0, self.env.resend_timeout * 1000)
         while any(s in self._pending for s in wanted):
@@ -204,8 +221,12 @@ class DistStore(KVStore):
             if flat.size != layout.size:
                 raise ValueError(f"key {k!r}: pushed {flat.size} values, it holds {layout.size}")
             for server, a, b in layout.parts:
-                self._send(server, P.Message(P.Type.PUSH, key=kid, data=flat[a:b]))
-        self._receive(0)  # collect acknowledgements that are already here
+                # Acknowledged (and tracked) only under PS_RESEND; see Server._ack_push.
+                self._send(server, P.Message(P.Type.PUSH, key=kid, data=flat[a:b], want_ack=self.env.resend),
+                           track=self.env.resend)
+                if not self.env.resend:
+                    self._unsynced.add(server)
+        self._receive(0)  # collect answers that are already here (errors surface early)
 
     def pull(self, key: Key | Sequence[Key], out: Any = None, priority: int | Sequence[int] = 0) -> Any:
         items = self._ordered(list(pairs(key, out)), priority)
@@ -221,9 +242,12 @@ class DistStore(KVStore):
         self._wait()
         results = {}
         for k, outs, layout, seqs in requests:
-            value = np.empty(layout.size, np.float32)
-            for seq, a, b in seqs:
-                value[a:b] = self._replies.pop(seq).data
+            if len(seqs) == 1:  # the reply's own buffer, read-only, no copy
+                value = self._replies.pop(seqs[0][0]).data
+            else:
+                value = np.empty(layout.size, np.float32)
+                for seq, a, b in seqs:
+                    value[a:b] = self._replies.pop(seq).data
             value = value.reshape(layout.shape)
             for o in outs:
                 o.assign(value)

@@ -1,7 +1,9 @@
 """Applies a `tfkv.optim` rule to numpy arrays: the optimizer as the parameter servers run it.
 
-Updates return new arrays instead of writing in place, because the previous value may still be
-in flight in a zero-copy send.
+Updates return a new weight array instead of writing in place, because the previous value may
+still be in flight in a zero-copy send. Optimizer state is never sent, so SGD (the common case)
+updates its momentum in place with one reusable scratch buffer per key: on a server the update
+of a large key is memory-bound, and fresh multi-megabyte temporaries cost page faults.
 """
 
 from __future__ import annotations
@@ -16,16 +18,40 @@ class NumpyUpdater:
         self.optimizer = optimizer
         self.state: dict[int, tuple[np.ndarray, ...]] = {}
         self.count: dict[int, int] = {}
+        self._scratch: dict[int, np.ndarray] = {}
 
     def update(self, key: int, weight: np.ndarray, grad: np.ndarray) -> np.ndarray:
         if key not in self.state:
             self.state[key] = tuple(np.zeros_like(weight) for _ in self.optimizer.state_names)
             self.count[key] = 0
+        if isinstance(self.optimizer, optim.SGD):
+            return self._sgd(key, weight, grad)
         new_weight, new_state = self.optimizer.step(optim.NumpyOps, np.float32(self.count[key]),
                                                     weight, grad, self.state[key])
         self.state[key] = tuple(np.asarray(s, np.float32) for s in new_state)
         self.count[key] += 1
         return np.asarray(new_weight, np.float32)
+
+    def _sgd(self, key: int, weight: np.ndarray, grad: np.ndarray) -> np.ndarray:
+        """optim.SGD.step, computed in place: v = m*v - lr*(g + wd*w); w + v."""
+        opt = self.optimizer
+        lr = np.float32(opt.schedule(np.float32(self.count[key]), optim.NumpyOps))
+        step = self._scratch.get(key)
+        if step is None or step.shape != weight.shape:
+            step = self._scratch[key] = np.empty_like(weight)
+        if opt.wd:
+            np.multiply(weight, np.float32(opt.wd), out=step)
+            step += grad
+        else:
+            step[...] = grad
+        step *= lr
+        self.count[key] += 1
+        if opt.momentum:
+            (v,) = self.state[key]
+            v *= np.float32(opt.momentum)
+            v -= step
+            return np.add(weight, v)
+        return np.subtract(weight, step)
 
     def get(self, key: int, size: int) -> tuple[list[np.ndarray], int]:
         """The states of `key` (zeros before its first update) and its update count."""

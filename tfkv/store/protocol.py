@@ -29,6 +29,7 @@ MAX_META = 1 << 20
 FLAG_META = 1
 FLAG_DATA = 2
 FLAG_REPLY = 4
+FLAG_ACK = 8  # the sender wants an ACK for a PUSH (under PS_RESEND); errors are always answered
 
 
 class DType(enum.IntEnum):
@@ -54,6 +55,7 @@ class Type(enum.IntEnum):
     PULL = 24  # reply data: value part
     GET_STATE = 25  # reply meta: names, count; data: the states, concatenated
     SET_STATE = 26
+    PING = 27  # answered with ACK once every earlier request on the connection is applied
     ACK = 30
     ERROR = 31  # meta: message
 
@@ -71,12 +73,13 @@ class Message:
     meta: dict[str, Any] | None = None
     data: np.ndarray | None = None  # float32, 1-D
     reply: bool = False
+    want_ack: bool = True
     frames: list[Any] = field(default_factory=list, repr=False)  # keeps received buffers alive
 
 
 def encode(msg: Message) -> list[Any]:
     """Frames for `socket.send_multipart(frames, copy=False)`; the payload is not copied."""
-    flags = FLAG_REPLY if msg.reply else 0
+    flags = (FLAG_REPLY if msg.reply else 0) | (FLAG_ACK if msg.want_ack else 0)
     frames: list[Any] = [b""]
     if msg.meta is not None:
         flags |= FLAG_META
@@ -112,12 +115,13 @@ def decode(frames: Sequence[Any], max_count: int | None = None) -> Message:
         kind = Type(type_)
     except ValueError:
         raise ProtocolError(f"unknown message type {type_}") from None
-    if flags & ~(FLAG_META | FLAG_DATA | FLAG_REPLY):
+    if flags & ~(FLAG_META | FLAG_DATA | FLAG_REPLY | FLAG_ACK):
         raise ProtocolError(f"unknown flags 0x{flags:02x}")
     expected = 1 + bool(flags & FLAG_META) + bool(flags & FLAG_DATA)
     if len(frames) != expected:
         raise ProtocolError(f"{kind.name}: {len(frames)} frames, flags say {expected}")
-    msg = Message(kind, sender, seq, key, reply=bool(flags & FLAG_REPLY), frames=list(frames))
+    msg = Message(kind, sender, seq, key, reply=bool(flags & FLAG_REPLY), want_ack=bool(flags & FLAG_ACK),
+                  frames=list(frames))
     i = 1
     if flags & FLAG_META:
         raw = _buffer(frames[i])

@@ -7,7 +7,7 @@ that pushes the same key twice before the round closes has the second push held 
 round. Asynchronous mode (`dist_async*`): every push is applied on arrival; requests are handled
 one at a time, so each update of a key is atomic.
 
-Requests are handled by one thread. A malformed or wrong-size request gets an ERROR reply and
+Requests are handled by one thread, in the order each connection delivers them. A malformed or wrong-size request gets an ERROR reply and
 the server carries on. A request seen before (same sender and sequence number, as resent
 under PS_RESEND) is acknowledged again but never applied twice. No TensorFlow here.
 """
@@ -101,7 +101,8 @@ class Server:
             return
         mutating = msg.type in (P.Type.PUSH, P.Type.INIT, P.Type.SET_STATE, P.Type.SET_OPTIMIZER, P.Type.CONFIGURE)
         if mutating and self._duplicate(msg):
-            self.reply(identity, P.ack(msg))
+            if msg.want_ack:
+                self.reply(identity, P.ack(msg))
             return
         try:
             handler = self._handlers.get(msg.type)
@@ -151,7 +152,7 @@ class Server:
     def on_init(self, identity: bytes, msg: P.Message) -> None:
         data = self._payload(msg)
         if msg.key not in self.values:  # the first init wins, as in MXNet
-            self.values[msg.key] = np.array(data, np.float32)
+            self.values[msg.key] = data
         self.reply(identity, P.ack(msg))
 
     def on_push(self, identity: bytes, msg: P.Message) -> None:
@@ -161,18 +162,25 @@ class Server:
                 raise RequestError("dist_async needs an optimizer on the servers: without one each "
                                    "push would overwrite the weights; set update_on_kvstore=true")
             self.values[msg.key] = self.updater.update(msg.key, self.values[msg.key], data)
-            self.reply(identity, P.ack(msg))
+            self._ack_push(identity, msg)
             return
         r = self.rounds[msg.key]
         if msg.sender in r.pushed:
             r.held.append((identity, msg))
             return  # acknowledged when its round opens
-        # The received buffer is read-only and owned by zmq: sum into a fresh array.
-        r.merged = np.array(data, np.float32) if r.merged is None else np.add(r.merged, data)
+        # The first push's buffer is kept as it arrived (read-only, nothing ever writes into a
+        # stored value); each further push sums into a fresh array.
+        r.merged = data if r.merged is None else np.add(r.merged, data)
         r.pushed.add(msg.sender)
-        self.reply(identity, P.ack(msg))
+        self._ack_push(identity, msg)
         if len(r.pushed) == len(self.workers):
             self._close_round(msg.key, r)
+
+    def _ack_push(self, identity: bytes, msg: P.Message) -> None:
+        # Without PS_RESEND a push is not acknowledged: one connection delivers in order and one
+        # thread serves it, so the answer to a later pull proves the push was applied.
+        if msg.want_ack:
+            self.reply(identity, P.ack(msg))
 
     def _close_round(self, key: int, r: Round) -> None:
         assert r.merged is not None
@@ -221,7 +229,11 @@ class Server:
         self.updater.set(msg.key, list(np.split(data, len(names))) if names else [], count)
         self.reply(identity, P.ack(msg))
 
+    def on_ping(self, identity: bytes, msg: P.Message) -> None:
+        self.reply(identity, P.ack(msg))
+
     _handlers = {
+        P.Type.PING: on_ping,
         P.Type.CONFIGURE: on_configure,
         P.Type.SET_OPTIMIZER: on_set_optimizer,
         P.Type.INIT: on_init,
