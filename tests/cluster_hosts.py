@@ -1,0 +1,233 @@
+"""Real ssh "hosts" for the cluster tests (recipes 1 and 2 of shared/clusters.md).
+
+- `ssh_site`: throwaway keys and an ssh config file of our own (never ~/.ssh): every host alias
+  the fixtures make is a `Host` block in it. Point the launcher at it with
+  `ssh_site.env()` (TFKV_SSH_CONFIG), and plain ssh/rsync with `-F ssh_site.config`.
+- `loopback_host`: an sshd on 127.0.0.1 on a free port, as aliases `local` and `127.0.0.1` (a
+  hosts file can then name it by address, which its roles can resolve); alias `badkey` reaches
+  the same sshd with a key it does not accept.
+- `netns_hosts`: two hosts `node1`, `node2` made of network namespaces on a bridge of their own
+  (10.200.N.0/24, the first N no interface here uses), each with its own sshd on port 22, its
+  own hostname and an /etc/hosts that names both (so DMLC_PS_ROOT_URI=node1 resolves on them).
+  They share this machine's filesystem, PID numbers and Python, so tfkv imports there, and
+  /proc here shows their processes.
+
+Everything is session-scoped and stopped by PID at the end; namespaces and the bridge are
+deleted. Import the fixtures into a test module: `from cluster_hosts import netns_hosts, ...`.
+Skipped only where this machine cannot do it (not root, no `ip`, namespaces refused); a missing
+openssh-server/rsync is an error: `.ci/run` installs them.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+SSHD = "/usr/sbin/sshd"  # sshd re-executes itself, so it must be started by absolute path
+
+
+def _need(*programs: str) -> None:
+    missing = [p for p in programs if not (shutil.which(p) or Path(p).is_file())]
+    if missing:
+        pytest.fail(f"{', '.join(missing)} missing: apt-get install openssh-server openssh-client rsync "
+                    "(as .ci/run does)")
+
+
+def _run(*argv: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def _gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie (PID 1 here reaps daemons slowly)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _stop_pid(pid_file: Path) -> None:
+    """SIGTERM the daemon whose pid file this is and wait (a little) until it is gone."""
+    try:
+        pid = int(pid_file.read_text())
+    except (OSError, ValueError):
+        return
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    for _ in range(50):
+        if _gone(pid):
+            return
+        time.sleep(0.1)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+@dataclass
+class SSHSite:
+    """Keys and an ssh config file that the launcher, ssh and rsync all use."""
+
+    dir: Path
+    client_key: Path  # authorized on every sshd made here
+    other_key: Path  # authorized nowhere
+    user: str = field(default_factory=getpass.getuser)
+
+    @property
+    def config(self) -> Path:
+        return self.dir / "ssh_config"
+
+    def env(self) -> dict[str, str]:
+        return {"TFKV_SSH_CONFIG": str(self.config)}
+
+    def add_host(self, alias: str, hostname: str, port: int, key: Path | None = None) -> None:
+        with open(self.config, "a") as f:
+            f.write(f"Host {alias}\n  HostName {hostname}\n  Port {port}\n  User {self.user}\n"
+                    f"  IdentityFile {key or self.client_key}\n")
+
+    def sshd_config(self, name: str, address: str, port: int) -> Path:
+        """An sshd config: key-only, our keys under /tmp (StrictModes no), no PAM."""
+        path = self.dir / f"sshd_{name}.config"
+        path.write_text(f"Port {port}\nListenAddress {address}\nHostKey {self.dir / 'host_key'}\n"
+                        f"PidFile {self.dir / f'sshd_{name}.pid'}\nAuthorizedKeysFile {self.dir / 'authorized_keys'}\n"
+                        "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\n"
+                        "PermitRootLogin prohibit-password\nStrictModes no\nSubsystem sftp internal-sftp\n")
+        return path
+
+    def ssh(self, alias: str, command: str, timeout: float = 20) -> subprocess.CompletedProcess:
+        return _run("ssh", "-F", str(self.config), "-o", "BatchMode=yes", alias, command, timeout=timeout)
+
+    def wait_for(self, alias: str, seconds: float = 10) -> None:
+        deadline = time.monotonic() + seconds
+        while True:
+            r = self.ssh(alias, "true", timeout=seconds)
+            if r.returncode == 0:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sshd for {alias} does not answer: {r.stderr.strip()}")
+            time.sleep(0.1)
+
+
+@pytest.fixture(scope="session")
+def ssh_site(tmp_path_factory) -> SSHSite:
+    _need("ssh", "ssh-keygen", "rsync", SSHD)
+    if os.geteuid() == 0:
+        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # a root sshd refuses to start without it
+    d = tmp_path_factory.mktemp("ssh")
+    for key in ("host_key", "client_key", "other_key"):
+        _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / key)).check_returncode()
+    (d / "authorized_keys").write_text((d / "client_key.pub").read_text())
+    (d / "authorized_keys").chmod(0o600)
+    # Defaults for every alias; each alias names its own IdentityFile (IdentityFile adds up, so
+    # it cannot go under Host *: `badkey` would then also offer the good key).
+    (d / "ssh_config").write_text("Host *\n  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n"
+                                  "  LogLevel ERROR\n  IdentitiesOnly yes\n  ConnectTimeout 5\n")
+    return SSHSite(d, d / "client_key", d / "other_key")
+
+
+@dataclass
+class LoopbackHost:
+    alias: str  # "local"
+    port: int
+    refused_alias: str  # "badkey": same sshd, a key it refuses
+
+
+@pytest.fixture(scope="session")
+def loopback_host(ssh_site: SSHSite):
+    from tfkv.launcher.plan import free_port
+
+    port = free_port("127.0.0.1")
+    config = ssh_site.sshd_config("loopback", "127.0.0.1", port)
+    _run(SSHD, "-f", str(config), "-E", str(ssh_site.dir / "sshd_loopback.log")).check_returncode()
+    try:
+        ssh_site.add_host("local", "127.0.0.1", port)
+        ssh_site.add_host("127.0.0.1", "127.0.0.1", port)
+        ssh_site.add_host("badkey", "127.0.0.1", port, key=ssh_site.other_key)
+        ssh_site.wait_for("local")
+        yield LoopbackHost("local", port, "badkey")
+    finally:
+        _stop_pid(ssh_site.dir / "sshd_loopback.pid")
+
+
+@dataclass
+class NetnsHosts:
+    names: list[str]  # ssh aliases, also each host's hostname: ["node1", "node2"]
+    addresses: dict[str, str]  # alias -> 10.200.N.x
+    bridge: str
+    namespaces: list[str]
+
+
+def _free_subnet() -> int | None:
+    """The first N whose 10.200.N.0/24 no interface here uses (others' test hosts may)."""
+    used = _run("ip", "-o", "-4", "addr", "show").stdout
+    taken = {line.split(":")[1].strip().split("@")[0] for line in _run("ip", "-o", "link", "show").stdout.splitlines()}
+    taken |= set(_run("ip", "netns", "list").stdout.split())
+    for n in range(256):
+        if f" 10.200.{n}." not in used and not {f"tkbr{n}", f"tk{n}v1", f"tk{n}v2", f"tk{n}h1", f"tk{n}h2"} & taken:
+            return n
+    return None
+
+
+@pytest.fixture(scope="session")
+def netns_hosts(ssh_site: SSHSite):
+    if os.geteuid() != 0:
+        pytest.skip("network-namespace hosts need root (ip netns add)")
+    if not shutil.which("ip") or not shutil.which("nsenter") or not shutil.which("unshare"):
+        pytest.skip("network-namespace hosts need ip (iproute2), nsenter and unshare")
+    n = _free_subnet()
+    if n is None:
+        pytest.skip("no free 10.200.N.0/24 subnet for the namespace hosts")
+    bridge, names = f"tkbr{n}", ["node1", "node2"]
+    hosts = NetnsHosts(names, {name: f"10.200.{n}.{i + 2}" for i, name in enumerate(names)}, bridge,
+                       [f"tk{n}h{i + 1}" for i in range(len(names))])
+    etc_hosts = ssh_site.dir / f"hosts_{n}"
+    etc_hosts.write_text("127.0.0.1 localhost\n" + "".join(f"{a} {h}\n" for h, a in hosts.addresses.items()))
+
+    def sh(*argv: str) -> None:
+        r = _run(*argv)
+        if r.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)}: {r.stderr.strip()}")
+
+    try:
+        try:
+            sh("ip", "link", "add", bridge, "type", "bridge")
+        except RuntimeError as e:
+            pytest.skip(f"this machine cannot make network namespaces/bridges: {e}")
+        sh("ip", "addr", "add", f"10.200.{n}.1/24", "dev", bridge)
+        sh("ip", "link", "set", bridge, "up")
+        for i, (name, ns) in enumerate(zip(names, hosts.namespaces), 1):
+            address = hosts.addresses[name]
+            sh("ip", "netns", "add", ns)
+            sh("ip", "link", "add", f"tk{n}v{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
+            sh("ip", "link", "set", f"tk{n}v{i}", "master", bridge, "up")
+            sh("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
+            sh("ip", "-n", ns, "link", "set", "eth0", "up")
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+            config = ssh_site.sshd_config(ns, address, 22)
+            # nsenter, not `ip netns exec` (which remounts /sys); its own UTS namespace for the
+            # hostname, its own mount namespace for an /etc/hosts naming every host.
+            sh("nsenter", f"--net=/run/netns/{ns}", "unshare", "--uts", "--mount", "sh", "-c",
+               f"hostname {name} && mount --bind {etc_hosts} /etc/hosts && "
+               f"exec {SSHD} -f {config} -E {ssh_site.dir / f'sshd_{ns}.log'}")
+            ssh_site.add_host(name, address, 22)
+        for name in names:
+            ssh_site.wait_for(name)
+        yield hosts
+    finally:
+        for ns in hosts.namespaces:
+            _stop_pid(ssh_site.dir / f"sshd_{ns}.pid")
+        for i, ns in enumerate(hosts.namespaces, 1):
+            # Both ends of the veth go at once; the namespace itself may linger while a socket of
+            # a killed process there still closes, and would keep the veth name taken.
+            _run("ip", "link", "del", f"tk{n}v{i}")
+            _run("ip", "netns", "del", ns)
+        _run("ip", "link", "del", bridge)

@@ -1,0 +1,350 @@
+"""`--launcher ssh` for real: sshd on 127.0.0.1 and on network-namespace hosts (tests/cluster_hosts.py),
+Fabric, rsync, and a job of real scheduler, server and worker processes. After each job, no
+process of it may be left on any host: every process carries the test's tag (TFKV_* variables of
+the launching shell travel to the roles), and the namespace hosts share /proc with us.
+
+The fast tests need no sshd: placement, and the remote command run by a local `sh`.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from cluster_hosts import loopback_host, netns_hosts, ssh_site  # noqa: F401 - fixtures
+from conftest import REPO, TAG, tagged_pids, tfkv_run
+
+from tfkv.errors import ConfigError
+from tfkv.launcher import job as launch_job
+from tfkv.launcher.plan import Process
+from tfkv.launcher.ssh import MARK, SSHLauncher, remote_command
+
+PY = sys.executable  # the "remote" hosts share this machine's Python, where tfkv is installed
+
+
+def _tag(tmp_path: Path) -> dict[str, str]:
+    return {TAG: f"ssh-{tmp_path.name}-{os.getpid()}"}
+
+
+def _no_leftovers(tag: str, seconds: float = 10) -> list[int]:
+    """The tagged processes still alive after up to `seconds` (killed ones take a moment to go)."""
+    deadline = time.monotonic() + seconds
+    while (left := tagged_pids(tag)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def _workdir(tmp_path: Path, hosts: list[str]) -> Path:
+    """A small working directory to sync: the worker script, a data file, things never synced."""
+    work = tmp_path / "work"
+    work.mkdir()
+    shutil.copy(REPO / "tests" / "dist_worker.py", work)
+    (work / "data.txt").write_text("data\n")
+    (work / "gone.txt").write_text("deleted locally before the second sync\n")
+    for skipped in ("outputs/old", ".git/x", "__pycache__/y"):
+        (work / skipped).parent.mkdir(parents=True, exist_ok=True)
+        (work / skipped).write_text("never synced\n")
+    (work / "hosts").write_text("".join(f"{h}\n" for h in hosts))
+    return work
+
+
+def _launch(*args: str, cwd: Path, env: dict[str, str], timeout: float = 180) -> subprocess.CompletedProcess:
+    exe = shutil.which("tfkv-launch")
+    assert exe, "tfkv-launch is not on PATH: install the package first (pip install '.[cpu,test]')"
+    return subprocess.run(["timeout", "-s", "INT", "-k", "10", str(timeout), exe, *args], cwd=cwd,
+                          env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout + 20)
+
+
+# -- fast: no sshd --------------------------------------------------------------------------------
+
+def test_hosts_file_placement_five_hosts_three_workers(tmp_path):
+    (tmp_path / "hosts").write_text("h1\nh2\nh3\nh4\nh5\n")
+    opts = launch_job.Options("ssh", 3, 3, str(tmp_path / "hosts"), "/tmp/job")
+    job = launch_job.plan_job(opts, ["python3", "train.py"], tmp_path, tmp_path / "outputs" / "run")
+    where = {p.name: p.host for p in job.plan}
+    assert where == {"scheduler @h1": "h1", "server 0 @h1": "h1", "server 1 @h2": "h2", "server 2 @h3": "h3",
+                     "worker 0 @h4": "h4", "worker 1 @h5": "h5", "worker 2 @h1": "h1"}
+    assert job.remote_run_dir == "/tmp/job/outputs/run"  # the workers write under the synced tree
+
+
+def _start_remote_command(argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen:
+    """What sshd does with the command: hand it to a shell in a new session, stdin the channel."""
+    p = Process("worker 0", "worker", 0, "here", argv, env)
+    return subprocess.Popen(["sh", "-c", remote_command(p, str(cwd), PY)], stdout=subprocess.PIPE,
+                            stdin=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _run_remote_command(argv: list[str], env: dict[str, str], cwd: Path) -> tuple[subprocess.Popen, str]:
+    """Run it to its end with the channel open (closing stdin would end the job); its output."""
+    proc = _start_remote_command(argv, env, cwd)
+    try:
+        out = proc.stdout.read()
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+        proc.stdin.close()
+    return proc, out
+
+
+def test_remote_command_quotes_env_and_argv_and_reports_the_group(tmp_path):
+    odd = "a 'b' \"c\" $HOME `x` ;|&"
+    proc, out = _run_remote_command(
+        [PY, "-c", "import os, sys; print(os.environ['ODD'], sys.argv[1], os.getcwd())", odd], {"ODD": odd}, tmp_path)
+    lines = out.split("\n")  # not splitlines(): it also splits at the marker's \x1e
+    assert lines[0].startswith(MARK + "pgid ") and int(lines[0].split()[-1]) == proc.pid  # its own group
+    assert lines[1] == f"{odd} {odd} {tmp_path}"
+    assert lines[2] == MARK + "exit 0" and proc.returncode == 0
+
+
+def test_remote_command_names_the_signal_that_killed_the_role(tmp_path):
+    proc, out = _run_remote_command(["sh", "-c", "printf 'no newline'; kill -9 $$"], {}, tmp_path)
+    assert out.split("\n")[-2] == f"no newline{MARK}exit -9"
+    assert proc.returncode == 128 + 9
+
+
+def test_remote_command_kills_its_group_when_the_channel_closes(tmp_path):
+    tag = _tag(tmp_path)
+    proc = _start_remote_command(["sh", "-c", "sleep 60 & sleep 60; echo never"], tag, tmp_path)
+    assert proc.stdout.readline().startswith(MARK + "pgid")
+    deadline = time.monotonic() + 10
+    while len(tagged_pids(tag[TAG])) < 4 and time.monotonic() < deadline:  # wrapper, sh, 2 sleeps
+        time.sleep(0.05)
+    assert len(tagged_pids(tag[TAG])) == 4
+    proc.stdin.close()  # what the channel's end looks like to the remote command
+    proc.wait(timeout=10)
+    assert not _no_leftovers(tag[TAG], 5)
+
+
+# -- slow: real sshd ------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_launch_over_ssh_syncs_runs_and_records(netns_hosts, ssh_site, tmp_path, monkeypatch):
+    work = _workdir(tmp_path, netns_hosts.names)
+    dst, run, env = tmp_path / "dst", tmp_path / "run", {**_tag(tmp_path), **ssh_site.env()}
+    t0 = time.monotonic()
+    proc = _launch("-n", "2", "-s", "2", "-H", "hosts", "--launcher", "ssh", "--sync-dst-dir", str(dst),
+                   "--python", PY, "--verbose", "1", "--run-dir", str(run), "--",
+                   PY, "dist_worker.py", "updates", "out{rank}.json", "5", cwd=work, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    assert ("tfkv: ssh job, 2 server(s), 2 worker(s) - node1: scheduler, server 0, worker 0; "
+            "node2: server 1, worker 1") in out
+    for prefix in ("[scheduler @node1]", "[server 0 @node1]", "[server 1 @node2]", "[worker 0 @node1]",
+                   "[worker 1 @node2]"):
+        assert prefix in out
+    assert MARK not in out  # the wrapper's marker lines are stripped
+    # The job really ran: both workers saw every push of both (SGD lr=1: 100 - 5 * (1 + 2)).
+    for rank in (0, 1):
+        assert json.loads((dst / f"out{rank}.json").read_text())["final"] == [85.0] * 4
+    # The record.
+    launch = run / "launch"
+    plan = json.loads((launch / "plan.json").read_text())
+    assert {p["name"]: p["host"] for p in plan["processes"]}["worker 1 @node2"] == "node2"
+    assert (launch / "hosts").read_text() == "node1\nnode2\n"
+    tree = json.loads((launch / "tree.json").read_text())["files"]
+    assert "dist_worker.py" in tree and "outputs/old" not in tree
+    versions = json.loads((launch / "versions.json").read_text())
+    assert {h: v["hostname"] for h, v in versions.items()} == {"node1": "node1", "node2": "node2"}
+    assert "[worker 1 @node2]" in (launch / "job.log").read_text()
+    # rsync: the tree is there, outputs/.git/caches are not.
+    assert (dst / "dist_worker.py").read_bytes() == (work / "dist_worker.py").read_bytes()
+    assert (dst / "gone.txt").is_file()
+    assert not any((dst / d).exists() for d in (".git", "__pycache__", "outputs/old"))
+    assert not _no_leftovers(env[TAG]), "processes of the job left behind"
+    first = time.monotonic() - t0
+
+    # A second sync sends only what changed: untouched files keep their inode (rsync writes a
+    # changed file anew and renames it into place), a file deleted here goes there too.
+    inodes = {f: (dst / f).stat().st_ino for f in ("dist_worker.py", "data.txt")}
+    (work / "data.txt").write_text("changed data\n")
+    (work / "gone.txt").unlink()
+    monkeypatch.setenv("TFKV_SSH_CONFIG", str(ssh_site.config))
+    opts = launch_job.Options("ssh", 2, 2, str(work / "hosts"), str(dst), python=PY)
+    job = launch_job.plan_job(opts, [PY, "dist_worker.py"], work, run)
+    assert set(SSHLauncher().preflight(job)) == {"node1", "node2"}
+    assert (dst / "dist_worker.py").stat().st_ino == inodes["dist_worker.py"]
+    assert (dst / "data.txt").stat().st_ino != inodes["data.txt"]
+    assert (dst / "data.txt").read_text() == "changed data\n"
+    assert not (dst / "gone.txt").exists()
+    # The destination mirrors the working directory: what the job wrote there outside outputs/
+    # (excluded, so kept) goes too.
+    assert not (dst / "out0.json").exists()
+    print(f"first launch {first:.1f} s")
+
+
+@pytest.mark.slow
+def test_a_killed_remote_worker_fails_the_job_and_nothing_is_left(netns_hosts, ssh_site, tmp_path):
+    work = _workdir(tmp_path, netns_hosts.names)
+    dst, env = tmp_path / "dst", {**_tag(tmp_path), **ssh_site.env()}
+    exe = shutil.which("tfkv-launch")
+    launcher = subprocess.Popen(
+        ["timeout", "-k", "10", "150", exe, "-n", "2", "-s", "2", "-H", "hosts", "--launcher", "ssh",
+         "--sync-dst-dir", str(dst), "--python", PY, "--heartbeat-timeout", "2", "--run-dir", str(tmp_path / "run"),
+         "--", PY, "dist_worker.py", "hang", "out{rank}.json", "120"],
+        cwd=work, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        pid = _wait_for_pid(dst / "out1.json", launcher)
+        assert Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[2] == b"hang"
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGKILL)  # worker 1, on node2 (same PID numbers as here)
+        out, _ = launcher.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 1, out[-5000:]
+    assert "tfkv-launch: the job failed: worker 1 @node2 was killed by SIGKILL" in out, out[-5000:]
+    assert took < 20, f"teardown took {took:.1f} s"
+    assert not _no_leftovers(env[TAG]), "processes of the job left behind"
+
+
+@pytest.mark.slow
+def test_a_killed_launcher_leaves_nothing_on_the_hosts(netns_hosts, ssh_site, tmp_path):
+    """The launcher itself SIGKILLed: no teardown of its own runs, the wrappers see their channel
+    close and end their groups."""
+    work = _workdir(tmp_path, netns_hosts.names)
+    dst, env = tmp_path / "dst", {**_tag(tmp_path), **ssh_site.env()}
+    launcher = subprocess.Popen(
+        [shutil.which("tfkv-launch"), "-n", "2", "-s", "1", "-H", "hosts", "--launcher", "ssh",
+         "--sync-dst-dir", str(dst), "--python", PY, "--run-dir", str(tmp_path / "run"),
+         "--", PY, "dist_worker.py", "hang", "out{rank}.json", "120"],
+        cwd=work, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for_pid(dst / "out1.json", launcher)
+        _wait_for_pid(dst / "out0.json", launcher)
+    finally:
+        launcher.kill()
+        launcher.wait()
+    assert not _no_leftovers(env[TAG], 15), "processes of the job left behind"
+
+
+@pytest.mark.slow
+def test_teardown_terminates_the_others_over_ssh_while_still_listening(netns_hosts, ssh_site, tmp_path):
+    """Roles that would never end by themselves: the launcher's own TERM reaches them while their
+    channels are open (the line they print on TERM comes back), not only the wrappers' fallback."""
+    work = _workdir(tmp_path, netns_hosts.names)
+    env = {**_tag(tmp_path), **ssh_site.env()}
+    role = ('trap "echo got TERM; exit 143" TERM; if [ "$TFKV_RANK_HINT" = 1 ]; then sleep 1; exit 7; fi; '
+            "while :; do sleep 0.1; done")
+    t0 = time.monotonic()
+    proc = _launch("-n", "2", "-s", "1", "-H", "hosts", "--launcher", "ssh", "--sync-dst-dir", str(tmp_path / "dst"),
+                   "--python", PY, "--run-dir", str(tmp_path / "run"), "--", "sh", "-c", role, cwd=work, env=env,
+                   timeout=60)
+    took = time.monotonic() - t0
+    out = proc.stdout + proc.stderr
+    # -s 1: worker 0 on node2, worker 1 on node1
+    assert proc.returncode == 1 and "the job failed: worker 1 @node1 exited with status 7" in out, out[-3000:]
+    assert "[worker 0 @node2] got TERM" in out, out[-3000:]
+    assert took < 30, f"took {took:.1f} s"
+    assert not _no_leftovers(env[TAG]), "processes of the job left behind"
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_a_loopback_job_without_sync(loopback_host, ssh_site, tmp_path):
+    """Ctrl-C ends everything; 127.0.0.1 through sshd is a remote host like any other, and
+    without --sync-dst-dir the roles run in the (shared) working directory itself."""
+    work = _workdir(tmp_path, ["127.0.0.1"])
+    env = {**_tag(tmp_path), **ssh_site.env()}
+    launcher = subprocess.Popen(
+        ["timeout", "-k", "10", "150", shutil.which("tfkv-launch"), "-n", "2", "-s", "1", "-H", "hosts",
+         "--launcher", "ssh", "--python", PY, "--run-dir", str(tmp_path / "run"),
+         "--", PY, "dist_worker.py", "hang", "out{rank}.json", "120"],
+        cwd=work, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for_pid(work / "out0.json", launcher)
+        _wait_for_pid(work / "out1.json", launcher)
+        launcher.send_signal(signal.SIGINT)  # to `timeout`, which passes it on to tfkv-launch
+        out, _ = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 1 and "the job failed: interrupted (Ctrl-C)" in out, out[-3000:]
+    assert "127.0.0.1: scheduler, server 0, worker 0, worker 1" in out
+    assert not _no_leftovers(env[TAG]), "processes of the job left behind"
+
+
+def _wait_for_pid(path: Path, launcher: subprocess.Popen, seconds: float = 90) -> int:
+    """The pid a `hang` worker wrote once it joined the job."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if launcher.poll() is not None:
+            out = launcher.stdout.read() if launcher.stdout else ""
+            raise AssertionError(f"the launcher ended early:\n{out[-3000:]}")
+        try:
+            return json.loads(path.read_text())["pid"]
+        except (OSError, ValueError, KeyError):
+            time.sleep(0.2)
+    raise AssertionError(f"{path} never appeared")
+
+
+@pytest.mark.slow
+def test_preflight_one_line_per_bad_host_and_nothing_starts(loopback_host, ssh_site, tmp_path):
+    work = _workdir(tmp_path, ["local", "badkey", "nosuchhost.invalid"])
+    run, env = tmp_path / "run", {**_tag(tmp_path), **ssh_site.env()}
+    proc = _launch("-n", "2", "-H", "hosts", "--launcher", "ssh", "--python", PY, "--run-dir", str(run), "--",
+                   PY, "dist_worker.py", "updates", "out{rank}.json", "1", cwd=work, env=env, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 2, proc.stderr
+    assert lines[0].startswith("tfkv-launch: badkey: ssh refused the key")
+    assert "add your key to badkey's authorized_keys or set IdentityFile in" in lines[0]
+    assert lines[1].startswith("nosuchhost.invalid: unknown host")
+    assert "[scheduler" not in proc.stdout and not (run / "launch" / "plan.json").exists()  # nothing started
+    assert not tagged_pids(env[TAG])
+
+
+@pytest.mark.slow
+def test_preflight_names_unwritable_dir_missing_tfkv_and_missing_python(loopback_host, ssh_site, tmp_path,
+                                                                        monkeypatch):
+    monkeypatch.setenv("TFKV_SSH_CONFIG", str(ssh_site.config))
+    work = _workdir(tmp_path, ["local"])
+    (tmp_path / "a-file").write_text("")
+    no_site = tmp_path / "python-without-tfkv"  # -S: no site-packages, so no tfkv
+    no_site.write_text(f"#!/bin/sh\nexec {PY} -S \"$@\"\n")
+    no_site.chmod(0o755)
+
+    def problem(dst: str | None, python: str = PY) -> str:
+        opts = launch_job.Options("ssh", 1, 1, str(work / "hosts"), dst, python=python)
+        job = launch_job.plan_job(opts, [PY, "dist_worker.py"], work, tmp_path / "run")
+        with pytest.raises(ConfigError) as e:
+            SSHLauncher().preflight(job)
+        assert len(str(e.value).splitlines()) == 1
+        return str(e.value)
+
+    bad = tmp_path / "a-file" / "job"
+    assert problem(str(bad)).startswith(f"local: {bad} is not writable (")
+    assert problem(str(bad)).endswith("; pick another --sync-dst-dir")
+    assert problem(str(tmp_path / "dst"), str(no_site)) == (
+        f"local: tfkv is not importable with {no_site} after the rsync; install it there (pip install tfkv) "
+        "or include it in the synced directory")
+    assert "local: /nonexistent/python3 is not found there" in problem(None, "/nonexistent/python3")
+    monkeypatch.setenv("TFKV_SSH_CONFIG", str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match="TFKV_SSH_CONFIG=.* is not a file"):
+        SSHLauncher().preflight(launch_job.plan_job(launch_job.Options("ssh", 1, 1, str(work / "hosts")),
+                                                    [PY], work, tmp_path / "run"))
+
+
+@pytest.mark.slow
+def test_tfkv_run_cluster_ssh_end_to_end(netns_hosts, ssh_site, tmp_path):
+    work = _workdir(tmp_path, netns_hosts.names)
+    dst, env = tmp_path / "dst", {**_tag(tmp_path), **ssh_site.env()}
+    # conf/cluster/ssh.yaml, once there, is the group for it; the schema field works either way.
+    cluster = "cluster=ssh" if (REPO / "conf" / "cluster" / "ssh.yaml").is_file() else "cluster.launcher=ssh"
+    proc = tfkv_run("kvstore=dist_sync", cluster, "cluster.hostfile=hosts", "cluster.num_workers=2",
+                    "cluster.num_servers=2", f"cluster.sync_dst_dir={dst}", f"cluster.python={PY}", "epochs=1",
+                    "progress=false", cwd=work, env=env, timeout=400, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    assert "[worker 1 @node2]" in out
+    (metrics,) = work.glob("outputs/*/*/metrics.json")  # copied back from worker 0's host
+    assert json.loads(metrics.read_text())["epoch"] == 1
+    assert (metrics.parent / "launch" / "plan.json").is_file()
+    assert list(dst.glob("outputs/*/*/metrics.json"))  # where the workers wrote it
+    assert not _no_leftovers(env[TAG]), "processes of the job left behind"
