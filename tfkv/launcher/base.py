@@ -39,6 +39,10 @@ class Result:
 class Launcher(Protocol):
     name: str
 
+    def preflight(self, job: Job) -> dict[str, dict[str, str]]:
+        """Check what the backend needs (binaries, hosts) before anything starts, raising a
+        ConfigError with one line per problem; return the tfkv/TF/Python versions per host."""
+
     def launch(self, job: Job, out: IO[str]) -> Result:
         """Start every process of `job.plan`, stream its output to `out`, wait for the end."""
 

@@ -54,8 +54,10 @@ def plan_job(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path
         extra["DMLC_INTERFACE"] = opts.interface
     if opts.verbose:
         extra["PS_VERBOSE"] = str(opts.verbose)
+    # Only ssh and mpi place roles on the hosts file's hosts; Slurm, SGE and YARN choose the nodes.
+    placed = bool(opts.hostfile) and opts.launcher in ("ssh", "mpi")
     plan = make_plan(opts.num_workers, opts.num_servers, worker_argv, [python, "-m", "tfkv.store.node"],
-                     [h.name for h in hosts], scheduler_host, port, extra, show_host=bool(opts.hostfile))
+                     [h.name for h in hosts], scheduler_host, port, extra, show_host=placed)
     return base.Job(plan=plan, hosts=hosts if opts.hostfile else [], workdir=workdir,
                     sync_dst_dir=opts.sync_dst_dir, run_dir=run_dir, python=python,
                     remote_run_dir=remote_path(opts, workdir, run_dir))

@@ -1,0 +1,455 @@
+"""The batch launcher backends: mpi (real mpirun), slurm (real slurmctld/slurmd/munged), sge (a
+real Son of Grid Engine cell) and yarn (the exact submission: Hadoop YARN is not installable on
+this machine, see the YARN tests).
+
+Every job carries a tag in its environment (TFKV_TEST_TAG, passed on by mpirun -x, srun
+--export=ALL and qsub -V like the launcher's other TFKV_* variables); after each job the test
+scans /proc for it, so a process left behind fails the test.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from cluster_daemons import sge, slurm  # noqa: F401  (session fixtures)
+from conftest import REPO, TAG, tagged_pids
+
+from tfkv.errors import ConfigError
+from tfkv.launcher import base, role
+from tfkv.launcher.hosts import Host
+from tfkv.launcher.plan import make_plan
+
+WORKER = str(REPO / "tests" / "dist_worker.py")
+# A worker that joins the job and then, if its rank is argv[1], fails; the others keep working
+# until the job tears them down. "working <tag>" shows that the test's tag reached the roles, so
+# that the /proc scan for leftovers is worth something.
+FAILING_WORKER = """\
+import os, sys, time
+import numpy as np
+import tfkv.store
+kv = tfkv.store.create("dist_sync")
+kv.init(0, np.zeros(3, np.float32))
+if kv.rank == int(sys.argv[1]):
+    print("failing on purpose", flush=True)
+    sys.exit(5)
+print("working", os.environ.get("TFKV_TEST_TAG"), flush=True)
+deadline = time.time() + 120
+while time.time() < deadline:
+    kv.push(0, np.ones(3, np.float32))
+    kv.pull(0)
+    time.sleep(0.05)
+"""
+
+
+def _env(tag: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}  # not inside an allocation
+    return {**env, TAG: tag, **extra}
+
+
+def _tfkv_launch(*args: str, cwd: Path, env: dict[str, str], timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(["tfkv-launch", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _nothing_left(tag: str, within: float = 5.0) -> None:
+    """No process of the job is alive (dying roles get `within` seconds to be reaped)."""
+    deadline = time.monotonic() + within
+    while tagged_pids(tag) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = tagged_pids(tag)
+    details = []
+    for pid in left:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:200]
+        except OSError:
+            continue
+        details.append(f"{pid}: {cmdline.decode(errors='replace')}")
+    assert not left, f"processes left behind: {details}"
+
+
+def _updates_ok(d: Path, workers: int, steps: int) -> None:
+    """dist_worker.py `updates`: SGD lr=1 from 100, every worker r pushes r+1 each step."""
+    expected = 100.0 - steps * sum(r + 1 for r in range(workers))
+    for r in range(workers):
+        assert json.loads((d / f"out{r}.json").read_text())["final"] == [expected] * 4
+
+
+def _plan(workers: int = 2, servers: int = 1, hosts=("127.0.0.1",), argv=("python3", "w.py", "out{rank}.json"),
+          node=("python3", "-m", "tfkv.store.node")):
+    return make_plan(workers, servers, list(argv), list(node), list(hosts), hosts[0],
+                     9100, {"TFKV_HEARTBEAT_TIMEOUT": "4"}, show_host=len(hosts) > 1)
+
+
+# -- the role helper -------------------------------------------------------------------------------
+
+def _helper(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tfkv.launcher.role", *args], capture_output=True, text=True,
+                          timeout=60, env={**{k: v for k, v in os.environ.items()
+                                              if k not in ("OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "SGE_TASK_ID")},
+                                           **env})
+
+
+def test_the_helper_maps_each_schedulers_rank_to_the_plans_role():
+    echo = ("sh", "-c", "echo $DMLC_ROLE $TFKV_RANK_HINT $DMLC_PS_ROOT_PORT out{rank}")
+    argv = role.helper_argv(sys.executable, _plan(argv=echo, node=echo))[3:]
+    for var, value, want in [("OMPI_COMM_WORLD_RANK", "0", "[scheduler] scheduler 0 9100 out{rank}"),
+                             ("SLURM_PROCID", "3", "[worker 1] worker 1 9100 out1"),
+                             ("SGE_TASK_ID", "2", "[server 0] server 0 9100 out{rank}")]:  # SGE counts from 1
+        proc = _helper({var: value}, "--rank-var", var, *argv)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.splitlines()[0] == want
+    proc = _helper({"OMPI_COMM_WORLD_RANK": "4"}, *argv)
+    assert proc.returncode == 2 and "rank 4 has no role: this job has 4 process(es)" in proc.stderr
+
+
+def test_the_helper_reports_the_roles_end_and_passes_its_status_on():
+    plan = _plan(workers=1, argv=("sh", "-c", "echo out; echo err >&2; exit 7"))
+    proc = _helper({"SLURM_PROCID": "2"}, *role.helper_argv(sys.executable, plan)[3:])
+    assert proc.returncode == 7
+    assert proc.stdout.splitlines() == ["[worker 0] out", "[worker 0] err",
+                                        "[worker 0] tfkv-role: worker 0 exited with status 7"]
+    # Grid Engine would rerun a task that exits 99 and hold one that exits 100.
+    plan = _plan(workers=1, argv=("sh", "-c", "exit 100"))
+    proc = _helper({"SGE_TASK_ID": "2"}, "--rank-var", "SGE_TASK_ID", *role.helper_argv(sys.executable, plan[1:])[3:])
+    assert proc.returncode == 1 and "exited with status 100" in proc.stdout
+
+
+def test_the_helper_by_hand_takes_the_workers_command_after_dashes():
+    env = {"DMLC_NUM_SERVER": "2", "DMLC_NUM_WORKER": "2", "DMLC_PS_ROOT_URI": "127.0.0.1",
+           "DMLC_PS_ROOT_PORT": "9", "SLURM_PROCID": "4"}
+    proc = _helper(env, "--", "sh", "-c", "echo $DMLC_ROLE $TFKV_RANK_HINT {rank}")
+    assert proc.stdout.splitlines()[0] == "[worker 1] worker 1 1"
+
+
+def test_output_names_the_first_real_failure():
+    out = io.StringIO()
+    o = role.Output(out)
+    for line in ["[worker 0] tfkv-role: worker 0 exited with status 3",  # stopped because a peer failed
+                 "[worker 1 @h] tfkv-role: worker 1 @h exited with status 5",
+                 "[server 0] tfkv-role: server 0 was killed by SIGTERM", "[worker 2] hello"]:
+        o.line(line)
+    assert o.cause() == "worker 1 @h exited with status 5"
+    assert o.ended == {"worker 0": 3, "worker 1 @h": 5, "server 0": -15}
+
+
+# -- mpi -------------------------------------------------------------------------------------------
+
+def test_mpirun_places_every_rank_on_its_planned_host_in_rank_order():
+    from tfkv.launcher.mpi import mpirun_argv
+
+    plan = _plan(workers=3, servers=2, hosts=("h1", "h2"))  # scheduler h1; servers h1, h2; workers h1, h2, h1
+    job = base.Job(plan=plan, hosts=[Host("h1"), Host("h2")], workdir=Path("/work"))
+    argv = mpirun_argv(job, environ={"TFKV_TEST_TAG": "x", "HOME": "/root"})
+    contexts: list[list[str]] = [[]]
+    for a in argv:
+        contexts.append([]) if a == ":" else contexts[-1].append(a)
+    assert [c[c.index("--host") + 1] for c in contexts] == ["h1:2", "h2:1", "h1:1", "h2:1", "h1:1"]
+    assert "--oversubscribe" in argv and "orte_abort_on_non_zero_status" in argv
+    assert argv[argv.index("--wdir") + 1] == "/work"
+    assert ("--allow-run-as-root" in argv) == (os.geteuid() == 0)
+    first = contexts[0]
+    for var in ("DMLC_PS_ROOT_URI=h1", "DMLC_NUM_SERVER=2", "DMLC_NUM_WORKER=3", "TFKV_TEST_TAG=x"):
+        assert first[first.index(var) - 1] == "-x"
+    assert "HOME=/root" not in first
+    # Each context's helper gets the processes of its ranks, starting at its first rank.
+    tables = [json.loads(c[c.index("--plan") + 1]) for c in contexts]
+    assert [t["first"] for t in tables] == [0, 2, 3, 4, 5]
+    assert [p["name"] for p in tables[0]["procs"]] == ["scheduler @h1", "server 0 @h1"]
+
+
+def test_mpirun_takes_one_ssh_user_and_port_for_all_hosts():
+    from tfkv.launcher.mpi import mpirun_argv
+
+    job = base.Job(plan=_plan(hosts=("a", "b")), hosts=[Host("a", "u", 2222), Host("b", "u", 2222)])
+    argv = mpirun_argv(job, environ={})
+    assert argv[argv.index("plm_rsh_args") + 1] == "-p 2222 -l u"
+    job.hosts = [Host("a", port=22), Host("b", port=2222)]
+    with pytest.raises(ConfigError, match="same ssh user and port on every host"):
+        mpirun_argv(job, environ={})
+
+
+@pytest.mark.parametrize("name,binary", [("mpi", "mpirun"), ("slurm", "srun"), ("sge", "qsub"), ("yarn", "yarn")])
+def test_a_missing_resource_manager_is_a_one_line_config_error(name, binary, monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing on PATH
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    job = base.Job(plan=_plan(), hosts=[Host("127.0.0.1")], workdir=tmp_path)
+    with pytest.raises(ConfigError) as e:
+        base.create(name).preflight(job)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"{binary} is not on PATH; install")
+
+
+@pytest.mark.slow
+def test_mpi_job_through_tfkv_launch_runs_and_records(tmp_path):
+    (tmp_path / "hosts").write_text("127.0.0.1\n")
+    tag = f"mpi-ok-{tmp_path.name}"
+    t0 = time.monotonic()
+    proc = _tfkv_launch("-n", "2", "-s", "2", "-H", "hosts", "--launcher", "mpi", "--run-dir", "rec",
+                        "--python", sys.executable, "--", sys.executable, WORKER, "updates", "out{rank}.json", "5",
+                        cwd=tmp_path, env=_env(tag))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    print(f"mpi job: {time.monotonic() - t0:.1f} s")
+    _updates_ok(tmp_path, 2, 5)
+    log = (tmp_path / "rec" / "launch" / "job.log").read_text()
+    for name in ("scheduler", "server 0", "server 1", "worker 0", "worker 1"):
+        assert f"[{name} @127.0.0.1] tfkv-role: {name} @127.0.0.1 exited with status 0" in log
+    versions = json.loads((tmp_path / "rec" / "launch" / "versions.json").read_text())
+    assert versions["127.0.0.1"]["tfkv"] == versions["localhost"]["tfkv"]  # checked through mpirun
+    _nothing_left(tag)
+
+
+@pytest.mark.slow
+def test_mpi_job_with_a_failing_worker_names_it_and_leaves_nothing(tmp_path):
+    (tmp_path / "hosts").write_text("127.0.0.1\n")
+    (tmp_path / "fail.py").write_text(FAILING_WORKER)
+    tag = f"mpi-fail-{tmp_path.name}"
+    proc = _tfkv_launch("-n", "3", "-s", "1", "-H", "hosts", "--launcher", "mpi", "--run-dir", "rec",
+                        "--python", sys.executable, "--", sys.executable, "fail.py", "1", cwd=tmp_path, env=_env(tag))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "the job failed: worker 1 @127.0.0.1 exited with status 5" in proc.stderr, proc.stdout + proc.stderr
+    assert "[worker 1 @127.0.0.1] failing on purpose" in proc.stdout
+    _nothing_left(tag)
+
+
+def _ctrl_c(args: list[str], cwd: Path, env: dict[str, str], when: str, timeout: float = 120) -> tuple[int, str]:
+    """Run tfkv-launch until `when` shows in its output, then press Ctrl-C (SIGINT to the launcher,
+    as a terminal sends it to the foreground process); its exit status and whole output."""
+    proc = subprocess.Popen(["tfkv-launch", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
+    reader.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while not any(when in line for line in list(lines)):
+            assert proc.poll() is None and time.monotonic() < deadline, f"{when!r} never showed:\n{''.join(lines)}"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=90)
+        reader.join(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, "".join(lines)
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_an_mpi_job(tmp_path):
+    (tmp_path / "hosts").write_text("127.0.0.1\n")
+    (tmp_path / "fail.py").write_text(FAILING_WORKER)
+    tag = f"mpi-int-{tmp_path.name}"
+    rc, out = _ctrl_c(["-n", "2", "-s", "1", "-H", "hosts", "--launcher", "mpi", "--run-dir", "rec", "--python",
+                       sys.executable, "--", sys.executable, "fail.py", "-1"], tmp_path, _env(tag), f"working {tag}")
+    assert rc == 1 and "the job failed: interrupted (Ctrl-C)" in out, out
+    _nothing_left(tag)
+
+
+# -- slurm -----------------------------------------------------------------------------------------
+
+def _slurm_args(n: int = 2, s: int = 1) -> list[str]:
+    return ["-n", str(n), "-s", str(s), "--launcher", "slurm", "--run-dir", "rec", "--python", sys.executable, "--",
+            sys.executable, WORKER, "updates", "out{rank}.json", "5"]
+
+
+@pytest.mark.slow
+def test_slurm_job_inside_an_allocation_runs_one_srun(slurm, tmp_path):  # noqa: F811
+    tag = f"slurm-alloc-{tmp_path.name}"
+    t0 = time.monotonic()
+    # salloc runs the launcher here with SLURM_JOB_ID set: the launcher's srun uses the allocation.
+    proc = subprocess.run(["timeout", "170", "salloc", "-n", "4", "tfkv-launch", *_slurm_args()], cwd=tmp_path,
+                          env=_env(tag, SLURM_CONF=str(slurm.conf)), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    print(f"slurm job in salloc: {time.monotonic() - t0:.1f} s")
+    _updates_ok(tmp_path, 2, 5)
+    assert "salloc: Granted job allocation" in proc.stderr
+    assert not (tmp_path / "rec" / "launch" / "slurm").exists()  # no batch job of its own
+    assert "[worker 1] tfkv-role: worker 1 exited with status 0" in proc.stdout
+    _nothing_left(tag)
+
+
+@pytest.mark.slow
+def test_slurm_job_outside_an_allocation_is_a_batch_job(slurm, tmp_path):  # noqa: F811
+    tag = f"slurm-batch-{tmp_path.name}"
+    t0 = time.monotonic()
+    proc = _tfkv_launch(*_slurm_args(), cwd=tmp_path, env=_env(tag, SLURM_CONF=str(slurm.conf)))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    print(f"slurm batch job: {time.monotonic() - t0:.1f} s")
+    _updates_ok(tmp_path, 2, 5)
+    assert "exec srun -n 4 --kill-on-bad-exit=1" in (tmp_path / "rec" / "launch" / "slurm" / "job.sh").read_text()
+    assert "[scheduler] tfkv-role: scheduler exited with status 0" in proc.stdout  # streamed back
+    _nothing_left(tag)
+
+
+@pytest.mark.slow
+def test_slurm_batch_job_with_a_failing_worker_names_it(slurm, tmp_path):  # noqa: F811
+    (tmp_path / "fail.py").write_text(FAILING_WORKER)
+    tag = f"slurm-fail-{tmp_path.name}"
+    proc = _tfkv_launch("-n", "2", "-s", "1", "--launcher", "slurm", "--run-dir", "rec", "--python", sys.executable,
+                        "--", sys.executable, "fail.py", "0", cwd=tmp_path, env=_env(tag, SLURM_CONF=str(slurm.conf)))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "the job failed: worker 0 exited with status 5" in proc.stderr, proc.stdout + proc.stderr
+    _nothing_left(tag)
+
+
+@pytest.mark.slow
+def test_ctrl_c_cancels_the_slurm_batch_job(slurm, tmp_path):  # noqa: F811
+    (tmp_path / "fail.py").write_text(FAILING_WORKER)
+    tag = f"slurm-int-{tmp_path.name}"
+    env = _env(tag, SLURM_CONF=str(slurm.conf))
+    rc, out = _ctrl_c(["-n", "2", "-s", "1", "--launcher", "slurm", "--run-dir", "rec", "--python", sys.executable,
+                       "--", sys.executable, "fail.py", "-1"], tmp_path, env, f"working {tag}")
+    assert rc == 1 and "the job failed: interrupted (Ctrl-C)" in out, out
+    _nothing_left(tag, within=15)  # KillWait=2 s, then SIGKILL
+    queue = subprocess.run(["squeue", "-h"], env=env, capture_output=True, text=True, timeout=30).stdout
+    assert "tfkv-slurm" not in queue
+
+
+# -- sge -------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_sge_array_job_runs_servers_and_workers(sge, tmp_path):  # noqa: F811
+    tag = f"sge-ok-{tmp_path.name}"
+    t0 = time.monotonic()
+    proc = _tfkv_launch("-n", "2", "-s", "1", "--launcher", "sge", "--run-dir", "rec", "--python", sys.executable,
+                        "--", sys.executable, WORKER, "updates", "out{rank}.json", "5", cwd=tmp_path,
+                        env={**_env(tag), **{k: sge.env[k] for k in ("SGE_ROOT", "SGE_CELL")}})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    print(f"sge job: {time.monotonic() - t0:.1f} s")
+    _updates_ok(tmp_path, 2, 5)
+    for name in ("server 0", "worker 0", "worker 1"):  # the tasks' logs, streamed back
+        assert f"[{name}] tfkv-role: {name} exited with status 0" in proc.stdout
+    assert len(list((tmp_path / "rec" / "launch" / "sge").glob("task-*.log"))) == 3
+    _nothing_left(tag)
+
+
+@pytest.mark.slow
+def test_sge_job_with_a_failing_worker_names_it_and_leaves_nothing(sge, tmp_path):  # noqa: F811
+    (tmp_path / "fail.py").write_text(FAILING_WORKER)
+    tag = f"sge-fail-{tmp_path.name}"
+    env = {**_env(tag), **{k: sge.env[k] for k in ("SGE_ROOT", "SGE_CELL")}}
+    proc = _tfkv_launch("-n", "2", "-s", "1", "--launcher", "sge", "--run-dir", "rec", "--python", sys.executable,
+                        "--", sys.executable, "fail.py", "1", cwd=tmp_path, env=env)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "the job failed: worker 1 exited with status 5" in proc.stderr, proc.stdout + proc.stderr
+    _nothing_left(tag, within=15)
+    assert "tfkv-sge" not in subprocess.run(["qstat"], env=env, capture_output=True, text=True, timeout=30).stdout
+
+
+@pytest.mark.slow
+def test_ctrl_c_deletes_the_sge_job(sge, tmp_path):  # noqa: F811
+    (tmp_path / "fail.py").write_text(FAILING_WORKER)
+    tag = f"sge-int-{tmp_path.name}"
+    env = {**_env(tag), **{k: sge.env[k] for k in ("SGE_ROOT", "SGE_CELL")}}
+    rc, out = _ctrl_c(["-n", "2", "-s", "1", "--launcher", "sge", "--run-dir", "rec", "--python", sys.executable,
+                       "--", sys.executable, "fail.py", "-1"], tmp_path, env, f"working {tag}")
+    assert rc == 1 and "the job failed: interrupted (Ctrl-C)" in out, out
+    _nothing_left(tag, within=15)
+    assert "tfkv-sge" not in subprocess.run(["qstat"], env=env, capture_output=True, text=True, timeout=30).stdout
+
+
+# -- yarn ------------------------------------------------------------------------------------------
+# Hadoop YARN is not installable on this machine (no Debian package, no internet but the pip and
+# apt registries), so these tests check the exact submission commands instead of running them.
+
+def test_yarn_submits_servers_and_workers_as_distributed_shell_applications():
+    from tfkv.launcher.yarn import Resources, submissions
+
+    plan = make_plan(3, 2, ["python3", "train.py", "--kv-store", "dist_sync"], ["python3", "-m", "tfkv.store.node"],
+                     ["10.0.0.1"], "10.0.0.1", 9100, {"TFKV_HEARTBEAT_TIMEOUT": "4.0"})
+    job = base.Job(plan=plan, workdir=Path("/work"))
+    jar = "/opt/hadoop/share/hadoop/yarn/hadoop-yarn-applications-distributedshell-3.3.6.jar"
+    subs = submissions(job, jar, "tfkv-job", Resources(queue="ml"), environ={"TFKV_TEST_TAG": "t", "HOME": "/r"})
+    assert subs == [
+        ("servers", ["yarn", "jar", jar, "-jar", jar, "-appname", "tfkv-job-servers", "-num_containers", "2",
+                     "-container_memory", "1024", "-container_vcores", "1", "-timeout", "2147483647",
+                     "-queue", "ml", "-shell_command", "python3 -m tfkv.store.node",
+                     "-shell_env", "DMLC_NUM_SERVER=2", "-shell_env", "DMLC_NUM_WORKER=3",
+                     "-shell_env", "DMLC_PS_ROOT_PORT=9100", "-shell_env", "DMLC_PS_ROOT_URI=10.0.0.1",
+                     "-shell_env", "DMLC_ROLE=server", "-shell_env", "TFKV_HEARTBEAT_TIMEOUT=4.0",
+                     "-shell_env", "TFKV_TEST_TAG=t"]),
+        ("workers", ["yarn", "jar", jar, "-jar", jar, "-appname", "tfkv-job-workers", "-num_containers", "3",
+                     "-container_memory", "2048", "-container_vcores", "1", "-timeout", "2147483647",
+                     "-queue", "ml", "-shell_command", "python3 train.py --kv-store dist_sync",
+                     "-shell_env", "DMLC_NUM_SERVER=2", "-shell_env", "DMLC_NUM_WORKER=3",
+                     "-shell_env", "DMLC_PS_ROOT_PORT=9100", "-shell_env", "DMLC_PS_ROOT_URI=10.0.0.1",
+                     "-shell_env", "DMLC_ROLE=worker", "-shell_env", "TFKV_HEARTBEAT_TIMEOUT=4.0",
+                     "-shell_env", "TFKV_TEST_TAG=t"]),
+    ]
+
+
+def test_yarn_gives_workers_with_their_own_command_one_application_each():
+    from tfkv.launcher.yarn import submissions
+
+    plan = make_plan(2, 1, ["python3", "train.py", "--log", "w{rank}.log"], ["python3", "-m", "tfkv.store.node"],
+                     ["h"], "h", 9100)
+    subs = dict(submissions(base.Job(plan=plan), "ds.jar", "j", environ={}))
+    assert list(subs) == ["server0", "worker0", "worker1"]
+    w1 = subs["worker1"]
+    assert w1[w1.index("-shell_command") + 1] == "python3 train.py --log w1.log"
+    assert "TFKV_RANK_HINT=1" in w1 and "DMLC_ROLE=worker" in w1 and w1[w1.index("-num_containers") + 1] == "1"
+
+
+def test_yarn_refuses_what_its_bash_c_would_mangle():
+    from tfkv.launcher.yarn import submissions
+
+    plan = make_plan(1, 1, ["python3", "-c", 'print("$HOME")'], ["python3", "-m", "tfkv.store.node"], ["h"], "h", 1)
+    with pytest.raises(ConfigError, match="must not contain"):
+        submissions(base.Job(plan=plan), "ds.jar", environ={})
+
+
+def test_yarn_without_hadoop_is_a_one_line_config_error(monkeypatch, tmp_path):
+    from tfkv.launcher.yarn import find_jar
+
+    with pytest.raises(ConfigError, match=r"no hadoop-yarn-applications-distributedshell-\*\.jar under \$HADOOP_HOME"):
+        find_jar({"HADOOP_HOME": str(tmp_path)})
+
+
+# A stand-in for Hadoop's `yarn` client, only to drive YarnLauncher.launch end to end: it runs each
+# application's containers here, with nothing of the client's environment but PATH and HOME plus the
+# -shell_env variables, as a NodeManager would, and logs the application id as the real client does.
+FAKE_YARN = """\
+#!/usr/bin/env python3
+import os, subprocess, sys, random
+args = sys.argv[1:]
+if args[:2] == ["application", "-kill"]:
+    open(os.environ["FAKE_YARN_KILLS"], "a").write(args[2] + "\\n"); sys.exit(0)
+opt = lambda name: args[args.index(name) + 1]
+env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/")}
+env.update(args[i + 1].split("=", 1) for i, a in enumerate(args) if a == "-shell_env")
+app = f"application_1700000000000_{random.randint(1, 9999):04d}"
+print(f"INFO impl.YarnClientImpl: Submitted application {app}", flush=True)
+command, n = opt("-shell_command"), int(opt("-num_containers"))
+containers = [subprocess.Popen(["bash", "-c", command], env=env) for _ in range(n)]
+sys.exit(0 if all(c.wait() == 0 for c in containers) else 2)
+"""
+
+
+@pytest.mark.slow
+def test_yarn_launch_runs_the_job_through_the_yarn_client(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "yarn").write_text(FAKE_YARN)
+    (bin_dir / "yarn").chmod(0o755)
+    jar = tmp_path / "hadoop" / "share" / "hadoop" / "yarn" / "hadoop-yarn-applications-distributedshell-3.3.6.jar"
+    jar.parent.mkdir(parents=True)
+    jar.write_text("")
+    tag = f"yarn-{tmp_path.name}"
+    env = _env(tag, PATH=f"{bin_dir}:{os.environ['PATH']}", HADOOP_HOME=str(tmp_path / "hadoop"),
+               FAKE_YARN_KILLS=str(tmp_path / "kills"))
+    proc = _tfkv_launch("-n", "2", "-s", "2", "--launcher", "yarn", "--run-dir", "rec", "--python", sys.executable,
+                        "--", sys.executable, WORKER, "updates", str(tmp_path / "out{rank}.json"), "5",
+                        cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _updates_ok(tmp_path, 2, 5)
+    assert "[yarn servers] INFO impl.YarnClientImpl: Submitted application application_" in proc.stdout
+    assert not (tmp_path / "kills").exists()  # nothing to kill after a clean end
+    _nothing_left(tag)

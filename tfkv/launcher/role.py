@@ -1,0 +1,452 @@
+"""One role of a job started by a resource manager: `python -m tfkv.launcher.role [options] -- [argv]`.
+
+mpirun, srun and qsub start N copies of one command and tell each copy its rank
+(OMPI_COMM_WORLD_RANK, SLURM_PROCID, SGE_TASK_ID). This helper turns that rank into a role of
+the plan: it sets DMLC_ROLE, TFKV_RANK_HINT and the rest of the process's environment, starts
+the role's command (`python -m tfkv.store.node` or the worker's command) and prefixes every line
+of its output with the role's name, so the job's output reads as `tfkv-launch --launcher local`'s.
+When the role ends it prints one line, `[worker 1] tfkv-role: worker 1 exited with status 1`,
+from which the launcher learns which role failed first.
+
+Two ways to say which command each rank runs:
+
+    --plan JSON      what the launchers pass: {"env": {...}, "first": R, "procs": [{"name", "argv",
+                     "env"}, ...]}, the processes for ranks R, R+1, ... with their exact commands
+    -- ARGV          by hand, e.g. in your own sbatch script: rank 0 is the scheduler, the next
+                     DMLC_NUM_SERVER ranks servers, the rest workers running ARGV ("{rank}" in
+                     ARGV becomes the worker's index)
+
+Teardown: the role's command runs in its own process group and dies with this helper
+(PR_SET_PDEATHSIG); SIGTERM, SIGINT and SIGHUP are passed on to the whole group. This helper
+itself dies with whatever started it (orted, slurmstepd, sge_shepherd), so no role outlives the
+job even when the resource manager only kills its direct child.
+
+This module also holds what the batch backends (mpi, slurm, sge, yarn) share on the launcher's
+side: the plan table, the merged output stream that notes each role's end, and process groups.
+No TensorFlow is imported here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any, Iterator, Sequence
+
+from tfkv.launcher.local import first_cause, status_text
+from tfkv.launcher.plan import Process, make_plan
+
+# Rank variables in the order they are looked for, with the number of their first rank.
+RANK_VARS = (("OMPI_COMM_WORLD_RANK", 0), ("PMIX_RANK", 0), ("PMI_RANK", 0), ("SLURM_PROCID", 0),
+             ("SGE_TASK_ID", 1))
+# Variables of the launcher's own environment that every role gets too, over any transport (the
+# MXNet/tfkv knobs a user may have exported, and what a test tags its processes with).
+FORWARD_PREFIXES = ("TFKV_", "DMLC_", "PS_", "MXNET_")
+FORWARD_NAMES = ("PYTHONPATH", "PYTHONUNBUFFERED", "TF_CPP_MIN_LOG_LEVEL")
+# ...but never a role of the launcher's own (say, a launcher started from inside another job).
+NOT_FORWARDED = ("DMLC_ROLE", "TFKV_ROLE", "TFKV_RANK_HINT")
+GRACE = 2.0  # seconds the other roles get to notice a failure on their own before teardown
+
+_EXIT = re.compile(r"^\[(?P<name>[^\]]+)\] tfkv-role: (?P=name) "
+                   r"(?:exited with status (?P<code>-?\d+)|was killed by (?P<sig>SIG[A-Z0-9]+))$")
+
+
+# -- the plan as a table the helper reads ---------------------------------------------------------
+
+def common_env(plan: Sequence[Process]) -> dict[str, str]:
+    """The variables every process of the plan has with the same value (DMLC_PS_ROOT_URI, ...)."""
+    if not plan:
+        return {}
+    return {k: v for k, v in plan[0].env.items() if all(p.env.get(k) == v for p in plan)}
+
+
+def table(plan: Sequence[Process], first: int = 0) -> dict[str, Any]:
+    """The processes for ranks first, first+1, ... as the helper's --plan: the environment they
+    share once, then each one's name, command and own variables (DMLC_ROLE, TFKV_RANK_HINT)."""
+    common = common_env(plan)
+    return {"env": common, "first": first,
+            "procs": [{"name": p.name, "argv": list(p.argv),
+                       "env": {k: v for k, v in p.env.items() if common.get(k) != v}} for p in plan]}
+
+
+def helper_argv(python: str, plan: Sequence[Process], first: int = 0, rank_var: str | None = None,
+                scheduler_host: str | None = None, index: int | None = None) -> list[str]:
+    """The command line that runs the helper for these processes."""
+    argv = [python, "-m", "tfkv.launcher.role"]
+    if rank_var:
+        argv += ["--rank-var", rank_var]
+    if index is not None:
+        argv += ["--index", str(index)]
+    if scheduler_host:
+        argv += ["--scheduler-host", scheduler_host]
+    return argv + ["--plan", json.dumps(table(plan, first), separators=(",", ":"))]
+
+
+def forwarded_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The launcher's own variables that roles on other hosts must see too (see FORWARD_*)."""
+    environ = dict(os.environ if environ is None else environ)
+    return {k: v for k, v in environ.items()
+            if (k.startswith(FORWARD_PREFIXES) or k in FORWARD_NAMES) and k not in NOT_FORWARDED}
+
+
+# -- the helper ------------------------------------------------------------------------------------
+
+class RoleError(Exception):
+    """The helper cannot tell which role to run; the message says why."""
+
+
+def rank_from_env(env: dict[str, str], rank_var: str | None = None) -> int:
+    """This process's 0-based rank in the job, from the resource manager's variable."""
+    candidates = [(n, b) for n, b in RANK_VARS if n == rank_var] if rank_var else list(RANK_VARS)
+    if rank_var and not candidates:
+        candidates = [(rank_var, 0)]
+    for name, base in candidates:
+        value = env.get(name)
+        if value is None or value == "undefined":  # SGE sets SGE_TASK_ID=undefined outside arrays
+            continue
+        try:
+            return int(value) - base
+        except ValueError:
+            raise RoleError(f"{name}={value!r} is not a rank") from None
+    wanted = rank_var or ", ".join(n for n, _ in RANK_VARS)
+    raise RoleError(f"no rank in the environment ({wanted} unset); run this under mpirun, srun or qsub -t, "
+                    "or pass --index")
+
+
+def slurm_first_node_address(env: dict[str, str]) -> str:
+    """The address of the step's first node, where srun puts task 0 (the scheduler)."""
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        raise RoleError("--scheduler-host slurm needs SLURM_STEP_NODELIST or SLURM_JOB_NODELIST; run this under srun")
+    try:
+        names = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                               timeout=60, check=True).stdout.split()
+        node = subprocess.run(["scontrol", "-o", "show", "node", names[0]], capture_output=True, text=True,
+                              timeout=60).stdout
+    except (OSError, subprocess.SubprocessError, IndexError) as e:
+        raise RoleError(f"cannot list the nodes of {nodelist} with scontrol ({e})") from None
+    m = re.search(r"\bNodeAddr=(\S+)", node)
+    addr = m.group(1) if m else names[0]  # NodeAddr: the name may not resolve (fake hosts, private nets)
+    try:
+        return socket.gethostbyname(addr)
+    except OSError:
+        return addr
+
+
+def _die_with_parent(sig: int) -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def exit_line(name: str, code: int) -> str:
+    return f"[{name}] tfkv-role: {name} {status_text(code)}"
+
+
+def _pick(args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
+    """This rank's entry of the plan: name, argv and its full environment."""
+    if args.plan:
+        spec = json.loads(args.plan)
+    else:
+        if not args.argv:
+            raise RoleError("give --plan JSON or the workers' command after --")
+        try:
+            servers, workers = int(env["DMLC_NUM_SERVER"]), int(env["DMLC_NUM_WORKER"])
+        except (KeyError, ValueError):
+            raise RoleError("DMLC_NUM_SERVER and DMLC_NUM_WORKER must be set to numbers") from None
+        plan = make_plan(workers, servers, args.argv, [sys.executable, "-m", "tfkv.store.node"], ["-"],
+                         env.get("DMLC_PS_ROOT_URI", ""), int(env.get("DMLC_PS_ROOT_PORT") or 0))
+        spec = table(plan)
+        spec["env"] = {}  # the environment already holds the job's variables
+    rank = args.index if args.index is not None else rank_from_env(env, args.rank_var)
+    index = rank - int(spec.get("first", 0))
+    procs = spec["procs"]
+    if not 0 <= index < len(procs):
+        raise RoleError(f"rank {rank} has no role: this job has {len(procs)} process(es) from rank "
+                        f"{spec.get('first', 0)}; start exactly that many")
+    entry = procs[index]
+    return {"name": entry["name"], "argv": entry["argv"], "env": {**spec.get("env", {}), **entry["env"]}}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m tfkv.launcher.role", description=__doc__.splitlines()[0])
+    p.add_argument("--plan", help="the processes of the job as JSON (what the launchers pass)")
+    p.add_argument("--rank-var", help="the variable that holds the rank (default: the first one set of "
+                                      + ", ".join(n for n, _ in RANK_VARS) + ")")
+    p.add_argument("--index", type=int, help="the rank, when no resource manager gives one")
+    p.add_argument("--scheduler-host", choices=["slurm"],
+                   help="slurm: the scheduler is on the first node of the step; find its address")
+    p.add_argument("argv", nargs=argparse.REMAINDER, help="the workers' command, after --")
+    args = p.parse_args(argv)
+    args.argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    # Die with whatever started us (orted, slurmstepd, sge_shepherd): SIGTERM, passed on below.
+    parent = os.getppid()
+    _die_with_parent(signal.SIGTERM)
+    if os.getppid() != parent:  # it died before we asked
+        sys.exit(128 + signal.SIGTERM)
+    env = dict(os.environ)
+    try:
+        entry = _pick(args, env)
+        env.update(entry["env"])
+        if args.scheduler_host == "slurm":
+            env["DMLC_PS_ROOT_URI"] = slurm_first_node_address(env)
+    except (RoleError, ValueError, KeyError) as e:
+        print(f"tfkv-role: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    sys.exit(run_role(entry["name"], entry["argv"], env, sge=(args.rank_var == "SGE_TASK_ID")))
+
+
+def run_role(name: str, argv: list[str], env: dict[str, str], sge: bool = False) -> int:
+    """Run one role with prefixed output; its exit status as this process's (128+N for signal N)."""
+    out = sys.stdout.buffer
+    prefix = f"[{name}] ".encode()
+    try:
+        # SIGKILL when we die: the resource manager killed us hard, so the role must go at once.
+        child = subprocess.Popen(argv, env={**env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                 preexec_fn=lambda: _die_with_parent(signal.SIGKILL))
+    except OSError as e:
+        out.write(prefix + f"tfkv-role: cannot start {argv[0]!r}: {e.strerror}\n".encode())
+        out.write((exit_line(name, 127) + "\n").encode())
+        out.flush()
+        return 127
+
+    def forward(sig: int, _frame: Any) -> None:
+        signal_group(child.pid, sig)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
+    assert child.stdout is not None
+    for raw in iter(child.stdout.readline, b""):
+        out.write(prefix + raw.rstrip(b"\n") + b"\n")
+        out.flush()
+    code = child.wait()
+    signal_group(child.pid, signal.SIGKILL)  # whatever the role left behind in its group
+    out.write((exit_line(name, code) + "\n").encode())
+    out.flush()
+    status = code if code >= 0 else 128 - code
+    if sge and status in (99, 100):  # to Grid Engine, 99 means "run me again" and 100 "hold the job"
+        status = 1
+    return status
+
+
+# -- the launcher's side: process groups and the merged output -------------------------------------
+
+def signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def start(argv: list[str], env: dict[str, str] | None = None, cwd: str | Path | None = None,
+          stdin: int | None = subprocess.DEVNULL) -> subprocess.Popen:
+    """A client (mpirun, srun, sbatch, qsub, ...) in its own process group that dies with us."""
+    return subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=stdin,
+                            start_new_session=True, preexec_fn=lambda: _die_with_parent(signal.SIGTERM))
+
+
+def _descendants(pid: int) -> list[tuple[int, str]]:
+    """Every process below `pid`, as (pid, start time): the start time tells a reused pid apart."""
+    children: dict[int, list[tuple[int, str]]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            children.setdefault(int(fields[1]), []).append((int(entry), fields[19]))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += [k for k, _ in kids]
+    return found
+
+
+def _kill_if_same(pid: int, started: str) -> None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[19] == started:
+                os.kill(pid, signal.SIGKILL)
+    except (OSError, IndexError):
+        pass
+
+
+def stop(proc: subprocess.Popen, grace: float = 5.0, first: int = signal.SIGTERM) -> None:
+    """Signal the process group, give it `grace` seconds, then kill the group and whatever the
+    client started in groups of their own (mpirun's ssh sessions); reap it."""
+    tree = _descendants(proc.pid) if proc.poll() is None else []
+    if proc.poll() is None:
+        signal_group(proc.pid, first)
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+    signal_group(proc.pid, signal.SIGKILL)
+    for pid, started in tree:
+        _kill_if_same(pid, started)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """While launching, SIGTERM to the launcher tears the job down as Ctrl-C does (scancel, qdel,
+    ...), instead of leaving the job queued or running."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(_sig: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def quietly(argv: list[str], env: dict[str, str] | None = None, timeout: float = 60) -> int | None:
+    """Run a teardown command (scancel, qdel, yarn application -kill): its status, None if it
+    could not run or hung; a teardown goes on either way."""
+    try:
+        return subprocess.run(argv, env=env, capture_output=True, timeout=timeout).returncode
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+@contextlib.contextmanager
+def shielded() -> Iterator[None]:
+    """Around a teardown: a second Ctrl-C (or a SIGTERM) must not cut the scancel/qdel/kill short
+    and leave the job running. Every step of a teardown is bounded by its own timeout."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+class Output:
+    """The job's merged output: lines go to `out` as they come; the helper's exit lines tell which
+    role ended how, in the order they arrived."""
+
+    def __init__(self, out: IO[str], watch: str | None = None):
+        self.out = out
+        self.watch = re.compile(watch) if watch else None
+        self.found: list[str] = []  # what `watch` (one group) matched, in order: job ids, app ids
+        self.lock = threading.Lock()
+        self.failed: list[tuple[str, int]] = []
+        self.ended: dict[str, int] = {}
+        self.first_failure_at: float | None = None
+        self.threads: list[threading.Thread] = []
+        self.last: dict[str, str] = {}  # the last line each client (by prefix) wrote: its error
+
+
+    def line(self, text: str) -> None:
+        with self.lock:
+            self.out.write(text + "\n")
+            self.out.flush()
+            if self.watch:
+                self.found += [m.group(1) for m in self.watch.finditer(text) if m.group(1) not in self.found]
+            m = _EXIT.match(text)
+            if m:
+                code = int(m["code"]) if m["code"] is not None else -signal.Signals[m["sig"]].value
+                self.ended[m["name"]] = code
+                if code != 0:
+                    self.failed.append((m["name"], code))
+                    self.first_failure_at = self.first_failure_at or time.monotonic()
+
+    def cause(self) -> str | None:
+        return first_cause(self.failed)
+
+    def grace_over(self, grace: float = GRACE) -> bool:
+        """A role failed `grace` seconds ago: time to tear the rest down."""
+        return self.first_failure_at is not None and time.monotonic() - self.first_failure_at > grace
+
+    def pump(self, stream: IO[bytes], prefix: str = "") -> None:
+        """Forward a pipe's lines (with `prefix` for a client's own messages) on a thread."""
+        def run() -> None:
+            for raw in iter(stream.readline, b""):
+                text = raw.decode(errors="replace").rstrip("\n")
+                if text.strip():
+                    self.last[prefix] = text.strip()
+                self.line(prefix + text)
+            stream.close()
+
+        self._thread(run)
+
+    def tail(self, path: Path, stop: threading.Event, prefix: str = "") -> None:
+        """Forward the lines a batch job writes to `path` (on a shared file system) until `stop`."""
+        def run() -> None:
+            f = None
+            rest = b""
+            while True:
+                stopping = stop.is_set()  # read once more after stop: the job's last lines
+                if f is None and path.exists():
+                    f = open(path, "rb")
+                if f is not None:
+                    data = rest + f.read()
+                    *lines, rest = data.split(b"\n")
+                    for raw in lines:
+                        self.line(prefix + raw.decode(errors="replace"))
+                if stopping:
+                    break
+                stop.wait(0.1)
+            if f is not None:
+                if rest:
+                    self.line(prefix + rest.decode(errors="replace"))
+                f.close()
+
+        self._thread(run)
+
+    def _thread(self, target: Any) -> None:
+        t = threading.Thread(target=target, daemon=True)
+        t.start()
+        self.threads.append(t)
+
+    def join(self, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        for t in self.threads:
+            t.join(timeout=max(0.1, deadline - time.monotonic()))
+
+
+
+def job_name(kind: str) -> str:
+    """A name no other job has: scancel/qdel/yarn find the job by it even before its id is known."""
+    return f"tfkv-{kind}-{os.getpid()}-{os.urandom(3).hex()}"
+
+
+def job_files(run_dir: Path | None, kind: str) -> Path:
+    """Where a batch job's script and output files go: the run directory's launch/ (which the
+    roles must see: a shared file system), else a fresh directory under /tmp."""
+    if run_dir is not None:
+        d = Path(run_dir) / "launch" / kind
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+    import tempfile
+
+    return Path(tempfile.mkdtemp(prefix=f"tfkv-{kind}-"))
+
+
+if __name__ == "__main__":
+    main()

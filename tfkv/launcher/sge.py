@@ -1,0 +1,119 @@
+"""`--launcher sge`: servers and workers as one Grid Engine array job, as dmlc-core's SGE tracker.
+
+The scheduler runs on the submitting machine, like dmlc's tracker, through the role helper in its
+own process group: its address is then known before anything is queued (the plan's
+DMLC_PS_ROOT_URI: for execution hosts other than this one, give a hosts file whose first line is
+this machine's address, or cluster.host=...). The servers and workers are the tasks of one array
+job, `qsub -t 1-(S+W)`; each runs the role helper, which maps SGE_TASK_ID to the plan: tasks
+1..S the servers, the rest the workers. `-V` passes the job's variables (and the launcher's
+TFKV_*/DMLC_*/... ones) to every task; `-sync y` makes qsub wait for the whole array.
+
+Each task writes its output (already prefixed with its role by the helper) to
+launch/sge/task-<id>.log in the run directory, which the launcher follows and merges, so the
+run directory must be on a file system the execution hosts share (/tmp when there is none).
+
+Teardown: when a role fails, the others learn it from the scheduler and exit; after a grace period
+the launcher deletes the job (`qdel <unique job name>`), which kills whatever task is left, and
+stops the local scheduler's process group. Ctrl-C or SIGTERM does the same at once. The helper
+passes signals on to its role and dies with the shepherd, and maps exit codes 99 and 100 (which
+would make Grid Engine rerun or hold the task) to 1. Site-specific flags: TFKV_QSUB_ARGS (e.g.
+"-q gpu.q -l h_vmem=4G").
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO
+
+from tfkv.errors import ConfigError
+from tfkv.launcher import role
+from tfkv.launcher.base import Job, Result
+from tfkv.launcher.local import status_text
+from tfkv.launcher.record import local_versions
+
+TEARDOWN = 30.0  # seconds Grid Engine gets to end the job after qdel
+
+
+def _need(*names: str) -> None:
+    for name in names:
+        if not shutil.which(name):
+            raise ConfigError(f"{name} is not on PATH; install the Grid Engine client (apt-get install "
+                              "gridengine-client) or source $SGE_ROOT/$SGE_CELL/common/settings.sh")
+
+
+def task_script(job: Job) -> str:
+    """The array job's script: every task runs the helper, which picks its role by SGE_TASK_ID."""
+    helper = role.helper_argv(job.python, job.plan[1:], rank_var="SGE_TASK_ID")
+    return ("#!/bin/bash\n"
+            "# tfkv: the servers and workers of one job; SGE_TASK_ID decides the role.\n"
+            f"exec {shlex.join(helper)}\n")
+
+
+def qsub_argv(job: Job, name: str, script: str, logs: Path, environ: dict[str, str] | None = None) -> list[str]:
+    environ = os.environ if environ is None else environ
+    return ["qsub", "-sync", "y", "-t", f"1-{len(job.plan) - 1}", "-N", name, "-V", "-wd", str(job.workdir),
+            "-j", "y", "-o", f"{logs}/task-$TASK_ID.log", "-S", "/bin/bash",
+            *shlex.split(environ.get("TFKV_QSUB_ARGS", "")), script]
+
+
+class SGELauncher:
+    """The scheduler here; servers and workers as the tasks of one Grid Engine array job."""
+
+    name = "sge"
+
+    def preflight(self, job: Job) -> dict[str, dict[str, str]]:
+        _need("qsub", "qdel")
+        return {"localhost": local_versions()}
+
+    def launch(self, job: Job, out: IO[str]) -> Result:
+        _need("qsub", "qdel")
+        name = role.job_name("sge")
+        files = role.job_files(job.run_dir, "sge")
+        script = files / "job.sh"
+        script.write_text(task_script(job))
+        tasks = len(job.plan) - 1
+        for i in range(1, tasks + 1):
+            (files / f"task-{i}.log").unlink(missing_ok=True)
+        env = {**os.environ, **role.common_env(job.plan), "PYTHONUNBUFFERED": "1"}
+        output = role.Output(out)
+        done = threading.Event()
+        for i in range(1, tasks + 1):
+            output.tail(files / f"task-{i}.log", done)
+        scheduler = role.start(role.helper_argv(sys.executable, job.plan[:1], index=0), env=env,
+                               cwd=str(job.workdir))
+        output.pump(scheduler.stdout)
+        output.pump(scheduler.stderr, "[scheduler] ")
+        qsub = role.start(qsub_argv(job, name, str(script), files), env=env, cwd=str(job.workdir))
+        output.pump(qsub.stdout, "[qsub] ")
+        output.pump(qsub.stderr, "[qsub] ")
+        failure = None
+        try:
+            with role.sigterm_as_interrupt():
+                while qsub.poll() is None and not output.grace_over():
+                    time.sleep(0.1)
+                if qsub.returncode == 0 and not output.failed:
+                    scheduler.wait(timeout=30)  # every worker done: the scheduler ends on its own
+        except KeyboardInterrupt:
+            failure = "interrupted (Ctrl-C)"
+        except subprocess.TimeoutExpired:
+            failure = "the scheduler did not end after every task of the Grid Engine job finished"
+        finally:
+            with role.shielded():
+                if qsub.poll() is None:
+                    role.quietly(["qdel", name], env, timeout=60)
+                role.stop(qsub, grace=TEARDOWN, first=0)  # qsub -sync y returns once the job is gone
+                role.stop(scheduler)
+                done.set()
+                output.join()
+        failure = failure or output.cause()
+        if failure is None and qsub.returncode:
+            detail = output.last.get("[qsub] ")
+            failure = f"the Grid Engine job {status_text(qsub.returncode)}" + (f" ({detail})" if detail else "")
+        return Result(0 if failure is None else 1, failure)

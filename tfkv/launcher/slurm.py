@@ -1,0 +1,169 @@
+"""`--launcher slurm`: the whole job as one Slurm job step, `srun -n 1+S+W`.
+
+Every task runs the role helper (`python -m tfkv.launcher.role`), which maps its SLURM_PROCID to
+the plan: task 0 the scheduler, tasks 1..S the servers, the rest the workers. Slurm, not the
+launcher, picks the nodes, so the helper finds the scheduler's address itself: srun puts task 0 on
+the first node of the step, whose NodeAddr `scontrol` gives. The port is the launcher's choice
+(DMLC_PS_ROOT_PORT of the plan). Roles get the job's variables through the environment srun passes
+on (`--export=ALL`), including the launcher's TFKV_*/DMLC_*/... ones.
+
+Inside an allocation (SLURM_JOB_ID set: under salloc, or in a batch script) the launcher runs that
+srun itself and streams its output. Outside one it submits a batch script that runs the same srun
+(`sbatch --wait`, so the launcher waits for the job and gets its exit code) and streams the job's
+output file back, which therefore has to be on a file system the launcher sees (the run directory's
+launch/slurm/, or /tmp when there is none).
+
+Teardown: `--kill-on-bad-exit=1` makes Slurm kill every task as soon as one exits non-zero. On
+Ctrl-C (or SIGTERM) the launcher cancels the job (`scancel --name`, as the job's unique name is
+known before its id) or, inside an allocation, interrupts srun twice, which makes srun kill the
+step. Slurm kills each task's whole process tree; the helper also passes signals on to its role.
+Site-specific flags: TFKV_SRUN_ARGS and TFKV_SBATCH_ARGS (e.g. "-p gpu --time 1:00:00").
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from typing import IO
+
+from tfkv.errors import ConfigError
+from tfkv.launcher import role
+from tfkv.launcher.base import Job, Result
+from tfkv.launcher.local import status_text
+from tfkv.launcher.record import local_versions
+
+TEARDOWN = 15.0  # seconds Slurm gets to end the step or job after we ask
+
+
+def _need(*names: str) -> None:
+    for name in names:
+        if not shutil.which(name):
+            raise ConfigError(f"{name} is not on PATH; install the Slurm client (apt-get install slurm-client) "
+                              "or run on a Slurm login node")
+
+
+def in_allocation(environ: dict[str, str] | None = None) -> bool:
+    return bool((os.environ if environ is None else environ).get("SLURM_JOB_ID"))
+
+
+def srun_argv(job: Job, name: str, environ: dict[str, str] | None = None) -> list[str]:
+    """The one srun that runs every role of the plan as a task of one step."""
+    environ = os.environ if environ is None else environ
+    return ["srun", "-n", str(len(job.plan)), "--kill-on-bad-exit=1", "--export=ALL", "-J", name,
+            "--chdir", str(job.workdir), *shlex.split(environ.get("TFKV_SRUN_ARGS", "")),
+            *role.helper_argv(job.python, job.plan, rank_var="SLURM_PROCID", scheduler_host="slurm")]
+
+
+def batch_script(job: Job, name: str, environ: dict[str, str] | None = None) -> str:
+    return ("#!/bin/bash\n"
+            f"# tfkv: every role of the job as one srun step; SLURM_PROCID decides the role.\n"
+            f"exec {shlex.join(srun_argv(job, name, environ))}\n")
+
+
+def sbatch_argv(job: Job, name: str, script: str, output: str, environ: dict[str, str] | None = None) -> list[str]:
+    environ = os.environ if environ is None else environ
+    return ["sbatch", "--wait", "-J", name, "-n", str(len(job.plan)), "-o", output, "--chdir", str(job.workdir),
+            "--export=ALL", *shlex.split(environ.get("TFKV_SBATCH_ARGS", "")), script]
+
+
+class SlurmLauncher:
+    """The job as one srun step, in this allocation or in a batch job of its own."""
+
+    name = "slurm"
+
+    def preflight(self, job: Job) -> dict[str, dict[str, str]]:
+        _need("srun", "scontrol")
+        if not in_allocation():
+            _need("sbatch", "squeue", "scancel")
+        return {"localhost": local_versions()}
+
+    def launch(self, job: Job, out: IO[str]) -> Result:
+        name = role.job_name("slurm")
+        env = {**os.environ, **role.common_env(job.plan), "PYTHONUNBUFFERED": "1"}
+        if in_allocation():
+            return self._step(job, name, env, role.Output(out))
+        return self._batch(job, name, env, role.Output(out, watch=r"Submitted batch job (\d+)"))
+
+    def _step(self, job: Job, name: str, env: dict[str, str], output: role.Output) -> Result:
+        """srun inside the allocation we run in."""
+        proc = role.start(srun_argv(job, name), env=env, cwd=str(job.workdir))
+        output.pump(proc.stdout)  # the helpers' prefixed lines
+        output.pump(proc.stderr, "[srun] ")
+        failure = None
+        try:
+            with role.sigterm_as_interrupt():
+                while proc.poll() is None and not output.grace_over(role.GRACE + TEARDOWN):
+                    time.sleep(0.05)
+        except KeyboardInterrupt:
+            failure = "interrupted (Ctrl-C)"
+        finally:
+            with role.shielded():
+                if proc.poll() is None:
+                    # Two SIGINTs within a second: srun kills every task of the step and exits.
+                    for _ in range(2):
+                        role.signal_group(proc.pid, signal.SIGINT)
+                        time.sleep(0.3)
+                role.stop(proc, grace=TEARDOWN)
+                output.join()
+        return self._result(failure, output, proc.returncode, "srun", "[srun] ")
+
+    def _batch(self, job: Job, name: str, env: dict[str, str], output: role.Output) -> Result:
+        """sbatch a script that runs the srun; follow its output file; scancel on the way out."""
+        files = role.job_files(job.run_dir, "slurm")
+        script, log = files / "job.sh", files / "job.log"
+        script.write_text(batch_script(job, name))
+        log.unlink(missing_ok=True)
+        proc = role.start(sbatch_argv(job, name, str(script), str(log)), env=env, cwd=str(job.workdir))
+        output.pump(proc.stdout, "[sbatch] ")
+        output.pump(proc.stderr, "[sbatch] ")
+        done = threading.Event()
+        output.tail(log, done)
+        failure = None
+        over = False  # the job ended and we stopped sbatch --wait ourselves: its status says nothing
+        try:
+            with role.sigterm_as_interrupt():
+                while proc.poll() is None and not output.grace_over(role.GRACE + TEARDOWN):
+                    # sbatch --wait notices the end only at its next poll (seconds): once every role
+                    # ended, or one failed (Slurm then kills the rest), ask squeue.
+                    ended = len(output.ended) == len(job.plan) or output.failed
+                    if ended and output.found and self._gone(output.found[0], env):
+                        break
+                    time.sleep(0.1)
+        except KeyboardInterrupt:
+            failure = "interrupted (Ctrl-C)"
+        finally:
+            with role.shielded():
+                if proc.poll() is None:
+                    if not (output.found and self._gone(output.found[0], env)):
+                        role.quietly(["scancel", "--name", name], env, timeout=60)
+                    deadline = time.monotonic() + TEARDOWN
+                    while (proc.poll() is None and time.monotonic() < deadline
+                           and not (output.found and self._gone(output.found[0], env))):
+                        time.sleep(0.2)
+                    over = proc.poll() is None
+                role.stop(proc, grace=TEARDOWN)
+                done.set()
+                output.join()
+        return self._result(failure, output, None if over else proc.returncode, "the Slurm job", "[sbatch] ")
+
+    @staticmethod
+    def _gone(job_id: str, env: dict[str, str]) -> bool:
+        """The job has left the queue (squeue lists pending, running and completing jobs only)."""
+        try:
+            return not subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], env=env, capture_output=True,
+                                      text=True, timeout=30).stdout.strip()
+        except subprocess.TimeoutExpired:
+            return False
+
+    @staticmethod
+    def _result(failure: str | None, output: role.Output, rc: int | None, what: str, prefix: str) -> Result:
+        failure = failure or output.cause()
+        if failure is None and rc:
+            detail = output.last.get(prefix)
+            failure = f"{what} {status_text(rc)}" + (f" ({detail})" if detail else "")
+        return Result(0 if failure is None else 1, failure)

@@ -1,0 +1,187 @@
+"""`--launcher yarn`: servers and workers as YARN containers of Hadoop's distributed shell.
+
+As dmlc-core's YARN tracker does, the scheduler runs on the submitting machine (through the role
+helper, in its own process group), so its address is known before anything is submitted: the
+plan's DMLC_PS_ROOT_URI, which must be an address the cluster's nodes reach (a hosts file whose
+first line is this machine, or cluster.host=...). The servers and workers are distributed-shell
+applications, one per group of processes that run the same command:
+
+    yarn jar $HADOOP_HOME/share/hadoop/yarn/hadoop-yarn-applications-distributedshell-*.jar \\
+        -jar <the same jar> -appname tfkv-...-servers -num_containers S \\
+        -container_memory 2048 -container_vcores 1 -timeout 2147483647 \\
+        -shell_command 'python3 -m tfkv.store.node' -shell_env DMLC_ROLE=server -shell_env ...
+
+Every container of an application runs the same command and the distributed shell gives them no
+index, so a group shares one command; workers whose commands differ ("{rank}" in the command)
+get one application each, with TFKV_RANK_HINT. The scheduler numbers the rest as they register.
+`submissions()` returns these command lines; `launch` runs them, one client each (the client
+waits for its application), and follows the clients' logs; the roles' own output stays in YARN's
+container logs (`yarn logs -applicationId ...`).
+
+Teardown: the scheduler tells every role when one fails and they exit; on Ctrl-C or a failure the
+launcher kills every application it saw submitted (`yarn application -kill <id>`), then the
+clients' and the scheduler's process groups. YARN's NodeManagers kill a container's processes.
+
+Hadoop is not packaged for Debian, so this backend is checked by the exact command it builds.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from tfkv.errors import ConfigError
+from tfkv.launcher import role
+from tfkv.launcher.base import Job, Result
+from tfkv.launcher.local import first_cause
+from tfkv.launcher.plan import Process
+from tfkv.launcher.record import local_versions
+
+JAR_GLOB = "share/hadoop/yarn/hadoop-yarn-applications-distributedshell-*.jar"
+TIMEOUT_MS = 2**31 - 1  # the client kills its application after -timeout ms (default 10 min)
+# YARN runs a container's command as `bash -c "<command>"`: these would be expanded or end the string.
+_UNSAFE = re.compile(r'["$`\\]')
+_APP_ID = re.compile(r"\b(application_\d+_\d+)\b")  # what the client logs once it submitted
+
+
+@dataclass
+class Resources:
+    memory_mb: int = 2048  # per worker container
+    server_memory_mb: int = 1024  # servers hold a share of the parameters, not a model and a batch
+    vcores: int = 1
+    queue: str | None = None
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> "Resources":
+        """TFKV_YARN_MEMORY_MB, TFKV_YARN_SERVER_MEMORY_MB, TFKV_YARN_VCORES, TFKV_YARN_QUEUE."""
+        e = os.environ if environ is None else environ
+        try:
+            return cls(int(e.get("TFKV_YARN_MEMORY_MB", cls.memory_mb)),
+                       int(e.get("TFKV_YARN_SERVER_MEMORY_MB", cls.server_memory_mb)),
+                       int(e.get("TFKV_YARN_VCORES", cls.vcores)), e.get("TFKV_YARN_QUEUE") or None)
+        except ValueError as err:
+            raise ConfigError(f"TFKV_YARN_* must be whole numbers ({err})") from None
+
+
+def find_jar(environ: dict[str, str] | None = None) -> str:
+    """The distributed shell's jar under $HADOOP_HOME (or HADOOP_YARN_HOME)."""
+    e = os.environ if environ is None else environ
+    for home in (e.get("HADOOP_YARN_HOME"), e.get("HADOOP_HOME")):
+        if home:
+            jars = sorted(glob.glob(str(Path(home) / JAR_GLOB)))
+            if jars:
+                return jars[-1]
+    raise ConfigError(f"no {Path(JAR_GLOB).name} under $HADOOP_HOME; set HADOOP_HOME to your Hadoop installation")
+
+
+def _groups(plan: list[Process]) -> list[tuple[str, list[Process]]]:
+    """Servers and workers grouped by the command they run: (label, processes)."""
+    groups: dict[tuple, list[Process]] = {}
+    for p in plan[1:]:
+        groups.setdefault((p.role, tuple(p.argv)), []).append(p)
+    labelled = []
+    for (kind, _), procs in groups.items():
+        if len(procs) == 1:
+            label = procs[0].name.split(" @")[0].replace(" ", "")
+        else:
+            label = f"{kind}s" if sum(k == kind for k, _ in groups) == 1 else f"{kind}s{procs[0].rank}"
+        labelled.append((label, procs))
+    return labelled
+
+
+def submissions(job: Job, jar: str, name: str = "tfkv", resources: Resources | None = None,
+                environ: dict[str, str] | None = None) -> list[tuple[str, list[str]]]:
+    """The `yarn jar ...` command lines that submit the servers and the workers: (label, argv)."""
+    res = resources or Resources()
+    forwarded = role.forwarded_env(environ)
+    subs = []
+    for label, procs in _groups(job.plan):
+        env = {**forwarded, **role.common_env(procs)}
+        if len(procs) == 1:
+            env = {**forwarded, **procs[0].env}
+        command = shlex.join(procs[0].argv)
+        bad = [f"{k}={v}" for k, v in env.items() if _UNSAFE.search(v) or any(c.isspace() for c in v)]
+        if _UNSAFE.search(command) or bad:
+            raise ConfigError(f"YARN runs the command as bash -c \"...\": {'; '.join(bad) or command!r} must not "
+                              "contain spaces in variables, or \", $, ` or \\ anywhere")
+        memory = res.server_memory_mb if procs[0].role == "server" else res.memory_mb
+        argv = ["yarn", "jar", jar, "-jar", jar, "-appname", f"{name}-{label}",
+                "-num_containers", str(len(procs)), "-container_memory", str(memory),
+                "-container_vcores", str(res.vcores), "-timeout", str(TIMEOUT_MS)]
+        if res.queue:
+            argv += ["-queue", res.queue]
+        argv += ["-shell_command", command]
+        for k, v in sorted(env.items()):
+            argv += ["-shell_env", f"{k}={v}"]
+        subs.append((label, argv))
+    return subs
+
+
+def _need_yarn() -> None:
+    if not shutil.which("yarn"):
+        raise ConfigError("yarn is not on PATH; install Hadoop (not packaged for Debian) and put $HADOOP_HOME/bin "
+                          "on PATH")
+
+
+class YarnLauncher:
+    """The scheduler here; servers and workers as YARN distributed-shell containers."""
+
+    name = "yarn"
+
+    def preflight(self, job: Job) -> dict[str, dict[str, str]]:
+        _need_yarn()
+        submissions(job, find_jar())  # the commands can be built
+        return {"localhost": local_versions()}
+
+    def launch(self, job: Job, out: IO[str]) -> Result:
+        _need_yarn()
+        subs = submissions(job, find_jar(), role.job_name("yarn"), Resources.from_env())
+        output = role.Output(out, watch=_APP_ID.pattern)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        scheduler = role.start(role.helper_argv(sys.executable, job.plan[:1], index=0), env=env,
+                               cwd=str(job.workdir))
+        output.pump(scheduler.stdout)
+        output.pump(scheduler.stderr, "[scheduler] ")
+        clients: dict[str, subprocess.Popen] = {}
+        failure = None
+
+        def failed_clients() -> list[tuple[str, int]]:
+            return [(f"yarn application {label}", c.returncode) for label, c in clients.items()
+                    if c.returncode not in (None, 0)]
+
+        try:
+            with role.sigterm_as_interrupt():
+                for label, argv in subs:
+                    clients[label] = role.start(argv, env=env, cwd=str(job.workdir))
+                    output.pump(clients[label].stdout, f"[yarn {label}] ")
+                    output.pump(clients[label].stderr, f"[yarn {label}] ")
+                while (any(c.poll() is None for c in clients.values()) and not output.failed
+                       and not failed_clients() and scheduler.poll() in (None, 0)):
+                    time.sleep(0.2)
+                if not output.failed and not failed_clients():
+                    scheduler.wait(timeout=30)  # every worker done: the scheduler ends on its own
+        except KeyboardInterrupt:
+            failure = "interrupted (Ctrl-C)"
+        except subprocess.TimeoutExpired:
+            failure = "the scheduler did not end after every YARN application finished"
+        finally:
+            with role.shielded():
+                if any(c.poll() is None for c in clients.values()):
+                    for app in output.found:  # the clients alone would leave them running
+                        role.quietly(["yarn", "application", "-kill", app], env, timeout=120)
+                for c in clients.values():
+                    role.stop(c)
+                role.stop(scheduler)
+                output.join()
+        failure = failure or output.cause() or first_cause(failed_clients())
+        return Result(0 if failure is None else 1, failure)
+
