@@ -327,8 +327,8 @@ def test_cifar10_archive_path_traversal_refused(tmp_path, monkeypatch):
 
 
 def test_names_and_unknown():
-    assert data.names() == ["cifar10", "digits", "mnist", "synthetic"]
-    with pytest.raises(ConfigError, match="cifar10, digits, mnist, synthetic"):
+    assert data.names() == ["cifar10", "digits", "embedded_text", "mnist", "ptb", "synthetic"]
+    with pytest.raises(ConfigError, match="cifar10, digits, embedded_text, mnist, ptb, synthetic"):
         data.load(cfg("imagenet"))
 
 

@@ -25,6 +25,8 @@ class ModelConfig:
     dropout: float = 0.0
     batch_norm: bool = True  # vgg11 only; resnet18 always has it
     width: int = 64  # channels of the first stage (vgg11, resnet18)
+    # lstm_lm: `hidden` lists the LSTM layers' sizes; the embedding has embed_dim (0: hidden[0])
+    embed_dim: int = 0
 
 
 @dataclass
@@ -39,6 +41,11 @@ class DatasetConfig:
     num_test: int = 1024
     shape: List[int] = field(default_factory=lambda: [32, 32, 3])
     num_classes: int = 10
+    # text (ptb, embedded_text): tokens per training sequence, vocabulary cap (0: every word of
+    # the training text), and the held-out split evaluated each epoch
+    seq_len: int = 35
+    vocab_size: int = 10000
+    eval_split: str = "test"
 
 
 @dataclass
@@ -109,6 +116,11 @@ class Config:
     resume: Any = False  # false | true (last checkpoint of the same command) | a run dir
     progress: bool = True  # progress bar on a terminal
     log_every: int = 20  # steps between progress-bar and TensorBoard step updates
+    # Model parallelism: null = data parallelism (a model copy per device); `auto` = the model's
+    # layer groups cut into balanced contiguous stages, one per device in `devices`; or a
+    # mapping group -> device, e.g. {embed: gpu:0, lstm1: gpu:0, lstm2: gpu:1, decoder: gpu:1}.
+    placement: Any = None
+    micro_batches: int = 1  # with placement: pipeline each batch as this many micro-batches
 
 
 def register() -> None:
@@ -174,7 +186,7 @@ def validate(cfg: Any) -> None:
         if any(w <= 0 for w in loads):
             raise ConfigError(f"work_load_list={loads} must hold positive weights")
     sizes = split_batch(cfg.batch_size, cfg.work_load_list, len(devices))
-    if min(sizes) < 1:
+    if min(sizes) < 1 and cfg.placement is None:  # with placement the batch is not split by device
         raise ConfigError(
             f"batch_size={cfg.batch_size} split over {devices} "
             f"(work_load_list={cfg.work_load_list}) gives {sizes} examples per device; "
@@ -183,6 +195,7 @@ def validate(cfg: Any) -> None:
     if cfg.optimizer.lr <= 0:
         raise ConfigError(f"optimizer.lr={cfg.optimizer.lr} must be positive")
     _validate_cluster(cfg)
+    _validate_placement(cfg)
     resume = cfg.resume
     if not isinstance(resume, (bool, str)):
         raise ConfigError(f"resume={resume!r} must be true, false or a run directory")
@@ -215,3 +228,36 @@ def _validate_cluster(cfg: Any) -> None:
             raise ConfigError(f"cluster.{key}={getattr(c, key)} must be at least 1")
     if c.heartbeat_timeout <= 0:
         raise ConfigError(f"cluster.heartbeat_timeout={c.heartbeat_timeout} must be positive")
+
+
+def _validate_placement(cfg: Any) -> None:
+    """Model parallelism: the model must declare layer groups and the mapping must fit them."""
+    from tfkv import data, models
+    from tfkv.parallel import placement
+
+    model, dataset = cfg.model.name, cfg.dataset.name
+    if (model in models.SEQUENCE) != (dataset in data.TEXT):
+        raise ConfigError(
+            f"model={model} and dataset={dataset} do not fit: language models "
+            f"({', '.join(sorted(models.SEQUENCE))}) need a text data set "
+            f"({', '.join(sorted(data.TEXT))}) and the other models image or vector data; "
+            "e.g. +experiment=lstm_ptb")
+    m = cfg.micro_batches
+    if m < 1:
+        raise ConfigError(f"micro_batches={m} must be at least 1")
+    if cfg.placement is None:
+        if m != 1:
+            raise ConfigError(f"micro_batches={m} pipelines a model split over devices; set placement "
+                              "(e.g. placement=auto) or leave micro_batches=1 for data parallelism")
+        return
+    if not models.has_groups(model):
+        raise ConfigError(
+            f"placement: model {model} declares no layer groups, so it cannot be split over devices; "
+            f"model parallelism needs one that does ({', '.join(sorted(models.GROUPED))}) or placement=null")
+    if cfg.work_load_list is not None:
+        raise ConfigError("work_load_list splits a batch between model copies (data parallelism); "
+                          "with placement there is one copy, split by layers: drop one of the two")
+    if m > cfg.batch_size:
+        raise ConfigError(f"micro_batches={m} is more than batch_size={cfg.batch_size}; every "
+                          "micro-batch needs at least one example")
+    placement.check(cfg.placement, models.group_names(cfg.model), list(cfg.devices), model)

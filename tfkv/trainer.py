@@ -1,13 +1,17 @@
-"""The epoch loop: data -> data-parallel step -> store; metrics, progress, checkpoints.
+"""The epoch loop: data -> data- or model-parallel step -> store; metrics, progress, checkpoints.
 
 The trainer asks the store only for what the MXNet API offers (rank, num_workers, optimizer
-state), so every KVStore type, local or distributed, runs through it unchanged.
+state), so every KVStore type, local or distributed, runs through it unchanged. `placement`
+picks model parallelism (`tfkv.parallel.model_parallel`) instead of data parallelism; both
+have the same interface. For language models (labels with a time axis) losses and accuracies
+are per token and each epoch also reports perplexity, exp(mean token loss).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +27,7 @@ def _summary(history: list[dict[str, Any]]) -> dict[str, Any]:
     steady = history[1:] or history
     samples = sum(h["samples"] for h in steady)
     seconds = sum(h["train_seconds"] for h in steady)
-    return {
+    summary = {
         "epoch": last["epoch"],
         "test_accuracy": last["test_accuracy"],
         "test_loss": last["test_loss"],
@@ -32,6 +36,14 @@ def _summary(history: list[dict[str, Any]]) -> dict[str, Any]:
         "samples_per_sec": samples / seconds if seconds else 0.0,
         "history": history,
     }
+    for key in ("train_perplexity", "test_perplexity"):
+        if key in last:
+            summary[key] = last[key]
+    return summary
+
+
+def _perplexity(mean_token_loss: float) -> float:
+    return math.exp(min(mean_token_loss, 700.0))  # exp overflows a float past ~709
 
 
 def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | None = None) -> dict[str, Any]:
@@ -61,21 +73,35 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
         if cfg.resume not in (False, "false") and ckpt is None:
             log.warning("resume: no earlier checkpoint of this command found; starting from scratch")
 
+        # Positions per example: the sequence length for a language model, else 1. The loss is
+        # then the mean over every position of the global batch, as for classification.
+        positions = int(np.prod(ds.y_train.shape[1:], dtype=np.int64))
+        loss_scale = 1.0 / (cfg.batch_size * positions * store.num_workers) if positions > 1 else None
         sizes = split_batch(cfg.batch_size, cfg.work_load_list, len(tf_devices))
-        dp = DataParallel(
-            lambda: models.build(cfg.model, ds.input_shape, ds.num_classes),
-            tf_devices, store, optimizer, sizes,
-            update_on_kvstore=cfg.kvstore.update_on_kvstore,
-            initial_weights=ckpt.weights if ckpt else None,
-        )
+        if cfg.placement is not None:
+            dp = _model_parallel(cfg, ds, tf_devices, store, optimizer, loss_scale,
+                                 ckpt.weights if ckpt else None)
+        else:
+            dp = DataParallel(
+                lambda: models.build(cfg.model, ds.input_shape, ds.num_classes),
+                tf_devices, store, optimizer, sizes,
+                update_on_kvstore=cfg.kvstore.update_on_kvstore,
+                initial_weights=ckpt.weights if ckpt else None,
+                loss_scale=loss_scale,
+            )
         history: list[dict[str, Any]] = list(ckpt.history) if ckpt else []
         start = ckpt.epoch + 1 if ckpt else 1
         if ckpt:
             _load_optimizer(dp, store, ckpt.optimizer, run_dir)
             log.info("resumed from %s at epoch %d", ckpt.path, ckpt.epoch)
         chief = store.rank == 0
-        log.info("%s on %s (batch %s per device), kvstore=%s, %d worker(s), %d steps/epoch",
-                 cfg.model.name, ",".join(cfg.devices), sizes, store.type, store.num_workers, steps)
+        if cfg.placement is not None:
+            log.info("%s split over %s (batch %d in %d micro-batches), kvstore=%s, %d worker(s), "
+                     "%d steps/epoch", cfg.model.name, ",".join(cfg.devices), cfg.batch_size,
+                     cfg.micro_batches, store.type, store.num_workers, steps)
+        else:
+            log.info("%s on %s (batch %s per device), kvstore=%s, %d worker(s), %d steps/epoch",
+                     cfg.model.name, ",".join(cfg.devices), sizes, store.type, store.num_workers, steps)
         writer = tf.summary.create_file_writer(str(run_dir / "tensorboard")) if chief else None
 
         for epoch in range(start, cfg.epochs + 1):
@@ -98,6 +124,9 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
             train_loss, train_acc, seen = dp.take_metrics()
             dp.sync_non_trainable()
             test_loss, test_acc = dp.evaluate(data.test_dataset(ds, cfg.eval_batch_size))
+            # per example -> per position (token): a no-op for classification
+            train_loss, train_acc, test_loss, test_acc = (
+                v / positions for v in (train_loss, train_acc, test_loss, test_acc))
             # Workers of a synchronous job move in step: the job's rate is this worker's times
             # the number of workers.
             record = {
@@ -107,15 +136,23 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
                 "worker_samples_per_sec": seen / seconds,
                 "samples": seen * store.num_workers, "train_seconds": seconds,
             }
+            if positions > 1:
+                record["train_perplexity"] = _perplexity(train_loss)
+                record["test_perplexity"] = _perplexity(test_loss)
             history.append(record)
             log.info("epoch %d/%d  train_loss %.4f  train_acc %.4f  test_loss %.4f  test_acc %.4f  "
                      "%.0f samples/s  %.1fs", epoch, cfg.epochs, train_loss, train_acc, test_loss,
                      test_acc, record["samples_per_sec"], seconds)
+            if positions > 1:
+                log.info("epoch %d/%d  train_perplexity %.2f  test_perplexity %.2f  (%s split)",
+                         epoch, cfg.epochs, record["train_perplexity"], record["test_perplexity"],
+                         cfg.dataset.eval_split)
             if chief:
                 with writer.as_default():
                     for name in ("train_loss", "train_accuracy", "test_loss", "test_accuracy",
-                                 "samples_per_sec"):
-                        tf.summary.scalar(f"epoch/{name}", record[name], step=epoch)
+                                 "samples_per_sec", "train_perplexity", "test_perplexity"):
+                        if name in record:
+                            tf.summary.scalar(f"epoch/{name}", record[name], step=epoch)
                 writer.flush()
                 checkpoint.save(run_dir, epoch, dp.get_weights(), dp.weight_names(),
                                 lambda path: _save_optimizer(dp, store, path), history)
@@ -132,6 +169,24 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
         raise
     store.close()
     return final
+
+
+def _model_parallel(cfg: Any, ds: Any, tf_devices: list[str], store: Any, optimizer: Any,
+                    loss_scale: float | None, initial_weights: Any) -> Any:
+    """The model's layer groups on the devices `cfg.placement` names, the plan logged."""
+    from tfkv import models
+    from tfkv.parallel import placement
+    from tfkv.parallel.model_parallel import ModelParallel
+
+    groups = models.build_groups(cfg.model, ds.input_shape, ds.num_classes)
+    specs = placement.assign(cfg.placement, groups, list(cfg.devices), cfg.model.name)
+    mode = "placement=auto" if placement.is_auto(cfg.placement) else "placement from config"
+    log.info("%s", placement.format_plan(placement.stages(groups, specs),
+                                         f"model-parallel plan ({mode}, {cfg.micro_batches} micro-batches)"))
+    by_spec = {placement.canonical(d): t for d, t in zip(cfg.devices, tf_devices)}
+    return ModelParallel(groups, [by_spec[s] for s in specs], store, optimizer, cfg.batch_size,
+                         micro_batches=cfg.micro_batches, update_on_kvstore=cfg.kvstore.update_on_kvstore,
+                         initial_weights=initial_weights, loss_scale=loss_scale)
 
 
 def _save_optimizer(dp: Any, store: Any, path: str) -> None:

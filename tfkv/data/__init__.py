@@ -25,8 +25,13 @@ REGISTRY = Registry("data set", {
     "digits": "tfkv.data.digits:load",
     "mnist": "tfkv.data.mnist:load",
     "synthetic": "tfkv.data.synthetic:load",
+    "ptb": "tfkv.data.ptb:load",
+    "embedded_text": "tfkv.data.ptb:load_embedded",
 })
 names = REGISTRY.names
+
+# Text sets for language models: x and y are (n, seq_len) token ids, y the next token of x.
+TEXT = {"ptb", "embedded_text"}
 
 
 def load(cfg: Any, seed: int = 0) -> DataSet:

@@ -71,7 +71,7 @@ def train_dataset(ds: DataSet, batch_size: int, epoch: int, seed: int, num_parts
     # Gather in the stored dtype (uint8 for images) and batch by reshaping: one compact copy per
     # epoch, each element already a static-shape batch, float conversion deferred to the map.
     x = ds.x_train[order].reshape(steps, batch_size, *ds.input_shape)
-    y = ds.y_train[order].astype(np.int32).reshape(steps, batch_size)
+    y = ds.y_train[order].astype(np.int32).reshape(steps, batch_size, *ds.y_train.shape[1:])  # (B,) or (B, seq_len)
     data = tf.data.Dataset.from_tensor_slices((x, y))
     to_unit, standardize = _to_unit(ds), _standardize(ds)
 

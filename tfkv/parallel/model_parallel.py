@@ -1,0 +1,266 @@
+"""Model parallelism: a model's layer groups on different devices, run as a pipeline.
+
+Each layer group (`tfkv.parallel.placement.LayerGroup`) is built inside `tf.device(d)` of its
+device, so its variables live there, and every op of its forward and backward pass is placed
+there too; only activations (forward) and their gradients (backward) cross between devices.
+There is one copy of each weight, so on one machine nothing needs summing and the update runs
+on each weight's own device (as data parallelism leaves the store out with one device).
+
+Pipelining, GPipe-style, in one tf.function: a batch is cut into `micro_batches` pieces; each
+goes forward through the groups and then backward, and each group's gradients are summed over
+the pieces before one update. Group s's work on piece i depends only on group s-1's work on
+piece i, so TensorFlow's dataflow executor runs group s on piece i-1 while group s-1 already
+works on piece i; nothing orders ops that need not be ordered. The loss is every position's
+summed loss times `loss_scale` (default 1 / (batch x workers), as in data parallelism), so the
+summed micro-batch gradients are the gradient of the unsplit batch.
+
+In a `dist_*` job each worker is model-parallel: the per-weight gradients are pushed to the
+parameter servers and pulled back exactly as `DataParallel`'s non-traceable path does, so the
+servers see a worker with one "device" per weight.
+
+The interface is `DataParallel`'s, so the trainer drives either.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfkv import optim
+from tfkv.config import split_batch
+from tfkv.parallel.placement import LayerGroup
+from tfkv.store.base import KVStore
+from tfkv.store.tf_updater import TFUpdater
+
+
+def _dense(g: Any) -> Any:
+    # Embedding gradients come as IndexedSlices; summing and pushing want plain tensors.
+    return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+
+
+class ModelParallel:
+    def __init__(
+        self,
+        groups: Sequence[LayerGroup],
+        devices: Sequence[str],
+        store: KVStore,
+        optimizer: optim.Optimizer,
+        batch_size: int,
+        micro_batches: int = 1,
+        update_on_kvstore: bool = True,
+        initial_weights: Sequence[np.ndarray] | None = None,
+        loss_scale: float | None = None,
+    ):
+        """`devices[i]` is the TensorFlow device of `groups[i]`; batches hold `batch_size` examples,
+        cut into `micro_batches` pieces (sizes as `split_batch`: the remainder to the last)."""
+        if len(devices) != len(groups):
+            raise ValueError(f"{len(devices)} devices for {len(groups)} layer groups")
+        if not 1 <= micro_batches <= batch_size:
+            raise ValueError(f"micro_batches={micro_batches} must be in [1, batch_size={batch_size}]")
+        self.devices = list(devices)
+        self.group_names = [g.name for g in groups]
+        self.store = store
+        self.batch_size = int(batch_size)
+        self.micro_sizes = split_batch(self.batch_size, None, int(micro_batches))
+        self.uses_store = store.distributed
+        self.update_on_kvstore = update_on_kvstore and self.uses_store
+        self.loss_scale = loss_scale or 1.0 / (self.batch_size * store.num_workers)
+
+        self.models = []
+        for g, d in zip(groups, self.devices):
+            with tf.device(d):  # variables (weights, dropout seeds) are created where they will live
+                model = keras.Sequential(g.make(), name=g.name)
+                model.build((None, *g.input_shape))
+            self.models.append(model)
+        if initial_weights is not None:
+            self.set_weights(initial_weights)
+        self.params = [v for m in self.models for v in m.trainable_variables]
+        self.param_devices = [d for m, d in zip(self.models, self.devices) for _ in m.trainable_variables]
+        self.keys = list(range(len(self.params)))
+
+        self._updater: TFUpdater | None = None
+        if self.update_on_kvstore:
+            store.set_optimizer(optimizer)
+        else:
+            self._updater = TFUpdater(optimizer)
+            for k, (v, d) in enumerate(zip(self.params, self.param_devices)):
+                self._updater.create_state(k, v, d)  # optimizer state beside its weight
+        if self.uses_store:
+            # Worker 0's initial weights win everywhere (MXNet: init, then pull).
+            self.store.broadcast(self.keys, list(self.params), out=[[v] for v in self.params],
+                                 priority=[-k for k in self.keys])
+
+        with tf.device("/device:CPU:0"):
+            self._loss_sum = tf.Variable(0.0, dtype=tf.float64, trainable=False)
+            self._correct = tf.Variable(0, dtype=tf.int64, trainable=False)
+            self._seen = tf.Variable(0, dtype=tf.int64, trainable=False)
+        if self.uses_store:
+            self._grads = tf.function(self._forward_backward)
+            self._set_weights = tf.function(self._assign_all)
+            self._apply = tf.function(self._apply_grads)
+        else:
+            self._step = tf.function(self._fused_step)
+        self._grads_only = tf.function(lambda x, y: self._forward_backward(x, y, record=False))
+        self._eval = tf.function(self._eval_step)
+
+    # -- one training step ---------------------------------------------------------------------
+
+    def step(self, x: Any, y: Any) -> None:
+        """Train on one batch (x, y) of `batch_size` examples."""
+        if not self.uses_store:
+            self._step(x, y)
+            return
+        grads = self._grads(x, y)
+        priority = [-k for k in self.keys]  # the first layers' weights first: the next step starts there
+        self.store.push(self.keys, [[g] for g in grads], priority=priority)
+        pulled = self.store.pull(self.keys, priority=priority)
+        if self.update_on_kvstore:
+            self._set_weights(pulled)
+        else:
+            self._apply(pulled)
+
+    def gradients(self, x: Any, y: Any) -> list[np.ndarray]:
+        """The summed micro-batch gradients of one batch, one per trainable variable; no update,
+        no metrics (what `step` would apply)."""
+        return [np.asarray(g) for g in self._grads_only(x, y)]
+
+    def _forward_backward(self, x: Any, y: Any, record: bool = True) -> list[Any]:
+        last = len(self.models) - 1
+        pieces = len(self.micro_sizes)
+        with tf.device(self.devices[0]):
+            xs = tf.split(x, self.micro_sizes) if pieces > 1 else [x]
+        with tf.device(self.devices[last]):
+            ys = tf.split(y, self.micro_sizes) if pieces > 1 else [y]
+
+        # Forward: one tape per (piece, group), recorded on the group's device. Piece i at group s
+        # waits only for piece i at group s-1, so consecutive pieces overlap across devices.
+        tapes: list[list[tuple[Any, Any, Any]]] = []
+        loss_sums, corrects = [], []
+        for i in range(pieces):
+            h, row = xs[i], []
+            for s, (model, d) in enumerate(zip(self.models, self.devices)):
+                with tf.device(d):
+                    with tf.GradientTape() as tape:
+                        if s > 0:
+                            tape.watch(h)
+                        out = model(h, training=True)
+                        if s == last:
+                            logits = tf.cast(out, tf.float32)
+                            losses = tf.nn.sparse_softmax_cross_entropy_with_logits(ys[i], logits)
+                            out = tf.reduce_sum(losses) * self.loss_scale
+                    row.append((tape, h, out))
+                    if s == last and record:
+                        loss_sums.append(tf.reduce_sum(tf.cast(losses, tf.float64)))
+                        hits = tf.equal(tf.argmax(logits, -1, output_type=ys[i].dtype), ys[i])
+                        corrects.append(tf.reduce_sum(tf.cast(hits, tf.int64)))
+                h = out
+            tapes.append(row)
+
+        # Backward, each group on its device: the gradient of its output flows in from the next
+        # group, the gradient of its input flows out to the previous one.
+        per_group: list[list[list[Any]]] = [[] for _ in self.models]
+        for i in reversed(range(pieces)):
+            upstream = None
+            for s in reversed(range(last + 1)):
+                tape, inp, out = tapes[i][s]
+                variables = self.models[s].trainable_variables
+                with tf.device(self.devices[s]):
+                    grads = tape.gradient(out, [*variables, inp] if s > 0 else list(variables),
+                                          output_gradients=upstream)
+                per_group[s].append([_dense(g) for g in grads[:len(variables)]])
+                upstream = grads[-1] if s > 0 else None
+
+        summed = []
+        for s, d in enumerate(self.devices):
+            with tf.device(d):
+                for per_var in zip(*reversed(per_group[s])):  # pieces in order 0..m-1
+                    summed.append(per_var[0] if len(per_var) == 1 else tf.add_n(list(per_var)))
+        if record:
+            self._loss_sum.assign_add(tf.add_n(loss_sums))
+            self._correct.assign_add(tf.add_n(corrects))
+            self._seen.assign_add(tf.cast(tf.shape(x)[0], tf.int64))
+        return summed
+
+    def _fused_step(self, x: Any, y: Any) -> None:
+        self._apply_grads(self._forward_backward(x, y))
+
+    def _apply_grads(self, grads: Sequence[Any]) -> None:
+        assert self._updater is not None
+        for k, (v, d, g) in enumerate(zip(self.params, self.param_devices, grads)):
+            with tf.device(d):  # the update of a weight runs where the weight lives
+                self._updater.update(k, v, tf.identity(g))
+
+    def _assign_all(self, weights: Sequence[Any]) -> None:
+        for v, d, w in zip(self.params, self.param_devices, weights):
+            with tf.device(d):
+                v.assign(w)
+
+    # -- metrics, evaluation, state ------------------------------------------------------------
+
+    def take_metrics(self) -> tuple[float, float, int]:
+        """(loss per example, correct positions per example, examples) since the last call, and
+        reset. For sequence labels divide the first two by the sequence length."""
+        seen = int(self._seen.numpy())
+        loss = float(self._loss_sum.numpy()) / max(seen, 1)
+        acc = float(self._correct.numpy()) / max(seen, 1)
+        self._loss_sum.assign(0.0)
+        self._correct.assign(0)
+        self._seen.assign(0)
+        return loss, acc, seen
+
+    def peek_loss(self) -> float:
+        return float(self._loss_sum.numpy()) / max(int(self._seen.numpy()), 1)
+
+    def _eval_step(self, x: Any, y: Any) -> tuple[Any, Any]:
+        h = x
+        for model, d in zip(self.models, self.devices):
+            with tf.device(d):
+                h = model(h, training=False)
+        with tf.device(self.devices[-1]):
+            logits = tf.cast(h, tf.float32)
+            losses = tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits)
+            correct = tf.equal(tf.argmax(logits, -1, output_type=y.dtype), y)
+            return tf.reduce_sum(tf.cast(losses, tf.float64)), tf.reduce_sum(tf.cast(correct, tf.int64))
+
+    def evaluate(self, batches: Any) -> tuple[float, float]:
+        """(loss, correct positions) per example over an iterable of (x, y) batches."""
+        loss, correct, n = 0.0, 0, 0
+        for x, y in batches:
+            batch_loss, batch_correct = self._eval(x, y)
+            loss += float(batch_loss)
+            correct += int(batch_correct)
+            n += int(y.shape[0])
+        return loss / max(n, 1), correct / max(n, 1)
+
+    def sync_non_trainable(self) -> None:
+        """Nothing to do: there is one copy of every variable."""
+
+    def get_weights(self) -> list[np.ndarray]:
+        """Every group's variables, groups in order (the order of the chained model's weights)."""
+        return [np.asarray(w) for m in self.models for w in m.get_weights()]
+
+    def set_weights(self, weights: Sequence[np.ndarray]) -> None:
+        weights = list(weights)
+        sizes = [len(m.weights) for m in self.models]
+        if len(weights) != sum(sizes):
+            raise ValueError(f"{len(weights)} arrays for {sum(sizes)} variables of groups {self.group_names}")
+        offset = 0
+        for m, n in zip(self.models, sizes):
+            m.set_weights(weights[offset:offset + n])
+            offset += n
+
+    def weight_names(self) -> list[str]:
+        return [f"{i:04d}/{v.path}" for i, v in enumerate(v for m in self.models for v in m.weights)]
+
+    def optimizer_states(self) -> dict[str, np.ndarray]:
+        if self._updater is None:
+            raise RuntimeError("the store holds the optimizer state; use store.save_optimizer_states")
+        return self._updater.get_states()
+
+    def load_optimizer_states(self, states: dict[str, np.ndarray]) -> None:
+        if self._updater is None:
+            raise RuntimeError("the store holds the optimizer state; use store.load_optimizer_states")
+        self._updater.set_states(states)
