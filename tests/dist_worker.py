@@ -164,6 +164,43 @@ def push_then_barrier(kv, out):
 SCENARIOS["push_then_barrier"] = push_then_barrier
 
 
+def compressed(kv, out):
+    """2-bit pushes across the wire: quantised sums, error feedback, chunked parts, bytes sent."""
+    r = kv.rank
+    kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
+    kv.init(["a", "big"], [np.zeros(100, np.float32), np.zeros(3000, np.float32)])
+    res = {"parts": len(kv._layout("big")[1].parts)}
+    pulls = []
+    for _ in range(2):  # 0.3 per step: nothing is sent, then 0.5 once 0.6 has built up
+        kv.push("a", np.full(100, 0.3, np.float32))
+        pulls.append(float(kv.pull("a")[0]))
+    res["a"] = pulls
+    before = kv.push_bytes
+    kv.push("big", np.full(3000, 0.5 * (r + 1), np.float32))  # worker 1 sends 0.5, keeps 0.5
+    big = kv.pull("big")
+    res["big"] = [float(big.min()), float(big.max())]
+    res["compressed_bytes"] = kv.push_bytes - before
+    kv.push("big", np.zeros(3000, np.float32))  # only the residual goes out
+    big = kv.pull("big")
+    res["big_residual"] = [float(big.min()), float(big.max())]
+    kv.set_gradient_compression({"type": "none"})
+    before = kv.push_bytes
+    kv.push("big", np.full(3000, 0.25, np.float32))
+    res["plain_bytes"] = kv.push_bytes - before
+    res["plain"] = float(kv.pull("big")[0])
+    json.dump(res, out)
+
+
+def lossy_compressed(kv, out):
+    """`lossy` with 2-bit pushes: a resend repeats the compressed frames, applied once."""
+    kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
+    lossy(kv, out)
+
+
+SCENARIOS["compressed"] = compressed
+SCENARIOS["lossy_compressed"] = lossy_compressed
+
+
 if __name__ == "__main__":
     scenario, path = sys.argv[1], sys.argv[2]
     kind = os.environ.get("TEST_KVSTORE", "dist_sync")

@@ -63,11 +63,20 @@ def test_schema_rejects_typos_and_wrong_types():
     (["devices=[cpu:0,cpu:1]", "work_load_list=[100,1]", "batch_size=8"], "[8, 0] examples per device"),
     (["epochs=0"], "epochs=0 must be at least 1"),
     (["optimizer.schedule.name=linear"], "optimizer.schedule.name='linear' is not known"),
+    (["kvstore.compression.type=1bit"], "kvstore.compression.type='1bit' is not known"),
+    (["kvstore.compression.type=2bit"], "kvstore=local has none"),
+    (["kvstore=dist_sync", "cluster=local", "kvstore.compression.type=2bit", "kvstore.compression.threshold=0"],
+     "threshold=0.0 must be positive"),
 ])
 def test_validation_gives_one_line(overrides, message):
     with pytest.raises(ConfigError) as e:
         config.validate(_compose(*overrides))
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_compression_validates_for_dist_types():
+    config.validate(_compose("kvstore=dist_sync", "cluster=local", "kvstore.compression.type=2bit",
+                             "kvstore.compression.threshold=0.25"))
 
 
 def test_validation_does_not_import_tensorflow():

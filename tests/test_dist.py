@@ -183,3 +183,88 @@ def test_a_barrier_after_a_push_sees_it_applied(cluster):
     outs = c.start_workers("push_then_barrier")
     _ok(c)
     assert [r["after"] for r in _results(outs)] == [3.0, 3.0]
+
+
+# -- faster communication: 2-bit compression, chunking ----------------------------------------------
+
+def test_two_bit_compression_over_the_wire(cluster):
+    c = cluster(num_servers=2, num_workers=2, MXNET_KVSTORE_BIGARRAY_BOUND="1000", TFKV_CHUNK_BYTES="4000")
+    c.start_servers()
+    outs = c.start_workers("compressed")
+    _ok(c)
+    for r in _results(outs):
+        assert r["parts"] == 4  # split over 2 servers, each half cut into 2 chunks of <= 4000 bytes
+        assert r["a"] == [0.0, 1.0]  # 0.3 is held back, then 0.6 sends 0.5 from each worker
+        assert r["big"] == [1.0, 1.0]  # 0.5 from worker 0, 0.5 (of 1.0) from worker 1
+        assert r["big_residual"] == [0.5, 0.5]  # worker 1's residual arrives a step later
+        assert r["plain"] == 0.5
+        # 3000 float32 = 12000 bytes; 4 chunks of 750 values = 4 * 47 words = 752 bytes
+        assert r["plain_bytes"] == 12000 and r["compressed_bytes"] == 752
+        assert r["plain_bytes"] / r["compressed_bytes"] > 15.9
+
+
+def test_resend_with_compression_never_applies_twice(cluster):
+    c = cluster(num_servers=1, num_workers=1, PS_RESEND="1", PS_RESEND_TIMEOUT="300")
+    c.start_servers()
+    (out,) = c.start_workers("lossy_compressed")
+    _ok(c)
+    r = _results([out])[0]
+    # SGD lr=1, pushes of 1.0 with threshold 0.5: 0.5 is sent each step (the rest accumulates).
+    assert r["first"] == [-0.5] * 4
+    assert r["second"] == [-1.0] * 4
+    assert r["sends"] >= 3
+
+
+def test_compression_is_refused_by_single_machine_stores():
+    kv = store.create("local")
+    kv.set_gradient_compression({"type": "none"})
+    with pytest.raises(ValueError, match="parameter servers"):
+        kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
+
+
+# -- parallel reduction on the servers -------------------------------------------------------------
+
+def _reduce_server(bound, nthreads):
+    from tfkv.store.cluster_env import ClusterEnv
+    from tfkv.store.server import Server
+
+    srv = object.__new__(Server)  # only the summation: no sockets, no scheduler
+    srv.env = ClusterEnv("server", "127.0.0.1", 1, 1, 1, bigarray_bound=bound, reduction_nthreads=nthreads)
+    srv._pool = None
+    return srv
+
+
+def test_large_arrays_are_summed_in_threads_small_ones_inline():
+    rng = np.random.default_rng(1)
+    a, b = rng.normal(size=10_007).astype(np.float32), rng.normal(size=10_007).astype(np.float32)
+    srv = _reduce_server(bound=10_000, nthreads=3)
+    out = srv.add(a, b)
+    np.testing.assert_array_equal(out, a + b)  # same float32 adds, only split by slices
+    assert srv._pool is not None and srv._pool._max_workers == 3
+    small = _reduce_server(bound=20_000, nthreads=3)
+    np.testing.assert_array_equal(small.add(a, b), a + b)
+    assert small._pool is None
+    assert out is not a and out is not b
+
+
+def test_reduction_threads_from_the_environment():
+    from tfkv.store.cluster_env import ClusterEnv
+
+    base = {"DMLC_ROLE": "server", "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "1",
+            "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": "1"}
+    assert ClusterEnv.from_env(base).reduction_nthreads == 4
+    assert ClusterEnv.from_env({**base, "MXNET_KVSTORE_REDUCTION_NTHREADS": "2"}).reduction_nthreads == 2
+    assert ClusterEnv.from_env({**base, "TFKV_REDUCTION_NTHREADS": "1",
+                                "MXNET_KVSTORE_REDUCTION_NTHREADS": "8"}).reduction_nthreads == 1
+    assert ClusterEnv.from_env({**base, "TFKV_CHUNK_BYTES": "1024"}).chunk_bytes == 1024
+
+
+@pytest.mark.parametrize("p2p", ["1", "0"])
+def test_dist_device_types_sum_on_a_device_or_through_the_host(cluster, p2p):
+    c = cluster(num_servers=1, num_workers=2, TEST_KVSTORE="dist_sync_device", MXNET_ENABLE_GPU_P2P=p2p)
+    c.start_servers()
+    outs = c.start_workers("semantics")
+    _ok(c)
+    for r in _results(outs):
+        assert r["device_sum"] == [6.0] * 5
+        assert r["step2"][0] == [[3.0] * 3] * 2

@@ -83,3 +83,39 @@ def test_random_headers_with_a_payload(header, payload):
         return
     assert msg.data is None or msg.data.nbytes == len(payload)
     json.dumps(msg.meta)  # whatever parsed is plain JSON data
+
+
+# -- 2-bit compressed payloads -------------------------------------------------------------------
+
+def test_two_bit_round_trip_keeps_count_and_words():
+    words = np.array([0x12345678, 0x1], np.uint32)  # 17 values: 16 in the first word, 1 in the second
+    msg = P.Message(P.Type.PUSH, key=4, data=words, dtype=P.DType.TWOBIT, count=17)
+    frames = P.encode(msg)
+    assert len(bytes(frames[-1])) == 8
+    back = P.decode([bytes(f) for f in frames], max_count=100)
+    assert (back.dtype, back.count) == (P.DType.TWOBIT, 17)
+    np.testing.assert_array_equal(back.data, words)
+
+
+@pytest.mark.parametrize("count,nbytes", [(17, 4), (17, 12), (16, 8), (1, 0), (0, 4)])
+def test_two_bit_payload_of_the_wrong_length_is_refused(count, nbytes):
+    header = _header(dtype=int(P.DType.TWOBIT), count=count)
+    with pytest.raises(P.ProtocolError, match="2-bit values"):
+        P.decode([header, b"\0" * nbytes], max_count=10**6)
+
+
+def test_two_bit_count_is_bounded_by_the_values_it_decodes_to():
+    # 64 bytes would decode to 256 float32: the limit applies to the decoded size.
+    with pytest.raises(P.ProtocolError, match="exceed the limit"):
+        P.decode([_header(dtype=int(P.DType.TWOBIT), count=256), b"\0" * 64], max_count=255)
+
+
+def test_two_bit_only_for_pushes():
+    header = _header(type=int(P.Type.INIT), dtype=int(P.DType.TWOBIT), count=16)
+    with pytest.raises(P.ProtocolError, match="only for PUSH"):
+        P.decode([header, b"\0" * 4])
+
+
+def test_encode_refuses_words_that_do_not_match_the_count():
+    with pytest.raises(ValueError):
+        P.encode(P.Message(P.Type.PUSH, data=np.zeros(2, np.uint32), dtype=P.DType.TWOBIT, count=40))

@@ -140,3 +140,35 @@ def test_push_and_pull_trace_into_a_tf_function(tf_devices):
     step(tf.ones(2))
     for o in outs:
         np.testing.assert_array_equal(o.numpy(), [-4.0, -4.0])
+
+
+# -- GPU P2P: where a key's device values are summed -----------------------------------------------
+
+@pytest.mark.parametrize("p2p", ["1", "0"])
+def test_gpu_p2p_decides_where_device_values_meet(p2p, tf_devices, monkeypatch):
+    monkeypatch.setenv("MXNET_ENABLE_GPU_P2P", p2p)
+    devs = tf_devices[:3]
+    kv = store.create("device", devices=devs)
+    kv.init([0, 1], [np.zeros(4, np.float32), np.zeros(4, np.float32)])
+    grads = [_var(np.full(4, i + 1.0), d) for i, d in enumerate(devs)]
+
+    @tf.function
+    def step():
+        kv.push(1, grads)
+        return kv.pull(1)
+
+    np.testing.assert_array_equal(step().numpy(), [6.0] * 4)  # the same numbers either way
+    home = kv._home[1]
+    assert tf.DeviceSpec.from_string(home) != tf.DeviceSpec.from_string("/device:CPU:0")
+    adds = [op.device for op in step.get_concrete_function().graph.get_operations() if op.type == "AddN"]
+    assert len(adds) == 1
+    want = home if p2p == "1" else "/device:CPU:0"
+    assert tf.DeviceSpec.from_string(adds[0]) == tf.DeviceSpec.from_string(want)
+
+
+def test_gpu_p2p_variables():
+    from tfkv.store.base import gpu_p2p
+
+    assert gpu_p2p({}) and gpu_p2p({"MXNET_ENABLE_GPU_P2P": "1"})
+    assert not gpu_p2p({"MXNET_ENABLE_GPU_P2P": "0"})
+    assert not gpu_p2p({"TFKV_ENABLE_GPU_P2P": "false", "MXNET_ENABLE_GPU_P2P": "1"})  # tfkv's name first

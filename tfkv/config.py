@@ -69,11 +69,19 @@ class OptimizerConfig:
 
 
 @dataclass
+class CompressionConfig:
+    # none | 2bit: what workers push to the parameter servers (MXNet's set_gradient_compression)
+    type: str = "none"
+    threshold: float = 0.5  # 2bit: each value sent is +threshold, -threshold or 0
+
+
+@dataclass
 class KVStoreConfig:
     type: str = MISSING
     # true: the store runs the optimizer (MXNet's default); false: the store only sums gradients
     # and every device applies the update to its own copy of the weights.
     update_on_kvstore: bool = True
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
 
 
 @dataclass
@@ -223,6 +231,15 @@ def _validate_cluster(cfg: Any) -> None:
     elif c.launcher != "none":
         raise ConfigError(f"cluster={c.launcher} starts a parameter-server job, but kvstore={kind} is a "
                           "single-machine store; use kvstore=dist_sync (or dist_async, ...) or drop cluster=")
+    comp = cfg.kvstore.compression
+    if comp.type not in ("none", "2bit"):
+        raise ConfigError(f"kvstore.compression.type={comp.type!r} is not known; choose one of 2bit, none")
+    if comp.type != "none":
+        if not comp.threshold > 0:
+            raise ConfigError(f"kvstore.compression.threshold={comp.threshold} must be positive")
+        if not is_distributed(kind):
+            raise ConfigError(f"kvstore.compression.type={comp.type} compresses pushes to parameter servers; "
+                              f"kvstore={kind} has none: use kvstore=dist_sync (or another dist_* type)")
     for key in ("num_workers", "num_servers"):
         if getattr(c, key) < 1:
             raise ConfigError(f"cluster.{key}={getattr(c, key)} must be at least 1")

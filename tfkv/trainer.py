@@ -65,6 +65,9 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
 
     store = stores.create(cfg.kvstore.type, devices=tf_devices)
     try:
+        # Before any key exists; the store decides what compression means for it.
+        store.set_gradient_compression({"type": cfg.kvstore.compression.type,
+                                        "threshold": cfg.kvstore.compression.threshold})
         ds = data.load(cfg.dataset, seed=cfg.seed)
         steps = data.steps_per_epoch(ds, cfg.batch_size, store.num_workers)
         optimizer = optim.from_config(cfg.optimizer, steps, cfg.epochs)
@@ -198,10 +201,17 @@ def _save_optimizer(dp: Any, store: Any, path: str) -> None:
 
 def _load_optimizer(dp: Any, store: Any, states: dict[str, np.ndarray], run_dir: Path) -> None:
     if dp.update_on_kvstore:
-        tmp = run_dir / ".resume-optimizer.npz"
-        np.savez(tmp, **states)
-        store.load_optimizer_states(str(tmp))
-        tmp.unlink()
+        import os
+        import tempfile
+
+        # Every worker of a job runs this in the same run directory: a file of its own each.
+        fd, tmp = tempfile.mkstemp(prefix=".resume-optimizer-", suffix=".npz", dir=run_dir)
+        os.close(fd)
+        try:
+            np.savez(tmp, **states)
+            store.load_optimizer_states(tmp)
+        finally:
+            os.unlink(tmp)
     else:
         dp.load_optimizer_states(states)
 

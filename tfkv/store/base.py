@@ -10,8 +10,9 @@ a guess from its type name.
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
-from typing import Any, Hashable, Iterator, Sequence
+from typing import Any, Hashable, Iterator, Mapping, Sequence
 
 Key = Hashable
 
@@ -32,6 +33,16 @@ def pairs(key: Key | Sequence[Key], value: Any) -> Iterator[tuple[Key, list[Any]
         yield key, list(value)
     else:
         yield key, [value]
+
+
+def gpu_p2p(env: Mapping[str, str] | None = None) -> bool:
+    """TFKV_ENABLE_GPU_P2P / MXNET_ENABLE_GPU_P2P (default 1): the `device` types sum a key's
+    device values device-to-device; 0: through host memory (copied to the CPU, summed there)."""
+    env = os.environ if env is None else env
+    for name in ("TFKV_ENABLE_GPU_P2P", "MXNET_ENABLE_GPU_P2P"):
+        if env.get(name):
+            return env[name].strip().lower() not in ("0", "false", "no", "off")
+    return True
 
 
 class KVStore(ABC):
@@ -77,6 +88,16 @@ class KVStore(ABC):
     @abstractmethod
     def set_optimizer(self, optimizer: Any) -> None:
         """Run `optimizer` (a `tfkv.optim` rule) inside the store on every push."""
+
+    def set_gradient_compression(self, compression_params: Mapping[str, Any] | None) -> None:
+        """MXNet's API: {"type": "2bit", "threshold": 0.5} compresses what workers push to the
+        parameter servers. A single-machine store sums inside one graph and sends nothing over a
+        wire, so it accepts only {"type": "none"} (MXNet refuses compression for `local` too)."""
+        from tfkv.store import compression
+
+        if compression.parse(compression_params) is not None:
+            raise ValueError(f"gradient compression applies to pushes to parameter servers; kvstore={self.type} "
+                             "has none (use a dist_* type)")
 
     def barrier(self) -> None:
         """Wait until every worker reaches this point (a no-op with one worker)."""

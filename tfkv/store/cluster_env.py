@@ -45,6 +45,8 @@ class ClusterEnv:
     heartbeat_timeout: float = 4.0
     start_timeout: float = 120.0
     max_message_bytes: int = 1 << 31
+    reduction_nthreads: int = 4  # servers sum arrays of >= bigarray_bound elements in this many threads
+    chunk_bytes: int = 16 << 20  # a worker sends a key's part in messages of at most this many bytes
 
     @staticmethod
     def role_of(env: Mapping[str, str] | None = None) -> str | None:
@@ -95,6 +97,11 @@ class ClusterEnv:
             start_timeout=number(float, _get(env, "TFKV_START_TIMEOUT", default="120"), "TFKV_START_TIMEOUT"),
             max_message_bytes=int(number(int, _get(env, "TFKV_MAX_MESSAGE_BYTES", default=str(1 << 31)),
                                          "TFKV_MAX_MESSAGE_BYTES")),
+            reduction_nthreads=max(1, int(number(int, _get(env, "TFKV_REDUCTION_NTHREADS",
+                                                           "MXNET_KVSTORE_REDUCTION_NTHREADS", default="4"),
+                                                 "MXNET_KVSTORE_REDUCTION_NTHREADS"))),
+            chunk_bytes=max(4, int(number(int, _get(env, "TFKV_CHUNK_BYTES", default=str(16 << 20)),
+                                          "TFKV_CHUNK_BYTES"))),
         )
 
     def enable_logging(self) -> None:

@@ -6,6 +6,11 @@ more than the big-array bound (MXNET_KVSTORE_BIGARRAY_BOUND, 1,000,000 elements)
 it is cut into one contiguous part per server. A push first sums this machine's device values
 (in host memory, or on the first device for the `*_device` types), then sends one message per
 part without waiting; a pull sends every part's request before it waits for any answer.
+Requests go out in priority order (higher first: the trainer gives the first layer the highest,
+so the next forward pass's first weights come back first). A part of more than TFKV_CHUNK_BYTES
+is cut into chunks, each its own key on its server, so one big tensor does not hold up the
+others and many requests are in flight. With `set_gradient_compression` pushes are 2-bit
+compressed (`tfkv.store.compression`) with one residual per key chunk kept on the worker.
 
 Creating a store in a process whose role is `server` or `scheduler` runs that role and exits,
 as MXNet does, so one command can be started for every role of a job.
@@ -24,14 +29,16 @@ import numpy as np
 import zmq
 
 from tfkv import optim
+from tfkv.store import compression
 from tfkv.store import protocol as P
-from tfkv.store.base import Key, KVStore, pairs
+from tfkv.store.base import Key, KVStore, gpu_p2p, pairs
 from tfkv.store.cluster_env import ClusterEnv
 from tfkv.store.scheduler_link import SchedulerLink
 
 log = logging.getLogger("tfkv.ps")
 
 _STR_KEY_BASE = 1 << 40  # string keys get ids from here, in init order (the same on every worker)
+_CHUNK_SHIFT = 48  # chunk j > 0 of key id k is key k + (j << 48) on its server (ids stay < 2**48)
 
 
 class DistError(RuntimeError):
@@ -42,7 +49,7 @@ class DistError(RuntimeError):
 class Layout:
     shape: tuple[int, ...]
     size: int
-    parts: list[tuple[int, int, int]]  # (server, start, end) over the flattened value
+    parts: list[tuple[int, int, int, int]]  # (server, start, end, server-side key) over the flat value
 
 
 class DistStore(KVStore):
@@ -78,6 +85,10 @@ class DistStore(KVStore):
         self._layouts: dict[int, Layout] = {}
         self._has_optimizer = False
         self._unsynced: set[int] = set()  # servers with pushes not yet known to be applied
+        self._threshold: float | None = None  # 2-bit compression of pushes, when set
+        self._residuals: dict[int, np.ndarray] = {}  # server-side key -> what compression held back
+        self.push_bytes = 0  # payload bytes of every PUSH sent (measures compression)
+        self._sum_on_device = self.on_device and gpu_p2p()
         if self.rank == 0:
             self._wait([self._send(s, P.Message(P.Type.CONFIGURE, meta={"sync": self.sync}))
                         for s in range(len(self._socks))])
@@ -174,12 +185,22 @@ class DistStore(KVStore):
         size = int(np.prod(shape))
         n = len(self._socks)
         if size < self.env.bigarray_bound or n == 1:
-            return Layout(shape, size, [((kid * 9973) % n, 0, size)])
-        return Layout(shape, size, [(i, i * size // n, (i + 1) * size // n) for i in range(n)])
+            spans = [((kid * 9973) % n, 0, size)]
+        else:
+            spans = [(i, i * size // n, (i + 1) * size // n) for i in range(n)]
+        per_chunk = max(1, self.env.chunk_bytes // 4)
+        parts = []
+        for server, a, b in spans:
+            pieces = max(1, -(-(b - a) // per_chunk))
+            for j in range(pieces):
+                lo, hi = a + j * (b - a) // pieces, a + (j + 1) * (b - a) // pieces
+                parts.append((server, lo, hi, kid + (len(parts) << _CHUNK_SHIFT)))
+        return Layout(shape, size, parts)
 
     def _merge(self, values: list[Any]) -> np.ndarray:
         """One flat float32 array: the sum of this machine's device values."""
-        if len(values) > 1 and self.on_device:
+        if len(values) > 1 and self._sum_on_device:
+            # GPU P2P: sum on the first device; without it the values are summed below, in host memory.
             import tensorflow as tf
 
             with tf.device(self._devices[0] if self._devices else "/device:CPU:0"):
@@ -206,8 +227,8 @@ class DistStore(KVStore):
             flat = self._merge(values[:1])
             self._layouts[kid] = layout = self._plan(kid, tuple(np.shape(values[0])))
             if self.rank == 0:  # worker 0's value wins; the others wait at the barrier
-                for server, a, b in layout.parts:
-                    self._send(server, P.Message(P.Type.INIT, key=kid, data=flat[a:b]))
+                for server, a, b, skey in layout.parts:
+                    self._send(server, P.Message(P.Type.INIT, key=skey, data=flat[a:b]))
         self._wait()
         self.barrier()
 
@@ -220,10 +241,18 @@ class DistStore(KVStore):
             flat = self._merge(values)
             if flat.size != layout.size:
                 raise ValueError(f"key {k!r}: pushed {flat.size} values, it holds {layout.size}")
-            for server, a, b in layout.parts:
+            for server, a, b, skey in layout.parts:
+                msg = P.Message(P.Type.PUSH, key=skey, data=flat[a:b], want_ack=self.env.resend)
+                if self._threshold is not None:
+                    residual = self._residuals.get(skey)
+                    if residual is None:
+                        residual = self._residuals[skey] = np.zeros(b - a, np.float32)
+                    # The residual changes once here; a resend (PS_RESEND) repeats these frames.
+                    msg.data = compression.pack(flat[a:b], residual, self._threshold)
+                    msg.dtype, msg.count = P.DType.TWOBIT, b - a
+                self.push_bytes += msg.data.nbytes
                 # Acknowledged (and tracked) only under PS_RESEND; see Server._ack_push.
-                self._send(server, P.Message(P.Type.PUSH, key=kid, data=flat[a:b], want_ack=self.env.resend),
-                           track=self.env.resend)
+                self._send(server, msg, track=self.env.resend)
                 if not self.env.resend:
                     self._unsynced.add(server)
         self._receive(0)  # collect answers that are already here (errors surface early)
@@ -237,7 +266,8 @@ class DistStore(KVStore):
         requests = []
         for k, outs in items:
             kid, layout = self._layout(k)
-            seqs = [(self._send(server, P.Message(P.Type.PULL, key=kid)), a, b) for server, a, b in layout.parts]
+            seqs = [(self._send(server, P.Message(P.Type.PULL, key=skey)), a, b)
+                    for server, a, b, skey in layout.parts]
             requests.append((k, outs, layout, seqs))
         self._wait()
         results = {}
@@ -258,6 +288,19 @@ class DistStore(KVStore):
             return [results[k] for k in key]
         return results[key]
 
+    def set_gradient_compression(self, compression_params: Any) -> None:
+        """MXNet's API, e.g. {"type": "2bit", "threshold": 0.5}; every worker calls it (each keeps
+        its residuals), worker 0 tells the servers how to decode."""
+        threshold = compression.parse(compression_params)
+        if threshold != self._threshold:
+            self._residuals.clear()
+        self._threshold = threshold
+        if self.rank == 0 and threshold is not None:
+            for s in range(len(self._socks)):
+                self._send(s, P.Message(P.Type.SET_COMPRESSION, meta={"type": "2bit", "threshold": threshold}))
+        self._wait()
+        self.barrier()
+
     def set_optimizer(self, optimizer: Any) -> None:
         self._has_optimizer = True
         self._optimizer = optimizer
@@ -277,8 +320,8 @@ class DistStore(KVStore):
         requests = []
         for k, kid in self._ids.items():
             layout = self._layouts[kid]
-            requests.append((k, layout, [(self._send(s, P.Message(P.Type.GET_STATE, key=kid)), a, b)
-                                         for s, a, b in layout.parts]))
+            requests.append((k, layout, [(self._send(s, P.Message(P.Type.GET_STATE, key=skey)), a, b)
+                                         for s, a, b, skey in layout.parts]))
         self._wait()
         out: dict[str, np.ndarray] = {}
         for k, layout, seqs in requests:
@@ -300,9 +343,9 @@ class DistStore(KVStore):
                 layout = self._layouts[kid]
                 names = list(self._optimizer.state_names) if self._optimizer else []
                 count = int(states.get(f"{k}/count", 0))
-                for s, a, b in layout.parts:
+                for s, a, b, skey in layout.parts:
                     data = np.concatenate([states[f"{k}/{n}"].reshape(-1)[a:b] for n in names]) if names else None
-                    self._send(s, P.Message(P.Type.SET_STATE, key=kid, data=data,
+                    self._send(s, P.Message(P.Type.SET_STATE, key=skey, data=data,
                                             meta={"count": count, "names": names}))
         self._wait()
         self.barrier()

@@ -12,7 +12,7 @@ from typing import Any, Hashable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tfkv.store.base import Key, KVStore, pairs
+from tfkv.store.base import Key, KVStore, gpu_p2p, pairs
 from tfkv.store.tf_updater import TFUpdater
 
 
@@ -27,6 +27,8 @@ class LocalStore(KVStore):
         self._values: dict[Hashable, tf.Variable] = {}
         self._home: dict[Hashable, str] = {}
         self._updater: TFUpdater | None = None
+        # Read once: the choice is traced into the step's graph.
+        self._sum_on_home = gpu_p2p()
 
     def _place(self, key: Hashable, value: Any) -> str:
         return "/device:CPU:0"
@@ -51,8 +53,14 @@ class LocalStore(KVStore):
     def push(self, key: Key | Sequence[Key], value: Any, priority: int = 0) -> None:
         for k, values in pairs(key, value):
             var = self._var(k)
+            if len(values) == 1:
+                merged = values[0]
+            else:
+                # Where the devices' values meet: on the key's home device (peer to peer), or,
+                # with GPU P2P disabled, in host memory, then the result goes to the home device.
+                with tf.device(self._home[k] if self._sum_on_home else "/device:CPU:0"):
+                    merged = tf.add_n([tf.identity(v) for v in values])
             with tf.device(self._home[k]):
-                merged = values[0] if len(values) == 1 else tf.add_n([tf.identity(v) for v in values])
                 if self._updater is not None:
                     self._updater.update(k, var, merged)
                 else:

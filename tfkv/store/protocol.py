@@ -2,8 +2,10 @@
 
     frame 0   header, 28 bytes, little-endian (HEADER below)
     frame 1   JSON object, only if FLAG_META is set (control messages; at most MAX_META bytes)
-    frame 2   float32 payload of `count` elements, only if FLAG_DATA is set; sent from and
-              received into numpy buffers without copies
+    frame 2   payload, only if FLAG_DATA is set; sent from and received into numpy buffers
+              without copies. dtype FLOAT32: `count` float32 values (count*4 bytes); dtype
+              TWOBIT: `count` values 2-bit compressed (tfkv.store.compression), ceil(count/16)
+              uint32 words, so a push of n gradients is 16x smaller on the wire
 
 Nothing received is unpickled or evaluated: the header is unpacked with `struct`, metadata is
 parsed by `json`, payloads are viewed by `numpy.frombuffer`. Every field is checked; a message
@@ -35,6 +37,7 @@ FLAG_ACK = 8  # the sender wants an ACK for a PUSH (under PS_RESEND); errors are
 class DType(enum.IntEnum):
     NONE = 0
     FLOAT32 = 1
+    TWOBIT = 2  # 16 values per uint32 word; the receiver decodes with its compression threshold
 
 
 class Type(enum.IntEnum):
@@ -56,6 +59,7 @@ class Type(enum.IntEnum):
     GET_STATE = 25  # reply meta: names, count; data: the states, concatenated
     SET_STATE = 26
     PING = 27  # answered with ACK once every earlier request on the connection is applied
+    SET_COMPRESSION = 28  # meta: {"type": "2bit", "threshold": t}, how TWOBIT pushes decode
     ACK = 30
     ERROR = 31  # meta: message
 
@@ -71,7 +75,9 @@ class Message:
     seq: int = 0
     key: int = 0
     meta: dict[str, Any] | None = None
-    data: np.ndarray | None = None  # float32, 1-D
+    data: np.ndarray | None = None  # float32, 1-D; uint32 words when dtype is TWOBIT
+    dtype: DType = DType.FLOAT32  # of `data`
+    count: int = 0  # TWOBIT only: how many values the words represent
     reply: bool = False
     want_ack: bool = True
     frames: list[Any] = field(default_factory=list, repr=False)  # keeps received buffers alive
@@ -86,9 +92,15 @@ def encode(msg: Message) -> list[Any]:
         frames.append(json.dumps(msg.meta, separators=(",", ":")).encode())
     count, dtype = 0, DType.NONE
     if msg.data is not None:
-        data = np.ascontiguousarray(msg.data, dtype=np.float32).reshape(-1)
         flags |= FLAG_DATA
-        count, dtype = data.size, DType.FLOAT32
+        if msg.dtype == DType.TWOBIT:
+            data = np.ascontiguousarray(msg.data, dtype=np.uint32).reshape(-1)
+            if data.size != (msg.count + 15) // 16:
+                raise ValueError(f"{data.size} words cannot hold {msg.count} 2-bit values")
+            count, dtype = msg.count, DType.TWOBIT
+        else:
+            data = np.ascontiguousarray(msg.data, dtype=np.float32).reshape(-1)
+            count, dtype = data.size, DType.FLOAT32
         frames.append(memoryview(data).cast("B"))
     frames[0] = HEADER.pack(MAGIC, VERSION, int(msg.type), flags, int(dtype), msg.sender,
                             msg.seq & 0xFFFFFFFF, msg.key, count)
@@ -136,14 +148,26 @@ def decode(frames: Sequence[Any], max_count: int | None = None) -> Message:
         msg.meta = meta
         i += 1
     if flags & FLAG_DATA:
-        if dtype != DType.FLOAT32:
-            raise ProtocolError(f"{kind.name}: dtype code {dtype} is not supported (float32 only)")
+        if dtype not in (DType.FLOAT32, DType.TWOBIT):
+            raise ProtocolError(f"{kind.name}: dtype code {dtype} is not supported (float32, 2-bit)")
+        # For TWOBIT, count is the number of values represented: the limit bounds what decoding
+        # them will allocate, not only the bytes received.
         if max_count is not None and count > max_count:
             raise ProtocolError(f"{kind.name}: {count} elements exceed the limit of {max_count}")
         raw = _buffer(frames[i])
-        if len(raw) != count * 4:
-            raise ProtocolError(f"{kind.name}: payload is {len(raw)} bytes, header says {count} float32")
-        msg.data = np.frombuffer(raw, dtype=np.float32)
+        if dtype == DType.TWOBIT:
+            if kind != Type.PUSH:
+                raise ProtocolError(f"{kind.name}: 2-bit payloads are only for PUSH")
+            if len(raw) != (count + 15) // 16 * 4:
+                raise ProtocolError(f"{kind.name}: payload is {len(raw)} bytes, header says {count} "
+                                    f"2-bit values ({(count + 15) // 16 * 4} bytes)")
+            msg.data = np.frombuffer(raw, dtype=np.uint32)
+            msg.dtype, msg.count = DType.TWOBIT, count
+        else:
+            if len(raw) != count * 4:
+                raise ProtocolError(f"{kind.name}: payload is {len(raw)} bytes, header says {count} float32")
+            msg.data = np.frombuffer(raw, dtype=np.float32)
+            msg.count = count
     elif count or dtype:
         raise ProtocolError(f"{kind.name}: count/dtype set without a payload")
     return msg

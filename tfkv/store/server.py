@@ -7,6 +7,11 @@ that pushes the same key twice before the round closes has the second push held 
 round. Asynchronous mode (`dist_async*`): every push is applied on arrival; requests are handled
 one at a time, so each update of a key is atomic.
 
+Pushes may arrive 2-bit compressed (protocol dtype TWOBIT); they are decoded to float32 with the
+threshold a worker announced (SET_COMPRESSION) before they are summed. Summing arrays of at
+least the big-array bound uses MXNET_KVSTORE_REDUCTION_NTHREADS threads, one slice each (numpy
+releases the GIL in np.add), smaller ones stay on the serving thread.
+
 Requests are handled by one thread, in the order each connection delivers them. A malformed or wrong-size request gets an ERROR reply and
 the server carries on. A request seen before (same sender and sequence number, as resent
 under PS_RESEND) is acknowledged again but never applied twice. No TensorFlow here.
@@ -15,6 +20,7 @@ under PS_RESEND) is acknowledged again but never applied twice. No TensorFlow he
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +29,7 @@ import numpy as np
 import zmq
 
 from tfkv import optim
+from tfkv.store import compression
 from tfkv.store import protocol as P
 from tfkv.store.cluster_env import ClusterEnv
 from tfkv.store.np_updater import NumpyUpdater
@@ -69,6 +76,8 @@ class Server:
         self.rounds: dict[int, Round] = defaultdict(Round)
         self._seen: dict[int, OrderedDict[int, None]] = defaultdict(OrderedDict)
         self.max_count = env.max_message_bytes // 4
+        self.threshold: float | None = None  # of 2-bit pushes, once a worker set compression
+        self._pool: ThreadPoolExecutor | None = None
         log.info("%s listening on %s:%d", self.link.name, self.host, self.port)
 
     # -- loop ----------------------------------------------------------------------------------
@@ -102,7 +111,8 @@ class Server:
         if msg.sender not in self.workers:
             self.reply(identity, P.error(msg, f"sender {msg.sender} is not a worker of this job"))
             return
-        mutating = msg.type in (P.Type.PUSH, P.Type.INIT, P.Type.SET_STATE, P.Type.SET_OPTIMIZER, P.Type.CONFIGURE)
+        mutating = msg.type in (P.Type.PUSH, P.Type.INIT, P.Type.SET_STATE, P.Type.SET_OPTIMIZER, P.Type.CONFIGURE,
+                               P.Type.SET_COMPRESSION)
         if mutating and self._duplicate(msg):
             if msg.want_ack:
                 self.reply(identity, P.ack(msg))
@@ -135,12 +145,40 @@ class Server:
     def _payload(self, msg: P.Message, size: int | None = None) -> np.ndarray:
         if msg.data is None:
             raise RequestError(f"{msg.type.name} carries no data")
-        if size is not None and msg.data.size != size:
-            raise RequestError(f"key {msg.key}: {msg.data.size} values pushed, the key holds {size}")
+        count = msg.count if msg.dtype == P.DType.TWOBIT else msg.data.size
+        if size is not None and count != size:
+            raise RequestError(f"key {msg.key}: {count} values pushed, the key holds {size}")
+        if msg.dtype == P.DType.TWOBIT:
+            if self.threshold is None:
+                raise RequestError("a 2-bit compressed push, but no worker set gradient compression")
+            try:
+                return compression.unpack(msg.data, msg.count, self.threshold)
+            except ValueError as e:
+                raise RequestError(f"key {msg.key}: {e}") from None
         return msg.data
+
+    def add(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """a + b in a fresh array; large arrays in slices over the reduction threads."""
+        n = self.env.reduction_nthreads
+        if n <= 1 or a.size < max(self.env.bigarray_bound, n):
+            return np.add(a, b)
+        out = np.empty_like(a)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(n, thread_name_prefix="tfkv-reduce")
+        bounds = [i * a.size // n for i in range(n + 1)]
+        slices = [slice(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+        list(self._pool.map(lambda s: np.add(a[s], b[s], out=out[s]), slices))
+        return out
 
     def on_configure(self, identity: bytes, msg: P.Message) -> None:
         self.sync = bool((msg.meta or {}).get("sync", True))
+        self.reply(identity, P.ack(msg))
+
+    def on_set_compression(self, identity: bytes, msg: P.Message) -> None:
+        try:
+            self.threshold = compression.parse(msg.meta or {})
+        except ValueError as e:
+            raise RequestError(str(e)) from None
         self.reply(identity, P.ack(msg))
 
     def on_set_optimizer(self, identity: bytes, msg: P.Message) -> None:
@@ -173,7 +211,7 @@ class Server:
             return  # acknowledged when its round opens
         # The first push's buffer is kept as it arrived (read-only, nothing ever writes into a
         # stored value); each further push sums into a fresh array.
-        r.merged = data if r.merged is None else np.add(r.merged, data)
+        r.merged = data if r.merged is None else self.add(r.merged, data)
         r.pushed.add(msg.sender)
         self._ack_push(identity, msg)
         if len(r.pushed) == len(self.workers):
@@ -239,6 +277,7 @@ class Server:
         P.Type.PING: on_ping,
         P.Type.CONFIGURE: on_configure,
         P.Type.SET_OPTIMIZER: on_set_optimizer,
+        P.Type.SET_COMPRESSION: on_set_compression,
         P.Type.INIT: on_init,
         P.Type.PUSH: on_push,
         P.Type.PULL: on_pull,

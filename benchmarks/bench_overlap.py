@@ -1,0 +1,173 @@
+"""Push+pull of a model-shaped set of keys (ResNet18's parameters): blocking per key, overlapped,
+overlapped with chunking, and with 2-bit compression, against raw pyzmq moving the same bytes.
+
+One scheduler and one server (`python -m tfkv.store.node`) run as processes; the worker is this
+process (a `DistStore` built from an explicit ClusterEnv). One iteration pushes every key and
+pulls every key back, as a training step does (dist_sync, no optimizer: the server sums):
+
+    blocking          for each key: push(k); pull(k)   one round trip at a time, no chunks
+    overlapped        push(all keys); pull(all keys)   every request in flight, no chunks
+    overlap+chunks    the same with keys cut into TFKV_CHUNK_BYTES messages (--chunk)
+    +2bit             overlap+chunks with 2-bit compressed pushes (pulls stay float32)
+    raw pyzmq         a DEALER sends the overlap+chunks messages all at once to a ROUTER echo in
+                      another process and receives them back (zero-copy): the transport's limit
+
+GB/s counts float32 bytes out and back (2 x model bytes per iteration), also for +2bit (its
+"effective" rate: what it would take float32 pushes to deliver). Trials alternate contenders;
+medians are reported. The machine is shared, so expect noise.
+
+    python benchmarks/bench_overlap.py [--seconds 1.5] [--trials 3] [--chunk 4M]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import multiprocessing as mp
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+import zmq
+
+# ResNet18 (CIFAR variant, tfkv.models "resnet18", 32x32x3 -> 10) trainable variable shapes, in
+# model order: tfkv.models.build(ModelConfig(name="resnet18"), (32, 32, 3), 10).trainable_variables
+RESNET18 = [(3, 3, 3, 64), (64,), (64,)]
+for _cin, _cout, _first in ((64, 64, False), (64, 128, True), (128, 256, True), (256, 512, True)):
+    for _block in range(2):
+        c_in = _cin if _block == 0 else _cout
+        RESNET18 += [(3, 3, c_in, _cout), (_cout,), (_cout,), (3, 3, _cout, _cout), (_cout,), (_cout,)]
+        if _block == 0 and _first:
+            RESNET18 += [(1, 1, c_in, _cout), (_cout,), (_cout,)]
+RESNET18 += [(512, 10), (10,)]
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().rstrip("B").rstrip("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(float(text.rstrip("KMG")) * mult)
+
+
+def echo(port_queue: mp.Queue) -> None:
+    sock = zmq.Context().socket(zmq.ROUTER)
+    port_queue.put(sock.bind_to_random_port("tcp://127.0.0.1"))
+    while True:
+        sock.send_multipart(sock.recv_multipart(copy=False), copy=False)
+
+
+def start_cluster() -> tuple[list[subprocess.Popen], dict[str, str]]:
+    from tfkv.launcher.plan import free_port
+
+    env = {**os.environ, "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(free_port()),
+           "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": "1"}
+    procs = [subprocess.Popen([sys.executable, "-m", "tfkv.store.node"], env={**env, "DMLC_ROLE": role})
+             for role in ("scheduler", "server")]
+    return procs, env
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seconds", type=float, default=1.5)
+    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--chunk", default="4M", help="TFKV_CHUNK_BYTES for the chunked contenders (the default is 16M)")
+    ap.add_argument("--threshold", type=float, default=0.5)
+    args = ap.parse_args()
+    chunk = parse_size(args.chunk)
+
+    from tfkv.store.cluster_env import ClusterEnv
+    from tfkv.store.dist import DistStore
+
+    shapes = RESNET18
+    sizes = [int(np.prod(s)) for s in shapes]
+    model_bytes = 4 * sum(sizes)
+    print(f"ResNet18: {len(shapes)} keys, {sum(sizes):,} float32 ({model_bytes / 1e6:.1f} MB), "
+          f"chunks of {chunk:,} bytes, 1 server / 1 worker on 127.0.0.1")
+    procs, env = start_cluster()
+    try:
+        store = DistStore(env=ClusterEnv.from_env({**env, "DMLC_ROLE": "worker"}))
+        grads = [np.full(n, 0.25, np.float32) for n in sizes]
+        # Keys 0..K-1 unchunked, 1000.. chunked: the layout is fixed when a key is initialised.
+        unchunked = list(range(len(shapes)))
+        chunked = [1000 + k for k in unchunked]
+        compressed = [2000 + k for k in unchunked]
+        chunk_env = store.env
+        store.env = dataclasses.replace(chunk_env, chunk_bytes=1 << 40)
+        store.init(unchunked, [np.zeros(s, np.float32) for s in shapes])
+        store.env = dataclasses.replace(chunk_env, chunk_bytes=chunk)
+        store.init(chunked, [np.zeros(s, np.float32) for s in shapes])
+        store.init(compressed, [np.zeros(s, np.float32) for s in shapes])
+        priority = [-k for k in unchunked]  # the first layer first, as the trainer asks
+        pieces = [b - a for k in chunked for _, a, b, _ in store._layout(k)[1].parts]
+
+        def blocking() -> None:
+            for k, g in zip(unchunked, grads):
+                store.push(k, g)
+                store.pull(k)
+
+        def overlapped(keys: list[int]) -> None:
+            store.push(keys, grads, priority=priority)
+            store.pull(keys, priority=priority)
+
+        # raw pyzmq: the same messages as overlap+chunks, all in flight, echoed back
+        q: mp.Queue = mp.get_context("spawn").Queue()
+        echo_proc = mp.get_context("spawn").Process(target=echo, args=(q,), daemon=True)
+        echo_proc.start()
+        raw = zmq.Context.instance().socket(zmq.DEALER)
+        raw.connect(f"tcp://127.0.0.1:{q.get(timeout=30)}")
+        payloads = [np.full(n, 0.25, np.float32) for n in pieces]
+
+        def raw_round() -> None:
+            for p in payloads:
+                raw.send(memoryview(p).cast("B"), copy=False)
+            for _ in payloads:
+                raw.recv(copy=False)
+
+        def two_bit() -> None:
+            overlapped(compressed)
+
+        contenders = {"blocking": blocking, "overlapped": lambda: overlapped(unchunked),
+                      "overlap+chunks": lambda: overlapped(chunked), "+2bit": two_bit, "raw pyzmq": raw_round}
+        store.set_gradient_compression({"type": "2bit", "threshold": args.threshold})
+        compressing = {"+2bit"}
+        results: dict[str, list[float]] = {name: [] for name in contenders}
+        for trial in range(args.trials):
+            order = list(contenders) if trial % 2 == 0 else list(reversed(contenders))
+            for name in order:
+                fn = contenders[name]
+                # Compression is a store-wide setting: on only for the +2bit contender.
+                store._threshold = args.threshold if name in compressing else None
+                fn()  # warm-up
+                n, t0 = 0, time.perf_counter()
+                while time.perf_counter() - t0 < args.seconds:
+                    fn()
+                    n += 1
+                results[name].append(2 * model_bytes * n / (time.perf_counter() - t0) / 1e9)
+        raw_gbs = statistics.median(results["raw pyzmq"])
+        print(f"\n{'contender':<16}{'GB/s':>8}{'vs raw':>9}   (median of {args.trials} trials of {args.seconds} s)")
+        for name, values in results.items():
+            gbs = statistics.median(values)
+            print(f"{name:<16}{gbs:8.3f}{gbs / raw_gbs:9.2f}")
+        store.push_bytes = 0
+        store._threshold = None
+        overlapped(chunked)
+        plain = store.push_bytes
+        store.push_bytes = 0
+        store._threshold = args.threshold
+        overlapped(compressed)
+        print(f"\nbytes pushed per step: float32 {plain:,}, 2-bit {store.push_bytes:,} "
+              f"({plain / store.push_bytes:.1f}x less)")
+        store.close()
+    finally:
+        for p in procs:  # after store.close() the scheduler shuts the server down; else stop them
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.terminate()
+                p.wait(timeout=10)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""Failures and hostile input against real clusters: dead nodes in every dist type, resume after
+a crash, and a live server and scheduler under a stream of random and mutated frames."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import zmq
+from conftest import REPO, TAG, tagged_pids, tfkv_run
+
+from tfkv.store import protocol as P
+
+
+def _start(c, seconds, kind):
+    c.start_servers()
+    outs = []
+    for i in range(c.num_workers):
+        out = c.dir / f"w{i}.json"
+        c.start(f"worker {i}", "worker", [sys.executable, str(REPO / "tests" / "fault_worker.py"), str(out),
+                                           str(seconds)], TFKV_RANK_HINT=str(i), TEST_KVSTORE=kind)
+        outs.append(out)
+    deadline = time.time() + 60
+    while not all(o.exists() and o.stat().st_size for o in outs):
+        assert time.time() < deadline, c.outputs()
+        time.sleep(0.05)
+    return outs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["worker 1", "server 1", "scheduler"])
+@pytest.mark.parametrize("kind", ["dist_async", "dist_sync_device"])
+def test_kill_9_stops_the_rest_naming_the_node(cluster, kind, victim):
+    c = cluster(num_servers=2, num_workers=2)
+    _start(c, 120, kind)
+    time.sleep(0.5)
+    c.procs[victim].send_signal(signal.SIGKILL)
+    t0 = time.time()
+    codes = c.wait(timeout=20)
+    assert time.time() - t0 < 10
+    for name, code in codes.items():
+        if name == victim:
+            continue
+        assert code != 0, f"{name} exited 0\n{c.outputs()}"
+        if victim != "scheduler" and name != "scheduler":
+            assert victim in c.output(name)
+
+
+def _proc_rss_kib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def _mutations(rng, valid):
+    """Random frames, and valid frames with bytes flipped, cut, grown or reordered."""
+    kind = rng.randrange(6)
+    if kind == 0:
+        return [rng.randbytes(rng.randrange(0, 64)) for _ in range(rng.randrange(1, 5))]
+    frames = [bytearray(f) for f in rng.choice(valid)]
+    if kind == 1:
+        f = rng.choice(frames)
+        if f:
+            f[rng.randrange(len(f))] = rng.randrange(256)
+    elif kind == 2:
+        frames[-1] = frames[-1][: rng.randrange(len(frames[-1]) + 1)]
+    elif kind == 3:
+        frames.append(bytearray(rng.randbytes(rng.randrange(100))))
+    elif kind == 4:
+        rng.shuffle(frames)
+    else:  # a header claiming a huge payload
+        frames[0][20:28] = (2**40).to_bytes(8, "little")
+    return [bytes(f) for f in frames]
+
+
+@pytest.mark.slow
+def test_live_server_and_scheduler_survive_fuzzing(cluster):
+    c = cluster(num_servers=1, num_workers=1, PS_VERBOSE="1")
+    (out,) = _start(c, 12, "dist_sync")
+    server_line = next(ln for ln in c.output("server 0").splitlines() if "listening on" in ln)
+    host, port = server_line.rsplit(" ", 1)[1].split(":")
+    rng = random.Random(0)
+    # Strangers: sender 0 is never a worker, so even a well-formed push must be refused.
+    valid = [P.encode(P.Message(t, sender=0, seq=rng.randrange(2**32), key=0,
+                                data=np.ones(1000, np.float32) if t == P.Type.PUSH else None,
+                                meta={"sync": True} if t == P.Type.CONFIGURE else None))
+             for t in (P.Type.PUSH, P.Type.PULL, P.Type.CONFIGURE, P.Type.GET_STATE)]
+    valid = [[bytes(f) for f in v] for v in valid]
+    ctx = zmq.Context()
+    targets = {"server 0": f"tcp://{host}:{port}",
+               "scheduler": f"tcp://127.0.0.1:{c.env['DMLC_PS_ROOT_PORT']}"}
+    server_pid = c.procs["server 0"].pid
+    rss_before = _proc_rss_kib(server_pid)
+    replies = 0
+    for name, address in targets.items():
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        for _ in range(3000):
+            sock.send_multipart(_mutations(rng, valid))
+            while sock.poll(0):
+                sock.recv_multipart()
+                replies += 1
+        deadline = time.time() + 5
+        while time.time() < deadline and sock.poll(200):
+            sock.recv_multipart()
+            replies += 1
+        sock.close()
+        assert c.procs[name].poll() is None, f"{name} died under fuzzing:\n{c.output(name)}"
+    ctx.term()
+    assert replies > 1000  # the server answered the malformed requests with errors
+    assert _proc_rss_kib(server_pid) - rss_before < 100_000, "server memory grew by over 100 MB"
+    codes = c.wait(timeout=60)  # the real worker carries on and finishes cleanly
+    assert all(code == 0 for code in codes.values()), f"{codes}\n{c.outputs()}"
+    result = json.loads(out.read_text())
+    # SGD lr=0.01 on a gradient of 1 per step: nothing from the strangers was applied.
+    assert result["value"] == pytest.approx(-0.01 * (result["steps"] + 0), rel=1e-4)
+
+
+JOB = ["kvstore=dist_sync", "cluster=local", "cluster.num_workers=2", "dataset=synthetic",
+       "dataset.shape=[16,16,3]", "dataset.num_train=2048", "model=lenet", "epochs=4", "batch_size=32",
+       "optimizer.lr=0.02", "progress=false"]
+
+
+def _weights(run):
+    with np.load(run / "checkpoints" / "epoch-0004" / "weights.npz") as f:
+        return [f[k] for k in sorted(f.files)]
+
+
+@pytest.mark.slow
+def test_a_killed_dist_sync_job_resumes_to_the_same_weights(tmp_path):
+    clean, crashed = tmp_path / "clean", tmp_path / "crashed"
+    clean.mkdir(), crashed.mkdir()
+    tfkv_run(*JOB, cwd=clean, timeout=400)
+    (clean_run,) = [p.parent for p in clean.glob("outputs/*/*/metrics.json")]
+
+    env = {**os.environ, TAG: f"resume-{tmp_path.name}"}
+    proc = subprocess.Popen(["tfkv-run", *JOB], cwd=crashed, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 300
+    while not list(crashed.glob("outputs/*/*/checkpoints/epoch-0002")):
+        assert proc.poll() is None and time.time() < deadline, "the job ended before it could be killed"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every role with it: a crash
+    proc.wait(timeout=30)
+    deadline = time.time() + 15
+    while tagged_pids(env[TAG]) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not tagged_pids(env[TAG])
+    (first,) = [p for p in crashed.glob("outputs/*/*") if (p / ".hydra").is_dir()]
+    assert not (first / "checkpoints" / "epoch-0004").exists()
+
+    out = tfkv_run(*JOB, "resume=true", cwd=crashed, timeout=400)
+    assert "resumed from" in out.stdout + out.stderr
+    resumed = [p for p in crashed.glob("outputs/*/*") if (p / ".hydra").is_dir() and p != first][0]
+    metrics = json.loads((resumed / "metrics.json").read_text())
+    assert [h["epoch"] for h in metrics["history"]] == [1, 2, 3, 4]
+    for a, b in zip(_weights(resumed), _weights(clean_run)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
