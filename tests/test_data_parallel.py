@@ -130,3 +130,53 @@ def test_metrics_count_every_example(tf_devices):
     loss, acc, seen = dp.take_metrics()
     assert seen == BATCH * STEPS and 0 <= acc <= 1 and loss > 0
     assert dp.take_metrics()[2] == 0
+
+
+class RecordingStore(EagerLocalStore):
+    """Records the order in which a step hands keys to push and pull (higher priority first)."""
+
+    def __init__(self, devices):
+        super().__init__(devices)
+        self.pushed, self.pulled = [], []
+
+    @staticmethod
+    def _order(key, priority):
+        return [k for _, k in sorted(zip(priority, key), key=lambda t: -t[0])]
+
+    def push(self, key, value, priority=0):
+        if isinstance(key, list):
+            self.pushed.append(self._order(key, priority))
+        return super().push(key, value, priority=priority)
+
+    def pull(self, key, out=None, priority=0):
+        if isinstance(key, list):
+            self.pulled.append(self._order(key, priority))
+        return super().pull(key, out=out, priority=priority)
+
+
+def test_non_traceable_step_pushes_last_layer_first_and_times_its_phases(tf_devices):
+    """The store-between-halves path pushes in backprop order (last layer first), pulls the first
+    layer first, counts its phases, and the push order changes no value."""
+    kv = RecordingStore(tf_devices[:2])
+    dp = _train(tf_devices[:2], kv, SGD)
+    n = len(dp.keys)
+    assert kv.pushed and all(order == list(range(n))[::-1] for order in kv.pushed)
+    assert kv.pulled and all(order == list(range(n)) for order in kv.pulled)
+    assert dp.timings["steps"] == STEPS
+    assert all(dp.timings[p] > 0 for p in ("compute", "push", "pull", "assign"))
+    dp.reset_timings()
+    assert dp.timings["steps"] == 0 and dp.timings["compute"] == 0.0
+
+    class FirstLayerFirst(DataParallel):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.push_last_layer_first = False
+
+    keras.utils.set_random_seed(7)
+    cfg = ModelConfig(name="mlp", hidden=[32, 16])
+    other = FirstLayerFirst(lambda: build(cfg, SHAPE, CLASSES), tf_devices[:2], EagerLocalStore(tf_devices[:2]),
+                            SGD, split_batch(BATCH, None, 2))
+    for x, y in _batches():
+        other.step(x, y)
+    for a, b in zip(dp.get_weights(), other.get_weights()):
+        np.testing.assert_array_equal(a, b)

@@ -7,13 +7,19 @@ them), then pulled back into every copy. With `update_on_kvstore` the store runs
 otherwise it only sums, and each device applies the update to its own copy.
 
 Stores whose push/pull are TensorFlow ops (`traceable`) are traced into the step's tf.function;
-the others (the parameter-server client) are called between two compiled halves of the step.
+the others (the parameter-server client) are called between two compiled halves of the step:
+every gradient is pushed, in the order backprop produces them (last layer first), without
+waiting; then every weight is pulled in one call, the first layer's request first, so every
+request is in flight before the worker waits; then the weights are written into the variables
+in one compiled call. `timings` accumulates the seconds spent in each phase (compute, push, pull,
+assign) for benchmarks.
 With one device on one machine there is nothing to sum, and, as MXNet does, the store is left
 out: the device updates its weights itself, with the same rule and the same numbers.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -85,6 +91,15 @@ class DataParallel:
             self._set_weights = tf.function(self._assign_all)
             self._apply = tf.function(self._apply_aggregated)
         self._eval = tf.function(self._eval_step)
+        # Seconds per phase of the non-traceable step, summed over steps (see reset_timings).
+        self.timings = {"compute": 0.0, "push": 0.0, "pull": 0.0, "assign": 0.0, "steps": 0}
+        # Push order of the non-traceable step: True, backprop's order (the last layer first);
+        # False, the first layer first. Either gives the same numbers.
+        self.push_last_layer_first = True
+
+    def reset_timings(self) -> None:
+        for k in self.timings:
+            self.timings[k] = 0 if k == "steps" else 0.0
 
     # -- one training step ---------------------------------------------------------------------
 
@@ -93,16 +108,32 @@ class DataParallel:
         if self.store.traceable or not self.uses_store:
             self._step(x, y)
             return
+        clock = time.perf_counter
+        t0 = clock()
         grads = self._grads(x, y)
-        # One call each, so that a remote store has every request in flight before it waits;
-        # priority -k: the first layer's weights first, as the next forward pass needs them.
-        priority = [-k for k in self.keys]
-        self.store.push(self.keys, [[g[k] for g in grads] for k in self.keys], priority=priority)
-        pulled = self.store.pull(self.keys, priority=priority)
+        t1 = clock()
+        # One call each, so that a remote store has every request in flight before it waits.
+        # Pushes go out in the order backprop produces the gradients (priority k: the last layer
+        # first), so the server can sum the last layers while the first ones are still on the
+        # way; pulls with priority -k: the first layer's weights first, as the next forward
+        # pass needs them first. Neither order changes a single value.
+        pull_priority = [-k for k in self.keys]
+        push_priority = list(self.keys) if self.push_last_layer_first else pull_priority
+        self.store.push(self.keys, [[g[k] for g in grads] for k in self.keys], priority=push_priority)
+        t2 = clock()
+        pulled = self.store.pull(self.keys, priority=pull_priority)
+        t3 = clock()
         if self.update_on_kvstore:
             self._set_weights(pulled)
         else:
             self._apply(pulled)
+        t4 = clock()
+        tm = self.timings
+        tm["compute"] += t1 - t0
+        tm["push"] += t2 - t1
+        tm["pull"] += t3 - t2
+        tm["assign"] += t4 - t3
+        tm["steps"] += 1
 
     def _forward_backward(self, x: Any, y: Any) -> list[list[Any]]:
         grads, offset = [], 0

@@ -1,0 +1,80 @@
+"""`dist_sync` training samples/s with and without 2-bit gradient compression, and the bytes a
+worker pushes per step, with 2 and 4 local workers and 1 server, same run.
+
+LeNet (tfkv `lenet`) on one synthetic 28x28x1 batch, b=32 per worker, SGD (lr 0.01, momentum
+0.9) on the server. Contenders: float32 pushes, and 2-bit pushes
+(`set_gradient_compression({"type": "2bit", "threshold": 0.5})`, called right after the store is
+created, before any key exists, as the trainer does; pulls stay float32). Each job is the one in
+benchmarks/dist_job.py (time-based steps, workers' weights checked to agree). Trials alternate
+the contenders (order reversed every other trial); medians are reported. `--push-order first`
+adds a float32 contender that pushes the first layer first instead of backprop's order (the A/B
+for DataParallel's push order).
+
+    python benchmarks/bench_compression_training.py [--seconds 3] [--trials 2] [--workers 2,4]
+                                                    [--threshold 0.5] [--push-order-ab]
+
+Exits non-zero if any job failed or hung.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from dist_job import Failed, run_job  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--trials", type=int, default=2)
+    ap.add_argument("--workers", default="2,4")
+    ap.add_argument("--batch", type=int, default=32, help="per worker")
+    ap.add_argument("--threshold", type=float, default=0.5)
+    ap.add_argument("--push-order-ab", action="store_true",
+                    help="also run float32 with the first layer pushed first (the old order)")
+    ap.add_argument("--job-timeout", type=float, default=240.0)
+    args = ap.parse_args()
+    counts = [int(w) for w in args.workers.split(",")]
+    contenders = ["float32", "2bit"] + (["float32, first layer pushed first"] if args.push_order_ab else [])
+    print(f"LeNet, dist_sync, 1 server, b={args.batch} per worker; samples/s of the whole job, median of "
+          f"{args.trials} trials of ~{args.seconds:g} s; 2-bit threshold {args.threshold}", flush=True)
+    got: dict[tuple[int, str], list[dict]] = {}
+    t_start = time.monotonic()
+    try:
+        for trial in range(args.trials):
+            for w in counts:
+                for c in (contenders if trial % 2 == 0 else contenders[::-1]):
+                    with tempfile.TemporaryDirectory(prefix="bench_compression_") as tmp:
+                        r = run_job(w, "lenet", args.batch, args.seconds, tmp, "job", args.job_timeout,
+                                    compression="2bit" if c == "2bit" else "none", threshold=args.threshold,
+                                    push_order="first" if "first" in c else "last")
+                    got.setdefault((w, c), []).append(r)
+            print(f"  trial {trial + 1}/{args.trials} done ({time.monotonic() - t_start:.0f} s)", flush=True)
+    except (Failed, OSError, ValueError, KeyError) as e:
+        print(f"bench_compression_training: FAILED: {e}", file=sys.stderr)
+        sys.exit(1)
+
+    def med(w, c, f):
+        return statistics.median(f(r) for r in got[(w, c)])
+
+    print(f"{'workers':>7}  {'contender':<34} {'samples/s':>10} {'vs float32':>10} {'pushed B/step':>14} "
+          f"{'bytes ratio':>11}")
+    for w in counts:
+        base_s = med(w, "float32", lambda r: r["samples_s"])
+        base_b = med(w, "float32", lambda r: r["push_bytes"])
+        for c in contenders:
+            s, b = med(w, c, lambda r: r["samples_s"]), med(w, c, lambda r: r["push_bytes"])
+            print(f"{w:>7}  {c:<34} {s:>10.0f} {s / base_s:>10.3f} {b:>14,.0f} {base_b / b:>10.1f}x")
+    print("per-trial samples/s: " + "; ".join(
+        f"{w}w {c} " + "/".join(f"{r['samples_s']:.0f}" for r in got[(w, c)]) for w in counts for c in contenders))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""Shared by bench_compression_training.py and bench_scaling.py: one `dist_sync` training job
+(N local workers, 1 server, started by tfkv.launcher make_plan + local.run) and its worker.
+
+Each worker trains tfkv DataParallel on its slice of one synthetic in-memory global batch with
+SGD (lr 0.01, momentum 0.9, the server runs the optimizer), traces and warms up, times a few
+calibration steps, and then runs a step count that rank 0 picks to last about `--seconds` (every
+worker must run the same count). Over the timed steps it records the job's samples/s (global
+batch x steps / the slowest worker's time), the bytes it pushed (DistStore.push_bytes), where its
+step time went (DataParallel.timings: compute = the gradient tf.function, push = store.push,
+pull = store.pull including the wait for the other workers, assign = writing the pulled weights
+into the variables), and a checksum of its weights, which must agree across workers.
+
+Run as a script it is one worker (the parent scripts start it); `run_job` is the parent side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import os
+import signal
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from bench_dist_training import Failed, agree_on_steps, synthetic, weights_checksum  # noqa: E402
+
+MODELS = {
+    # name: (ModelConfig kwargs, input shape)
+    "lenet": ({"name": "lenet"}, (28, 28, 1)),
+    "mlp": ({"name": "mlp", "hidden": [256, 128]}, (8, 8, 1)),
+}
+LR, MOMENTUM = 0.01, 0.9
+WARMUP_STEPS, CALIBRATION_STEPS = 3, 3
+
+
+def worker(args: argparse.Namespace) -> None:
+    import keras
+
+    from tfkv import optim, store
+    from tfkv.config import ModelConfig
+    from tfkv.models import build
+    from tfkv.parallel import devices
+    from tfkv.parallel.data_parallel import DataParallel
+
+    if args.threads:
+        import tensorflow as tf
+
+        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+        tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+    tf_devices = devices.setup(["cpu:0"])
+    kv = store.create("dist_sync", devices=tf_devices)
+    try:
+        rank, workers = kv.rank, kv.num_workers
+        if args.compression != "none":  # before any key exists, as the trainer does
+            kv.set_gradient_compression({"type": args.compression, "threshold": args.threshold})
+        cfg, shape = MODELS[args.model]
+        x, y = synthetic(workers * args.batch, shape)
+        x, y = x[rank * args.batch:(rank + 1) * args.batch], y[rank * args.batch:(rank + 1) * args.batch]
+        keras.utils.set_random_seed(0)
+        sgd = optim.SGD(schedule=optim.Schedule(lr=LR), momentum=MOMENTUM)
+        dp = DataParallel(lambda: build(ModelConfig(**cfg), shape, 10), tf_devices, kv, sgd, [len(x)])
+        dp.push_last_layer_first = args.push_order == "last"
+        for _ in range(WARMUP_STEPS):
+            dp.step(x, y)
+        t0 = time.perf_counter()
+        for _ in range(CALIBRATION_STEPS):
+            dp.step(x, y)
+        n = agree_on_steps(rank, (time.perf_counter() - t0) / CALIBRATION_STEPS, args.seconds, args.sync_dir,
+                           f"steps-{args.tag}")
+        dp.step(x, y)  # lines the workers up again after the file hand-over
+        dp.reset_timings()
+        kv.push_bytes = 0
+        t0 = time.perf_counter()
+        for _ in range(n):
+            dp.step(x, y)
+        elapsed = time.perf_counter() - t0
+        loss, _, _ = dp.take_metrics()
+        report = {"steps": n, "seconds": elapsed, "batch": len(x) * workers, "loss": loss,
+                  "push_bytes": kv.push_bytes / n, "timings": {k: v / n for k, v in dp.timings.items() if k != "steps"},
+                  "params": int(dp.replicas[0].count_params()), "checksum": weights_checksum(dp.get_weights())}
+        with open(os.path.join(args.out, f"{args.tag}-{rank}.json"), "w") as f:
+            json.dump(report, f)
+    except BaseException:
+        kv.abort("dist_job worker failed")
+        raise
+    kv.close()
+
+
+def run_job(workers: int, model: str, batch: int, seconds: float, tmp: str, tag: str, timeout: float,
+            compression: str = "none", threshold: float = 0.5, push_order: str = "last", threads: int = 0) -> dict:
+    """Run one job; returns {samples_s, push_bytes (per step, per worker), timings (worker means),
+    steps, params, loss}. Raises Failed (with the job's log tail) on any failure or hang."""
+    from tfkv.launcher import local
+    from tfkv.launcher.plan import free_port, make_plan
+
+    argv = [sys.executable, os.path.abspath(__file__), "--out", tmp, "--sync-dir", tmp, "--tag", tag,
+            "--model", model, "--batch", str(batch), "--seconds", str(seconds), "--compression", compression,
+            "--threshold", str(threshold), "--push-order", push_order, "--threads", str(threads)]
+    plan = make_plan(workers, 1, argv, [sys.executable, "-m", "tfkv.store.node"], ["127.0.0.1"], "127.0.0.1",
+                     free_port())
+    log = io.StringIO()
+
+    def expired(*_):
+        raise Failed(f"{tag} ran past {timeout:.0f} s")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(int(timeout))
+    try:
+        result = local.run(plan, out=log)  # tears every process group down, also when Failed is raised
+    except Failed as e:
+        raise Failed(f"{e}\n{log.getvalue()[-4000:]}") from None
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    if result.failure is not None:
+        raise Failed(f"{tag}: {result.failure}\n{log.getvalue()[-4000:]}")
+
+    reports = []
+    for r in range(workers):
+        with open(os.path.join(tmp, f"{tag}-{r}.json")) as f:
+            reports.append(json.load(f))
+    if len({r["steps"] for r in reports}) != 1:
+        raise Failed(f"{tag}: the workers ran different step counts")
+    for r in reports[1:]:
+        for a, b in zip(reports[0]["checksum"], r["checksum"]):
+            if abs(a - b) > 1e-4 * max(1.0, abs(a)):
+                raise Failed(f"{tag}: the workers' weights differ ({a} vs {b}): not synchronised")
+    if not all(math.isfinite(r["loss"]) for r in reports):
+        raise Failed(f"{tag}: the loss is not finite")
+    phases = reports[0]["timings"].keys()
+    return {"samples_s": reports[0]["batch"] * reports[0]["steps"] / max(r["seconds"] for r in reports),
+            "push_bytes": sum(r["push_bytes"] for r in reports) / workers,
+            "timings": {p: sum(r["timings"][p] for r in reports) / workers for p in phases},
+            "step_s": sum(r["seconds"] / r["steps"] for r in reports) / workers,
+            "steps": reports[0]["steps"], "params": reports[0]["params"], "loss": reports[0]["loss"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--sync-dir", required=True)
+    ap.add_argument("--tag", required=True)
+    ap.add_argument("--model", choices=list(MODELS), required=True)
+    ap.add_argument("--batch", type=int, required=True)
+    ap.add_argument("--seconds", type=float, required=True)
+    ap.add_argument("--compression", default="none")
+    ap.add_argument("--threshold", type=float, default=0.5)
+    ap.add_argument("--push-order", choices=["last", "first"], default="last")
+    ap.add_argument("--threads", type=int, default=0)
+    worker(ap.parse_args())
+
+
+if __name__ == "__main__":
+    main()
