@@ -71,16 +71,22 @@ def tagged_pids(tag: str) -> list[int]:
 
 class Cluster:
     """Scheduler, servers and workers started by hand with DMLC_* variables, as the MXNet guide's
-    manual launch does. Output of each process goes to a file in the test's directory."""
+    manual launch does, with a fresh job keypair in every process's environment (CURVE), unless
+    the test passes TFKV_SECURE="0". Output of each process goes to a file in the test's directory."""
 
     def __init__(self, tmp_path: Path, num_servers: int, num_workers: int, env: dict | None = None):
         from tfkv.launcher.plan import free_port
+        from tfkv.store import security
 
         self.dir = tmp_path
         self.tag = f"{tmp_path.name}-{os.getpid()}"
         self.env = {**os.environ, TAG: self.tag, "PYTHONUNBUFFERED": "1", "DMLC_PS_ROOT_URI": "127.0.0.1",
                     "DMLC_PS_ROOT_PORT": str(free_port()), "DMLC_NUM_SERVER": str(num_servers),
                     "DMLC_NUM_WORKER": str(num_workers), "TFKV_HEARTBEAT_TIMEOUT": "3", **(env or {})}
+        self.keys = None
+        if self.env.get(security.SECURE) != "0":
+            self.keys = security.new_keys()
+            self.env.update(security.keys_env(self.keys))
         self.procs: dict[str, subprocess.Popen] = {}
         self.num_servers, self.num_workers = num_servers, num_workers
 

@@ -201,6 +201,31 @@ SCENARIOS["compressed"] = compressed
 SCENARIOS["lossy_compressed"] = lossy_compressed
 
 
+def int_sgd(kv, out):
+    """Integer-valued pushes with SGD lr=1 on the servers, `steps` rounds over `nkeys` keys of
+    `size` floats, `pause` seconds between steps: exact sums, so every update counted once shows."""
+    steps, nkeys, size = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    pause = float(sys.argv[6]) if len(sys.argv) > 6 else 0.0
+    kv.set_optimizer(optim.SGD(schedule=optim.Schedule(lr=1.0)))
+    keys = list(range(nkeys))
+    kv.init(keys, [np.full(size, 1000.0, np.float32) for _ in keys])
+    kv.barrier()
+    start = time.perf_counter()
+    for step in range(steps):
+        kv.push(keys, [np.full(size, float((kv.rank + 1) * (step % 5 + 1) + k % 3), np.float32) for k in keys])
+        kv.pull(keys)
+        if pause:
+            time.sleep(pause)
+    elapsed = time.perf_counter() - start
+    kv.barrier()
+    finals = kv.pull(keys)
+    json.dump({"final": [[float(v.min()), float(v.max())] for v in finals], "steps": steps,
+               "steps_per_s": steps / elapsed}, out)
+
+
+SCENARIOS["int_sgd"] = int_sgd
+
+
 if __name__ == "__main__":
     scenario, path = sys.argv[1], sys.argv[2]
     kind = os.environ.get("TEST_KVSTORE", "dist_sync")

@@ -15,6 +15,7 @@ import zmq
 from conftest import REPO, TAG, tagged_pids, tfkv_run
 
 from tfkv.store import protocol as P
+from tfkv.store import security
 
 
 def _start(c, seconds, kind):
@@ -87,7 +88,9 @@ def test_live_server_and_scheduler_survive_fuzzing(cluster):
     server_line = next(ln for ln in c.output("server 0").splitlines() if "listening on" in ln)
     host, port = server_line.rsplit(" ", 1)[1].split(":")
     rng = random.Random(0)
-    # Strangers: sender 0 is never a worker, so even a well-formed push must be refused.
+    # A peer holding the job's keys (a stranger without them is refused at the handshake, see
+    # test_security.py) but sending as sender 0, never a worker: even a well-formed push from it
+    # must be refused, and everything malformed answered with an error.
     valid = [P.encode(P.Message(t, sender=0, seq=rng.randrange(2**32), key=0,
                                 data=np.ones(1000, np.float32) if t == P.Type.PUSH else None,
                                 meta={"sync": True} if t == P.Type.CONFIGURE else None))
@@ -102,6 +105,7 @@ def test_live_server_and_scheduler_survive_fuzzing(cluster):
     for name, address in targets.items():
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        security.client_socket(sock, c.keys)
         sock.connect(address)
         for _ in range(3000):
             sock.send_multipart(_mutations(rng, valid))

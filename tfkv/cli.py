@@ -79,7 +79,7 @@ def _launch(cfg: DictConfig, run_dir: Path, overrides: list[str], cwd: Path) -> 
 
     c = cfg.cluster
     opts = job.Options(c.launcher, c.num_workers, c.num_servers, c.hostfile, c.sync_dst_dir, c.interface,
-                       c.host, c.port, c.heartbeat_timeout, c.verbose, c.python)
+                       c.host, c.port, c.heartbeat_timeout, c.verbose, c.python, c.secure)
     python = sys.executable if c.launcher == "local" else c.python
     worker = [python, "-m", "tfkv.cli", *overrides, f"hydra.run.dir={job.remote_path(opts, cwd, run_dir)}",
               "hydra.output_subdir=null", "hydra.job.name=worker{rank}"]

@@ -99,6 +99,9 @@ class ClusterConfig:
     interface: Optional[str] = None  # network interface servers listen on (DMLC_INTERFACE)
     heartbeat_timeout: float = 4.0  # seconds of silence before a node counts as failed
     verbose: int = 0  # PS_VERBOSE: 1 connections, 2 every message
+    # CURVE authentication + encryption with fresh keys per job; false: plain TCP, with a
+    # warning, for a trusted single machine only
+    secure: bool = True
 
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +13,9 @@ from tfkv.errors import ConfigError
 from tfkv.launcher import base, record
 from tfkv.launcher.hosts import Host, read_hosts
 from tfkv.launcher.plan import free_port, make_plan
+from tfkv.store import security
+
+log = logging.getLogger("tfkv")
 
 
 @dataclass
@@ -27,6 +31,7 @@ class Options:
     heartbeat_timeout: float = 4.0
     verbose: int = 0
     python: str = "python3"
+    secure: bool = True  # CURVE with fresh keys for this job; False: plain TCP (trusted machine only)
 
 
 def remote_path(opts: Options, workdir: Path, path: Path) -> str:
@@ -54,6 +59,20 @@ def plan_job(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path
         extra["DMLC_INTERFACE"] = opts.interface
     if opts.verbose:
         extra["PS_VERBOSE"] = str(opts.verbose)
+    if opts.secure:
+        keys = security.new_keys()
+        if opts.launcher in ("local", "ssh"):
+            # local: the children's environment (not shown by ps); ssh: sent over the channel's
+            # stdin, see tfkv.launcher.ssh. Never on a command line, never in the record.
+            extra.update(security.keys_env(keys))
+        else:
+            # mpirun/srun/qsub/yarn may put environment values on command lines: a file only the
+            # user can read, on the run directory (shared by the hosts with these launchers).
+            path = security.write_keyfile(Path(run_dir) / "launch" / "curve.key", keys)
+            extra[security.KEYFILE] = remote_path(opts, workdir, path)
+    else:
+        log.warning(security.INSECURE_WARNING)
+        extra[security.SECURE] = "0"
     # Only ssh and mpi place roles on the hosts file's hosts; Slurm, SGE and YARN choose the nodes.
     placed = bool(opts.hostfile) and opts.launcher in ("ssh", "mpi")
     plan = make_plan(opts.num_workers, opts.num_servers, worker_argv, [python, "-m", "tfkv.store.node"],
@@ -85,3 +104,4 @@ def launch(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path, 
         return launcher.launch(job, tee)
     finally:
         tee.close()
+        (Path(run_dir) / "launch" / "curve.key").unlink(missing_ok=True)  # the job's keys die with it

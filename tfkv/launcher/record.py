@@ -83,7 +83,11 @@ def write(run_dir: Path, launcher: str, job: Any, argv: Sequence[str], versions:
     """Write the record (all but the log) under run_dir/launch; returns that directory."""
     d = Path(run_dir) / "launch"
     d.mkdir(parents=True, exist_ok=True)
-    plan = [{"name": p.name, "role": p.role, "rank": p.rank, "host": p.host, "argv": p.argv, "env": p.env}
+    from tfkv.store.security import SECRET_NAMES
+
+    # The job's keys are never recorded: a rerun makes fresh ones.
+    plan = [{"name": p.name, "role": p.role, "rank": p.rank, "host": p.host, "argv": p.argv,
+             "env": {k: ("<not recorded>" if k in SECRET_NAMES else v) for k, v in p.env.items()}}
             for p in job.plan]
     (d / "plan.json").write_text(json.dumps({
         "launcher": launcher, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "workdir": str(job.workdir),

@@ -29,8 +29,10 @@ pty outlives its closed ssh channel (shared/clusters.md):
 Environment of a role: the plan's variables, PYTHONUNBUFFERED=1, and from the launching shell
 only its TFKV_* settings (heartbeat, timeouts, ...; not those the plan decides) and the thread
 settings MXNet's ssh tracker forwards, exported in the remote command; the remote login shell
-gives the rest. Processes on the launching machine reached through ssh (127.0.0.1) are remote
-processes like any other.
+gives the rest. The job's CURVE keys (TFKV_CURVE_PUBLIC/SECRET) are never in the command, which
+`ps` on the host would show while the shell runs: they go as one JSON line on the channel's stdin
+(TFKV_SECRETS_ON_STDIN=1 tells the wrapper to read it) into the role's environment only.
+Processes on the launching machine reached through ssh (127.0.0.1) are remote processes like any other.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from tfkv.launcher.hosts import Host
 from tfkv.launcher.local import GRACE, first_cause
 from tfkv.launcher.plan import Process
 from tfkv.launcher.record import EXCLUDE
+from tfkv.store.security import SECRET_NAMES
 
 if TYPE_CHECKING:
     import paramiko
@@ -71,7 +74,15 @@ MARK = "\x1etfkv-ssh "  # starts the wrapper's own lines (ASCII record separator
 
 # Runs as `python -c WRAPPER argv...` on the host; Python only, no tfkv needed.
 WRAPPER = r"""
-import os, signal, subprocess, sys, threading, time
+import json, os, signal, subprocess, sys, threading, time
+if os.environ.pop("TFKV_SECRETS_ON_STDIN", "") == "1":  # the job's keys: first line of the channel
+    line = b""
+    while not line.endswith(b"\n"):
+        byte = os.read(0, 1)
+        if not byte:
+            break
+        line += byte
+    os.environ.update(json.loads(line or b"{}"))
 if os.getpgid(0) != os.getpid():
     os.setsid()  # sshd already makes the remote command a group leader; elsewhere, become one
 group = os.getpid()
@@ -227,10 +238,19 @@ def _check_host(host: Host, job: Job, rsync_lock: threading.Lock) -> dict[str, A
         conn.close()
 
 
+def secret_env(p: Process) -> dict[str, str]:
+    """The job's keys: sent as a JSON line on the channel's stdin, which the wrapper reads into
+    the role's environment; a command line would show them to every user's `ps` on the host."""
+    return {k: v for k, v in p.env.items() if k in SECRET_NAMES}
+
+
 def _remote_env(p: Process) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
-           if (k.startswith("TFKV_") and k not in NOT_FORWARDED) or k in FORWARD}
-    return {**env, **p.env, "PYTHONUNBUFFERED": "1"}
+           if ((k.startswith("TFKV_") and k not in NOT_FORWARDED) or k in FORWARD) and k not in SECRET_NAMES}
+    env = {**env, **{k: v for k, v in p.env.items() if k not in SECRET_NAMES}, "PYTHONUNBUFFERED": "1"}
+    if secret_env(p):
+        env["TFKV_SECRETS_ON_STDIN"] = "1"
+    return env
 
 
 def remote_command(p: Process, cwd: str, python: str) -> str:
@@ -255,6 +275,9 @@ class _Role:
     def start(self, command: str, out: IO[str], lock: threading.Lock) -> None:
         self.channel = self.conn.transport.open_session(timeout=CONNECT_TIMEOUT)
         self.channel.exec_command(command)  # stdin stays open: its EOF tells the wrapper we are gone
+        secrets = secret_env(self.process)
+        if secrets:
+            self.channel.sendall(json.dumps(secrets).encode() + b"\n")
         self.thread = threading.Thread(target=self._pump, args=(out, lock), daemon=True)
         self.thread.start()
 

@@ -11,8 +11,10 @@ import logging
 import os
 import socket
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
+
+from tfkv.store import security
 
 ROLES = ("scheduler", "server", "worker")
 
@@ -47,6 +49,8 @@ class ClusterEnv:
     max_message_bytes: int = 1 << 31
     reduction_nthreads: int = 4  # servers sum arrays of >= bigarray_bound elements in this many threads
     chunk_bytes: int = 16 << 20  # a worker sends a key's part in messages of at most this many bytes
+    keys: security.Keys | None = field(default=None, repr=False)  # the job's CURVE keys; None: plain TCP
+    advertise: str | None = None  # TFKV_ADVERTISE_ADDRESS host:port a server registers (NAT, proxies)
 
     @staticmethod
     def role_of(env: Mapping[str, str] | None = None) -> str | None:
@@ -76,7 +80,13 @@ class ClusterEnv:
         if role not in ROLES:
             raise ClusterEnvError(f"DMLC_ROLE={role!r} must be one of {', '.join(ROLES)}")
         hint = _get(env, "TFKV_RANK_HINT")
+        try:
+            _, keys = security.keys_from_env(env)
+        except security.SecurityError as e:
+            raise ClusterEnvError(str(e)) from None
         return cls(
+            keys=keys,
+            advertise=_get(env, "TFKV_ADVERTISE_ADDRESS"),
             role=role,
             scheduler_host=need("TFKV_SCHEDULER_HOST", "DMLC_PS_ROOT_URI"),
             scheduler_port=int(number(int, need("TFKV_SCHEDULER_PORT", "DMLC_PS_ROOT_PORT"), "DMLC_PS_ROOT_PORT")),

@@ -31,6 +31,7 @@ import zmq
 from tfkv import optim
 from tfkv.store import compression
 from tfkv.store import protocol as P
+from tfkv.store import security
 from tfkv.store.base import Key, KVStore, gpu_p2p, pairs
 from tfkv.store.cluster_env import ClusterEnv
 from tfkv.store.scheduler_link import SchedulerLink
@@ -74,6 +75,7 @@ class DistStore(KVStore):
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 2000)
             sock.setsockopt(zmq.MAXMSGSIZE, env.max_message_bytes)
+            security.client_socket(sock, env.keys)
             sock.connect(f"tcp://{server['host']}:{server['port']}")
             self._poller.register(sock, zmq.POLLIN)
             self._socks.append(sock)

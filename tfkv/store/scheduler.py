@@ -17,6 +17,7 @@ from typing import Any
 import zmq
 
 from tfkv.store import protocol as P
+from tfkv.store import security
 from tfkv.store.cluster_env import ClusterEnv
 from tfkv.store.scheduler_link import EXIT_PEER_FAILED, node_name
 
@@ -49,6 +50,7 @@ class Scheduler:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_META + 4096)  # control traffic only
+        security.server_socket(self.sock, env.keys)
         try:
             self.sock.bind(f"tcp://{env.scheduler_host}:{env.scheduler_port}")
         except zmq.ZMQError as e:

@@ -21,6 +21,7 @@ from typing import Any
 import zmq
 
 from tfkv.store import protocol as P
+from tfkv.store import security
 from tfkv.store.cluster_env import ClusterEnv
 
 log = logging.getLogger("tfkv.ps")
@@ -44,6 +45,7 @@ class SchedulerLink:
         self.ctx = zmq.Context.instance()
         self._sock = self.ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 2000)
+        security.client_socket(self._sock, env.keys)
         self._sock.connect(f"tcp://{env.scheduler_host}:{env.scheduler_port}")
         self._send(P.Message(P.Type.REGISTER, meta={
             "role": role, "host": host, "port": port, "rank_hint": env.rank_hint,

@@ -31,6 +31,7 @@ import zmq
 from tfkv import optim
 from tfkv.store import compression
 from tfkv.store import protocol as P
+from tfkv.store import security
 from tfkv.store.cluster_env import ClusterEnv
 from tfkv.store.np_updater import NumpyUpdater
 from tfkv.store.scheduler_link import SchedulerLink
@@ -65,9 +66,15 @@ class Server:
         # Replies up to 4 MiB are copied: pyzmq's zero-copy send releases each buffer through a
         # helper thread that contends for the GIL with this loop (1 MiB push+pull: +30% measured).
         self.sock.copy_threshold = 1 << 22
+        security.server_socket(self.sock, env.keys)
         self.host = env.bind_address()
         self.port = self.sock.bind_to_random_port(f"tcp://{self.host}")
-        self.link = SchedulerLink(env, "server", self.host, self.port)
+        # Behind NAT (or a test proxy) workers must connect elsewhere than where this binds.
+        host, port = self.host, self.port
+        if env.advertise:
+            host, _, p = env.advertise.rpartition(":")
+            port = int(p)
+        self.link = SchedulerLink(env, "server", host, port)
         self.id = self.link.id
         self.workers = set(self.link.workers)
         self.sync = True

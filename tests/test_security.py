@@ -1,0 +1,275 @@
+"""Trust: CURVE keys on every socket, strangers refused, keys never on a command line, and a lossy
+link under PS_RESEND that still ends with exactly the clean run's weights."""
+
+import heapq
+import json
+import logging
+import os
+import random
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+from conftest import REPO, TAG, tagged_pids
+from tfkv.launcher.plan import free_port
+from tfkv.store import protocol as P
+from tfkv.store import security
+
+WORKER = str(REPO / "tests" / "dist_worker.py")
+
+
+def expected(steps: int, nkeys: int, workers: int) -> list[list[float]]:
+    """int_sgd's final values: 1000 minus every push, each counted once (lr=1)."""
+    out = []
+    for k in range(nkeys):
+        v = 1000.0 - sum((r + 1) * (s % 5 + 1) + k % 3 for r in range(workers) for s in range(steps))
+        out.append([v, v])
+    return out
+
+
+def _listening(c, name: str, timeout: float = 60) -> tuple[str, int]:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        m = re.search(r"listening on ([\d.]+):(\d+)", c.output(name))
+        if m:
+            return m.group(1), int(m.group(2))
+        time.sleep(0.1)
+    raise AssertionError(f"{name} never listened:\n{c.outputs()}")
+
+
+def _stranger_push(address: str, keys: security.Keys | None, server_key: bytes | None) -> zmq.Socket:
+    """A DEALER that sends valid-looking pushes, as worker ids 1..3, to `address`."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if keys is not None:
+        sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = keys.secret, keys.public, server_key
+    sock.connect(address)
+    for sender in (1, 2, 3):
+        for seq in range(1, 20):
+            for msg in (P.Message(P.Type.PUSH, sender=sender, seq=10_000 + seq, key=0,
+                                  data=np.full(64, 1e6, np.float32)),
+                        P.Message(P.Type.INIT, sender=sender, seq=20_000 + seq, key=0, data=np.zeros(64, np.float32)),
+                        P.Message(P.Type.FAILED, sender=sender, meta={"reason": "stranger"}),
+                        P.Message(P.Type.DONE, sender=sender)):
+                sock.send_multipart(P.encode(msg))
+    return sock
+
+
+@pytest.mark.slow
+def test_strangers_are_refused_and_the_job_goes_on(cluster):
+    c = cluster(num_servers=1, num_workers=2)
+    assert c.keys is not None  # the test helper runs secure by default, as the launcher does
+    c.start_servers()
+    outs = c.start_workers("int_sgd", "40", "1", "64", "0.05")
+    host, port = _listening(c, "server 0")
+    time.sleep(1)  # the job is under way
+    socks = []
+    for address in (f"tcp://{host}:{port}", f"tcp://127.0.0.1:{c.env['DMLC_PS_ROOT_PORT']}"):
+        socks.append(_stranger_push(address, None, None))  # no keys at all
+        socks.append(_stranger_push(address, security.new_keys(), c.keys.public))  # a wrong keypair
+    for s in socks:
+        assert not s.poll(500)  # nobody answers a stranger
+        s.close()
+    codes = c.wait(120)
+    assert all(v == 0 for v in codes.values()), c.outputs()
+    for out in outs:
+        assert json.loads(out.read_text())["final"] == expected(40, 1, 2)
+
+
+@pytest.mark.slow
+def test_insecure_cluster_runs_plain_with_a_warning(cluster):
+    c = cluster(num_servers=1, num_workers=1, TFKV_SECURE="0")
+    assert c.keys is None and security.PUBLIC not in c.env
+    c.start_servers()
+    (out,) = c.start_workers("int_sgd", "3", "1", "8")
+    codes = c.wait(120)
+    assert all(v == 0 for v in codes.values()), c.outputs()
+    assert json.loads(out.read_text())["final"] == expected(3, 1, 1)
+    assert "WITHOUT authentication or encryption" in c.output("server 0")
+    assert "WITHOUT authentication or encryption" in c.output("scheduler")
+
+
+def test_plan_with_secure_false_warns_and_turns_curve_off(tmp_path, caplog):
+    from tfkv.launcher import job
+
+    with caplog.at_level(logging.WARNING):
+        j = job.plan_job(job.Options("local", 1, 1, secure=False), ["true"], tmp_path, tmp_path / "run")
+    assert "WITHOUT authentication" in caplog.text
+    assert all(p.env.get("TFKV_SECURE") == "0" and security.SECRET not in p.env for p in j.plan)
+    j = job.plan_job(job.Options("local", 1, 1), ["true"], tmp_path, tmp_path / "run")
+    secrets = {p.env[security.SECRET] for p in j.plan}
+    assert len(secrets) == 1  # one fresh keypair for the whole job
+    assert all(security.SECRET not in " ".join(p.argv) and secrets.pop() not in " ".join(p.argv) for p in j.plan[:1])
+
+
+def test_key_files_are_private_and_checked(tmp_path):
+    keys = security.new_keys()
+    path = security.write_keyfile(tmp_path / "launch" / "curve.key", keys)
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert security.keys_from_env({security.KEYFILE: str(path)}) == (True, keys)
+    os.chmod(path, 0o644)
+    with pytest.raises(security.SecurityError, match="readable by others"):
+        security.read_keyfile(str(path))
+    other = security.new_keys()
+    with pytest.raises(security.SecurityError, match="does not belong"):
+        security.keys_from_env({security.PUBLIC: other.public.decode(), security.SECRET: keys.secret.decode()})
+    with pytest.raises(security.SecurityError, match="no job keys"):
+        security.keys_from_env({security.SECURE: "1"})
+    assert "secret" not in repr(keys).lower().replace("keys(public", "")
+    # Launchers that may put the environment on a command line (mpi, slurm, ...) get a key file.
+    from tfkv.launcher import job
+
+    j = job.plan_job(job.Options("slurm", 1, 1), ["true"], tmp_path, tmp_path / "run")
+    keyfile = j.plan[0].env[security.KEYFILE]
+    assert os.stat(keyfile).st_mode & 0o777 == 0o600 and security.SECRET not in j.plan[0].env
+
+
+@pytest.mark.slow
+def test_the_launcher_puts_no_key_on_any_command_line(tmp_path):
+    """A local job's roles hold the keys in their environment, never in argv; the record has none."""
+    tag = f"cmdline-{os.getpid()}"
+    run_dir = tmp_path / "run"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "tfkv.launcher.cli", "--launcher", "local", "-n", "2", "-s", "1",
+         "--run-dir", str(run_dir), "--", sys.executable, WORKER, "int_sgd", str(tmp_path / "w{rank}.json"),
+         "60", "1", "16", "0.05"],
+        cwd=tmp_path, env={**os.environ, TAG: tag}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        seen: dict[int, tuple[bytes, bytes]] = {}
+        deadline = time.time() + 60
+        while time.time() < deadline and len(seen) < 4:  # scheduler, server, 2 workers
+            for pid in tagged_pids(tag):
+                try:
+                    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                    argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+                except OSError:
+                    continue
+                secret = [e.split(b"=", 1)[1] for e in env if e.startswith(security.SECRET.encode() + b"=")]
+                if secret and pid != launcher.pid:
+                    seen[pid] = (secret[0], argv)
+            time.sleep(0.2)
+        assert len(seen) >= 4, f"found only {len(seen)} roles holding keys"
+        secrets = {s for s, _ in seen.values()}
+        assert len(secrets) == 1
+        secret = secrets.pop()
+        for pid in tagged_pids(tag):
+            try:
+                assert secret not in Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+        out, _ = launcher.communicate(timeout=120)
+        assert launcher.returncode == 0, out.decode()[-3000:]
+    finally:
+        launcher.kill()
+    record = (run_dir / "launch" / "plan.json").read_text()
+    assert secret.decode() not in record and "<not recorded>" in record
+    assert not (run_dir / "launch" / "curve.key").exists()
+    for r in (0, 1):
+        assert json.loads((tmp_path / f"w{r}.json").read_text())["final"] == expected(60, 1, 2)
+
+
+# -- a lossy link -------------------------------------------------------------------------------
+
+
+class LossyProxy:
+    """A ROUTER-DEALER forwarder between the workers and one server that drops, duplicates and
+    delays a share of the messages each way (seeded). It holds the job's keys: a trusted hop
+    that stands for a bad network, not for an attacker."""
+
+    def __init__(self, port: int, server, keys: security.Keys | None, seed: int = 1,
+                 drop: float = 0.1, dup: float = 0.1, delay: float = 0.1):
+        self.port, self.server, self.keys = port, server, keys
+        self.rng = random.Random(seed)
+        self.drop, self.dup, self.delay = drop, dup, delay
+        self.stats = {"dropped": 0, "duplicated": 0, "delayed": 0, "forwarded": 0}
+        self.stop = threading.Event()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        assert self.ready.wait(10)
+
+    def _fate(self) -> list[float]:
+        """Delays (seconds) of the copies to deliver: none for a drop, two for a duplicate."""
+        x = self.rng.random()
+        if x < self.drop:
+            self.stats["dropped"] += 1
+            return []
+        if x < self.drop + self.dup:
+            self.stats["duplicated"] += 1
+            return [0.0, self.rng.uniform(0, 0.05)]
+        if x < self.drop + self.dup + self.delay:
+            self.stats["delayed"] += 1
+            return [self.rng.uniform(0.01, 0.2)]
+        return [0.0]
+
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        front = ctx.socket(zmq.ROUTER)
+        front.setsockopt(zmq.LINGER, 0)
+        security.server_socket(front, self.keys)
+        front.bind(f"tcp://127.0.0.1:{self.port}")
+        backs: dict[bytes, zmq.Socket] = {}
+        owner: dict[zmq.Socket, bytes] = {}
+        poller = zmq.Poller()
+        poller.register(front, zmq.POLLIN)
+        queue: list[tuple[float, int, object, list[bytes]]] = []
+        n = 0
+        self.ready.set()
+        while not self.stop.is_set():
+            for sock, _ in poller.poll(5):
+                frames = sock.recv_multipart()
+                if sock is front:
+                    ident, frames = frames[0], frames[1:]
+                    if ident not in backs:
+                        b = ctx.socket(zmq.DEALER)
+                        b.setsockopt(zmq.LINGER, 0)
+                        security.client_socket(b, self.keys)
+                        if callable(self.server):
+                            self.server = self.server()  # known once the cluster formed
+                        b.connect(self.server)
+                        backs[ident], owner[b] = b, ident
+                        poller.register(b, zmq.POLLIN)
+                    target, out = backs[ident], frames
+                else:
+                    target, out = front, [owner[sock], *frames]
+                for d in self._fate():
+                    n += 1
+                    heapq.heappush(queue, (time.monotonic() + d, n, target, out))
+            now = time.monotonic()
+            while queue and queue[0][0] <= now:
+                _, _, target, out = heapq.heappop(queue)
+                target.send_multipart(out)
+                self.stats["forwarded"] += 1
+        for s in [front, *backs.values()]:
+            s.close()
+        ctx.term()
+
+
+@pytest.mark.slow
+def test_a_lossy_link_with_resend_ends_with_the_clean_weights(cluster):
+    steps, nkeys, workers = 30, 3, 2
+    proxy_port = free_port()
+    c = cluster(num_servers=1, num_workers=workers, PS_RESEND="1", PS_RESEND_TIMEOUT="300")
+    c.start("scheduler", "scheduler", [sys.executable, "-m", "tfkv.store.node"])
+    # The server registers the proxy's address: every worker's request and every reply crosses it.
+    c.start("server 0", "server", [sys.executable, "-m", "tfkv.store.node"], TFKV_RANK_HINT="0",
+            TFKV_ADVERTISE_ADDRESS=f"127.0.0.1:{proxy_port}")
+    proxy = LossyProxy(proxy_port, lambda: "tcp://%s:%d" % _listening(c, "server 0"), c.keys, seed=7)
+    try:
+        outs = c.start_workers("int_sgd", str(steps), str(nkeys), "32")
+        codes = c.wait(180)
+    finally:
+        proxy.stop.set()
+        proxy.thread.join(10)
+    assert all(v == 0 for v in codes.values()), c.outputs()
+    assert proxy.stats["dropped"] > 5 and proxy.stats["duplicated"] > 5 and proxy.stats["delayed"] > 5, proxy.stats
+    # A clean run of int_sgd ends exactly here (integer sums; tests/test_soak.py runs it clean).
+    for out in outs:
+        assert json.loads(out.read_text())["final"] == expected(steps, nkeys, workers)
