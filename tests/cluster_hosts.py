@@ -182,10 +182,10 @@ def netns_hosts(ssh_site: SSHSite):
     if os.geteuid() != 0:
         pytest.skip("network-namespace hosts need root (ip netns add)")
     if not shutil.which("ip") or not shutil.which("nsenter") or not shutil.which("unshare"):
-        pytest.skip("network-namespace hosts need ip (iproute2), nsenter and unshare")
+        pytest.fail("network-namespace hosts need ip, nsenter and unshare: apt-get install iproute2 util-linux")
     n = _free_subnet()
     if n is None:
-        pytest.skip("no free 10.200.N.0/24 subnet for the namespace hosts")
+        pytest.fail("no free 10.200.N.0/24 subnet: earlier runs left bridges tkbr*/namespaces tk*h*; delete them")
     bridge, names = f"tkbr{n}", ["node1", "node2"]
     hosts = NetnsHosts(names, {name: f"10.200.{n}.{i + 2}" for i, name in enumerate(names)}, bridge,
                        [f"tk{n}h{i + 1}" for i in range(len(names))])
@@ -198,10 +198,7 @@ def netns_hosts(ssh_site: SSHSite):
             raise RuntimeError(f"{' '.join(argv)}: {r.stderr.strip()}")
 
     try:
-        try:
-            sh("ip", "link", "add", bridge, "type", "bridge")
-        except RuntimeError as e:
-            pytest.skip(f"this machine cannot make network namespaces/bridges: {e}")
+        sh("ip", "link", "add", bridge, "type", "bridge")
         sh("ip", "addr", "add", f"10.200.{n}.1/24", "dev", bridge)
         sh("ip", "link", "set", bridge, "up")
         for i, (name, ns) in enumerate(zip(names, hosts.namespaces), 1):

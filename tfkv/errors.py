@@ -5,6 +5,11 @@ its traceback.
 """
 
 
+# Exit status of a process that stopped because another node of its job failed: launchers
+# blame the first process that did not exit with it.
+EXIT_PEER_FAILED = 3
+
+
 class TfkvError(Exception):
     """Base of every user-facing error."""
 

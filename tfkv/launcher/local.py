@@ -17,10 +17,10 @@ import threading
 import time
 from typing import IO
 
+from tfkv.errors import EXIT_PEER_FAILED
 from tfkv.launcher.base import Job, Result
 from tfkv.launcher.plan import Process
 from tfkv.launcher.record import local_versions
-from tfkv.store.scheduler_link import EXIT_PEER_FAILED
 
 GRACE = 2.0  # seconds the others get to notice a failure on their own
 

@@ -26,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfkv import optim
+from tfkv.parallel.metrics import RunningMetrics, evaluate, loss_and_hits
 from tfkv.store.base import KVStore
 from tfkv.store.tf_updater import TFUpdater
 
@@ -80,10 +81,7 @@ class DataParallel:
                 store.broadcast(k, self.params[0][k], out=[p[k] for p in self.params], priority=-k)
         self._sync_non_trainable(source=0)
 
-        with tf.device("/device:CPU:0"):
-            self._loss_sum = tf.Variable(0.0, dtype=tf.float64, trainable=False)
-            self._correct = tf.Variable(0, dtype=tf.int64, trainable=False)
-            self._seen = tf.Variable(0, dtype=tf.int64, trainable=False)
+        self.metrics = RunningMetrics()
         if store.traceable or not self.uses_store:
             self._step = tf.function(self._fused_step)
         else:
@@ -142,17 +140,13 @@ class DataParallel:
             with tf.device(d):
                 xs, ys = x[offset:offset + n], y[offset:offset + n]
                 with tf.GradientTape() as tape:
-                    logits = model(xs, training=True)
-                    losses = tf.nn.sparse_softmax_cross_entropy_with_logits(ys, tf.cast(logits, tf.float32))
+                    losses, hits = loss_and_hits(ys, model(xs, training=True))
                     loss = tf.reduce_sum(losses) * self.loss_scale
                 grads.append(tape.gradient(loss, model.trainable_variables))
-                loss_sum.append(tf.reduce_sum(tf.cast(losses, tf.float64)))
-                correct.append(tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, -1, output_type=ys.dtype), ys),
-                                                     tf.int64)))
+                loss_sum.append(tf.reduce_sum(losses))
+                correct.append(hits)
             offset += n
-        self._loss_sum.assign_add(tf.add_n(loss_sum))
-        self._correct.assign_add(tf.add_n(correct))
-        self._seen.assign_add(offset)
+        self.metrics.add(loss_sum, correct, offset)
         return grads
 
     def _fused_step(self, x: Any, y: Any) -> None:
@@ -186,33 +180,19 @@ class DataParallel:
 
     def take_metrics(self) -> tuple[float, float, int]:
         """(mean loss, accuracy, examples) since the last call, and reset."""
-        seen = int(self._seen.numpy())
-        loss = float(self._loss_sum.numpy()) / max(seen, 1)
-        acc = float(self._correct.numpy()) / max(seen, 1)
-        self._loss_sum.assign(0.0)
-        self._correct.assign(0)
-        self._seen.assign(0)
-        return loss, acc, seen
+        return self.metrics.take()
 
     def peek_loss(self) -> float:
-        return float(self._loss_sum.numpy()) / max(int(self._seen.numpy()), 1)
+        return self.metrics.peek_loss()
 
     def _eval_step(self, x: Any, y: Any) -> tuple[Any, Any]:
         with tf.device(self.devices[0]):
-            logits = self.replicas[0](x, training=False)
-            losses = tf.nn.sparse_softmax_cross_entropy_with_logits(y, tf.cast(logits, tf.float32))
-            correct = tf.equal(tf.argmax(logits, -1, output_type=y.dtype), y)
-            return tf.reduce_sum(tf.cast(losses, tf.float64)), tf.reduce_sum(tf.cast(correct, tf.int64))
+            losses, hits = loss_and_hits(y, self.replicas[0](x, training=False))
+            return tf.reduce_sum(tf.cast(losses, tf.float64)), hits
 
     def evaluate(self, batches: Any) -> tuple[float, float]:
         """(mean loss, accuracy) of the first copy over an iterable of (x, y) batches."""
-        loss, correct, n = 0.0, 0, 0
-        for x, y in batches:
-            batch_loss, batch_correct = self._eval(x, y)
-            loss += float(batch_loss)
-            correct += int(batch_correct)
-            n += int(y.shape[0])
-        return loss / max(n, 1), correct / max(n, 1)
+        return evaluate(self._eval, batches)
 
     def sync_non_trainable(self) -> None:
         """Average state that gradients do not move (BatchNorm statistics) across the copies."""

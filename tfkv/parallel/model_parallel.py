@@ -29,6 +29,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfkv.parallel.metrics import RunningMetrics, evaluate, loss_and_hits
+
 from tfkv import optim
 from tfkv.config import split_batch
 from tfkv.parallel.placement import LayerGroup
@@ -93,10 +95,7 @@ class ModelParallel:
             self.store.broadcast(self.keys, list(self.params), out=[[v] for v in self.params],
                                  priority=[-k for k in self.keys])
 
-        with tf.device("/device:CPU:0"):
-            self._loss_sum = tf.Variable(0.0, dtype=tf.float64, trainable=False)
-            self._correct = tf.Variable(0, dtype=tf.int64, trainable=False)
-            self._seen = tf.Variable(0, dtype=tf.int64, trainable=False)
+        self.metrics = RunningMetrics()
         if self.uses_store:
             self._grads = tf.function(self._forward_backward)
             self._set_weights = tf.function(self._assign_all)
@@ -148,14 +147,12 @@ class ModelParallel:
                             tape.watch(h)
                         out = model(h, training=True)
                         if s == last:
-                            logits = tf.cast(out, tf.float32)
-                            losses = tf.nn.sparse_softmax_cross_entropy_with_logits(ys[i], logits)
+                            losses, hits = loss_and_hits(ys[i], out)
                             out = tf.reduce_sum(losses) * self.loss_scale
                     row.append((tape, h, out))
                     if s == last and record:
-                        loss_sums.append(tf.reduce_sum(tf.cast(losses, tf.float64)))
-                        hits = tf.equal(tf.argmax(logits, -1, output_type=ys[i].dtype), ys[i])
-                        corrects.append(tf.reduce_sum(tf.cast(hits, tf.int64)))
+                        loss_sums.append(tf.reduce_sum(losses))
+                        corrects.append(hits)
                 h = out
             tapes.append(row)
 
@@ -179,9 +176,7 @@ class ModelParallel:
                 for per_var in zip(*reversed(per_group[s])):  # pieces in order 0..m-1
                     summed.append(per_var[0] if len(per_var) == 1 else tf.add_n(list(per_var)))
         if record:
-            self._loss_sum.assign_add(tf.add_n(loss_sums))
-            self._correct.assign_add(tf.add_n(corrects))
-            self._seen.assign_add(tf.cast(tf.shape(x)[0], tf.int64))
+            self.metrics.add(loss_sums, corrects, tf.shape(x)[0])
         return summed
 
     def _fused_step(self, x: Any, y: Any) -> None:
@@ -203,16 +198,10 @@ class ModelParallel:
     def take_metrics(self) -> tuple[float, float, int]:
         """(loss per example, correct positions per example, examples) since the last call, and
         reset. For sequence labels divide the first two by the sequence length."""
-        seen = int(self._seen.numpy())
-        loss = float(self._loss_sum.numpy()) / max(seen, 1)
-        acc = float(self._correct.numpy()) / max(seen, 1)
-        self._loss_sum.assign(0.0)
-        self._correct.assign(0)
-        self._seen.assign(0)
-        return loss, acc, seen
+        return self.metrics.take()
 
     def peek_loss(self) -> float:
-        return float(self._loss_sum.numpy()) / max(int(self._seen.numpy()), 1)
+        return self.metrics.peek_loss()
 
     def _eval_step(self, x: Any, y: Any) -> tuple[Any, Any]:
         h = x
@@ -220,20 +209,12 @@ class ModelParallel:
             with tf.device(d):
                 h = model(h, training=False)
         with tf.device(self.devices[-1]):
-            logits = tf.cast(h, tf.float32)
-            losses = tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits)
-            correct = tf.equal(tf.argmax(logits, -1, output_type=y.dtype), y)
-            return tf.reduce_sum(tf.cast(losses, tf.float64)), tf.reduce_sum(tf.cast(correct, tf.int64))
+            losses, hits = loss_and_hits(y, h)
+            return tf.reduce_sum(tf.cast(losses, tf.float64)), hits
 
     def evaluate(self, batches: Any) -> tuple[float, float]:
         """(loss, correct positions) per example over an iterable of (x, y) batches."""
-        loss, correct, n = 0.0, 0, 0
-        for x, y in batches:
-            batch_loss, batch_correct = self._eval(x, y)
-            loss += float(batch_loss)
-            correct += int(batch_correct)
-            n += int(y.shape[0])
-        return loss / max(n, 1), correct / max(n, 1)
+        return evaluate(self._eval, batches)
 
     def sync_non_trainable(self) -> None:
         """Nothing to do: there is one copy of every variable."""

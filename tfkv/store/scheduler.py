@@ -19,7 +19,8 @@ import zmq
 from tfkv.store import protocol as P
 from tfkv.store import security
 from tfkv.store.cluster_env import ClusterEnv
-from tfkv.store.scheduler_link import EXIT_PEER_FAILED, node_name
+from tfkv.errors import EXIT_PEER_FAILED
+from tfkv.store.scheduler_link import node_name
 
 log = logging.getLogger("tfkv.ps")
 

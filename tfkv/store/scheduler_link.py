@@ -20,13 +20,13 @@ from typing import Any
 
 import zmq
 
+from tfkv.errors import EXIT_PEER_FAILED
 from tfkv.store import protocol as P
 from tfkv.store import security
 from tfkv.store.cluster_env import ClusterEnv
 
 log = logging.getLogger("tfkv.ps")
 
-EXIT_PEER_FAILED = 3
 
 
 class ClusterError(RuntimeError):
