@@ -26,7 +26,6 @@ import re
 import shlex
 import shutil
 import subprocess
-import time
 from typing import IO
 
 from tfkv.errors import ConfigError
@@ -151,22 +150,12 @@ class MPILauncher:
     def launch(self, job: Job, out: IO[str]) -> Result:
         argv = mpirun_argv(job, _need_mpirun())
         output = role.Output(out)
-        failure = None
         proc = role.start(argv, env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=str(job.workdir))
         output.pump(proc.stdout)  # the helpers' prefixed lines
         output.pump(proc.stderr, "[mpirun] ")  # mpirun's own messages
-        try:
-            with role.sigterm_as_interrupt():
-                # mpirun aborts the job on the first failure itself; the grace period only guards
-                # against an mpirun that keeps waiting on a rank.
-                while proc.poll() is None and not output.grace_over(role.GRACE + TEARDOWN):
-                    time.sleep(0.05)
-        except KeyboardInterrupt:
-            failure = "interrupted (Ctrl-C)"
-        finally:
-            with role.shielded():
-                role.stop(proc, grace=TEARDOWN)
-                output.join()
+        # mpirun aborts the job on the first failure itself; the grace period only guards against
+        # an mpirun that keeps waiting on a rank.
+        failure = role.supervise(proc, output, TEARDOWN)
         rc = proc.returncode
         failure = failure or output.cause() or (f"mpirun {status_text(rc)}" if rc else None)
         return Result(0 if failure is None else (rc if rc and rc > 0 else 1), failure)

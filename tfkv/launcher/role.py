@@ -41,7 +41,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO, Any, Iterator, Sequence
+from typing import Callable, IO, Any, Iterator, Sequence
 
 from tfkv.launcher.local import first_cause, status_text
 from tfkv.launcher.plan import Process, make_plan
@@ -320,6 +320,28 @@ def sigterm_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+def supervise(proc: subprocess.Popen, output: "Output", teardown: float,
+              interrupt: Callable[[subprocess.Popen], None] | None = None) -> str | None:
+    """Wait for a resource manager's client (mpirun, srun) to end, or for the grace after a role
+    failed to run out; Ctrl-C or SIGTERM cuts it short. Then, if it still runs, `interrupt` it
+    (its own way to end a job), stop it and what it started, and finish the output. Returns
+    "interrupted (Ctrl-C)" or None."""
+    failure = None
+    try:
+        with sigterm_as_interrupt():
+            while proc.poll() is None and not output.grace_over(GRACE + teardown):
+                time.sleep(0.05)
+    except KeyboardInterrupt:
+        failure = "interrupted (Ctrl-C)"
+    finally:
+        with shielded():
+            if interrupt is not None and proc.poll() is None:
+                interrupt(proc)
+            stop(proc, grace=teardown)
+            output.join()
+    return failure
 
 
 def quietly(argv: list[str], env: dict[str, str] | None = None, timeout: float = 60) -> int | None:

@@ -94,22 +94,13 @@ class SlurmLauncher:
         proc = role.start(srun_argv(job, name), env=env, cwd=str(job.workdir))
         output.pump(proc.stdout)  # the helpers' prefixed lines
         output.pump(proc.stderr, "[srun] ")
-        failure = None
-        try:
-            with role.sigterm_as_interrupt():
-                while proc.poll() is None and not output.grace_over(role.GRACE + TEARDOWN):
-                    time.sleep(0.05)
-        except KeyboardInterrupt:
-            failure = "interrupted (Ctrl-C)"
-        finally:
-            with role.shielded():
-                if proc.poll() is None:
-                    # Two SIGINTs within a second: srun kills every task of the step and exits.
-                    for _ in range(2):
-                        role.signal_group(proc.pid, signal.SIGINT)
-                        time.sleep(0.3)
-                role.stop(proc, grace=TEARDOWN)
-                output.join()
+
+        def interrupt(p: subprocess.Popen) -> None:
+            for _ in range(2):  # two SIGINTs within a second: srun kills every task of the step
+                role.signal_group(p.pid, signal.SIGINT)
+                time.sleep(0.3)
+
+        failure = role.supervise(proc, output, TEARDOWN, interrupt)
         return self._result(failure, output, proc.returncode, "srun", "[srun] ")
 
     def _batch(self, job: Job, name: str, env: dict[str, str], output: role.Output) -> Result:
