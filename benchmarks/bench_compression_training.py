@@ -6,12 +6,12 @@ LeNet (tfkv `lenet`) on one synthetic 28x28x1 batch, b=32 per worker, SGD (lr 0.
 (`set_gradient_compression({"type": "2bit", "threshold": 0.5})`, called right after the store is
 created, before any key exists, as the trainer does; pulls stay float32). Each job is the one in
 benchmarks/dist_job.py (time-based steps, workers' weights checked to agree). Trials alternate
-the contenders (order reversed every other trial); medians are reported. `--push-order first`
-adds a float32 contender that pushes the first layer first instead of backprop's order (the A/B
-for DataParallel's push order).
+the contenders (order reversed every other trial); medians are reported. `--overlap-ab` adds a
+float32 contender that pushes every key after the whole backward pass instead of from inside it
+as each gradient is ready (the A/B for DataParallel's overlap).
 
     python benchmarks/bench_compression_training.py [--seconds 3] [--trials 2] [--workers 2,4]
-                                                    [--threshold 0.5] [--push-order-ab]
+                                                    [--threshold 0.5] [--overlap-ab]
 
 Exits non-zero if any job failed or hung.
 """
@@ -37,12 +37,12 @@ def main() -> None:
     ap.add_argument("--workers", default="2,4")
     ap.add_argument("--batch", type=int, default=32, help="per worker")
     ap.add_argument("--threshold", type=float, default=0.5)
-    ap.add_argument("--push-order-ab", action="store_true",
-                    help="also run float32 with the first layer pushed first (the old order)")
+    ap.add_argument("--overlap-ab", action="store_true",
+                    help="also run float32 pushing every key after the whole backward pass")
     ap.add_argument("--job-timeout", type=float, default=240.0)
     args = ap.parse_args()
     counts = [int(w) for w in args.workers.split(",")]
-    contenders = ["float32", "2bit"] + (["float32, first layer pushed first"] if args.push_order_ab else [])
+    contenders = ["float32", "2bit"] + (["float32, pushed after backward"] if args.overlap_ab else [])
     print(f"LeNet, dist_sync, 1 server, b={args.batch} per worker; samples/s of the whole job, median of "
           f"{args.trials} trials of ~{args.seconds:g} s; 2-bit threshold {args.threshold}", flush=True)
     got: dict[tuple[int, str], list[dict]] = {}
@@ -54,7 +54,7 @@ def main() -> None:
                     with tempfile.TemporaryDirectory(prefix="bench_compression_") as tmp:
                         r = run_job(w, "lenet", args.batch, args.seconds, tmp, "job", args.job_timeout,
                                     compression="2bit" if c == "2bit" else "none", threshold=args.threshold,
-                                    push_order="first" if "first" in c else "last")
+                                    overlap="after" if "after" in c else "graph")
                     got.setdefault((w, c), []).append(r)
             print(f"  trial {trial + 1}/{args.trials} done ({time.monotonic() - t_start:.0f} s)", flush=True)
     except (Failed, OSError, ValueError, KeyError) as e:

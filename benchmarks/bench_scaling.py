@@ -6,10 +6,11 @@ synthetic 8x8x1 batch, b=32 per worker, SGD (lr 0.01, momentum 0.9) on the serve
 the one in benchmarks/dist_job.py (time-based steps, workers' weights checked to agree). Inside
 every worker DataParallel.timings splits the step, averaged over the workers:
 
-    compute   the gradient tf.function (forward + backward)
-    push      store.push (merging, compressing if asked, sending without waiting)
-    wait+pull store.pull: sending the requests and waiting for the replies, which in dist_sync
-              includes waiting for the slowest worker's pushes
+    compute   the gradient tf.function (forward + backward), with the pushes made from inside it
+    push      the part of compute spent pushing each key and requesting it back (merging,
+              compressing if asked, sending without waiting)
+    wait+pull waiting for the replies after the backward pass, which in dist_sync includes
+              waiting for the slowest worker's pushes
     assign    writing the pulled weights into the variables (one compiled call)
 
 Every worker count is a separate job; trials go through the counts in alternating order and the

@@ -6,9 +6,12 @@ SGD (lr 0.01, momentum 0.9, the server runs the optimizer), traces and warms up,
 calibration steps, and then runs a step count that rank 0 picks to last about `--seconds` (every
 worker must run the same count). Over the timed steps it records the job's samples/s (global
 batch x steps / the slowest worker's time), the bytes it pushed (DistStore.push_bytes), where its
-step time went (DataParallel.timings: compute = the gradient tf.function, push = store.push,
-pull = store.pull including the wait for the other workers, assign = writing the pulled weights
-into the variables), and a checksum of its weights, which must agree across workers.
+step time went (DataParallel.timings: compute = the gradient tf.function, including the pushes
+made from inside it; push = the part of it spent pushing; pull = waiting for the replies, which
+includes waiting for the other workers; assign = writing the pulled weights into the variables),
+and a checksum of its weights, which must agree across workers. `--overlap after` hides the
+store's async_pushpull from DataParallel, so every key is pushed after the whole backward pass
+instead of from inside it (the A/B of benchmarks/bench_compression_training.py).
 
 Run as a script it is one worker (the parent scripts start it); `run_job` is the parent side.
 """
@@ -54,6 +57,8 @@ def worker(args: argparse.Namespace) -> None:
         tf.config.threading.set_inter_op_parallelism_threads(args.threads)
     tf_devices = devices.setup(["cpu:0"])
     kv = store.create("dist_sync", devices=tf_devices)
+    if args.overlap == "after":
+        kv.async_pushpull = False
     try:
         rank, workers = kv.rank, kv.num_workers
         if args.compression != "none":  # before any key exists, as the trainer does
@@ -64,7 +69,6 @@ def worker(args: argparse.Namespace) -> None:
         keras.utils.set_random_seed(0)
         sgd = optim.SGD(schedule=optim.Schedule(lr=LR), momentum=MOMENTUM)
         dp = DataParallel(lambda: build(ModelConfig(**cfg), shape, 10), tf_devices, kv, sgd, [len(x)])
-        dp.push_last_layer_first = args.push_order == "last"
         for _ in range(WARMUP_STEPS):
             dp.step(x, y)
         t0 = time.perf_counter()
@@ -92,7 +96,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run_job(workers: int, model: str, batch: int, seconds: float, tmp: str, tag: str, timeout: float,
-            compression: str = "none", threshold: float = 0.5, push_order: str = "last", threads: int = 0) -> dict:
+            compression: str = "none", threshold: float = 0.5, overlap: str = "graph", threads: int = 0) -> dict:
     """Run one job; returns {samples_s, push_bytes (per step, per worker), timings (worker means),
     steps, params, loss}. Raises Failed (with the job's log tail) on any failure or hang."""
     from tfkv.launcher import local
@@ -100,7 +104,7 @@ def run_job(workers: int, model: str, batch: int, seconds: float, tmp: str, tag:
 
     argv = [sys.executable, os.path.abspath(__file__), "--out", tmp, "--sync-dir", tmp, "--tag", tag,
             "--model", model, "--batch", str(batch), "--seconds", str(seconds), "--compression", compression,
-            "--threshold", str(threshold), "--push-order", push_order, "--threads", str(threads)]
+            "--threshold", str(threshold), "--overlap", overlap, "--threads", str(threads)]
     plan = make_plan(workers, 1, argv, [sys.executable, "-m", "tfkv.store.node"], ["127.0.0.1"], "127.0.0.1",
                      free_port())
     log = io.StringIO()
@@ -150,7 +154,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, required=True)
     ap.add_argument("--compression", default="none")
     ap.add_argument("--threshold", type=float, default=0.5)
-    ap.add_argument("--push-order", choices=["last", "first"], default="last")
+    ap.add_argument("--overlap", choices=["graph", "after"], default="graph")
     ap.add_argument("--threads", type=int, default=0)
     worker(ap.parse_args())
 

@@ -226,6 +226,32 @@ def int_sgd(kv, out):
 SCENARIOS["int_sgd"] = int_sgd
 
 
+
+def pushpull(kv, out):
+    """pushpull and pushpull_async + arrivals over small, server-split and chunked keys (lists
+    of device values too), with and without 2-bit compression: sums, once per key."""
+    r = kv.rank
+    keys = ["small", "split", "chunked"]
+    kv.init(keys, [np.zeros(3, np.float32), np.zeros(1000, np.float32), np.zeros((50, 40), np.float32)])
+    res = {"parts": {k: len(kv._layout(k)[1].parts) for k in keys}}
+    small, split, chunked = kv.pushpull(keys, [np.full(3, r + 1.0, np.float32),
+                                              [np.full(1000, 1.0, np.float32), np.full(1000, r, np.float32)],
+                                              np.full((50, 40), 2.0 * r, np.float32)], priority=[0, 1, 2])
+    res["pushpull"] = [small.tolist(), [float(split.min()), float(split.max())], list(chunked.shape),
+                       [float(chunked.min()), float(chunked.max())]]
+    pending = kv.pushpull_async(keys, [np.ones(3, np.float32), np.ones(1000, np.float32),
+                                       np.ones((50, 40), np.float32)])
+    got = list(kv.arrivals(pending))
+    res["arrived"] = sorted(k for k, _ in got)
+    res["async"] = {k: [float(v.min()), float(v.max())] for k, v in got}
+    kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
+    res["compressed"] = float(kv.pushpull("chunked", np.full((50, 40), 0.5, np.float32)).max())
+    json.dump(res, out)
+
+
+SCENARIOS["pushpull"] = pushpull
+
+
 if __name__ == "__main__":
     scenario, path = sys.argv[1], sys.argv[2]
     kind = os.environ.get("TEST_KVSTORE", "dist_sync")

@@ -7,6 +7,8 @@ relative), not bit for bit; the tolerance below is a few hundred times that, far
 real difference (a wrong split or a missed device changes weights by >1e-2).
 """
 
+import threading
+
 import keras
 import numpy as np
 import pytest
@@ -16,17 +18,55 @@ from tfkv import optim, store
 from tfkv.config import ModelConfig, split_batch
 from tfkv.models import build
 from tfkv.parallel.data_parallel import DataParallel
+from tfkv.store.base import KVStore, pairs
 from tfkv.store.local import LocalStore
+from tfkv.store.np_updater import NumpyUpdater
 
 RTOL, ATOL = 2e-5, 2e-6
 SHAPE, CLASSES, BATCH, STEPS = (8, 8, 1), 10, 32, 6
 
 
 class EagerLocalStore(LocalStore):
-    """The real `local` store, driven the way a parameter-server store is: between the compiled
-    halves of the step instead of inside the graph."""
+    """The real `local` store, driven between the compiled halves of the step instead of inside
+    the graph (the path of a store without async_pushpull)."""
 
     traceable = False
+
+
+class HostStore(KVStore):
+    """The parameter-server client's contract without the network: `async_pushpull`, so
+    DataParallel pushes from inside the compiled step; values summed in numpy and updated by the
+    servers' NumpyUpdater. Records each push as (key, pushed from the main thread?)."""
+
+    async_pushpull = True
+
+    def __init__(self):
+        self.values, self.updater, self.pushes = {}, None, []
+
+    def init(self, key, value):
+        for k, vs in pairs(key, value):
+            self.values[k] = np.asarray(vs[0], np.float32).copy()
+
+    def push(self, key, value, priority=0):
+        for k, vs in pairs(key, value):
+            self.pushes.append((k, threading.current_thread() is threading.main_thread()))
+            g = np.sum([np.asarray(v, np.float32) for v in vs], axis=0)
+            self.values[k] = self.updater.update(k, self.values[k], g) if self.updater else g
+
+    def pull(self, key, out=None, priority=0):
+        for k, outs in pairs(key, out):
+            for o in outs:
+                o.assign(self.values[k])
+        return None if out is not None else self.values[key]
+
+    def set_optimizer(self, optimizer):
+        self.updater = NumpyUpdater(optimizer)
+
+    def save_optimizer_states(self, fname):
+        raise NotImplementedError
+
+    def load_optimizer_states(self, fname):
+        raise NotImplementedError
 
 
 def _batches():
@@ -78,10 +118,13 @@ def _train_initial():
     dict(n=4, kind="local", update_on_kvstore=False),
     dict(n=2, kind="eager"),
     dict(n=2, kind="eager", update_on_kvstore=False),
+    dict(n=2, kind="host"),
+    dict(n=3, kind="host", update_on_kvstore=False),
 ], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_k_devices_match_one_device(case, tf_devices, reference):
     devices = tf_devices[:case["n"]]
-    kv = EagerLocalStore(devices) if case["kind"] == "eager" else store.create(case["kind"], devices=devices)
+    kinds = {"eager": lambda: EagerLocalStore(devices), "host": HostStore}
+    kv = kinds[case["kind"]]() if case["kind"] in kinds else store.create(case["kind"], devices=devices)
     dp = _train(devices, kv, SGD, work_load=case.get("work_load"),
                 update_on_kvstore=case.get("update_on_kvstore", True))
     _assert_same(dp.get_weights(), reference)
@@ -133,50 +176,50 @@ def test_metrics_count_every_example(tf_devices):
 
 
 class RecordingStore(EagerLocalStore):
-    """Records the order in which a step hands keys to push and pull (higher priority first)."""
+    """Records the key order in which a step hands its gradients over (higher priority first)."""
 
     def __init__(self, devices):
         super().__init__(devices)
-        self.pushed, self.pulled = [], []
+        self.pushed = []
 
-    @staticmethod
-    def _order(key, priority):
-        return [k for _, k in sorted(zip(priority, key), key=lambda t: -t[0])]
-
-    def push(self, key, value, priority=0):
-        if isinstance(key, list):
-            self.pushed.append(self._order(key, priority))
-        return super().push(key, value, priority=priority)
-
-    def pull(self, key, out=None, priority=0):
-        if isinstance(key, list):
-            self.pulled.append(self._order(key, priority))
-        return super().pull(key, out=out, priority=priority)
+    def pushpull_async(self, key, value, priority=0):
+        self.pushed.append([k for _, k in sorted(zip(priority, key), key=lambda t: -t[0])])
+        return super().pushpull_async(key, value, priority)
 
 
-def test_non_traceable_step_pushes_last_layer_first_and_times_its_phases(tf_devices):
-    """The store-between-halves path pushes in backprop order (last layer first), pulls the first
-    layer first, counts its phases, and the push order changes no value."""
+def test_between_halves_step_pushes_last_layer_first_and_times_its_phases(tf_devices):
     kv = RecordingStore(tf_devices[:2])
     dp = _train(tf_devices[:2], kv, SGD)
     n = len(dp.keys)
-    assert kv.pushed and all(order == list(range(n))[::-1] for order in kv.pushed)
-    assert kv.pulled and all(order == list(range(n)) for order in kv.pulled)
+    assert len(kv.pushed) == STEPS and all(order == list(range(n))[::-1] for order in kv.pushed)
     assert dp.timings["steps"] == STEPS
     assert all(dp.timings[p] > 0 for p in ("compute", "push", "pull", "assign"))
     dp.reset_timings()
     assert dp.timings["steps"] == 0 and dp.timings["compute"] == 0.0
 
-    class FirstLayerFirst(DataParallel):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            self.push_last_layer_first = False
+
+def test_a_streaming_store_is_pushed_from_inside_the_step_in_backprop_order(tf_devices):
+    """With async_pushpull, each key is pushed by the compiled step itself (on a TensorFlow
+    thread, not the caller's), the last layer first, once per key and step."""
+    kv = HostStore()
+    dp = _train(tf_devices[:2], kv, SGD)
+    n = len(dp.keys)
+    assert len(kv.pushes) == STEPS * n
+    assert [k for k, _ in kv.pushes] == list(range(n))[::-1] * STEPS
+    assert not any(on_main for _, on_main in kv.pushes), "pushes ran on the caller's thread, after the graph"
+    assert dp.timings["steps"] == STEPS and 0 < dp.timings["push"] < dp.timings["compute"]
+
+
+def test_an_error_in_a_push_from_inside_the_step_is_raised_as_itself(tf_devices):
+    class Refusing(HostStore):
+        def push(self, key, value, priority=0):
+            if self.updater is not None:  # after the broadcast at start-up
+                raise ValueError("server 0: refused")
+            super().push(key, value, priority)
 
     keras.utils.set_random_seed(7)
-    cfg = ModelConfig(name="mlp", hidden=[32, 16])
-    other = FirstLayerFirst(lambda: build(cfg, SHAPE, CLASSES), tf_devices[:2], EagerLocalStore(tf_devices[:2]),
-                            SGD, split_batch(BATCH, None, 2))
-    for x, y in _batches():
-        other.step(x, y)
-    for a, b in zip(dp.get_weights(), other.get_weights()):
-        np.testing.assert_array_equal(a, b)
+    cfg = ModelConfig(name="mlp", hidden=[8])
+    dp = DataParallel(lambda: build(cfg, SHAPE, CLASSES), tf_devices[:2], Refusing(), SGD, [BATCH // 2] * 2)
+    x, y = _batches()[0]
+    with pytest.raises(ValueError, match="server 0: refused"):
+        dp.step(x, y)

@@ -43,6 +43,22 @@ def test_sync_semantics_big_arrays_and_string_keys(cluster):
     assert sorted(r["rank"] for r in _results(outs)) == [0, 1]
 
 
+def test_pushpull_streams_each_key_back(cluster):
+    c = cluster(num_servers=2, num_workers=2, MXNET_KVSTORE_BIGARRAY_BOUND="500", TFKV_CHUNK_BYTES="2000")
+    c.start_servers()
+    outs = c.start_workers("pushpull")
+    _ok(c)
+    for r in _results(outs):
+        assert r["parts"] == {"small": 1, "split": 2, "chunked": 4}  # 2 servers x 2 chunks of 500 floats
+        small, split, shape, chunked = r["pushpull"]
+        assert small == [3.0] * 3  # 1 + 2
+        assert split == [3.0, 3.0]  # (1 + 0) from worker 0, (1 + 1) from worker 1
+        assert shape == [50, 40] and chunked == [2.0, 2.0]  # 0 + 2
+        assert r["arrived"] == ["chunked", "small", "split"]  # each key once
+        assert r["async"] == {"small": [2.0, 2.0], "split": [2.0, 2.0], "chunked": [2.0, 2.0]}
+        assert r["compressed"] == 1.0  # 0.5 quantised to +0.5 by both workers
+
+
 @pytest.mark.parametrize("kind", ["dist_sync", "dist_async"])
 def test_update_on_servers_counts_every_push_once(cluster, kind):
     c = cluster(num_servers=1, num_workers=2, TEST_KVSTORE=kind)

@@ -6,19 +6,23 @@ Each step, device i runs forward and backward on its slice (b/k examples, or its
 them), then pulled back into every copy. With `update_on_kvstore` the store runs the optimizer;
 otherwise it only sums, and each device applies the update to its own copy.
 
-Stores whose push/pull are TensorFlow ops (`traceable`) are traced into the step's tf.function;
-the others (the parameter-server client) are called between two compiled halves of the step:
-every gradient is pushed, in the order backprop produces them (last layer first), without
-waiting; then every weight is pulled in one call, the first layer's request first, so every
-request is in flight before the worker waits; then the weights are written into the variables
-in one compiled call. `timings` accumulates the seconds spent in each phase (compute, push, pull,
-assign) for benchmarks.
+Stores whose push/pull are TensorFlow ops (`traceable`) are traced into the step's tf.function.
+The parameter-server client (`async_pushpull`) is handed each key's gradients from inside the
+compiled step, by a `tf.numpy_function` per key that runs as soon as backprop has produced that
+key's gradients (last layer first) while the rest of backprop goes on: it pushes the key and
+requests it back at once, so the servers sum and answer early keys while later ones are still
+being computed. After the step, the replies are taken as they arrive and written into the
+variables in one compiled call. Other stores get the same calls between the two compiled
+halves of the step.
+`timings` accumulates the seconds of each phase (compute, including the pushes made from inside
+it; push, the part of compute spent pushing; pull, waiting for replies; assign) for benchmarks.
 With one device on one machine there is nothing to sum, and, as MXNet does, the store is left
 out: the device updates its weights itself, with the same rule and the same numbers.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Callable, Sequence
 
@@ -82,18 +86,18 @@ class DataParallel:
         self._sync_non_trainable(source=0)
 
         self.metrics = RunningMetrics()
+        self._streams = self.uses_store and store.async_pushpull
+        self._inflight: list[Any] = []  # pulls requested from inside the compiled step
+        self._hook_error: BaseException | None = None
         if store.traceable or not self.uses_store:
             self._step = tf.function(self._fused_step)
         else:
-            self._grads = tf.function(self._forward_backward)
+            self._grads = tf.function(self._forward_backward_pushing if self._streams else self._forward_backward)
             self._set_weights = tf.function(self._assign_all)
             self._apply = tf.function(self._apply_aggregated)
         self._eval = tf.function(self._eval_step)
         # Seconds per phase of the non-traceable step, summed over steps (see reset_timings).
         self.timings = {"compute": 0.0, "push": 0.0, "pull": 0.0, "assign": 0.0, "steps": 0}
-        # Push order of the non-traceable step: True, backprop's order (the last layer first);
-        # False, the first layer first. Either gives the same numbers.
-        self.push_last_layer_first = True
 
     def reset_timings(self) -> None:
         for k in self.timings:
@@ -107,31 +111,59 @@ class DataParallel:
             self._step(x, y)
             return
         clock = time.perf_counter
+        tm = self.timings
         t0 = clock()
-        grads = self._grads(x, y)
-        t1 = clock()
-        # One call each, so that a remote store has every request in flight before it waits.
-        # Pushes go out in the order backprop produces the gradients (priority k: the last layer
-        # first), so the server can sum the last layers while the first ones are still on the
-        # way; pulls with priority -k: the first layer's weights first, as the next forward
-        # pass needs them first. Neither order changes a single value.
-        pull_priority = [-k for k in self.keys]
-        push_priority = list(self.keys) if self.push_last_layer_first else pull_priority
-        self.store.push(self.keys, [[g[k] for g in grads] for k in self.keys], priority=push_priority)
-        t2 = clock()
-        pulled = self.store.pull(self.keys, priority=pull_priority)
+        if self._streams:
+            self._grads(x, y)  # pushes every key from inside, as its gradients are ready
+            if self._hook_error is not None:
+                error, self._hook_error, self._inflight = self._hook_error, None, []
+                raise error
+            t1 = t2 = clock()
+        else:
+            grads = self._grads(x, y)
+            t1 = clock()
+            # Priority k: backprop's order, the last layer first (the order the gradients came).
+            self._inflight = self.store.pushpull_async(self.keys, [[g[k] for g in grads] for k in self.keys],
+                                                       priority=list(self.keys))
+            t2 = clock()
+            tm["push"] += t2 - t1
+        pending, self._inflight = self._inflight, []
+        values = dict(self.store.arrivals(pending))
+        pulled = [values[k] for k in self.keys]
         t3 = clock()
         if self.update_on_kvstore:
             self._set_weights(pulled)
         else:
             self._apply(pulled)
         t4 = clock()
-        tm = self.timings
         tm["compute"] += t1 - t0
-        tm["push"] += t2 - t1
         tm["pull"] += t3 - t2
         tm["assign"] += t4 - t3
         tm["steps"] += 1
+
+    def _forward_backward_pushing(self, x: Any, y: Any) -> None:
+        grads = self._forward_backward(x, y)
+        # Stateful ops run in program order, so the hooks fire in backprop's order: the last
+        # layer's first, each as soon as its gradients exist.
+        for k in reversed(self.keys):
+            values = [g[k] for g in grads]
+            if len(values) > 1 and self.store.sum_on_device:
+                with tf.device(self.devices[0]):
+                    values = [tf.add_n(values)]
+            tf.numpy_function(functools.partial(self._push_hook, k), values, Tout=tf.int32, stateful=True,
+                              name=f"push_{k}")
+
+    def _push_hook(self, key: int, *values: np.ndarray) -> np.int32:
+        # Runs on a TensorFlow thread: an exception here would come back wrapped in a TF error,
+        # so it is kept and raised as itself once the step returns.
+        if self._hook_error is None:
+            t = time.perf_counter()
+            try:
+                self._inflight.extend(self.store.pushpull_async(key, list(values)))
+            except BaseException as e:  # noqa: BLE001 - re-raised by step()
+                self._hook_error = e
+            self.timings["push"] += time.perf_counter() - t
+        return np.int32(0)
 
     def _forward_backward(self, x: Any, y: Any) -> list[list[Any]]:
         grads, offset = [], 0

@@ -54,6 +54,12 @@ class KVStore(ABC):
     traceable: bool = False
     #: values cross machines (a parameter server); False for the single-machine stores
     distributed: bool = False
+    #: has pushpull_async/arrivals: push a key and request it back without waiting (safe to
+    #: call from a TensorFlow op's thread), take the replies as they come
+    async_pushpull: bool = False
+    #: the `device` types' choice (MXNET_ENABLE_GPU_P2P): a key's device values are summed on
+    #: the first device rather than in host memory
+    sum_on_device: bool = False
 
     @property
     def rank(self) -> int:
@@ -79,6 +85,17 @@ class KVStore(ABC):
     def pushpull(self, key: Key | Sequence[Key], value: Any, out: Any = None, priority: int | Sequence[int] = 0) -> Any:
         self.push(key, value, priority)
         return self.pull(key, out if out is not None else None, priority)
+
+    def pushpull_async(self, key: Key | Sequence[Key], value: Any, priority: int | Sequence[int] = 0) -> list[Any]:
+        """Push the keys and ask for them back without waiting, where the store can (see
+        `async_pushpull`); returns what `arrivals` takes. Here: push now, pull in `arrivals`."""
+        self.push(key, value, priority)
+        return list(key) if isinstance(key, (list, tuple)) else [key]
+
+    def arrivals(self, pending: Sequence[Any]) -> Iterator[tuple[Key, Any]]:
+        """(key, value) for each of `pending` (from pushpull_async), as each becomes available."""
+        for k in pending:
+            yield k, self.pull(k)
 
     def broadcast(self, key: Key | Sequence[Key], value: Any, out: Any, priority: int | Sequence[int] = 0) -> None:
         """Initialise keys from `value` and copy them into every `out`."""

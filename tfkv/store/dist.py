@@ -6,10 +6,14 @@ more than the big-array bound (MXNET_KVSTORE_BIGARRAY_BOUND, 1,000,000 elements)
 it is cut into one contiguous part per server. A push first sums this machine's device values
 (in host memory, or on the first device for the `*_device` types), then sends one message per
 part without waiting; a pull sends every part's request before it waits for any answer.
-Requests go out in priority order (higher first: the trainer gives the first layer the highest,
-so the next forward pass's first weights come back first). A part of more than TFKV_CHUNK_BYTES
-is cut into chunks, each its own key on its server, so one big tensor does not hold up the
-others and many requests are in flight. With `set_gradient_compression` pushes are 2-bit
+Requests go out in priority order (higher first). `pushpull` and `pushpull_async` send each
+key's pull right behind its push, so the servers answer early keys while later pushes are still
+on the wire (both directions of the link busy at once: 2x the throughput of pushing everything
+before pulling); `arrivals` hands out each key as its last part arrives. DataParallel calls
+`pushpull_async` from inside its compiled step, per key, as backprop produces the gradients
+(hence the lock: the sockets are used from a TensorFlow thread). A part of more than
+TFKV_CHUNK_BYTES is cut into chunks, each its own key on its server, so one big tensor does not
+hold up the others; the chunks of a pulled key are copied into one array as they arrive. With `set_gradient_compression` pushes are 2-bit
 compressed (`tfkv.store.compression`) with one residual per key chunk kept on the worker.
 
 Creating a store in a process whose role is `server` or `scheduler` runs that role and exits,
@@ -21,9 +25,10 @@ from __future__ import annotations
 import itertools
 import logging
 import sys
+import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Iterator, Sequence
 
 import numpy as np
 import zmq
@@ -53,9 +58,41 @@ class Layout:
     parts: list[tuple[int, int, int, int]]  # (server, start, end, server-side key) over the flat value
 
 
+@dataclass
+class Pull:
+    """A key's pull requests in flight: `seqs` holds (sequence number, start, end) per part."""
+
+    key: Key
+    layout: Layout
+    seqs: list[tuple[int, int, int]]
+    outs: list[Any] = field(default_factory=list)  # variables the value is assigned to
+    value: np.ndarray | None = None  # once every part has arrived
+
+    def __post_init__(self) -> None:
+        self._left = len(self.seqs)
+        self._spans = {seq: (a, b) for seq, a, b in self.seqs}
+        if self._left > 1:
+            self._flat = np.empty(self.layout.size, np.float32)
+
+    def arrive(self, seq: int, data: np.ndarray) -> bool:
+        """Take one part's reply; True once the value is complete."""
+        self._left -= 1
+        if len(self.seqs) == 1:  # the reply's own buffer, read-only, no copy
+            flat = data
+        else:  # each part copied in as it comes, while later parts are still on the way
+            a, b = self._spans[seq]
+            self._flat[a:b] = data
+            if self._left:
+                return False
+            flat = self._flat
+        self.value = flat.reshape(self.layout.shape)
+        return True
+
+
 class DistStore(KVStore):
     type = "dist_sync"
     distributed = True
+    async_pushpull = True
     sync = True
     on_device = False
 
@@ -90,7 +127,9 @@ class DistStore(KVStore):
         self._threshold: float | None = None  # 2-bit compression of pushes, when set
         self._residuals: dict[int, np.ndarray] = {}  # server-side key -> what compression held back
         self.push_bytes = 0  # payload bytes of every PUSH sent (measures compression)
-        self._sum_on_device = self.on_device and gpu_p2p()
+        self.sum_on_device = self.on_device and gpu_p2p()
+        # Sockets are not thread-safe: pushpull_async may run on a TensorFlow op's thread.
+        self._lock = threading.RLock()
         if self.rank == 0:
             self._wait([self._send(s, P.Message(P.Type.CONFIGURE, meta={"sync": self.sync}))
                         for s in range(len(self._socks))])
@@ -108,21 +147,29 @@ class DistStore(KVStore):
 
     def _send(self, server: int, msg: P.Message, track: bool = True) -> int:
         """Send a request; `track`: wait for (and, under PS_RESEND, retransmit until) its answer."""
-        msg.sender, msg.seq = self.link.id, next(self._seq)
-        frames = P.encode(msg)
-        size = sum(memoryview(f).nbytes for f in frames)
-        if size > self.env.max_message_bytes:
-            # A server drops an oversized message unread (and the connection with it): say so
-            # here instead of waiting for an answer that cannot come.
-            raise ValueError(f"{msg.type.name} of key {msg.key} is {size} bytes, over TFKV_MAX_MESSAGE_BYTES="
-                             f"{self.env.max_message_bytes}; raise it or lower MXNET_KVSTORE_BIGARRAY_BOUND "
-                             "so big arrays are split across more servers")
-        self._socks[server].send_multipart(frames, copy=False)
-        if track:
-            self._pending[msg.seq] = [server, frames, time.monotonic()]
+        with self._lock:
+            msg.sender, msg.seq = self.link.id, next(self._seq)
+            frames = P.encode(msg)
+            size = sum(memoryview(f).nbytes for f in frames)
+            if size > self.env.max_message_bytes:
+                # A server drops an oversized message unread (and the connection with it): say so
+                # here instead of waiting for an answer that cannot come.
+                raise ValueError(f"{msg.type.name} of key {msg.key} is {size} bytes, over TFKV_MAX_MESSAGE_BYTES="
+                                 f"{self.env.max_message_bytes}; raise it or lower MXNET_KVSTORE_BIGARRAY_BOUND "
+                                 "so big arrays are split across more servers")
+            self._socks[server].send_multipart(frames, copy=False)
+            if track:
+                self._pending[msg.seq] = [server, frames, time.monotonic()]
         return msg.seq
 
-    def _receive(self, timeout_ms: float) -> None:
+    def _receive(self, timeout_ms: float) -> list[int]:
+        """Take what the servers sent (waiting up to `timeout_ms` for the first of it); return
+        the sequence numbers of the data replies now in `_replies`."""
+        with self._lock:
+            return self._receive_locked(timeout_ms)
+
+    def _receive_locked(self, timeout_ms: float) -> list[int]:
+        arrived = []
         for sock, _ in self._poller.poll(timeout_ms):
             while True:
                 try:
@@ -141,8 +188,14 @@ class DistStore(KVStore):
                     continue  # a late answer to a request already answered (resend)
                 if msg.type != P.Type.ACK:
                     self._replies[msg.seq] = msg
+                    arrived.append(msg.seq)
+        return arrived
 
     def _resend_overdue(self) -> None:
+        with self._lock:
+            self._resend_overdue_locked()
+
+    def _resend_overdue_locked(self) -> None:
         now = time.monotonic()
         for seq, entry in self._pending.items():
             if now - entry[2] > self.env.resend_timeout:
@@ -201,7 +254,7 @@ class DistStore(KVStore):
 
     def _merge(self, values: list[Any]) -> np.ndarray:
         """One flat float32 array: the sum of this machine's device values."""
-        if len(values) > 1 and self._sum_on_device:
+        if len(values) > 1 and self.sum_on_device:
             # GPU P2P: sum on the first device; without it the values are summed below, in host memory.
             import tensorflow as tf
 
@@ -235,60 +288,112 @@ class DistStore(KVStore):
         self.barrier()
 
     def push(self, key: Key | Sequence[Key], value: Any, priority: int | Sequence[int] = 0) -> None:
-        if not self.sync and not self._has_optimizer:
-            raise RuntimeError(f"{self.type} needs an optimizer on the servers (set_optimizer, "
-                               "update_on_kvstore=true): without one each push would replace the weights")
+        self._check_can_push()
         for k, values in self._ordered(list(pairs(key, value)), priority):
-            kid, layout = self._layout(k)
-            flat = self._merge(values)
-            if flat.size != layout.size:
-                raise ValueError(f"key {k!r}: pushed {flat.size} values, it holds {layout.size}")
-            for server, a, b, skey in layout.parts:
-                msg = P.Message(P.Type.PUSH, key=skey, data=flat[a:b], want_ack=self.env.resend)
-                if self._threshold is not None:
-                    residual = self._residuals.get(skey)
-                    if residual is None:
-                        residual = self._residuals[skey] = np.zeros(b - a, np.float32)
-                    # The residual changes once here; a resend (PS_RESEND) repeats these frames.
-                    msg.data = compression.pack(flat[a:b], residual, self._threshold)
-                    msg.dtype, msg.count = P.DType.TWOBIT, b - a
-                self.push_bytes += msg.data.nbytes
-                # Acknowledged (and tracked) only under PS_RESEND; see Server._ack_push.
-                self._send(server, msg, track=self.env.resend)
-                if not self.env.resend:
-                    self._unsynced.add(server)
+            self._push_key(k, values)
         self._receive(0)  # collect answers that are already here (errors surface early)
 
     def pull(self, key: Key | Sequence[Key], out: Any = None, priority: int | Sequence[int] = 0) -> Any:
-        items = self._ordered(list(pairs(key, out)), priority)
         if self.env.resend:
-            # One connection delivers in order, so a pull cannot overtake its key's push, unless
-            # that push was lost and is being resent: then wait until it is acknowledged.
-            self._wait()
-        requests = []
-        for k, outs in items:
-            kid, layout = self._layout(k)
-            seqs = [(self._send(server, P.Message(P.Type.PULL, key=skey)), a, b)
-                    for server, a, b, skey in layout.parts]
-            requests.append((k, outs, layout, seqs))
-        self._wait()
-        results = {}
-        for k, outs, layout, seqs in requests:
-            if len(seqs) == 1:  # the reply's own buffer, read-only, no copy
-                value = self._replies.pop(seqs[0][0]).data
-            else:
-                value = np.empty(layout.size, np.float32)
-                for seq, a, b in seqs:
-                    value[a:b] = self._replies.pop(seq).data
-            value = value.reshape(layout.shape)
-            for o in outs:
-                o.assign(value)
-            results[k] = value
+            self._settle_pushes()
+        pulls = [self._request_pull(k, outs) for k, outs in self._ordered(list(pairs(key, out)), priority)]
+        return self._finish(key, out, pulls)
+
+    def pushpull(self, key: Key | Sequence[Key], value: Any, out: Any = None,
+                 priority: int | Sequence[int] = 0) -> Any:
+        """Push each key and request it back at once, so that replies stream back while later
+        keys are still going out (both directions of the link busy, not one after the other)."""
+        pulls = self.pushpull_async(key, value, priority)
+        outs = dict(pairs(key, out))
+        for p in pulls:
+            p.outs = outs[p.key]
+        return self._finish(key, out, pulls)
+
+    def pushpull_async(self, key: Key | Sequence[Key], value: Any, priority: int | Sequence[int] = 0) -> list[Pull]:
+        """Push each key and send its pull request without waiting for anything; `arrivals` (or
+        `wait`) takes the replies. Safe to call from a TensorFlow op's thread (DataParallel pushes
+        each gradient as backprop produces it)."""
+        self._check_can_push()
+        with self._lock:
+            items = self._ordered(list(pairs(key, value)), priority)
+            if self.env.resend:
+                # A pull must not overtake a push that was lost and is being resent: under
+                # PS_RESEND the pushes are acknowledged first.
+                for k, values in items:
+                    self._push_key(k, values)
+                self._settle_pushes()
+                return [self._request_pull(k, []) for k, _ in items]
+            pulls = []
+            for k, values in items:  # each pull right behind its push: replies flow while pushes do
+                self._push_key(k, values)
+                pulls.append(self._request_pull(k, []))
+            return pulls
+
+    def arrivals(self, pulls: Sequence[Pull]) -> Iterator[tuple[Key, np.ndarray]]:
+        """(key, value) for each of `pulls` as soon as all of its parts have arrived, in arrival
+        order; the value is also assigned to the pull's `outs`."""
+        waiting = {seq: p for p in pulls for seq, _, _ in p.seqs}
+        arrived = [seq for seq in waiting if seq in self._replies]
+        tick = min(100.0, self.env.resend_timeout * 1000)
+        while True:
+            for seq in arrived:
+                p = waiting.pop(seq, None)
+                if p is not None and p.arrive(seq, self._replies.pop(seq).data):
+                    for o in p.outs:
+                        o.assign(p.value)
+                    yield p.key, p.value
+            if not waiting:
+                return
+            arrived = self._receive(tick)
+            if self.env.resend:
+                self._resend_overdue()
+
+    def wait(self, pulls: Sequence[Pull]) -> dict[Key, np.ndarray]:
+        """Every pull's value, by key, once all have arrived."""
+        return dict(self.arrivals(pulls))
+
+    def _finish(self, key: Key | Sequence[Key], out: Any, pulls: list[Pull]) -> Any:
+        results = self.wait(pulls)
         if out is not None:
             return None
         if isinstance(key, (list, tuple)):
             return [results[k] for k in key]
         return results[key]
+
+    def _check_can_push(self) -> None:
+        if not self.sync and not self._has_optimizer:
+            raise RuntimeError(f"{self.type} needs an optimizer on the servers (set_optimizer, "
+                               "update_on_kvstore=true): without one each push would replace the weights")
+
+    def _push_key(self, k: Key, values: list[Any]) -> None:
+        kid, layout = self._layout(k)
+        flat = self._merge(values)
+        if flat.size != layout.size:
+            raise ValueError(f"key {k!r}: pushed {flat.size} values, it holds {layout.size}")
+        for server, a, b, skey in layout.parts:
+            msg = P.Message(P.Type.PUSH, key=skey, data=flat[a:b], want_ack=self.env.resend)
+            if self._threshold is not None:
+                residual = self._residuals.get(skey)
+                if residual is None:
+                    residual = self._residuals[skey] = np.zeros(b - a, np.float32)
+                # The residual changes once here; a resend (PS_RESEND) repeats these frames.
+                msg.data = compression.pack(flat[a:b], residual, self._threshold)
+                msg.dtype, msg.count = P.DType.TWOBIT, b - a
+            self.push_bytes += msg.data.nbytes
+            # Acknowledged (and tracked) only under PS_RESEND; see Server._ack_push.
+            self._send(server, msg, track=self.env.resend)
+            if not self.env.resend:
+                self._unsynced.add(server)
+
+    def _settle_pushes(self) -> None:
+        # One connection delivers in order, so a pull cannot overtake its key's push, unless
+        # that push was lost and is being resent: then wait until it is acknowledged.
+        self._wait()
+
+    def _request_pull(self, k: Key, outs: list[Any]) -> Pull:
+        _, layout = self._layout(k)
+        seqs = [(self._send(server, P.Message(P.Type.PULL, key=skey)), a, b) for server, a, b, skey in layout.parts]
+        return Pull(k, layout, seqs, outs)
 
     def set_gradient_compression(self, compression_params: Any) -> None:
         """MXNet's API, e.g. {"type": "2bit", "threshold": 0.5}; every worker calls it (each keeps

@@ -63,9 +63,10 @@ class Server:
         self.sock.setsockopt(zmq.LINGER, 1000)
         # Bounded by the transport: a peer cannot make this process allocate more than this.
         self.sock.setsockopt(zmq.MAXMSGSIZE, env.max_message_bytes)
-        # Replies up to 4 MiB are copied: pyzmq's zero-copy send releases each buffer through a
-        # helper thread that contends for the GIL with this loop (1 MiB push+pull: +30% measured).
-        self.sock.copy_threshold = 1 << 22
+        # Replies under 2 MiB are copied: pyzmq's zero-copy send releases each buffer through a
+        # helper thread that contends for the GIL with this loop (1 MiB push+pull: +30% measured);
+        # larger ones are not (4 MiB chunks of a ResNet18 pushpull: +10% zero-copy).
+        self.sock.copy_threshold = 2 << 20
         security.server_socket(self.sock, env.keys)
         self.host = env.bind_address()
         self.port = self.sock.bind_to_random_port(f"tcp://{self.host}")
