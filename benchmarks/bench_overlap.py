@@ -11,7 +11,10 @@ pulls every key back, as a training step does (dist_sync, no optimizer: the serv
     pushpull          pushpull(all keys)               each key's pull right behind its push, so
                                                        replies stream back while pushes go out
                                                        (what DataParallel does)
-    pushpull+chunks   the same with keys cut into TFKV_CHUNK_BYTES messages (--chunk)
+    pushpull+chunks   the same with keys cut into TFKV_CHUNK_BYTES messages (--chunk); each
+                      pull assembles its chunks in a fresh array
+    +chunks, out=     pushpull+chunks into the caller's arrays (MXNet's `out=`): the chunks are
+                      copied straight into them, nothing is allocated per pull
     +2bit             pushpull with 2-bit compressed pushes (pulls stay float32)
     raw pyzmq         a DEALER sends the messages all at once to a ROUTER echo in another process
                       and receives them back (zero-copy), once with one message per key and once
@@ -116,8 +119,10 @@ def main() -> None:
             store.push(keys, grads, priority=priority)
             store.pull(keys, priority=priority)
 
-        def pushpull(keys: list[int]) -> None:
-            store.pushpull(keys, grads, priority=priority)
+        def pushpull(keys: list[int], out: list[np.ndarray] | None = None) -> None:
+            store.pushpull(keys, grads, out=out, priority=priority)
+
+        outs = [np.empty(s, np.float32) for s in shapes]
 
         # raw pyzmq: the same messages as overlap+chunks, all in flight, echoed back
         q: mp.Queue = mp.get_context("spawn").Queue()
@@ -135,6 +140,7 @@ def main() -> None:
         cut = [np.full(n, 0.25, np.float32) for n in pieces]
         contenders = {"blocking": blocking, "push; pull": lambda: push_then_pull(unchunked),
                       "pushpull": lambda: pushpull(unchunked), "pushpull+chunks": lambda: pushpull(chunked),
+                      "+chunks, out=": lambda: pushpull(chunked, outs),
                       "+2bit": lambda: pushpull(compressed), "raw per key": lambda: raw_round(whole),
                       "raw chunked": lambda: raw_round(cut)}
         store.set_gradient_compression({"type": "2bit", "threshold": args.threshold})

@@ -244,6 +244,15 @@ def pushpull(kv, out):
     got = list(kv.arrivals(pending))
     res["arrived"] = sorted(k for k, _ in got)
     res["async"] = {k: [float(v.min()), float(v.max())] for k, v in got}
+    # Into the caller's arrays (MXNet's out=): the parts land in place, the others get a copy.
+    dest, copy = np.zeros((50, 40), np.float32), np.zeros((50, 40), np.float32)
+    kv.pushpull("chunked", np.full((50, 40), r + 1.0, np.float32), out=[dest, copy])
+    res["into_out"] = [float(dest.min()), float(dest.max()), bool(np.array_equal(dest, copy))]
+    try:
+        kv.pull("chunked", out=np.zeros((40, 50), np.float32))
+    except ValueError as e:
+        res["bad_out"] = str(e)
+    res["after_bad_out"] = float(kv.pull("small")[0])  # nothing was sent for the refused pull
     kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
     res["compressed"] = float(kv.pushpull("chunked", np.full((50, 40), 0.5, np.float32)).max())
     json.dump(res, out)

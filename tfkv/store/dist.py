@@ -60,33 +60,60 @@ class Layout:
 
 @dataclass
 class Pull:
-    """A key's pull requests in flight: `seqs` holds (sequence number, start, end) per part."""
+    """A key's pull requests in flight: `seqs` holds (sequence number, start, end) per part.
+
+    `outs` are where the value goes: TensorFlow variables (assigned) or numpy arrays. The first
+    float32 C-contiguous numpy array of the key's shape receives the parts directly as they
+    arrive (MXNet's `pull(key, out=array)`: no allocation per pull); without one, a key of one
+    part is the reply's own read-only buffer (no copy) and a key of several parts is assembled in
+    a fresh array."""
 
     key: Key
     layout: Layout
-    seqs: list[tuple[int, int, int]]
-    outs: list[Any] = field(default_factory=list)  # variables the value is assigned to
+    outs: list[Any] = field(default_factory=list)
+    seqs: list[tuple[int, int, int]] = field(default_factory=list)
     value: np.ndarray | None = None  # once every part has arrived
 
     def __post_init__(self) -> None:
-        self._left = len(self.seqs)
-        self._spans = {seq: (a, b) for seq, a, b in self.seqs}
-        if self._left > 1:
-            self._flat = np.empty(self.layout.size, np.float32)
+        self._dest = None
+        for o in self.outs:
+            if isinstance(o, np.ndarray):
+                if (o.shape != self.layout.shape or o.dtype != np.float32 or not o.flags.c_contiguous
+                        or not o.flags.writeable):
+                    raise ValueError(f"pull of key {self.key!r}: out array is {o.dtype}{list(o.shape)}, expected "
+                                     f"a writable C-contiguous float32{list(self.layout.shape)}")
+                self._dest = o
+                break
+
+    def expect(self, seqs: list[tuple[int, int, int]]) -> None:
+        """The requests sent for this pull's parts."""
+        self.seqs, self._left = seqs, len(seqs)
+        self._spans = {seq: (a, b) for seq, a, b in seqs}
+        if self._dest is None and self._left > 1:
+            self._dest = np.empty(self.layout.shape, np.float32)
 
     def arrive(self, seq: int, data: np.ndarray) -> bool:
         """Take one part's reply; True once the value is complete."""
         self._left -= 1
-        if len(self.seqs) == 1:  # the reply's own buffer, read-only, no copy
-            flat = data
-        else:  # each part copied in as it comes, while later parts are still on the way
-            a, b = self._spans[seq]
-            self._flat[a:b] = data
-            if self._left:
-                return False
-            flat = self._flat
-        self.value = flat.reshape(self.layout.shape)
+        if self._dest is None:  # one part, nowhere given: the reply's own buffer
+            self.value = data.reshape(self.layout.shape)
+            return True
+        a, b = self._spans[seq]
+        self._dest.reshape(-1)[a:b] = data  # each part copied in as it comes
+        if self._left:
+            return False
+        self.value = self._dest
         return True
+
+    def deliver(self) -> None:
+        """Copy the complete value into every other out."""
+        for o in self.outs:
+            if o is self._dest:
+                continue
+            if isinstance(o, np.ndarray):
+                np.copyto(o, self.value)
+            else:
+                o.assign(self.value)
 
 
 class DistStore(KVStore):
@@ -303,17 +330,15 @@ class DistStore(KVStore):
                  priority: int | Sequence[int] = 0) -> Any:
         """Push each key and request it back at once, so that replies stream back while later
         keys are still going out (both directions of the link busy, not one after the other)."""
-        pulls = self.pushpull_async(key, value, priority)
-        outs = dict(pairs(key, out))
-        for p in pulls:
-            p.outs = outs[p.key]
-        return self._finish(key, out, pulls)
+        return self._finish(key, out, self.pushpull_async(key, value, priority, out=out))
 
-    def pushpull_async(self, key: Key | Sequence[Key], value: Any, priority: int | Sequence[int] = 0) -> list[Pull]:
+    def pushpull_async(self, key: Key | Sequence[Key], value: Any, priority: int | Sequence[int] = 0,
+                       out: Any = None) -> list[Pull]:
         """Push each key and send its pull request without waiting for anything; `arrivals` (or
-        `wait`) takes the replies. Safe to call from a TensorFlow op's thread (DataParallel pushes
-        each gradient as backprop produces it)."""
+        `wait`) takes the replies and writes them into `out` if given. Safe to call from a
+        TensorFlow op's thread (DataParallel pushes each gradient as backprop produces it)."""
         self._check_can_push()
+        outs = dict(pairs(key, out))
         with self._lock:
             items = self._ordered(list(pairs(key, value)), priority)
             if self.env.resend:
@@ -322,16 +347,16 @@ class DistStore(KVStore):
                 for k, values in items:
                     self._push_key(k, values)
                 self._settle_pushes()
-                return [self._request_pull(k, []) for k, _ in items]
+                return [self._request_pull(k, outs[k]) for k, _ in items]
             pulls = []
             for k, values in items:  # each pull right behind its push: replies flow while pushes do
                 self._push_key(k, values)
-                pulls.append(self._request_pull(k, []))
+                pulls.append(self._request_pull(k, outs[k]))
             return pulls
 
     def arrivals(self, pulls: Sequence[Pull]) -> Iterator[tuple[Key, np.ndarray]]:
         """(key, value) for each of `pulls` as soon as all of its parts have arrived, in arrival
-        order; the value is also assigned to the pull's `outs`."""
+        order; the value is also written into the pull's `outs`."""
         waiting = {seq: p for p in pulls for seq, _, _ in p.seqs}
         arrived = [seq for seq in waiting if seq in self._replies]
         tick = min(100.0, self.env.resend_timeout * 1000)
@@ -339,8 +364,7 @@ class DistStore(KVStore):
             for seq in arrived:
                 p = waiting.pop(seq, None)
                 if p is not None and p.arrive(seq, self._replies.pop(seq).data):
-                    for o in p.outs:
-                        o.assign(p.value)
+                    p.deliver()
                     yield p.key, p.value
             if not waiting:
                 return
@@ -392,8 +416,10 @@ class DistStore(KVStore):
 
     def _request_pull(self, k: Key, outs: list[Any]) -> Pull:
         _, layout = self._layout(k)
-        seqs = [(self._send(server, P.Message(P.Type.PULL, key=skey)), a, b) for server, a, b, skey in layout.parts]
-        return Pull(k, layout, seqs, outs)
+        pull = Pull(k, layout, outs)  # checks the outs before anything is sent
+        pull.expect([(self._send(server, P.Message(P.Type.PULL, key=skey)), a, b)
+                     for server, a, b, skey in layout.parts])
+        return pull
 
     def set_gradient_compression(self, compression_params: Any) -> None:
         """MXNet's API, e.g. {"type": "2bit", "threshold": 0.5}; every worker calls it (each keeps
