@@ -332,6 +332,29 @@ def test_preflight_names_unwritable_dir_missing_tfkv_and_missing_python(loopback
 
 
 @pytest.mark.slow
+def test_preflight_checks_host_keys_as_ssh_does(loopback_host, ssh_site, tmp_path, monkeypatch):
+    """A host whose key is not in the config's known_hosts is refused in one line (Fabric alone
+    would accept it); once its key is there, the same host passes."""
+    known = tmp_path / "known_hosts"
+    known.write_text("")
+    config = tmp_path / "ssh_config"
+    config.write_text(f"Host strict\n  HostName 127.0.0.1\n  Port {loopback_host.port}\n  User {ssh_site.user}\n"
+                      f"  IdentityFile {ssh_site.client_key}\n  IdentitiesOnly yes\n  StrictHostKeyChecking yes\n"
+                      f"  UserKnownHostsFile {known}\n  GlobalKnownHostsFile /dev/null\n  ConnectTimeout 5\n")
+    monkeypatch.setenv("TFKV_SSH_CONFIG", str(config))
+    work = _workdir(tmp_path, ["strict"])
+    job = launch_job.plan_job(launch_job.Options("ssh", 1, 1, str(work / "hosts"), python=PY), [PY, "dist_worker.py"],
+                              work, tmp_path / "run")
+    with pytest.raises(ConfigError) as e:
+        SSHLauncher().preflight(job)
+    assert str(e.value) == ("strict: its host key is not in known_hosts; run `ssh strict` once to check and accept "
+                            f"it, or set StrictHostKeyChecking for it in {config}")
+    host_key = (ssh_site.dir / "host_key.pub").read_text().split()
+    known.write_text(f"[127.0.0.1]:{loopback_host.port} {host_key[0]} {host_key[1]}\n")
+    SSHLauncher().preflight(job)  # raises on any problem
+
+
+@pytest.mark.slow
 def test_tfkv_run_cluster_ssh_end_to_end(netns_hosts, ssh_site, tmp_path):
     work = _workdir(tmp_path, netns_hosts.names)
     dst, env = tmp_path / "dst", {**_tag(tmp_path), **ssh_site.env()}

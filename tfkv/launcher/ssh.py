@@ -3,7 +3,9 @@
 A host is reached exactly as `ssh HOST` would reach it: the ssh config (~/.ssh/config) gives its
 HostName, User, Port, IdentityFile, ProxyJump...; a hosts-file `user@host:port` wins over it.
 Fabric (paramiko) runs the commands, real `rsync` over `ssh` copies the working directory. No
-password is ever asked for: keys or an agent only, as with ssh's BatchMode.
+password is ever asked for: keys or an agent only, as with ssh's BatchMode; and host keys are
+checked as ssh checks them (the config's known_hosts files and StrictHostKeyChecking), where
+Fabric alone would accept any host.
 
     TFKV_SSH_CONFIG=path   use this ssh config file instead of ~/.ssh/config (for Fabric, and
                            `ssh -F path` for rsync): a cluster's settings kept apart, or tests.
@@ -137,9 +139,35 @@ def connect(host: Host) -> Connection:
     only = entry.get("identitiesonly") == "yes" and "identityfile" in entry
     conn = Connection(host.name, user=host.user, port=host.port, config=config,
                       connect_kwargs={"allow_agent": not only, "look_for_keys": not only})
+    _check_host_keys(conn.client, entry)
     conn.open()
     conn.transport.set_keepalive(10)  # notice a host that went away
     return conn
+
+
+def _check_host_keys(client: Any, entry: dict[str, Any]) -> None:
+    """Host keys as OpenSSH checks them in BatchMode (rsync's ssh does): the known_hosts files
+    the ssh config names (default ~/.ssh/known_hosts, /etc/ssh/ssh_known_hosts); a host not in
+    them is refused, unless StrictHostKeyChecking is no, off or accept-new (then its key is
+    accepted for this connection and not saved). Fabric's own default accepts any host."""
+    import paramiko
+
+    files = []
+    for option, default in (("userknownhostsfile", "~/.ssh/known_hosts ~/.ssh/known_hosts2"),
+                            ("globalknownhostsfile", "/etc/ssh/ssh_known_hosts /etc/ssh/ssh_known_hosts2")):
+        value = entry.get(option, default)
+        files += value.split() if isinstance(value, str) else list(value)
+    known = client.get_host_keys()
+    for name in files:
+        path = Path(name).expanduser()
+        if path.is_file():
+            try:
+                known.load(str(path))
+            except (OSError, paramiko.SSHException, ValueError) as e:
+                log.warning("ssh: skipping unreadable known_hosts file %s (%s)", path, e)
+    strict = str(entry.get("stricthostkeychecking", "ask")).lower()
+    accept = strict in ("no", "off", "accept-new")
+    client.set_missing_host_key_policy(paramiko.AutoAddPolicy() if accept else paramiko.RejectPolicy())
 
 
 def _connect_problem(host: Host, e: Exception) -> str:
@@ -160,6 +188,9 @@ def _connect_problem(host: Host, e: Exception) -> str:
         return f"{host}: no answer within {CONNECT_TIMEOUT} s; check that the host is up and reachable"
     if isinstance(e, paramiko.BadHostKeyException):
         return f"{host}: its host key changed; if that is expected, run ssh-keygen -R {host.name}"
+    if isinstance(e, paramiko.SSHException) and "not found in known_hosts" in str(e):
+        return (f"{host}: its host key is not in known_hosts; run `ssh {host.name}` once to check and accept it, "
+                f"or set StrictHostKeyChecking for it in {_config_name()}")
     return f"{host}: cannot connect ({type(e).__name__}: {e}); check that `ssh {host}` works"
 
 
