@@ -16,6 +16,7 @@ def test_hosts_file_forms_and_comments():
     hosts = parse_hosts("# cluster\nnode1\nnode2:2222  # ssh port\nalice@10.0.0.3\nbob@node4:22\n\n[::1]:2200\n")
     assert hosts == [Host("node1"), Host("node2", port=2222), Host("10.0.0.3", user="alice"),
                      Host("node4", user="bob", port=22), Host("::1", port=2200)]
+    assert parse_hosts("node1\nnode2\nnode1\n") == [Host("node1"), Host("node2"), Host("node1")]  # more there
 
 
 @pytest.mark.parametrize("text,message", [
@@ -23,6 +24,7 @@ def test_hosts_file_forms_and_comments():
     ("node1:99999\n", "hosts:1: port 99999 is out of range"),
     ("# nothing\n", "no hosts in the file"),
     ("a@b@c\n", "hosts:1:"),
+    ("localhost:2201\nnode1\nlocalhost:2202\n", r"hosts:3: localhost:2202 and localhost:2201 \(line 1\) are one host name"),
 ])
 def test_bad_hosts_lines_are_named(text, message):
     with pytest.raises(HostsError, match=message):

@@ -1,6 +1,9 @@
 """The hosts file: one host per line as `host`, `host:port` or `user@host[:port]`, `#` comments.
 
-A bad line is a `HostsError` naming the file, the line number and what is wrong.
+A bad line is a `HostsError` naming the file, the line number and what is wrong. A host may be
+listed more than once (more processes go there), but always with the same user and port: the
+launchers tell hosts apart by name, so two ssh servers behind one name need an alias each in
+the ssh config.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ class Host:
 
 
 def parse_hosts(text: str, source: str = "hosts") -> list[Host]:
-    hosts = []
+    hosts: list[Host] = []
+    first: dict[str, tuple[int, Host]] = {}
     for number, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
@@ -41,7 +45,13 @@ def parse_hosts(text: str, source: str = "hosts") -> list[Host]:
         port = int(m["port"]) if m["port"] else None
         if port is not None and not 0 < port < 65536:
             raise HostsError(f"{source}:{number}: port {port} is out of range 1-65535")
-        hosts.append(Host(m["host"].strip("[]"), m["user"], port))
+        host = Host(m["host"].strip("[]"), m["user"], port)
+        seen = first.setdefault(host.name, (number, host))
+        if seen[1] != host:
+            raise HostsError(f"{source}:{number}: {host} and {seen[1]} (line {seen[0]}) are one host name with "
+                             f"another user or port; give each ssh server its own alias (Host ... HostName "
+                             f"{host.name} Port ...) in the ssh config and list the aliases")
+        hosts.append(host)
     if not hosts:
         raise HostsError(f"{source}: no hosts in the file; list one host per line")
     return hosts
