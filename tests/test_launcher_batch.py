@@ -24,7 +24,7 @@ from cluster_daemons import sge, slurm  # noqa: F401  (session fixtures)
 from conftest import REPO, TAG, tagged_pids
 
 from tfkv.errors import ConfigError
-from tfkv.launcher import base, role
+from tfkv.launcher import base, batch, role
 from tfkv.launcher.hosts import Host
 from tfkv.launcher.plan import make_plan
 
@@ -131,7 +131,7 @@ def test_the_helper_by_hand_takes_the_workers_command_after_dashes():
 
 def test_output_names_the_first_real_failure():
     out = io.StringIO()
-    o = role.Output(out)
+    o = batch.Output(out)
     for line in ["[worker 0] tfkv-role: worker 0 exited with status 3",  # stopped because a peer failed
                  "[worker 1 @h] tfkv-role: worker 1 @h exited with status 5",
                  "[server 0] tfkv-role: server 0 was killed by SIGTERM", "[worker 2] hello"]:

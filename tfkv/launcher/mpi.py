@@ -29,7 +29,7 @@ import subprocess
 from typing import IO
 
 from tfkv.errors import ConfigError
-from tfkv.launcher import role
+from tfkv.launcher import batch, role
 from tfkv.launcher.base import Job, Result
 from tfkv.launcher.hosts import Host
 from tfkv.launcher.local import status_text
@@ -127,11 +127,11 @@ class MPILauncher:
             argv += ([":"] if i else []) + ["-np", "1", "--host", host, job.python, "-m", "tfkv.launcher.record"]
         # SIGTERM, not SIGKILL, on timeout: mpirun then ends the ssh sessions it started (each in a
         # process group of its own) instead of leaving them behind.
-        proc = role.start(argv, cwd=str(job.workdir))
+        proc = batch.start(argv, cwd=str(job.workdir))
         try:
             stdout_b, stderr_b = proc.communicate(timeout=PREFLIGHT_TIMEOUT)
         except subprocess.TimeoutExpired:
-            role.stop(proc, grace=TEARDOWN)
+            batch.stop(proc, grace=TEARDOWN)
             raise ConfigError(f"mpirun could not start a process on {', '.join(hosts)} within {PREFLIGHT_TIMEOUT} s; "
                               "check that every host is reachable by ssh without a password") from None
         stdout, stderr = stdout_b.decode(errors="replace"), stderr_b.decode(errors="replace")
@@ -149,13 +149,13 @@ class MPILauncher:
 
     def launch(self, job: Job, out: IO[str]) -> Result:
         argv = mpirun_argv(job, _need_mpirun())
-        output = role.Output(out)
-        proc = role.start(argv, env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=str(job.workdir))
+        output = batch.Output(out)
+        proc = batch.start(argv, env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=str(job.workdir))
         output.pump(proc.stdout)  # the helpers' prefixed lines
         output.pump(proc.stderr, "[mpirun] ")  # mpirun's own messages
         # mpirun aborts the job on the first failure itself; the grace period only guards against
         # an mpirun that keeps waiting on a rank.
-        failure = role.supervise(proc, output, TEARDOWN)
+        failure = batch.supervise(proc, output, TEARDOWN)
         rc = proc.returncode
         failure = failure or output.cause() or (f"mpirun {status_text(rc)}" if rc else None)
         return Result(0 if failure is None else (rc if rc and rc > 0 else 1), failure)

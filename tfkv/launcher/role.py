@@ -21,15 +21,14 @@ Teardown: the role's command runs in its own process group and dies with this he
 itself dies with whatever started it (orted, slurmstepd, sge_shepherd), so no role outlives the
 job even when the resource manager only kills its direct child.
 
-This module also holds what the batch backends (mpi, slurm, sge, yarn) share on the launcher's
-side: the plan table, the merged output stream that notes each role's end, and process groups.
+The launchers build the helper's input with `table`/`helper_argv`; what they share beyond that
+(process groups, the merged output that notes each role's end) is in tfkv.launcher.batch.
 No TensorFlow is imported here.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ctypes
 import json
 import os
@@ -38,12 +37,9 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
-from pathlib import Path
-from typing import Callable, IO, Any, Iterator, Sequence
+from typing import Any, Sequence
 
-from tfkv.launcher.local import first_cause, status_text
+from tfkv.launcher.local import status_text
 from tfkv.launcher.plan import Process, make_plan
 
 # Rank variables in the order they are looked for, with the number of their first rank.
@@ -55,9 +51,9 @@ FORWARD_PREFIXES = ("TFKV_", "DMLC_", "PS_", "MXNET_")
 FORWARD_NAMES = ("PYTHONPATH", "PYTHONUNBUFFERED", "TF_CPP_MIN_LOG_LEVEL")
 # ...but never a role of the launcher's own (say, a launcher started from inside another job).
 NOT_FORWARDED = ("DMLC_ROLE", "TFKV_ROLE", "TFKV_RANK_HINT")
-GRACE = 2.0  # seconds the other roles get to notice a failure on their own before teardown
 
-_EXIT = re.compile(r"^\[(?P<name>[^\]]+)\] tfkv-role: (?P=name) "
+# The line run_role prints when its role ends (exit_line); batch.Output parses it.
+EXIT_LINE = re.compile(r"^\[(?P<name>[^\]]+)\] tfkv-role: (?P=name) "
                    r"(?:exited with status (?P<code>-?\d+)|was killed by (?P<sig>SIG[A-Z0-9]+))$")
 
 
@@ -143,7 +139,7 @@ def slurm_first_node_address(env: dict[str, str]) -> str:
         return addr
 
 
-def _die_with_parent(sig: int) -> None:
+def die_with_parent(sig: int) -> None:
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
     except OSError:
@@ -192,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     # Die with whatever started us (orted, slurmstepd, sge_shepherd): SIGTERM, passed on below.
     parent = os.getppid()
-    _die_with_parent(signal.SIGTERM)
+    die_with_parent(signal.SIGTERM)
     if os.getppid() != parent:  # it died before we asked
         sys.exit(128 + signal.SIGTERM)
     env = dict(os.environ)
@@ -215,7 +211,7 @@ def run_role(name: str, argv: list[str], env: dict[str, str], sge: bool = False)
         # SIGKILL when we die: the resource manager killed us hard, so the role must go at once.
         child = subprocess.Popen(argv, env={**env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                 preexec_fn=lambda: _die_with_parent(signal.SIGKILL))
+                                 preexec_fn=lambda: die_with_parent(signal.SIGKILL))
     except OSError as e:
         out.write(prefix + f"tfkv-role: cannot start {argv[0]!r}: {e.strerror}\n".encode())
         out.write((exit_line(name, 127) + "\n").encode())
@@ -241,233 +237,11 @@ def run_role(name: str, argv: list[str], env: dict[str, str], sge: bool = False)
     return status
 
 
-# -- the launcher's side: process groups and the merged output -------------------------------------
-
 def signal_group(pid: int, sig: int) -> None:
     try:
         os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def start(argv: list[str], env: dict[str, str] | None = None, cwd: str | Path | None = None,
-          stdin: int | None = subprocess.DEVNULL) -> subprocess.Popen:
-    """A client (mpirun, srun, sbatch, qsub, ...) in its own process group that dies with us."""
-    return subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=stdin,
-                            start_new_session=True, preexec_fn=lambda: _die_with_parent(signal.SIGTERM))
-
-
-def _descendants(pid: int) -> list[tuple[int, str]]:
-    """Every process below `pid`, as (pid, start time): the start time tells a reused pid apart."""
-    children: dict[int, list[tuple[int, str]]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            children.setdefault(int(fields[1]), []).append((int(entry), fields[19]))
-    found, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += [k for k, _ in kids]
-    return found
-
-
-def _kill_if_same(pid: int, started: str) -> None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[19] == started:
-                os.kill(pid, signal.SIGKILL)
-    except (OSError, IndexError):
-        pass
-
-
-def stop(proc: subprocess.Popen, grace: float = 5.0, first: int = signal.SIGTERM) -> None:
-    """Signal the process group, give it `grace` seconds, then kill the group and whatever the
-    client started in groups of their own (mpirun's ssh sessions); reap it."""
-    tree = _descendants(proc.pid) if proc.poll() is None else []
-    if proc.poll() is None:
-        signal_group(proc.pid, first)
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            pass
-    signal_group(proc.pid, signal.SIGKILL)
-    for pid, started in tree:
-        _kill_if_same(pid, started)
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """While launching, SIGTERM to the launcher tears the job down as Ctrl-C does (scancel, qdel,
-    ...), instead of leaving the job queued or running."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(_sig: int, _frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
-def supervise(proc: subprocess.Popen, output: "Output", teardown: float,
-              interrupt: Callable[[subprocess.Popen], None] | None = None) -> str | None:
-    """Wait for a resource manager's client (mpirun, srun) to end, or for the grace after a role
-    failed to run out; Ctrl-C or SIGTERM cuts it short. Then, if it still runs, `interrupt` it
-    (its own way to end a job), stop it and what it started, and finish the output. Returns
-    "interrupted (Ctrl-C)" or None."""
-    failure = None
-    try:
-        with sigterm_as_interrupt():
-            while proc.poll() is None and not output.grace_over(GRACE + teardown):
-                time.sleep(0.05)
-    except KeyboardInterrupt:
-        failure = "interrupted (Ctrl-C)"
-    finally:
-        with shielded():
-            if interrupt is not None and proc.poll() is None:
-                interrupt(proc)
-            stop(proc, grace=teardown)
-            output.join()
-    return failure
-
-
-def quietly(argv: list[str], env: dict[str, str] | None = None, timeout: float = 60) -> int | None:
-    """Run a teardown command (scancel, qdel, yarn application -kill): its status, None if it
-    could not run or hung; a teardown goes on either way."""
-    try:
-        return subprocess.run(argv, env=env, capture_output=True, timeout=timeout).returncode
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-@contextlib.contextmanager
-def shielded() -> Iterator[None]:
-    """Around a teardown: a second Ctrl-C (or a SIGTERM) must not cut the scancel/qdel/kill short
-    and leave the job running. Every step of a teardown is bounded by its own timeout."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-
-
-class Output:
-    """The job's merged output: lines go to `out` as they come; the helper's exit lines tell which
-    role ended how, in the order they arrived."""
-
-    def __init__(self, out: IO[str], watch: str | None = None):
-        self.out = out
-        self.watch = re.compile(watch) if watch else None
-        self.found: list[str] = []  # what `watch` (one group) matched, in order: job ids, app ids
-        self.lock = threading.Lock()
-        self.failed: list[tuple[str, int]] = []
-        self.ended: dict[str, int] = {}
-        self.first_failure_at: float | None = None
-        self.threads: list[threading.Thread] = []
-        self.last: dict[str, str] = {}  # the last line each client (by prefix) wrote: its error
-
-
-    def line(self, text: str) -> None:
-        with self.lock:
-            self.out.write(text + "\n")
-            self.out.flush()
-            if self.watch:
-                self.found += [m.group(1) for m in self.watch.finditer(text) if m.group(1) not in self.found]
-            m = _EXIT.match(text)
-            if m:
-                code = int(m["code"]) if m["code"] is not None else -signal.Signals[m["sig"]].value
-                self.ended[m["name"]] = code
-                if code != 0:
-                    self.failed.append((m["name"], code))
-                    self.first_failure_at = self.first_failure_at or time.monotonic()
-
-    def cause(self) -> str | None:
-        return first_cause(self.failed)
-
-    def grace_over(self, grace: float = GRACE) -> bool:
-        """A role failed `grace` seconds ago: time to tear the rest down."""
-        return self.first_failure_at is not None and time.monotonic() - self.first_failure_at > grace
-
-    def pump(self, stream: IO[bytes], prefix: str = "") -> None:
-        """Forward a pipe's lines (with `prefix` for a client's own messages) on a thread."""
-        def run() -> None:
-            for raw in iter(stream.readline, b""):
-                text = raw.decode(errors="replace").rstrip("\n")
-                if text.strip():
-                    self.last[prefix] = text.strip()
-                self.line(prefix + text)
-            stream.close()
-
-        self._thread(run)
-
-    def tail(self, path: Path, stop: threading.Event, prefix: str = "") -> None:
-        """Forward the lines a batch job writes to `path` (on a shared file system) until `stop`."""
-        def run() -> None:
-            f = None
-            rest = b""
-            while True:
-                stopping = stop.is_set()  # read once more after stop: the job's last lines
-                if f is None and path.exists():
-                    f = open(path, "rb")
-                if f is not None:
-                    data = rest + f.read()
-                    *lines, rest = data.split(b"\n")
-                    for raw in lines:
-                        self.line(prefix + raw.decode(errors="replace"))
-                if stopping:
-                    break
-                stop.wait(0.1)
-            if f is not None:
-                if rest:
-                    self.line(prefix + rest.decode(errors="replace"))
-                f.close()
-
-        self._thread(run)
-
-    def _thread(self, target: Any) -> None:
-        t = threading.Thread(target=target, daemon=True)
-        t.start()
-        self.threads.append(t)
-
-    def join(self, timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        for t in self.threads:
-            t.join(timeout=max(0.1, deadline - time.monotonic()))
-
-
-
-def job_name(kind: str) -> str:
-    """A name no other job has: scancel/qdel/yarn find the job by it even before its id is known."""
-    return f"tfkv-{kind}-{os.getpid()}-{os.urandom(3).hex()}"
-
-
-def job_files(run_dir: Path | None, kind: str) -> Path:
-    """Where a batch job's script and output files go: the run directory's launch/ (which the
-    roles must see: a shared file system), else a fresh directory under /tmp."""
-    if run_dir is not None:
-        d = Path(run_dir) / "launch" / kind
-        d.mkdir(parents=True, exist_ok=True)
-        return d
-    import tempfile
-
-    return Path(tempfile.mkdtemp(prefix=f"tfkv-{kind}-"))
 
 
 if __name__ == "__main__":

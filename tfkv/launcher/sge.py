@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import IO
 
 from tfkv.errors import ConfigError
-from tfkv.launcher import role
+from tfkv.launcher import batch, role
 from tfkv.launcher.base import Job, Result
 from tfkv.launcher.local import status_text
 from tfkv.launcher.record import local_versions
@@ -74,28 +74,28 @@ class SGELauncher:
 
     def launch(self, job: Job, out: IO[str]) -> Result:
         _need("qsub", "qdel")
-        name = role.job_name("sge")
-        files = role.job_files(job.run_dir, "sge")
+        name = batch.job_name("sge")
+        files = batch.job_files(job.run_dir, "sge")
         script = files / "job.sh"
         script.write_text(task_script(job))
         tasks = len(job.plan) - 1
         for i in range(1, tasks + 1):
             (files / f"task-{i}.log").unlink(missing_ok=True)
         env = {**os.environ, **role.common_env(job.plan), "PYTHONUNBUFFERED": "1"}
-        output = role.Output(out)
+        output = batch.Output(out)
         done = threading.Event()
         for i in range(1, tasks + 1):
             output.tail(files / f"task-{i}.log", done)
-        scheduler = role.start(role.helper_argv(sys.executable, job.plan[:1], index=0), env=env,
+        scheduler = batch.start(role.helper_argv(sys.executable, job.plan[:1], index=0), env=env,
                                cwd=str(job.workdir))
         output.pump(scheduler.stdout)
         output.pump(scheduler.stderr, "[scheduler] ")
-        qsub = role.start(qsub_argv(job, name, str(script), files), env=env, cwd=str(job.workdir))
+        qsub = batch.start(qsub_argv(job, name, str(script), files), env=env, cwd=str(job.workdir))
         output.pump(qsub.stdout, "[qsub] ")
         output.pump(qsub.stderr, "[qsub] ")
         failure = None
         try:
-            with role.sigterm_as_interrupt():
+            with batch.sigterm_as_interrupt():
                 while qsub.poll() is None and not output.grace_over():
                     time.sleep(0.1)
                 if qsub.returncode == 0 and not output.failed:
@@ -105,11 +105,11 @@ class SGELauncher:
         except subprocess.TimeoutExpired:
             failure = "the scheduler did not end after every task of the Grid Engine job finished"
         finally:
-            with role.shielded():
+            with batch.shielded():
                 if qsub.poll() is None:
-                    role.quietly(["qdel", name], env, timeout=60)
-                role.stop(qsub, grace=TEARDOWN, first=0)  # qsub -sync y returns once the job is gone
-                role.stop(scheduler)
+                    batch.quietly(["qdel", name], env, timeout=60)
+                batch.stop(qsub, grace=TEARDOWN, first=0)  # qsub -sync y returns once the job is gone
+                batch.stop(scheduler)
                 done.set()
                 output.join()
         failure = failure or output.cause()

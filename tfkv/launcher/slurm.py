@@ -32,7 +32,7 @@ import time
 from typing import IO
 
 from tfkv.errors import ConfigError
-from tfkv.launcher import role
+from tfkv.launcher import batch, role
 from tfkv.launcher.base import Job, Result
 from tfkv.launcher.local import status_text
 from tfkv.launcher.record import local_versions
@@ -83,15 +83,15 @@ class SlurmLauncher:
         return {"localhost": local_versions()}
 
     def launch(self, job: Job, out: IO[str]) -> Result:
-        name = role.job_name("slurm")
+        name = batch.job_name("slurm")
         env = {**os.environ, **role.common_env(job.plan), "PYTHONUNBUFFERED": "1"}
         if in_allocation():
-            return self._step(job, name, env, role.Output(out))
-        return self._batch(job, name, env, role.Output(out, watch=r"Submitted batch job (\d+)"))
+            return self._step(job, name, env, batch.Output(out))
+        return self._batch(job, name, env, batch.Output(out, watch=r"Submitted batch job (\d+)"))
 
-    def _step(self, job: Job, name: str, env: dict[str, str], output: role.Output) -> Result:
+    def _step(self, job: Job, name: str, env: dict[str, str], output: batch.Output) -> Result:
         """srun inside the allocation we run in."""
-        proc = role.start(srun_argv(job, name), env=env, cwd=str(job.workdir))
+        proc = batch.start(srun_argv(job, name), env=env, cwd=str(job.workdir))
         output.pump(proc.stdout)  # the helpers' prefixed lines
         output.pump(proc.stderr, "[srun] ")
 
@@ -100,16 +100,16 @@ class SlurmLauncher:
                 role.signal_group(p.pid, signal.SIGINT)
                 time.sleep(0.3)
 
-        failure = role.supervise(proc, output, TEARDOWN, interrupt)
+        failure = batch.supervise(proc, output, TEARDOWN, interrupt)
         return self._result(failure, output, proc.returncode, "srun", "[srun] ")
 
-    def _batch(self, job: Job, name: str, env: dict[str, str], output: role.Output) -> Result:
+    def _batch(self, job: Job, name: str, env: dict[str, str], output: batch.Output) -> Result:
         """sbatch a script that runs the srun; follow its output file; scancel on the way out."""
-        files = role.job_files(job.run_dir, "slurm")
+        files = batch.job_files(job.run_dir, "slurm")
         script, log = files / "job.sh", files / "job.log"
         script.write_text(batch_script(job, name))
         log.unlink(missing_ok=True)
-        proc = role.start(sbatch_argv(job, name, str(script), str(log)), env=env, cwd=str(job.workdir))
+        proc = batch.start(sbatch_argv(job, name, str(script), str(log)), env=env, cwd=str(job.workdir))
         output.pump(proc.stdout, "[sbatch] ")
         output.pump(proc.stderr, "[sbatch] ")
         done = threading.Event()
@@ -117,8 +117,8 @@ class SlurmLauncher:
         failure = None
         over = False  # the job ended and we stopped sbatch --wait ourselves: its status says nothing
         try:
-            with role.sigterm_as_interrupt():
-                while proc.poll() is None and not output.grace_over(role.GRACE + TEARDOWN):
+            with batch.sigterm_as_interrupt():
+                while proc.poll() is None and not output.grace_over(batch.GRACE + TEARDOWN):
                     # sbatch --wait notices the end only at its next poll (seconds): once every role
                     # ended, or one failed (Slurm then kills the rest), ask squeue.
                     ended = len(output.ended) == len(job.plan) or output.failed
@@ -128,16 +128,16 @@ class SlurmLauncher:
         except KeyboardInterrupt:
             failure = "interrupted (Ctrl-C)"
         finally:
-            with role.shielded():
+            with batch.shielded():
                 if proc.poll() is None:
                     if not (output.found and self._gone(output.found[0], env)):
-                        role.quietly(["scancel", "--name", name], env, timeout=60)
+                        batch.quietly(["scancel", "--name", name], env, timeout=60)
                     deadline = time.monotonic() + TEARDOWN
                     while (proc.poll() is None and time.monotonic() < deadline
                            and not (output.found and self._gone(output.found[0], env))):
                         time.sleep(0.2)
                     over = proc.poll() is None
-                role.stop(proc, grace=TEARDOWN)
+                batch.stop(proc, grace=TEARDOWN)
                 done.set()
                 output.join()
         return self._result(failure, output, None if over else proc.returncode, "the Slurm job", "[sbatch] ")
@@ -152,7 +152,7 @@ class SlurmLauncher:
             return False
 
     @staticmethod
-    def _result(failure: str | None, output: role.Output, rc: int | None, what: str, prefix: str) -> Result:
+    def _result(failure: str | None, output: batch.Output, rc: int | None, what: str, prefix: str) -> Result:
         failure = failure or output.cause()
         if failure is None and rc:
             detail = output.last.get(prefix)

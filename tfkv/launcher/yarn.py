@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import IO
 
 from tfkv.errors import ConfigError
-from tfkv.launcher import role
+from tfkv.launcher import batch, role
 from tfkv.launcher.base import Job, Result
 from tfkv.launcher.local import first_cause
 from tfkv.launcher.plan import Process
@@ -144,10 +144,10 @@ class YarnLauncher:
 
     def launch(self, job: Job, out: IO[str]) -> Result:
         _need_yarn()
-        subs = submissions(job, find_jar(), role.job_name("yarn"), Resources.from_env())
-        output = role.Output(out, watch=_APP_ID.pattern)
+        subs = submissions(job, find_jar(), batch.job_name("yarn"), Resources.from_env())
+        output = batch.Output(out, watch=_APP_ID.pattern)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        scheduler = role.start(role.helper_argv(sys.executable, job.plan[:1], index=0), env=env,
+        scheduler = batch.start(role.helper_argv(sys.executable, job.plan[:1], index=0), env=env,
                                cwd=str(job.workdir))
         output.pump(scheduler.stdout)
         output.pump(scheduler.stderr, "[scheduler] ")
@@ -159,9 +159,9 @@ class YarnLauncher:
                     if c.returncode not in (None, 0)]
 
         try:
-            with role.sigterm_as_interrupt():
+            with batch.sigterm_as_interrupt():
                 for label, argv in subs:
-                    clients[label] = role.start(argv, env=env, cwd=str(job.workdir))
+                    clients[label] = batch.start(argv, env=env, cwd=str(job.workdir))
                     output.pump(clients[label].stdout, f"[yarn {label}] ")
                     output.pump(clients[label].stderr, f"[yarn {label}] ")
                 while (any(c.poll() is None for c in clients.values()) and not output.failed
@@ -174,13 +174,13 @@ class YarnLauncher:
         except subprocess.TimeoutExpired:
             failure = "the scheduler did not end after every YARN application finished"
         finally:
-            with role.shielded():
+            with batch.shielded():
                 if any(c.poll() is None for c in clients.values()):
                     for app in output.found:  # the clients alone would leave them running
-                        role.quietly(["yarn", "application", "-kill", app], env, timeout=120)
+                        batch.quietly(["yarn", "application", "-kill", app], env, timeout=120)
                 for c in clients.values():
-                    role.stop(c)
-                role.stop(scheduler)
+                    batch.stop(c)
+                batch.stop(scheduler)
                 output.join()
         failure = failure or output.cause() or first_cause(failed_clients())
         return Result(0 if failure is None else 1, failure)
