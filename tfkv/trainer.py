@@ -112,6 +112,9 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
                                          store.rank, cfg.dataset.augment)
             bar = tqdm(total=steps, desc=f"epoch {epoch}/{cfg.epochs}", unit="step", leave=False,
                        disable=None if (cfg.progress and chief) else True, mininterval=0.5)
+            # The workers start the clock together: otherwise a worker's epoch would include
+            # waiting for worker 0's checkpoint and the others' evaluation (no-op alone).
+            store.barrier()
             t0 = time.perf_counter()
             for i, (x, y) in enumerate(batches, 1):
                 dp.step(x, y)
