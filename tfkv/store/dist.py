@@ -63,10 +63,10 @@ class Pull:
     """A key's pull requests in flight: `seqs` holds (sequence number, start, end) per part.
 
     `outs` are where the value goes: TensorFlow variables (assigned) or numpy arrays. The first
-    float32 C-contiguous numpy array of the key's shape receives the parts directly as they
-    arrive (MXNet's `pull(key, out=array)`: no allocation per pull); without one, a key of one
-    part is the reply's own read-only buffer (no copy) and a key of several parts is assembled in
-    a fresh array."""
+    numpy array, which must be writable, C-contiguous, float32 and of the key's shape, receives
+    the parts directly as they arrive (MXNet's `pull(key, out=array)`: no allocation per pull);
+    without one, a key of one part is the reply's own read-only buffer (no copy) and a key of
+    several parts is assembled in a fresh array."""
 
     key: Key
     layout: Layout
