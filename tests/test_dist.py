@@ -28,11 +28,18 @@ def _ok(c, timeout=120):
     assert all(code == 0 for code in codes.values()), f"{codes}\n{c.outputs()}"
 
 
-def test_sync_semantics_big_arrays_and_string_keys(cluster):
-    c = cluster(num_servers=2, num_workers=2, MXNET_KVSTORE_BIGARRAY_BOUND="100")
+def _job(cluster, scenario, *args, num_servers=1, num_workers=1, timeout=120, **env):
+    """Servers and workers running `scenario` to a clean end: (the cluster, each worker's output
+    file)."""
+    c = cluster(num_servers=num_servers, num_workers=num_workers, **env)
     c.start_servers()
-    outs = c.start_workers("semantics")
-    _ok(c)
+    outs = c.start_workers(scenario, *args)
+    _ok(c, timeout)
+    return c, outs
+
+
+def test_sync_semantics_big_arrays_and_string_keys(cluster):
+    _, outs = _job(cluster, "semantics", num_servers=2, num_workers=2, MXNET_KVSTORE_BIGARRAY_BOUND="100")
     for r in _results(outs):
         assert r["num_workers"] == 2
         for step in range(3):
@@ -44,10 +51,8 @@ def test_sync_semantics_big_arrays_and_string_keys(cluster):
 
 
 def test_pushpull_streams_each_key_back(cluster):
-    c = cluster(num_servers=2, num_workers=2, MXNET_KVSTORE_BIGARRAY_BOUND="500", TFKV_CHUNK_BYTES="2000")
-    c.start_servers()
-    outs = c.start_workers("pushpull")
-    _ok(c)
+    _, outs = _job(cluster, "pushpull", num_servers=2, num_workers=2, MXNET_KVSTORE_BIGARRAY_BOUND="500",
+                   TFKV_CHUNK_BYTES="2000")
     for r in _results(outs):
         assert r["parts"] == {"small": 1, "split": 2, "chunked": 4}  # 2 servers x 2 chunks of 500 floats
         small, split, shape, chunked = r["pushpull"]
@@ -64,10 +69,7 @@ def test_pushpull_streams_each_key_back(cluster):
 
 @pytest.mark.parametrize("kind", ["dist_sync", "dist_async"])
 def test_update_on_servers_counts_every_push_once(cluster, kind):
-    c = cluster(num_servers=1, num_workers=2, TEST_KVSTORE=kind)
-    c.start_servers()
-    outs = c.start_workers("updates", "20")
-    _ok(c)
+    _, outs = _job(cluster, "updates", "20", num_workers=2, TEST_KVSTORE=kind)
     for r in _results(outs):
         # SGD lr=1 from 100: every step takes off 1 (worker 0) and 2 (worker 1).
         assert r["final"] == [100.0 - 20 * 3] * 4
@@ -76,18 +78,12 @@ def test_update_on_servers_counts_every_push_once(cluster, kind):
 
 
 def test_async_without_optimizer_is_refused(cluster):
-    c = cluster(num_servers=1, num_workers=1, TEST_KVSTORE="dist_async")
-    c.start_servers()
-    (out,) = c.start_workers("no_optimizer")
-    _ok(c)
+    _, (out,) = _job(cluster, "no_optimizer", TEST_KVSTORE="dist_async")
     assert "needs an optimizer on the servers" in _results([out])[0]["error"]
 
 
 def test_bad_requests_get_errors_and_the_server_stays_up(cluster):
-    c = cluster(num_servers=1, num_workers=1)
-    c.start_servers()
-    (out,) = c.start_workers("bad_requests")
-    _ok(c)
+    _, (out,) = _job(cluster, "bad_requests")
     r = _results([out])[0]
     errors = r["errors"]
     assert "header is 7 bytes" in errors[0]
@@ -101,10 +97,7 @@ def test_bad_requests_get_errors_and_the_server_stays_up(cluster):
 
 
 def test_resend_retransmits_and_never_applies_twice(cluster):
-    c = cluster(num_servers=1, num_workers=1, PS_RESEND="1", PS_RESEND_TIMEOUT="300")
-    c.start_servers()
-    (out,) = c.start_workers("lossy")
-    _ok(c)
+    _, (out,) = _job(cluster, "lossy", PS_RESEND="1", PS_RESEND_TIMEOUT="300")
     r = _results([out])[0]
     assert r["first"] == [-1.0] * 4  # the lost push arrived through the retransmission
     assert r["second"] == [-2.0] * 4  # the duplicated push was applied once
@@ -112,10 +105,7 @@ def test_resend_retransmits_and_never_applies_twice(cluster):
 
 
 def test_verbose_logs_connections_and_messages(cluster):
-    c = cluster(num_servers=1, num_workers=1, PS_VERBOSE="2", DMLC_INTERFACE="lo")
-    c.start_servers()
-    c.start_workers("updates", "2")
-    _ok(c)
+    c, _ = _job(cluster, "updates", "2", PS_VERBOSE="2", DMLC_INTERFACE="lo")
     assert "registered" in c.output("scheduler")
     assert "listening on 127.0.0.1" in c.output("server 0")
     assert "PUSH key=" in c.output("server 0") and "PULL key=" in c.output("server 0")
@@ -134,10 +124,8 @@ def test_dist_sync_matches_local_at_the_global_batch(cluster, tf_devices, kind, 
     (per worker, then across workers), so agreement is to round-off, not bit for bit.
     """
     b = 16
-    c = cluster(num_servers=2, num_workers=2, TEST_KVSTORE=kind, MXNET_KVSTORE_BIGARRAY_BOUND="100")
-    c.start_servers()
-    outs = c.start_workers("train", str(ndev), update_on_kvstore, str(b))
-    _ok(c, timeout=240)
+    _, outs = _job(cluster, "train", str(ndev), update_on_kvstore, str(b), num_servers=2, num_workers=2,
+                   timeout=240, TEST_KVSTORE=kind, MXNET_KVSTORE_BIGARRAY_BOUND="100")
 
     keras.utils.set_random_seed(7)
     opt = optim.SGD(schedule=optim.Schedule(lr=0.1), momentum=0.9, wd=1e-3)
@@ -197,20 +185,15 @@ def test_manual_launch_with_the_same_command_for_every_role(cluster, tmp_path):
 
 
 def test_a_barrier_after_a_push_sees_it_applied(cluster):
-    c = cluster(num_servers=2, num_workers=2)
-    c.start_servers()
-    outs = c.start_workers("push_then_barrier")
-    _ok(c)
+    _, outs = _job(cluster, "push_then_barrier", num_servers=2, num_workers=2)
     assert [r["after"] for r in _results(outs)] == [3.0, 3.0]
 
 
 # -- faster communication: 2-bit compression, chunking ----------------------------------------------
 
 def test_two_bit_compression_over_the_wire(cluster):
-    c = cluster(num_servers=2, num_workers=2, MXNET_KVSTORE_BIGARRAY_BOUND="1000", TFKV_CHUNK_BYTES="4000")
-    c.start_servers()
-    outs = c.start_workers("compressed")
-    _ok(c)
+    _, outs = _job(cluster, "compressed", num_servers=2, num_workers=2, MXNET_KVSTORE_BIGARRAY_BOUND="1000",
+                   TFKV_CHUNK_BYTES="4000")
     for r in _results(outs):
         assert r["parts"] == 4  # split over 2 servers, each half cut into 2 chunks of <= 4000 bytes
         assert r["a"] == [0.0, 1.0]  # 0.3 is held back, then 0.6 sends 0.5 from each worker
@@ -223,10 +206,7 @@ def test_two_bit_compression_over_the_wire(cluster):
 
 
 def test_resend_with_compression_never_applies_twice(cluster):
-    c = cluster(num_servers=1, num_workers=1, PS_RESEND="1", PS_RESEND_TIMEOUT="300")
-    c.start_servers()
-    (out,) = c.start_workers("lossy_compressed")
-    _ok(c)
+    _, (out,) = _job(cluster, "lossy_compressed", PS_RESEND="1", PS_RESEND_TIMEOUT="300")
     r = _results([out])[0]
     # SGD lr=1, pushes of 1.0 with threshold 0.5: 0.5 is sent each step (the rest accumulates).
     assert r["first"] == [-0.5] * 4
@@ -280,10 +260,7 @@ def test_reduction_threads_from_the_environment():
 
 @pytest.mark.parametrize("p2p", ["1", "0"])
 def test_dist_device_types_sum_on_a_device_or_through_the_host(cluster, p2p):
-    c = cluster(num_servers=1, num_workers=2, TEST_KVSTORE="dist_sync_device", MXNET_ENABLE_GPU_P2P=p2p)
-    c.start_servers()
-    outs = c.start_workers("semantics")
-    _ok(c)
+    _, outs = _job(cluster, "semantics", num_workers=2, TEST_KVSTORE="dist_sync_device", MXNET_ENABLE_GPU_P2P=p2p)
     for r in _results(outs):
         assert r["device_sum"] == [6.0] * 5
         assert r["step2"][0] == [[3.0] * 3] * 2
