@@ -20,11 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
-
-def _need_root(what: str) -> None:
-    if os.geteuid() != 0:
-        pytest.skip(f"{what} needs root here (daemons under their system users, root jobs)")
+from conftest import need_root
 
 
 def _need(binaries: list[str], packages: str) -> None:
@@ -117,7 +113,7 @@ def _munged() -> int | None:
 @pytest.fixture(scope="session")
 def slurm(tmp_path_factory):
     """Slurm 22.05 with one node (this host, 127.0.0.1), private config, state and ports."""
-    _need_root("Slurm")
+    need_root("Slurm")
     _need(["/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/sbin/munged", "srun", "sbatch", "salloc"],
           "slurmctld slurmd slurm-client munge")
     d = tmp_path_factory.mktemp("slurm")
@@ -213,7 +209,7 @@ def _qconf(env: dict[str, str], *args: str, editor_sed: str | None = None, tmp: 
 def sge(tmp_path_factory):
     """A single-node Grid Engine cell "default" on this host, set up idempotently: act_qmaster,
     host_aliases, root jobs (min_uid 0), a 1 s scheduler, no load thresholds, PE smp, 16 slots."""
-    _need_root("Grid Engine")
+    need_root("Grid Engine")
     _need(["/usr/sbin/sge_qmaster", "/usr/sbin/sge_execd", "qsub", "qconf", "qstat", "qdel"],
           "gridengine-master gridengine-exec gridengine-client (debconf: gridengine-common "
           "shared/gridenginemaster string $(hostname))")

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from conftest import need_root
 
 SSHD = "/usr/sbin/sshd"  # sshd re-executes itself, so it must be started by absolute path
 
@@ -179,8 +180,7 @@ def _free_subnet() -> int | None:
 
 @pytest.fixture(scope="session")
 def netns_hosts(ssh_site: SSHSite):
-    if os.geteuid() != 0:
-        pytest.skip("network-namespace hosts need root (ip netns add)")
+    need_root("network-namespace hosts (ip netns add)")
     if not shutil.which("ip") or not shutil.which("nsenter") or not shutil.which("unshare"):
         pytest.fail("network-namespace hosts need ip, nsenter and unshare: apt-get install iproute2 util-linux")
     n = _free_subnet()

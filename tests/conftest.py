@@ -47,6 +47,18 @@ def python(script: Path, *args: str, cwd: Path, timeout: float = 300) -> subproc
                           text=True, timeout=timeout)
 
 
+def need_root(what: str) -> None:
+    """Skip a test that needs root (network namespaces, daemons under their own system users) when
+    a developer runs the suite as another user; CI runs as root, where a missing root is a failure,
+    never a silent skip."""
+    if os.geteuid() == 0:
+        return
+    reason = f"{what} needs root here (network namespaces, daemons under their system users, root jobs)"
+    if os.environ.get("CI"):
+        pytest.fail(f"{reason}, and CI must run them: run .ci/run as root")
+    pytest.skip(reason)
+
+
 # -- parameter-server clusters made of real processes -------------------------------------------
 
 TAG = "TFKV_TEST_TAG"
