@@ -244,6 +244,10 @@ def test_large_arrays_are_summed_in_threads_small_ones_inline():
     np.testing.assert_array_equal(small.add(a, b), a + b)
     assert small._pool is None
     assert out is not a and out is not b
+    for server in (srv, small):  # the third and later pushes of a round add in place
+        acc = a.copy()
+        assert server.add(acc, b, out=acc) is acc
+        np.testing.assert_array_equal(acc, a + b)
 
 
 def test_reduction_threads_from_the_environment():

@@ -50,6 +50,7 @@ class Round:
     """One synchronous round of a key: who has pushed and what is waiting."""
 
     merged: np.ndarray | None = None
+    owned: bool = False  # merged is this round's own array (not a received buffer)
     pushed: set[int] = field(default_factory=set)
     pulls: list[tuple[bytes, P.Message]] = field(default_factory=list)
     held: list[tuple[bytes, P.Message]] = field(default_factory=list)
@@ -165,12 +166,14 @@ class Server:
                 raise RequestError(f"key {msg.key}: {e}") from None
         return msg.data
 
-    def add(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        """a + b in a fresh array; large arrays in slices over the reduction threads."""
+    def add(self, a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """a + b into `out` (default: a fresh array); large arrays in slices over the reduction
+        threads."""
         n = self.env.reduction_nthreads
         if n <= 1 or a.size < max(self.env.bigarray_bound, n):
-            return np.add(a, b)
-        out = np.empty_like(a)
+            return np.add(a, b, out=out)
+        if out is None:
+            out = np.empty_like(a)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(n, thread_name_prefix="tfkv-reduce")
         bounds = [i * a.size // n for i in range(n + 1)]
@@ -218,8 +221,14 @@ class Server:
             r.held.append((identity, msg))
             return  # acknowledged when its round opens
         # The first push's buffer is kept as it arrived (read-only, nothing ever writes into a
-        # stored value); each further push sums into a fresh array.
-        r.merged = data if r.merged is None else self.add(r.merged, data)
+        # stored value); the second sums into a fresh array, which no one else sees until the
+        # round closes, so the later ones add into it in place.
+        if r.merged is None:
+            r.merged = data
+        elif r.owned:
+            self.add(r.merged, data, out=r.merged)
+        else:
+            r.merged, r.owned = self.add(r.merged, data), True
         r.pushed.add(msg.sender)
         self._ack_push(identity, msg)
         if len(r.pushed) == len(self.workers):
