@@ -33,9 +33,7 @@ hangs (MWMS workers can); the script exits non-zero if anything failed.
 from __future__ import annotations
 
 import argparse
-import io
 import json
-import math
 import os
 import signal
 import statistics
@@ -44,74 +42,19 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from dist_job import (CALIBRATION_STEPS, LR, MOMENTUM, WARMUP_STEPS, Failed, check_agreement,  # noqa: E402
+                      measure, run_plan, set_threads, synthetic, weights_checksum)
 
 MODELS = {
     # name: (ModelConfig kwargs, input shape)
     "lenet": ({"name": "lenet"}, (28, 28, 1)),
     "mlp": ({"name": "mlp", "hidden": [2048, 2048]}, (28, 28, 1)),
 }
-LR, MOMENTUM = 0.01, 0.9
-WARMUP_STEPS, CALIBRATION_STEPS = 3, 5
-
 
 # -- inside a worker process ------------------------------------------------------------------
-
-def synthetic(batch: int, shape: tuple[int, ...], seed: int = 0):
-    """The same global batch (2 x b examples) in every process; worker r trains on slice r."""
-    import numpy as np
-
-    rng = np.random.RandomState(seed)
-    x = rng.standard_normal((batch, *shape)).astype(np.float32)
-    y = rng.randint(0, 10, size=batch).astype(np.int32)
-    return x, y
-
-
-def agree_on_steps(rank: int, per_step: float, seconds: float, sync_dir: str, tag: str) -> int:
-    """Rank 0 decides the step count and writes it; the others wait for the file."""
-    path = os.path.join(sync_dir, f"{tag}.steps")
-    if rank == 0:
-        n = max(5, math.ceil(seconds / max(per_step, 1e-6)))
-        with open(path + ".tmp", "w") as f:
-            f.write(str(n))
-        os.replace(path + ".tmp", path)
-        return n
-    deadline = time.monotonic() + 120
-    while not os.path.exists(path):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"rank 0 never wrote {path}")
-        time.sleep(0.005)
-    with open(path) as f:
-        return int(f.read())
-
-
-def measure(step, rank: int, seconds: float, sync_dir: str, tag: str) -> tuple[int, float]:
-    for _ in range(WARMUP_STEPS):
-        step()
-    t0 = time.perf_counter()
-    for _ in range(CALIBRATION_STEPS):
-        step()
-    n = agree_on_steps(rank, (time.perf_counter() - t0) / CALIBRATION_STEPS, seconds, sync_dir, tag)
-    step()  # lines the workers up again after the file hand-over
-    t0 = time.perf_counter()
-    for _ in range(n):
-        step()
-    return n, time.perf_counter() - t0
-
-
-def weights_checksum(weights) -> list[float]:
-    import numpy as np
-
-    return [float(np.sum(np.asarray(w, np.float64))) for w in weights]
-
-
-def set_threads(n: int) -> None:
-    import tensorflow as tf
-
-    if n:
-        tf.config.threading.set_intra_op_parallelism_threads(n)
-        tf.config.threading.set_inter_op_parallelism_threads(n)
-
 
 def run_tfkv(args: argparse.Namespace, kind: str) -> None:
     """`local` (one process, batch 2b) or one `dist_sync` worker (batch b)."""
@@ -203,10 +146,6 @@ def run_mwms(args: argparse.Namespace) -> None:
 
 # -- the parent: launching, timeouts, teardown ------------------------------------------------
 
-class Failed(RuntimeError):
-    pass
-
-
 def _kill_group(p: subprocess.Popen) -> None:
     """SIGTERM the process's group, then SIGKILL whatever is left in it; reap the leader."""
     for sig, wait in ((signal.SIGTERM, 3), (signal.SIGKILL, 5)):
@@ -269,27 +208,11 @@ def job_mwms(args, tmp: str) -> None:
 
 
 def job_dist_sync(args, tmp: str, model: str) -> None:
-    from tfkv.launcher import local
     from tfkv.launcher.plan import free_port, make_plan
 
     plan = make_plan(2, 1, worker_argv(args, "dist_sync", tmp, models=model),
                      [sys.executable, "-m", "tfkv.store.node"], ["127.0.0.1"], "127.0.0.1", free_port())
-    log = io.StringIO()
-
-    def expired(*_):
-        raise Failed(f"dist_sync {model} ran past {args.job_timeout:.0f} s")
-
-    old = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(int(args.job_timeout))
-    try:
-        result = local.run(plan, out=log)  # tears every process group down, also when Failed is raised
-    except Failed as e:
-        raise Failed(f"{e}\n{log.getvalue()[-4000:]}") from None
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-    if result.failure is not None:
-        raise Failed(f"dist_sync {model}: {result.failure}\n{log.getvalue()[-4000:]}")
+    run_plan(plan, args.job_timeout, f"dist_sync {model}")
 
 
 def worker_argv(args, role: str, tmp: str, models: str | None = None) -> list[str]:
@@ -307,14 +230,7 @@ def collect(tmp: str, kind: str, ranks: int) -> dict[str, dict]:
     out = {}
     for name in reports[0]:
         rs = [rep[name] for rep in reports]
-        if len({r["steps"] for r in rs}) != 1:
-            raise Failed(f"{kind} {name}: the workers ran different step counts")
-        for r in rs[1:]:
-            for a, b in zip(rs[0]["checksum"], r["checksum"]):
-                if abs(a - b) > 1e-4 * max(1.0, abs(a)):
-                    raise Failed(f"{kind} {name}: the workers' weights differ ({a} vs {b}): not synchronised")
-        if not all(math.isfinite(r["loss"]) for r in rs):
-            raise Failed(f"{kind} {name}: the loss is not finite")
+        check_agreement(rs, f"{kind} {name}")
         out[name] = {"samples_s": rs[0]["batch"] * rs[0]["steps"] / max(r["seconds"] for r in rs),
                      "params": rs[0]["params"], "loss": rs[0]["loss"]}
     return out

@@ -34,12 +34,10 @@ Exits non-zero if a job fails, hangs (--job-timeout), or a pulled value is wrong
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import math
 import multiprocessing as mp
 import os
-import signal
 import statistics
 import sys
 import tempfile
@@ -47,6 +45,7 @@ import time
 
 import numpy as np
 import zmq
+from dist_job import run_plan  # benchmarks/, this script's directory
 
 BIGARRAY_BOUND = 1_000_000  # elements; tfkv's (and MXNet's) default MXNET_KVSTORE_BIGARRAY_BOUND
 CONTROL_KEY = 1 << 20
@@ -135,14 +134,9 @@ def tfkv_worker(args: argparse.Namespace) -> None:
             store.abort("bench_pushpull worker failed")
 
 
-class JobTimeout(RuntimeError):
-    pass
-
-
 def run_tfkv(num_servers: int, num_workers: int, sizes: list[int], seconds: float,
              timeout: float) -> dict[int, float]:
     """GB/s per size of one tfkv job (summed over the workers)."""
-    from tfkv.launcher import local
     from tfkv.launcher.plan import free_port, make_plan
 
     with tempfile.TemporaryDirectory(prefix="bench_pushpull_") as tmp:
@@ -154,23 +148,7 @@ def run_tfkv(num_servers: int, num_workers: int, sizes: list[int], seconds: floa
         for p in plan:
             if p.role == "worker":
                 p.argv.append(outs[p.rank])
-        log = io.StringIO()
-
-        def expired(*_):
-            raise JobTimeout(f"tfkv {num_servers}x{num_workers} job ran past {timeout:.0f} s")
-
-        old = signal.signal(signal.SIGALRM, expired)
-        signal.alarm(int(timeout))
-        try:
-            result = local.run(plan, out=log)  # tears every process down, also on JobTimeout
-        except JobTimeout as e:
-            raise RuntimeError(f"{e}\n{log.getvalue()[-4000:]}") from None
-        finally:
-            signal.alarm(0)
-            signal.signal(signal.SIGALRM, old)
-        if result.failure is not None:
-            raise RuntimeError(f"tfkv {num_servers} server(s) x {num_workers} worker(s): {result.failure}\n"
-                               f"{log.getvalue()[-4000:]}")
+        run_plan(plan, timeout, f"tfkv {num_servers} server(s) x {num_workers} worker(s)")
         reports = []
         for path in outs:
             with open(path) as f:

@@ -1,5 +1,8 @@
-"""Shared by bench_compression_training.py and bench_scaling.py: one `dist_sync` training job
-(N local workers, 1 server, started by tfkv.launcher make_plan + local.run) and its worker.
+"""What the distributed benchmarks share: one `dist_sync` training job (N local workers, 1
+server, started by tfkv.launcher make_plan + local.run) and its worker, for
+bench_compression_training.py and bench_scaling.py; and the pieces bench_dist_training.py and
+bench_pushpull.py use too (the synthetic batch, the agreed step count, the timed loop, running a
+plan under a time limit, checking that workers agree).
 
 Each worker trains tfkv DataParallel on its slice of one synthetic in-memory global batch with
 SGD (lr 0.01, momentum 0.9, the server runs the optimizer), traces and warms up, times a few
@@ -26,11 +29,10 @@ import os
 import signal
 import sys
 import time
+from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-from bench_dist_training import Failed, agree_on_steps, synthetic, weights_checksum  # noqa: E402
 
 MODELS = {
     # name: (ModelConfig kwargs, input shape)
@@ -39,6 +41,111 @@ MODELS = {
 }
 LR, MOMENTUM = 0.01, 0.9
 WARMUP_STEPS, CALIBRATION_STEPS = 3, 3
+
+
+class Failed(RuntimeError):
+    """A benchmark job failed or hung; the message ends with its log's tail."""
+
+
+# -- inside a worker process ------------------------------------------------------------------
+
+def synthetic(batch: int, shape: tuple[int, ...], seed: int = 0):
+    """The same global batch in every process; worker r trains on slice r."""
+    import numpy as np
+
+    rng = np.random.RandomState(seed)
+    x = rng.standard_normal((batch, *shape)).astype(np.float32)
+    y = rng.randint(0, 10, size=batch).astype(np.int32)
+    return x, y
+
+
+def agree_on_steps(rank: int, per_step: float, seconds: float, sync_dir: str, tag: str) -> int:
+    """Rank 0 decides the step count and writes it; the others wait for the file."""
+    path = os.path.join(sync_dir, f"{tag}.steps")
+    if rank == 0:
+        n = max(5, math.ceil(seconds / max(per_step, 1e-6)))
+        with open(path + ".tmp", "w") as f:
+            f.write(str(n))
+        os.replace(path + ".tmp", path)
+        return n
+    deadline = time.monotonic() + 120
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 never wrote {path}")
+        time.sleep(0.005)
+    with open(path) as f:
+        return int(f.read())
+
+
+def measure(step: Callable[[], Any], rank: int, seconds: float, sync_dir: str, tag: str,
+            before_timed: Callable[[], None] | None = None) -> tuple[int, float]:
+    """Warm up, calibrate, agree on a step count lasting about `seconds`, run it timed: (steps,
+    seconds). `before_timed` runs just before the timed steps (resetting counters)."""
+    for _ in range(WARMUP_STEPS):
+        step()
+    t0 = time.perf_counter()
+    for _ in range(CALIBRATION_STEPS):
+        step()
+    n = agree_on_steps(rank, (time.perf_counter() - t0) / CALIBRATION_STEPS, seconds, sync_dir, tag)
+    step()  # lines the workers up again after the file hand-over
+    if before_timed is not None:
+        before_timed()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    return n, time.perf_counter() - t0
+
+
+def weights_checksum(weights) -> list[float]:
+    import numpy as np
+
+    return [float(np.sum(np.asarray(w, np.float64))) for w in weights]
+
+
+def set_threads(n: int) -> None:
+    """TensorFlow's intra/inter-op threads (0: its default)."""
+    import tensorflow as tf
+
+    if n:
+        tf.config.threading.set_intra_op_parallelism_threads(n)
+        tf.config.threading.set_inter_op_parallelism_threads(n)
+
+
+# -- the parent side --------------------------------------------------------------------------
+
+def run_plan(plan: list, timeout: float, what: str) -> None:
+    """Run a make_plan job with tfkv.launcher.local (which tears every process group down, also
+    when this gives up); Failed, with the log's tail, if it fails or runs past `timeout`."""
+    from tfkv.launcher import local
+
+    log = io.StringIO()
+
+    def expired(*_):
+        raise Failed(f"{what} ran past {timeout:.0f} s")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(int(timeout))
+    try:
+        result = local.run(plan, out=log)
+    except Failed as e:
+        raise Failed(f"{e}\n{log.getvalue()[-4000:]}") from None
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    if result.failure is not None:
+        raise Failed(f"{what}: {result.failure}\n{log.getvalue()[-4000:]}")
+
+
+def check_agreement(reports: list[dict], what: str) -> None:
+    """The workers of one job ran the same steps, ended with the same weights, a finite loss."""
+    if len({r["steps"] for r in reports}) != 1:
+        raise Failed(f"{what}: the workers ran different step counts")
+    for r in reports[1:]:
+        for a, b in zip(reports[0]["checksum"], r["checksum"]):
+            if abs(a - b) > 1e-4 * max(1.0, abs(a)):
+                raise Failed(f"{what}: the workers' weights differ ({a} vs {b}): not synchronised")
+    if not all(math.isfinite(r["loss"]) for r in reports):
+        raise Failed(f"{what}: the loss is not finite")
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -50,11 +157,7 @@ def worker(args: argparse.Namespace) -> None:
     from tfkv.parallel import devices
     from tfkv.parallel.data_parallel import DataParallel
 
-    if args.threads:
-        import tensorflow as tf
-
-        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
-        tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+    set_threads(args.threads)
     tf_devices = devices.setup(["cpu:0"])
     kv = store.create("dist_sync", devices=tf_devices)
     if args.overlap == "after":
@@ -69,20 +172,12 @@ def worker(args: argparse.Namespace) -> None:
         keras.utils.set_random_seed(0)
         sgd = optim.SGD(schedule=optim.Schedule(lr=LR), momentum=MOMENTUM)
         dp = DataParallel(lambda: build(ModelConfig(**cfg), shape, 10), tf_devices, kv, sgd, [len(x)])
-        for _ in range(WARMUP_STEPS):
-            dp.step(x, y)
-        t0 = time.perf_counter()
-        for _ in range(CALIBRATION_STEPS):
-            dp.step(x, y)
-        n = agree_on_steps(rank, (time.perf_counter() - t0) / CALIBRATION_STEPS, args.seconds, args.sync_dir,
-                           f"steps-{args.tag}")
-        dp.step(x, y)  # lines the workers up again after the file hand-over
-        dp.reset_timings()
-        kv.push_bytes = 0
-        t0 = time.perf_counter()
-        for _ in range(n):
-            dp.step(x, y)
-        elapsed = time.perf_counter() - t0
+
+        def reset() -> None:
+            dp.reset_timings()
+            kv.push_bytes = 0
+
+        n, elapsed = measure(lambda: dp.step(x, y), rank, args.seconds, args.sync_dir, f"steps-{args.tag}", reset)
         loss, _, _ = dp.take_metrics()
         report = {"steps": n, "seconds": elapsed, "batch": len(x) * workers, "loss": loss,
                   "push_bytes": kv.push_bytes / n, "timings": {k: v / n for k, v in dp.timings.items() if k != "steps"},
@@ -99,7 +194,6 @@ def run_job(workers: int, model: str, batch: int, seconds: float, tmp: str, tag:
             compression: str = "none", threshold: float = 0.5, overlap: str = "graph", threads: int = 0) -> dict:
     """Run one job; returns {samples_s, push_bytes (per step, per worker), timings (worker means),
     steps, params, loss}. Raises Failed (with the job's log tail) on any failure or hang."""
-    from tfkv.launcher import local
     from tfkv.launcher.plan import free_port, make_plan
 
     argv = [sys.executable, os.path.abspath(__file__), "--out", tmp, "--sync-dir", tmp, "--tag", tag,
@@ -107,35 +201,13 @@ def run_job(workers: int, model: str, batch: int, seconds: float, tmp: str, tag:
             "--threshold", str(threshold), "--overlap", overlap, "--threads", str(threads)]
     plan = make_plan(workers, 1, argv, [sys.executable, "-m", "tfkv.store.node"], ["127.0.0.1"], "127.0.0.1",
                      free_port())
-    log = io.StringIO()
-
-    def expired(*_):
-        raise Failed(f"{tag} ran past {timeout:.0f} s")
-
-    old = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(int(timeout))
-    try:
-        result = local.run(plan, out=log)  # tears every process group down, also when Failed is raised
-    except Failed as e:
-        raise Failed(f"{e}\n{log.getvalue()[-4000:]}") from None
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-    if result.failure is not None:
-        raise Failed(f"{tag}: {result.failure}\n{log.getvalue()[-4000:]}")
+    run_plan(plan, timeout, tag)
 
     reports = []
     for r in range(workers):
         with open(os.path.join(tmp, f"{tag}-{r}.json")) as f:
             reports.append(json.load(f))
-    if len({r["steps"] for r in reports}) != 1:
-        raise Failed(f"{tag}: the workers ran different step counts")
-    for r in reports[1:]:
-        for a, b in zip(reports[0]["checksum"], r["checksum"]):
-            if abs(a - b) > 1e-4 * max(1.0, abs(a)):
-                raise Failed(f"{tag}: the workers' weights differ ({a} vs {b}): not synchronised")
-    if not all(math.isfinite(r["loss"]) for r in reports):
-        raise Failed(f"{tag}: the loss is not finite")
+    check_agreement(reports, tag)
     phases = reports[0]["timings"].keys()
     return {"samples_s": reports[0]["batch"] * reports[0]["steps"] / max(r["seconds"] for r in reports),
             "push_bytes": sum(r["push_bytes"] for r in reports) / workers,
