@@ -14,9 +14,10 @@ works on piece i; nothing orders ops that need not be ordered. The loss is every
 summed loss times `loss_scale` (default 1 / (batch x workers), as in data parallelism), so the
 summed micro-batch gradients are the gradient of the unsplit batch.
 
-In a `dist_*` job each worker is model-parallel: the per-weight gradients are pushed to the
-parameter servers and pulled back exactly as `DataParallel`'s non-traceable path does, so the
-servers see a worker with one "device" per weight.
+In a `dist_*` job each worker is model-parallel: after the compiled step every weight's gradient
+is pushed and asked back at once (`pushpull_async`, as DataParallel does for stores it cannot
+push to from inside the graph; here a weight's gradient is complete only once every micro-batch
+is through), so the servers see a worker with one "device" per weight.
 
 The interface is `DataParallel`'s, so the trainer drives either.
 """
@@ -113,9 +114,11 @@ class ModelParallel:
             self._step(x, y)
             return
         grads = self._grads(x, y)
-        priority = [-k for k in self.keys]  # the first layers' weights first: the next step starts there
-        self.store.push(self.keys, [[g] for g in grads], priority=priority)
-        pulled = self.store.pull(self.keys, priority=priority)
+        # Each key pushed and asked back at once, the last layer's first (backprop's order), so
+        # replies stream back while later keys still go out; taken as they arrive.
+        pending = self.store.pushpull_async(self.keys, [[g] for g in grads], priority=list(self.keys))
+        values = dict(self.store.arrivals(pending))
+        pulled = [values[k] for k in self.keys]
         if self.update_on_kvstore:
             self._set_weights(pulled)
         else:
