@@ -16,6 +16,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from tfkv.errors import ConfigError
+from tfkv.store import compression
 
 
 @dataclass
@@ -235,11 +236,11 @@ def _validate_cluster(cfg: Any) -> None:
         raise ConfigError(f"cluster={c.launcher} starts a parameter-server job, but kvstore={kind} is a "
                           "single-machine store; use kvstore=dist_sync (or dist_async, ...) or drop cluster=")
     comp = cfg.kvstore.compression
-    if comp.type not in ("none", "2bit"):
-        raise ConfigError(f"kvstore.compression.type={comp.type!r} is not known; choose one of 2bit, none")
-    if comp.type != "none":
-        if not comp.threshold > 0:
-            raise ConfigError(f"kvstore.compression.threshold={comp.threshold} must be positive")
+    try:
+        compressing = compression.parse({"type": comp.type, "threshold": comp.threshold}, "kvstore.compression")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if compressing is not None:
         if not is_distributed(kind):
             raise ConfigError(f"kvstore.compression.type={comp.type} compresses pushes to parameter servers; "
                               f"kvstore={kind} has none: use kvstore=dist_sync (or another dist_* type)")

@@ -19,22 +19,22 @@ def words(count: int) -> int:
     return (count + 15) // 16
 
 
-def parse(params: Mapping[str, Any] | None) -> float | None:
+def parse(params: Mapping[str, Any] | None, where: str = "compression") -> float | None:
     """MXNet's compression params ({"type": "2bit", "threshold": 0.5}) -> threshold, or None for
-    no compression. Raises ValueError on anything else."""
+    no compression. Raises ValueError on anything else, naming the setting as `where`.type etc."""
     if not params:
         return None
     kind = str(params.get("type", "none")).lower()
     if kind not in TYPES:
-        raise ValueError(f"gradient compression type {kind!r} is not known; choose one of {', '.join(TYPES)}")
+        raise ValueError(f"{where}.type={kind!r} is not known; choose one of {', '.join(TYPES)}")
     unknown = set(params) - {"type", "threshold"}
     if unknown:
-        raise ValueError(f"gradient compression: unknown parameter(s) {', '.join(sorted(unknown))}")
+        raise ValueError(f"{where}: unknown parameter(s) {', '.join(sorted(unknown))}")
     if kind == "none":
         return None
     threshold = float(params.get("threshold", 0.5))
     if not np.isfinite(threshold) or threshold <= 0:
-        raise ValueError(f"gradient compression threshold={threshold} must be a positive number")
+        raise ValueError(f"{where}.threshold={threshold} must be positive")
     return threshold
 
 

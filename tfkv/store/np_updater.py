@@ -42,9 +42,9 @@ class NumpyUpdater:
         if opt.wd:
             np.multiply(weight, np.float32(opt.wd), out=step)
             step += grad
+            step *= lr
         else:
-            step[...] = grad
-        step *= lr
+            np.multiply(grad, lr, out=step)
         self.count[key] += 1
         if opt.momentum:
             (v,) = self.state[key]

@@ -23,6 +23,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from tfkv.store.compression import words
+
 MAGIC = 0x4B54  # "TK"
 VERSION = 1
 HEADER = struct.Struct("<HBBBBHIQQ")  # magic version type flags dtype sender seq key count
@@ -95,7 +97,7 @@ def encode(msg: Message) -> list[Any]:
         flags |= FLAG_DATA
         if msg.dtype == DType.TWOBIT:
             data = np.ascontiguousarray(msg.data, dtype=np.uint32).reshape(-1)
-            if data.size != (msg.count + 15) // 16:
+            if data.size != words(msg.count):
                 raise ValueError(f"{data.size} words cannot hold {msg.count} 2-bit values")
             count, dtype = msg.count, DType.TWOBIT
         else:
@@ -158,9 +160,9 @@ def decode(frames: Sequence[Any], max_count: int | None = None) -> Message:
         if dtype == DType.TWOBIT:
             if kind != Type.PUSH:
                 raise ProtocolError(f"{kind.name}: 2-bit payloads are only for PUSH")
-            if len(raw) != (count + 15) // 16 * 4:
+            if len(raw) != words(count) * 4:
                 raise ProtocolError(f"{kind.name}: payload is {len(raw)} bytes, header says {count} "
-                                    f"2-bit values ({(count + 15) // 16 * 4} bytes)")
+                                    f"2-bit values ({words(count) * 4} bytes)")
             msg.data = np.frombuffer(raw, dtype=np.uint32)
             msg.dtype, msg.count = DType.TWOBIT, count
         else:

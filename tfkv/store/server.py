@@ -222,9 +222,9 @@ class Server:
             return  # acknowledged when its round opens
         # The first push's buffer is kept as it arrived (read-only, nothing ever writes into a
         # stored value); the second sums into a fresh array, which no one else sees until the
-        # round closes, so the later ones add into it in place.
+        # round closes, so the later ones add into it in place (into a decoded 2-bit push too).
         if r.merged is None:
-            r.merged = data
+            r.merged, r.owned = data, msg.dtype == P.DType.TWOBIT  # decoded 2-bit: a fresh array
         elif r.owned:
             self.add(r.merged, data, out=r.merged)
         else:
