@@ -514,3 +514,19 @@ def test_test_dataset_keeps_order_and_remainder():
     expected = (np.arange(40, 50, dtype=np.float32) / np.float32(255) - 0.5) / 0.25
     np.testing.assert_allclose(xs[:, 0, 0, 0], expected, rtol=1e-6, atol=1e-6)
     assert batches[0][0].dtype.name == "float32" and batches[0][1].dtype.name == "int32"
+
+
+def test_token_ids_stay_integers_through_the_pipeline():
+    """Token ids reach the model as the int32 they are stored as (a float cast would lose ids
+    above 2**24), while image pixels become float32."""
+    from tfkv.data import ptb
+
+    cfg = OmegaConf.structured(DatasetConfig(name="embedded_text", seq_len=5, vocab_size=0))
+    ds = ptb.from_splits("tiny", {"train": ["a b c d e f g h i j k l"] * 4, "valid": ["a b c d e f g"],
+                                  "test": ["a b c d e f g"]}, cfg)
+    x, y = next(iter(data.train_dataset(ds, 2, epoch=0, seed=0)))
+    assert x.dtype.name == "int32" and y.dtype.name == "int32"
+    stored = {tuple(row) for row in ds.x_train.tolist()}
+    assert all(tuple(row) in stored for row in x.numpy().tolist())  # the stored ids, unchanged
+    xt, _ = next(iter(data.test_dataset(ds, 2)))
+    assert xt.dtype.name == "int32"

@@ -18,6 +18,8 @@ _AUGMENT_SALT = 0x5EED  # keeps the augmentation stream apart from the shuffle s
 
 
 def _to_unit(ds: DataSet) -> Callable[[tf.Tensor], tf.Tensor]:
+    if np.issubdtype(ds.x_train.dtype, np.signedinteger):
+        return lambda x: x  # token ids stay integers (exact, no cast back in the embedding)
     scale = input_scale(ds.x_train)
 
     def to_unit(x: tf.Tensor) -> tf.Tensor:
@@ -62,7 +64,8 @@ def train_dataset(ds: DataSet, batch_size: int, epoch: int, seed: int, num_parts
     """One epoch of this worker's shard: shuffled by (seed, epoch), full batches only.
 
     The order depends only on (seed, epoch, shard), so resuming at epoch e replays it exactly.
-    Yields (float32 normalised x of shape (batch_size, *input_shape), int32 y of (batch_size,)).
+    Yields (float32 normalised x of shape (batch_size, *input_shape), or int32 token ids as
+    stored, and int32 y of (batch_size,) or (batch_size, seq_len)).
     """
     steps = steps_per_epoch(ds, batch_size, num_parts)
     start, end = shard_range(len(ds.x_train), num_parts, part_index)

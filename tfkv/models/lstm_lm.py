@@ -91,7 +91,7 @@ def _embedding_class() -> Any:
 
         class Embedding(keras.layers.Embedding):
             def call(self, inputs: Any) -> Any:
-                ids = tf.cast(inputs, tf.int32)  # the data pipeline delivers token ids as floats
+                ids = tf.cast(inputs, tf.int32)  # int32 from the pipeline; other int dtypes from callers
                 return tf.gather(dense_grad(tf.convert_to_tensor(self.embeddings)), ids)
 
         _EMBEDDING = Embedding
@@ -104,4 +104,4 @@ def build(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> Any:
 
     groups = build_groups(cfg, input_shape, num_classes)
     layers = [layer for g in groups for layer in g.make()]
-    return keras.Sequential([keras.Input(shape=groups[0].input_shape), *layers], name="lstm_lm")
+    return keras.Sequential([keras.Input(shape=groups[0].input_shape, dtype="int32"), *layers], name="lstm_lm")
