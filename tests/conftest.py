@@ -47,6 +47,46 @@ def python(script: Path, *args: str, cwd: Path, timeout: float = 300) -> subproc
                           text=True, timeout=timeout)
 
 
+class Launching:
+    """tfkv-launch running in the background, its output (stdout and stderr merged) read as it
+    comes, for tests that signal it mid-job as a terminal or a batch system would."""
+
+    def __init__(self, args: list[str], cwd: Path, env: dict[str, str], timeout: float = 120):
+        import threading
+
+        self.proc = subprocess.Popen(["tfkv-launch", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
+        self.reader.start()
+        self.deadline = time.monotonic() + timeout
+
+    @property
+    def out(self) -> str:
+        return "".join(list(self.lines))
+
+    def wait_for(self, text: str) -> None:
+        while not any(text in line for line in list(self.lines)):
+            if self.proc.poll() is not None or time.monotonic() > self.deadline:
+                self.kill()
+                raise AssertionError(f"{text!r} never showed:\n{self.out}")
+            time.sleep(0.05)
+
+    def end(self, timeout: float = 90) -> tuple[int, str]:
+        """Its exit status and whole output, once it ended (killed if it does not)."""
+        try:
+            self.proc.wait(timeout=timeout)
+            self.reader.join(timeout=10)
+        finally:
+            self.kill()
+        return self.proc.returncode, self.out
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
 def need_root(what: str) -> None:
     """Skip a test that needs root (network namespaces, daemons under their own system users) when
     a developer runs the suite as another user; CI runs as root, where a missing root is a failure,

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, TAG, tagged_pids
+from conftest import REPO, TAG, Launching, tagged_pids
 
 from tfkv.launcher.hosts import Host, HostsError, parse_hosts
 from tfkv.launcher.plan import make_plan
@@ -91,3 +91,28 @@ def test_a_taken_port_is_a_clear_failure_not_a_hang(tmp_path):
     assert proc.returncode == 1
     assert f"scheduler cannot listen on 127.0.0.1:{port}" in proc.stdout
     assert "the job failed: scheduler exited with status 2" in proc.stderr
+
+
+@pytest.mark.parametrize("first, said", [("SIGINT", "interrupted (Ctrl-C)"), ("SIGTERM", "stopped by SIGTERM")])
+def test_more_signals_during_the_teardown_change_nothing(tmp_path, first, said):
+    """Ctrl-C (or SIGTERM) stops the job; a Ctrl-C and a SIGTERM more while the roles are being
+    stopped (the worker ignores TERM, so the teardown waits before it kills) neither cut the
+    teardown short nor print a traceback: one failure line, nothing left running."""
+    import os
+    import signal
+    import time
+
+    env = {**os.environ, TAG: f"signals-{tmp_path.name}"}
+    role = 'trap "echo got TERM" TERM; echo ready; while :; do sleep 0.1; done'
+    launching = Launching(["-n", "1", "--launcher", "local", "--run-dir", "rec", "--", "sh", "-c", role],
+                          tmp_path, env, timeout=60)
+    launching.wait_for("[worker 0] ready")
+    launching.proc.send_signal(getattr(signal, first))
+    launching.wait_for("[worker 0] got TERM")  # the teardown is under way
+    launching.proc.send_signal(signal.SIGINT)
+    time.sleep(0.2)
+    launching.proc.send_signal(signal.SIGTERM)
+    rc, out = launching.end(timeout=30)
+    assert rc == 1 and f"tfkv-launch: the job failed: {said}; record in rec" in out, out
+    assert "Traceback" not in out and out.count("the job failed") == 1, out
+    assert not tagged_pids(env[TAG])

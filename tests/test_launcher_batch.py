@@ -15,13 +15,12 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 from cluster_daemons import sge, slurm  # noqa: F401  (session fixtures)
-from conftest import REPO, TAG, tagged_pids
+from conftest import REPO, TAG, Launching, tagged_pids
 
 from tfkv.errors import ConfigError
 from tfkv.launcher import base, batch, role
@@ -219,27 +218,13 @@ def test_mpi_job_with_a_failing_worker_names_it_and_leaves_nothing(tmp_path):
     _nothing_left(tag)
 
 
-def _ctrl_c(args: list[str], cwd: Path, env: dict[str, str], when: str, timeout: float = 120) -> tuple[int, str]:
+def _ctrl_c(args: list[str], cwd: Path, env: dict[str, str], when: str) -> tuple[int, str]:
     """Run tfkv-launch until `when` shows in its output, then press Ctrl-C (SIGINT to the launcher,
     as a terminal sends it to the foreground process); its exit status and whole output."""
-    proc = subprocess.Popen(["tfkv-launch", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
-    reader.start()
-    try:
-        deadline = time.monotonic() + timeout
-        while not any(when in line for line in list(lines)):
-            assert proc.poll() is None and time.monotonic() < deadline, f"{when!r} never showed:\n{''.join(lines)}"
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=90)
-        reader.join(timeout=10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    return proc.returncode, "".join(lines)
+    launching = Launching(args, cwd, env)
+    launching.wait_for(when)
+    launching.proc.send_signal(signal.SIGINT)
+    return launching.end()
 
 
 @pytest.mark.slow

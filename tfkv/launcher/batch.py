@@ -7,7 +7,6 @@ names and job files. The per-rank side is tfkv.launcher.role. No TensorFlow is i
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import signal
@@ -15,8 +14,9 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator
+from typing import IO, Any, Callable
 
+from tfkv.launcher import signals
 from tfkv.launcher.local import first_cause
 from tfkv.launcher.role import EXIT_LINE, die_with_parent, signal_group
 
@@ -77,39 +77,20 @@ def stop(proc: subprocess.Popen, grace: float = 5.0, first: int = signal.SIGTERM
         pass
 
 
-@contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """While launching, SIGTERM to the launcher tears the job down as Ctrl-C does (scancel, qdel,
-    ...), instead of leaving the job queued or running."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(_sig: int, _frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
 def supervise(proc: subprocess.Popen, output: "Output", teardown: float,
               interrupt: Callable[[subprocess.Popen], None] | None = None) -> str | None:
     """Wait for a resource manager's client (mpirun, srun) to end, or for the grace after a role
     failed to run out; Ctrl-C or SIGTERM cuts it short. Then, if it still runs, `interrupt` it
     (its own way to end a job), stop it and what it started, and finish the output. Returns
-    "interrupted (Ctrl-C)" or None."""
+    the interrupt's failure line, or None."""
     failure = None
     try:
-        with sigterm_as_interrupt():
-            while proc.poll() is None and not output.grace_over(GRACE + teardown):
-                time.sleep(0.05)
-    except KeyboardInterrupt:
-        failure = "interrupted (Ctrl-C)"
+        while proc.poll() is None and not output.grace_over(GRACE + teardown):
+            time.sleep(0.05)
+    except KeyboardInterrupt as e:
+        failure = signals.failure(e)
     finally:
-        with shielded():
+        with signals.shielded():
             if interrupt is not None and proc.poll() is None:
                 interrupt(proc)
             stop(proc, grace=teardown)
@@ -124,21 +105,6 @@ def quietly(argv: list[str], env: dict[str, str] | None = None, timeout: float =
         return subprocess.run(argv, env=env, capture_output=True, timeout=timeout).returncode
     except (OSError, subprocess.SubprocessError):
         return None
-
-
-@contextlib.contextmanager
-def shielded() -> Iterator[None]:
-    """Around a teardown: a second Ctrl-C (or a SIGTERM) must not cut the scancel/qdel/kill short
-    and leave the job running. Every step of a teardown is bounded by its own timeout."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
 
 
 class Output:

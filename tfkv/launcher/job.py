@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import IO, Sequence
 
 from tfkv.errors import ConfigError
-from tfkv.launcher import base, record
+from tfkv.launcher import base, record, signals
 from tfkv.launcher.hosts import Host, read_hosts
 from tfkv.launcher.plan import free_port, make_plan
 from tfkv.store import security
@@ -101,7 +101,11 @@ def launch(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path, 
     record.write(run_dir, opts.launcher, job, argv, versions, opts.hostfile)
     tee = record.Tee(out, run_dir / "launch" / "job.log")
     try:
-        return launcher.launch(job, tee)
+        with signals.stop_once():
+            try:
+                return launcher.launch(job, tee)
+            except KeyboardInterrupt as e:  # after the backend's own teardown, or before it started any
+                return base.Result(1, signals.failure(e))
     finally:
         tee.close()
         (Path(run_dir) / "launch" / "curve.key").unlink(missing_ok=True)  # the job's keys die with it

@@ -18,6 +18,7 @@ import time
 from typing import IO
 
 from tfkv.errors import EXIT_PEER_FAILED
+from tfkv.launcher import signals
 from tfkv.launcher.base import Job, Result
 from tfkv.launcher.plan import Process
 from tfkv.launcher.record import local_versions
@@ -104,12 +105,13 @@ def run(plan: list[Process], cwd: str | None = None, out: IO[str] | None = None)
             if c.returncode not in (None, 0) and all(name != f[0] for f in failed):
                 failed.append((name, c.returncode))
         failure = first_cause(failed)
-    except KeyboardInterrupt:
-        failure = "interrupted (Ctrl-C)"
+    except KeyboardInterrupt as e:
+        failure = signals.failure(e)
     finally:
-        _stop(list(children.values()))
-        for t in pumps:
-            t.join(timeout=5)
+        with signals.shielded():
+            _stop(list(children.values()))
+            for t in pumps:
+                t.join(timeout=5)
     return Result(0 if failure is None else 1, failure)
 
 

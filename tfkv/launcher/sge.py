@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import IO
 
 from tfkv.errors import ConfigError
-from tfkv.launcher import batch, role
+from tfkv.launcher import batch, role, signals
 from tfkv.launcher.base import Job, Result
 from tfkv.launcher.local import status_text
 from tfkv.launcher.record import local_versions
@@ -95,17 +95,16 @@ class SGELauncher:
         output.pump(qsub.stderr, "[qsub] ")
         failure = None
         try:
-            with batch.sigterm_as_interrupt():
-                while qsub.poll() is None and not output.grace_over():
-                    time.sleep(0.1)
-                if qsub.returncode == 0 and not output.failed:
-                    scheduler.wait(timeout=30)  # every worker done: the scheduler ends on its own
-        except KeyboardInterrupt:
-            failure = "interrupted (Ctrl-C)"
+            while qsub.poll() is None and not output.grace_over():
+                time.sleep(0.1)
+            if qsub.returncode == 0 and not output.failed:
+                scheduler.wait(timeout=30)  # every worker done: the scheduler ends on its own
+        except KeyboardInterrupt as e:
+            failure = signals.failure(e)
         except subprocess.TimeoutExpired:
             failure = "the scheduler did not end after every task of the Grid Engine job finished"
         finally:
-            with batch.shielded():
+            with signals.shielded():
                 if qsub.poll() is None:
                     batch.quietly(["qdel", name], env, timeout=60)
                 batch.stop(qsub, grace=TEARDOWN, first=0)  # qsub -sync y returns once the job is gone

@@ -32,7 +32,7 @@ import time
 from typing import IO
 
 from tfkv.errors import ConfigError
-from tfkv.launcher import batch, role
+from tfkv.launcher import batch, role, signals
 from tfkv.launcher.base import Job, Result
 from tfkv.launcher.local import status_text
 from tfkv.launcher.record import local_versions
@@ -117,18 +117,17 @@ class SlurmLauncher:
         failure = None
         over = False  # the job ended and we stopped sbatch --wait ourselves: its status says nothing
         try:
-            with batch.sigterm_as_interrupt():
-                while proc.poll() is None and not output.grace_over(batch.GRACE + TEARDOWN):
-                    # sbatch --wait notices the end only at its next poll (seconds): once every role
-                    # ended, or one failed (Slurm then kills the rest), ask squeue.
-                    ended = len(output.ended) == len(job.plan) or output.failed
-                    if ended and output.found and self._gone(output.found[0], env):
-                        break
-                    time.sleep(0.1)
-        except KeyboardInterrupt:
-            failure = "interrupted (Ctrl-C)"
+            while proc.poll() is None and not output.grace_over(batch.GRACE + TEARDOWN):
+                # sbatch --wait notices the end only at its next poll (seconds): once every role
+                # ended, or one failed (Slurm then kills the rest), ask squeue.
+                ended = len(output.ended) == len(job.plan) or output.failed
+                if ended and output.found and self._gone(output.found[0], env):
+                    break
+                time.sleep(0.1)
+        except KeyboardInterrupt as e:
+            failure = signals.failure(e)
         finally:
-            with batch.shielded():
+            with signals.shielded():
                 if proc.poll() is None:
                     if not (output.found and self._gone(output.found[0], env)):
                         batch.quietly(["scancel", "--name", name], env, timeout=60)

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from tfkv.errors import ConfigError
+from tfkv.launcher import signals
 from tfkv.launcher.base import Job, Result
 from tfkv.launcher.hosts import Host
 from tfkv.launcher.local import GRACE, first_cause
@@ -65,6 +66,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("tfkv")
 
 CONNECT_TIMEOUT = 10  # seconds, unless the ssh config sets ConnectTimeout
+RSYNC_IDLE_TIMEOUT = 120  # seconds without a byte moved before rsync gives up
 PER_CONNECTION = 8  # roles per connection: sshd's MaxSessions is 10, one is kept for the teardown
 LOST = 255  # a role whose connection dropped before it reported, as ssh itself says
 FORWARD = ("OMP_NUM_THREADS", "KMP_AFFINITY", "TF_CPP_MIN_LOG_LEVEL")
@@ -210,7 +212,8 @@ def rsync(src: str, dst: str, host: Host, mirror: bool = False) -> str | None:
     """Run rsync over ssh (src or dst is `HOST:path`); None, or rsync's last words on failure.
     `mirror`: make dst like src (--delete), leaving out run outputs, .git and caches (EXCLUDE)."""
     extra = ["--delete", *[f"--exclude={d}/" for d in EXCLUDE]] if mirror else []
-    cmd = ["rsync", "-az", *extra, "-e", shlex.join(ssh_command(host)), src, dst]
+    # --timeout: a link that goes silent ends the copy instead of hanging the launch (or its teardown)
+    cmd = ["rsync", "-az", f"--timeout={RSYNC_IDLE_TIMEOUT}", *extra, "-e", shlex.join(ssh_command(host)), src, dst]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     except FileNotFoundError:
@@ -403,17 +406,18 @@ class SSHLauncher:
                     failure = f"{p.name} could not start ({type(e).__name__}: {e})"
                     return Result(1, failure)
             failure = self._wait(roles)
-        except KeyboardInterrupt:
-            failure = "interrupted (Ctrl-C)"
+        except KeyboardInterrupt as e:
+            failure = signals.failure(e)
         finally:
-            self._teardown(roles, first_conn)
-            if failure is None:
-                failure = self._copy_back(job, first_conn)
-            for c in conns:
-                c.close()  # any wrapper we could not reach sees EOF and kills its own group
-            for r in roles:
-                if r.thread:
-                    r.thread.join(timeout=5)
+            with signals.shielded():
+                self._teardown(roles, first_conn)
+                if failure is None:
+                    failure = self._copy_back(job, first_conn)
+                for c in conns:
+                    c.close()  # any wrapper we could not reach sees EOF and kills its own group
+                for r in roles:
+                    if r.thread:
+                        r.thread.join(timeout=5)
         return Result(0 if failure is None else 1, failure)
 
     @staticmethod

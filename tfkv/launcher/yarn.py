@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import IO
 
 from tfkv.errors import ConfigError
-from tfkv.launcher import batch, role
+from tfkv.launcher import batch, role, signals
 from tfkv.launcher.base import Job, Result
 from tfkv.launcher.local import first_cause
 from tfkv.launcher.plan import Process
@@ -159,22 +159,21 @@ class YarnLauncher:
                     if c.returncode not in (None, 0)]
 
         try:
-            with batch.sigterm_as_interrupt():
-                for label, argv in subs:
-                    clients[label] = batch.start(argv, env=env, cwd=str(job.workdir))
-                    output.pump(clients[label].stdout, f"[yarn {label}] ")
-                    output.pump(clients[label].stderr, f"[yarn {label}] ")
-                while (any(c.poll() is None for c in clients.values()) and not output.failed
-                       and not failed_clients() and scheduler.poll() in (None, 0)):
-                    time.sleep(0.2)
-                if not output.failed and not failed_clients():
-                    scheduler.wait(timeout=30)  # every worker done: the scheduler ends on its own
-        except KeyboardInterrupt:
-            failure = "interrupted (Ctrl-C)"
+            for label, argv in subs:
+                clients[label] = batch.start(argv, env=env, cwd=str(job.workdir))
+                output.pump(clients[label].stdout, f"[yarn {label}] ")
+                output.pump(clients[label].stderr, f"[yarn {label}] ")
+            while (any(c.poll() is None for c in clients.values()) and not output.failed
+                   and not failed_clients() and scheduler.poll() in (None, 0)):
+                time.sleep(0.2)
+            if not output.failed and not failed_clients():
+                scheduler.wait(timeout=30)  # every worker done: the scheduler ends on its own
+        except KeyboardInterrupt as e:
+            failure = signals.failure(e)
         except subprocess.TimeoutExpired:
             failure = "the scheduler did not end after every YARN application finished"
         finally:
-            with batch.shielded():
+            with signals.shielded():
                 if any(c.poll() is None for c in clients.values()):
                     for app in output.found:  # the clients alone would leave them running
                         batch.quietly(["yarn", "application", "-kill", app], env, timeout=120)
