@@ -68,7 +68,7 @@ def test_groups_variables_and_ops_live_on_their_devices(tf_devices):
     for model, d in zip(mp.models, devices):
         assert model.variables, model.name
         assert {short(v.value.device) for v in model.variables} == {short(d)}, model.name
-    for state in mp._updater._state.values():  # momentum beside its weight
+    for state in mp._updaters[0]._state.values():  # momentum beside its weight
         for var in state:
             assert short(var.device) in {short(d) for d in devices}
     x, y = _batch()

@@ -95,7 +95,7 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
         history: list[dict[str, Any]] = list(ckpt.history) if ckpt else []
         start = ckpt.epoch + 1 if ckpt else 1
         if ckpt:
-            _load_optimizer(dp, store, ckpt.optimizer, run_dir)
+            dp.load_optimizer(ckpt.optimizer, run_dir)
             log.info("resumed from %s at epoch %d", ckpt.path, ckpt.epoch)
         chief = store.rank == 0
         if cfg.placement is not None:
@@ -161,7 +161,7 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
                             tf.summary.scalar(f"epoch/{name}", record[name], step=epoch)
                 writer.flush()
                 checkpoint.save(run_dir, epoch, dp.get_weights(), dp.weight_names(),
-                                lambda path: _save_optimizer(dp, store, path), history)
+                                dp.save_optimizer, history)
                 _write_metrics(run_dir, _summary(history))
         if not history:
             raise RuntimeError(f"nothing to train: epochs={cfg.epochs} and the checkpoint is at "
@@ -193,30 +193,6 @@ def _model_parallel(cfg: Any, ds: Any, tf_devices: list[str], store: Any, optimi
     return ModelParallel(groups, [by_spec[s] for s in specs], store, optimizer, cfg.batch_size,
                          micro_batches=cfg.micro_batches, update_on_kvstore=cfg.kvstore.update_on_kvstore,
                          initial_weights=initial_weights, loss_scale=loss_scale)
-
-
-def _save_optimizer(dp: Any, store: Any, path: str) -> None:
-    if dp.update_on_kvstore:
-        store.save_optimizer_states(path)
-    else:
-        np.savez(path, **dp.optimizer_states())
-
-
-def _load_optimizer(dp: Any, store: Any, states: dict[str, np.ndarray], run_dir: Path) -> None:
-    if dp.update_on_kvstore:
-        import os
-        import tempfile
-
-        # Every worker of a job runs this in the same run directory: a file of its own each.
-        fd, tmp = tempfile.mkstemp(prefix=".resume-optimizer-", suffix=".npz", dir=run_dir)
-        os.close(fd)
-        try:
-            np.savez(tmp, **states)
-            store.load_optimizer_states(tmp)
-        finally:
-            os.unlink(tmp)
-    else:
-        dp.load_optimizer_states(states)
 
 
 def _write_metrics(run_dir: Path, metrics: dict[str, Any]) -> None:

@@ -30,12 +30,13 @@ import numpy as np
 import tensorflow as tf
 
 from tfkv import optim
-from tfkv.parallel.metrics import RunningMetrics, evaluate, loss_and_hits
+from tfkv.parallel.base import Parallel
+from tfkv.parallel.metrics import loss_and_hits
 from tfkv.store.base import KVStore
 from tfkv.store.tf_updater import TFUpdater
 
 
-class DataParallel:
+class DataParallel(Parallel):
     def __init__(
         self,
         build_model: Callable[[], Any],
@@ -55,6 +56,7 @@ class DataParallel:
         """
         if len(batch_sizes) != len(devices):
             raise ValueError(f"{len(batch_sizes)} batch sizes for {len(devices)} devices")
+        super().__init__()
         self.devices = list(devices)
         self.store = store
         self.batch_sizes = [int(n) for n in batch_sizes]
@@ -70,7 +72,6 @@ class DataParallel:
         self.params = [r.trainable_variables for r in self.replicas]
         self.keys = list(range(len(self.params[0])))
 
-        self._updaters: list[TFUpdater] = []
         if self.update_on_kvstore:
             store.set_optimizer(optimizer)
         else:
@@ -85,7 +86,6 @@ class DataParallel:
                 store.broadcast(k, self.params[0][k], out=[p[k] for p in self.params], priority=-k)
         self._sync_non_trainable(source=0)
 
-        self.metrics = RunningMetrics()
         self._streams = self.uses_store and store.async_pushpull
         self._inflight: list[Any] = []  # pulls requested from inside the compiled step
         self._hook_error: BaseException | None = None
@@ -128,17 +128,11 @@ class DataParallel:
             t2 = clock()
             tm["push"] += t2 - t1
         pending, self._inflight = self._inflight, []
-        values = dict(self.store.arrivals(pending))
-        pulled = [values[k] for k in self.keys]
+        waited = self._finish_step(pending)
         t3 = clock()
-        if self.update_on_kvstore:
-            self._set_weights(pulled)
-        else:
-            self._apply(pulled)
-        t4 = clock()
         tm["compute"] += t1 - t0
-        tm["pull"] += t3 - t2
-        tm["assign"] += t4 - t3
+        tm["pull"] += waited
+        tm["assign"] += t3 - t2 - waited
         tm["steps"] += 1
 
     def _forward_backward_pushing(self, x: Any, y: Any) -> None:
@@ -210,21 +204,10 @@ class DataParallel:
 
     # -- metrics, evaluation, state ------------------------------------------------------------
 
-    def take_metrics(self) -> tuple[float, float, int]:
-        """(mean loss, accuracy, examples) since the last call, and reset."""
-        return self.metrics.take()
-
-    def peek_loss(self) -> float:
-        return self.metrics.peek_loss()
-
     def _eval_step(self, x: Any, y: Any) -> tuple[Any, Any]:
         with tf.device(self.devices[0]):
             losses, hits = loss_and_hits(y, self.replicas[0](x, training=False))
             return tf.reduce_sum(tf.cast(losses, tf.float64)), hits
-
-    def evaluate(self, batches: Any) -> tuple[float, float]:
-        """(mean loss, accuracy) of the first copy over an iterable of (x, y) batches."""
-        return evaluate(self._eval, batches)
 
     def sync_non_trainable(self) -> None:
         """Average state that gradients do not move (BatchNorm statistics) across the copies."""
@@ -244,14 +227,3 @@ class DataParallel:
 
     def weight_names(self) -> list[str]:
         return [f"{i:04d}/{v.path}" for i, v in enumerate(self.replicas[0].weights)]
-
-    def optimizer_states(self) -> dict[str, np.ndarray]:
-        if self.update_on_kvstore:
-            raise RuntimeError("the store holds the optimizer state; use store.save_optimizer_states")
-        return self._updaters[0].get_states()
-
-    def load_optimizer_states(self, states: dict[str, np.ndarray]) -> None:
-        if self.update_on_kvstore:
-            raise RuntimeError("the store holds the optimizer state; use store.load_optimizer_states")
-        for u in self._updaters:
-            u.set_states(states)

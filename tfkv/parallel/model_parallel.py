@@ -19,7 +19,7 @@ is pushed and asked back at once (`pushpull_async`, as DataParallel does for sto
 push to from inside the graph; here a weight's gradient is complete only once every micro-batch
 is through), so the servers see a worker with one "device" per weight.
 
-The interface is `DataParallel`'s, so the trainer drives either.
+The interface is `tfkv.parallel.base.Parallel`'s, as DataParallel's is, so the trainer drives either.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfkv.parallel.metrics import RunningMetrics, evaluate, loss_and_hits
-
 from tfkv import optim
 from tfkv.config import split_batch
+from tfkv.parallel.base import Parallel
+from tfkv.parallel.metrics import loss_and_hits
 from tfkv.parallel.placement import LayerGroup
 from tfkv.store.base import KVStore
 from tfkv.store.tf_updater import TFUpdater
@@ -44,7 +44,7 @@ def _dense(g: Any) -> Any:
     return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
 
 
-class ModelParallel:
+class ModelParallel(Parallel):
     def __init__(
         self,
         groups: Sequence[LayerGroup],
@@ -63,6 +63,7 @@ class ModelParallel:
             raise ValueError(f"{len(devices)} devices for {len(groups)} layer groups")
         if not 1 <= micro_batches <= batch_size:
             raise ValueError(f"micro_batches={micro_batches} must be in [1, batch_size={batch_size}]")
+        super().__init__()
         self.devices = list(devices)
         self.group_names = [g.name for g in groups]
         self.store = store
@@ -84,19 +85,17 @@ class ModelParallel:
         self.param_devices = [d for m, d in zip(self.models, self.devices) for _ in m.trainable_variables]
         self.keys = list(range(len(self.params)))
 
-        self._updater: TFUpdater | None = None
         if self.update_on_kvstore:
             store.set_optimizer(optimizer)
         else:
-            self._updater = TFUpdater(optimizer)
+            self._updaters = [TFUpdater(optimizer)]  # one copy of the weights
             for k, (v, d) in enumerate(zip(self.params, self.param_devices)):
-                self._updater.create_state(k, v, d)  # optimizer state beside its weight
+                self._updaters[0].create_state(k, v, d)  # optimizer state beside its weight
         if self.uses_store:
             # Worker 0's initial weights win everywhere (MXNet: init, then pull).
             self.store.broadcast(self.keys, list(self.params), out=[[v] for v in self.params],
                                  priority=[-k for k in self.keys])
 
-        self.metrics = RunningMetrics()
         if self.uses_store:
             self._grads = tf.function(self._forward_backward)
             self._set_weights = tf.function(self._assign_all)
@@ -116,13 +115,7 @@ class ModelParallel:
         grads = self._grads(x, y)
         # Each key pushed and asked back at once, the last layer's first (backprop's order), so
         # replies stream back while later keys still go out; taken as they arrive.
-        pending = self.store.pushpull_async(self.keys, [[g] for g in grads], priority=list(self.keys))
-        values = dict(self.store.arrivals(pending))
-        pulled = [values[k] for k in self.keys]
-        if self.update_on_kvstore:
-            self._set_weights(pulled)
-        else:
-            self._apply(pulled)
+        self._finish_step(self.store.pushpull_async(self.keys, [[g] for g in grads], priority=list(self.keys)))
 
     def gradients(self, x: Any, y: Any) -> list[np.ndarray]:
         """The summed micro-batch gradients of one batch, one per trainable variable; no update,
@@ -186,10 +179,9 @@ class ModelParallel:
         self._apply_grads(self._forward_backward(x, y))
 
     def _apply_grads(self, grads: Sequence[Any]) -> None:
-        assert self._updater is not None
         for k, (v, d, g) in enumerate(zip(self.params, self.param_devices, grads)):
             with tf.device(d):  # the update of a weight runs where the weight lives
-                self._updater.update(k, v, tf.identity(g))
+                self._updaters[0].update(k, v, tf.identity(g))
 
     def _assign_all(self, weights: Sequence[Any]) -> None:
         for v, d, w in zip(self.params, self.param_devices, weights):
@@ -197,14 +189,6 @@ class ModelParallel:
                 v.assign(w)
 
     # -- metrics, evaluation, state ------------------------------------------------------------
-
-    def take_metrics(self) -> tuple[float, float, int]:
-        """(loss per example, correct positions per example, examples) since the last call, and
-        reset. For sequence labels divide the first two by the sequence length."""
-        return self.metrics.take()
-
-    def peek_loss(self) -> float:
-        return self.metrics.peek_loss()
 
     def _eval_step(self, x: Any, y: Any) -> tuple[Any, Any]:
         h = x
@@ -214,10 +198,6 @@ class ModelParallel:
         with tf.device(self.devices[-1]):
             losses, hits = loss_and_hits(y, h)
             return tf.reduce_sum(tf.cast(losses, tf.float64)), hits
-
-    def evaluate(self, batches: Any) -> tuple[float, float]:
-        """(loss, correct positions) per example over an iterable of (x, y) batches."""
-        return evaluate(self._eval, batches)
 
     def sync_non_trainable(self) -> None:
         """Nothing to do: there is one copy of every variable."""
@@ -238,13 +218,3 @@ class ModelParallel:
 
     def weight_names(self) -> list[str]:
         return [f"{i:04d}/{v.path}" for i, v in enumerate(v for m in self.models for v in m.weights)]
-
-    def optimizer_states(self) -> dict[str, np.ndarray]:
-        if self._updater is None:
-            raise RuntimeError("the store holds the optimizer state; use store.save_optimizer_states")
-        return self._updater.get_states()
-
-    def load_optimizer_states(self, states: dict[str, np.ndarray]) -> None:
-        if self._updater is None:
-            raise RuntimeError("the store holds the optimizer state; use store.load_optimizer_states")
-        self._updater.set_states(states)
