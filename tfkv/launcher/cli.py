@@ -65,6 +65,9 @@ def main(argv: list[str] | None = None) -> None:
     except TfkvError as e:
         print(f"tfkv-launch: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # during the checks: once the job starts, the launch takes it
+        print("tfkv-launch: interrupted before the job started; nothing was left running", file=sys.stderr)
+        sys.exit(130)
     if result.failure:
         print(f"tfkv-launch: the job failed: {result.failure}; record in {run_dir}", file=sys.stderr)
         sys.exit(1)
