@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from dist_job import (CALIBRATION_STEPS, LR, MOMENTUM, WARMUP_STEPS, Failed, check_agreement,  # noqa: E402
-                      measure, run_plan, set_threads, synthetic, weights_checksum)
+                      measure, report, run_plan, set_threads, synthetic, weights_checksum)
 
 MODELS = {
     # name: (ModelConfig kwargs, input shape)
@@ -81,10 +81,7 @@ def run_tfkv(args: argparse.Namespace, kind: str) -> None:
             sgd = optim.SGD(schedule=optim.Schedule(lr=LR), momentum=MOMENTUM)
             dp = DataParallel(lambda: build(ModelConfig(**cfg), shape, 10), tf_devices, kv, sgd, [len(x)])
             n, elapsed = measure(lambda: dp.step(x, y), rank, args.seconds, args.sync_dir, f"{kind}-{name}")
-            loss, _, _ = dp.take_metrics()
-            reports[name] = {"steps": n, "seconds": elapsed, "batch": len(x) * workers, "loss": loss,
-                             "params": int(dp.replicas[0].count_params()),
-                             "checksum": weights_checksum(dp.get_weights())}
+            reports[name] = report(dp, n, elapsed, len(x) * workers)
         with open(os.path.join(args.out, f"{kind}-{rank}.json"), "w") as f:
             json.dump(reports, f)
     except BaseException:

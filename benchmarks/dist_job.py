@@ -102,6 +102,14 @@ def weights_checksum(weights) -> list[float]:
     return [float(np.sum(np.asarray(w, np.float64))) for w in weights]
 
 
+def report(dp: Any, steps: int, elapsed: float, global_batch: int) -> dict[str, Any]:
+    """What a worker says of its timed loop: steps, seconds, global batch, last loss, model size
+    and a checksum of its weights (workers of one job must agree on it)."""
+    loss, _, _ = dp.take_metrics()
+    return {"steps": steps, "seconds": elapsed, "batch": global_batch, "loss": loss,
+            "params": int(dp.replicas[0].count_params()), "checksum": weights_checksum(dp.get_weights())}
+
+
 def set_threads(n: int) -> None:
     """TensorFlow's intra/inter-op threads (0: its default)."""
     import tensorflow as tf
@@ -178,12 +186,10 @@ def worker(args: argparse.Namespace) -> None:
             kv.push_bytes = 0
 
         n, elapsed = measure(lambda: dp.step(x, y), rank, args.seconds, args.sync_dir, f"steps-{args.tag}", reset)
-        loss, _, _ = dp.take_metrics()
-        report = {"steps": n, "seconds": elapsed, "batch": len(x) * workers, "loss": loss,
-                  "push_bytes": kv.push_bytes / n, "timings": {k: v / n for k, v in dp.timings.items() if k != "steps"},
-                  "params": int(dp.replicas[0].count_params()), "checksum": weights_checksum(dp.get_weights())}
+        said = {**report(dp, n, elapsed, len(x) * workers), "push_bytes": kv.push_bytes / n,
+                "timings": {k: v / n for k, v in dp.timings.items() if k != "steps"}}
         with open(os.path.join(args.out, f"{args.tag}-{rank}.json"), "w") as f:
-            json.dump(report, f)
+            json.dump(said, f)
     except BaseException:
         kv.abort("dist_job worker failed")
         raise
