@@ -39,11 +39,6 @@ from tfkv.store.base import KVStore
 from tfkv.store.tf_updater import TFUpdater
 
 
-def _dense(g: Any) -> Any:
-    # Embedding gradients come as IndexedSlices; summing and pushing want plain tensors.
-    return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
-
-
 class ModelParallel(Parallel):
     def __init__(
         self,
@@ -163,7 +158,7 @@ class ModelParallel(Parallel):
                 with tf.device(self.devices[s]):
                     grads = tape.gradient(out, [*variables, inp] if s > 0 else list(variables),
                                           output_gradients=upstream)
-                per_group[s].append([_dense(g) for g in grads[:len(variables)]])
+                per_group[s].append(grads[:len(variables)])  # dense: see models.lstm_lm's Embedding
                 upstream = grads[-1] if s > 0 else None
 
         summed = []
