@@ -17,10 +17,8 @@ from pathlib import Path
 from typing import IO, Any, Callable
 
 from tfkv.launcher import signals
-from tfkv.launcher.local import first_cause
-from tfkv.launcher.role import EXIT_LINE, die_with_parent, signal_group
-
-GRACE = 2.0  # seconds the other roles get to notice a failure on their own before teardown
+from tfkv.launcher.process import GRACE, die_with_parent, first_cause, signal_group
+from tfkv.launcher.role import EXIT_LINE
 
 
 def start(argv: list[str], env: dict[str, str] | None = None, cwd: str | Path | None = None,
@@ -122,7 +120,6 @@ class Output:
         self.threads: list[threading.Thread] = []
         self.last: dict[str, str] = {}  # the last line each client (by prefix) wrote: its error
 
-
     def line(self, text: str) -> None:
         with self.lock:
             self.out.write(text + "\n")
@@ -189,7 +186,6 @@ class Output:
         deadline = time.monotonic() + timeout
         for t in self.threads:
             t.join(timeout=max(0.1, deadline - time.monotonic()))
-
 
 
 def job_name(kind: str) -> str:

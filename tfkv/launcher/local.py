@@ -8,7 +8,6 @@ same at once. The result names what failed first.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -17,27 +16,11 @@ import threading
 import time
 from typing import IO
 
-from tfkv.errors import EXIT_PEER_FAILED
 from tfkv.launcher import signals
 from tfkv.launcher.base import Job, Result
 from tfkv.launcher.plan import Process
+from tfkv.launcher.process import GRACE, die_with_parent, first_cause, signal_group
 from tfkv.launcher.record import local_versions
-
-GRACE = 2.0  # seconds the others get to notice a failure on their own
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def status_text(code: int) -> str:
-    if code < 0:
-        return f"was killed by {signal.Signals(-code).name}"
-    return f"exited with status {code}"
-
 
 def _pump(name: str, stream: IO[bytes], out: IO[str], lock: threading.Lock) -> None:
     for raw in iter(stream.readline, b""):
@@ -46,13 +29,6 @@ def _pump(name: str, stream: IO[bytes], out: IO[str], lock: threading.Lock) -> N
             out.write(f"[{name}] {line}\n")
             out.flush()
     stream.close()
-
-
-def _signal_group(child: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(child.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 class LocalLauncher:
@@ -67,13 +43,6 @@ class LocalLauncher:
         return run(job.plan, cwd=str(job.workdir), out=out)
 
 
-def first_cause(failed: list[tuple[str, int]]) -> str | None:
-    """Processes that stopped because a peer failed say so with EXIT_PEER_FAILED: the cause is
-    the first failure that did not."""
-    causes = [f for f in failed if f[1] != EXIT_PEER_FAILED] or failed
-    return f"{causes[0][0]} {status_text(causes[0][1])}" if causes else None
-
-
 def run(plan: list[Process], cwd: str | None = None, out: IO[str] | None = None) -> Result:
     """Start every process of `plan` here and wait for the job to end."""
     out = out or sys.stdout
@@ -86,7 +55,7 @@ def run(plan: list[Process], cwd: str | None = None, out: IO[str] | None = None)
             child = subprocess.Popen(
                 p.argv, cwd=cwd, env={**os.environ, **p.env, "PYTHONUNBUFFERED": "1"},
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, preexec_fn=_die_with_parent)
+                start_new_session=True, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
             children[p.name] = child
             t = threading.Thread(target=_pump, args=(p.name, child.stdout, out, lock), daemon=True)
             t.start()
@@ -119,12 +88,12 @@ def _stop(children: list[subprocess.Popen]) -> None:
     """Terminate, then kill, every process group still running; reap them all."""
     alive = [c for c in children if c.poll() is None]
     for c in alive:
-        _signal_group(c, signal.SIGTERM)
+        signal_group(c.pid, signal.SIGTERM)
     deadline = time.monotonic() + 3
     while time.monotonic() < deadline and any(c.poll() is None for c in alive):
         time.sleep(0.05)
     for c in children:
-        _signal_group(c, signal.SIGKILL)  # also whatever a role left behind in its group
+        signal_group(c.pid, signal.SIGKILL)  # also whatever a role left behind in its group
         try:
             c.wait(timeout=5)
         except subprocess.TimeoutExpired:

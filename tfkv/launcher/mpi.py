@@ -32,7 +32,7 @@ from tfkv.errors import ConfigError
 from tfkv.launcher import batch, role
 from tfkv.launcher.base import Job, Result
 from tfkv.launcher.hosts import Host
-from tfkv.launcher.local import status_text
+from tfkv.launcher.process import status_text
 from tfkv.launcher.plan import Process
 from tfkv.launcher.record import local_versions
 

@@ -22,14 +22,14 @@ itself dies with whatever started it (orted, slurmstepd, sge_shepherd), so no ro
 job even when the resource manager only kills its direct child.
 
 The launchers build the helper's input with `table`/`helper_argv`; what they share beyond that
-(process groups, the merged output that notes each role's end) is in tfkv.launcher.batch.
+is in tfkv.launcher.batch (the merged output that notes each role's end) and
+tfkv.launcher.process (process groups, exit status).
 No TensorFlow is imported here.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import re
@@ -39,8 +39,8 @@ import subprocess
 import sys
 from typing import Any, Sequence
 
-from tfkv.launcher.local import status_text
 from tfkv.launcher.plan import Process, make_plan
+from tfkv.launcher.process import die_with_parent, signal_group, status_text
 
 # Rank variables in the order they are looked for, with the number of their first rank.
 RANK_VARS = (("OMPI_COMM_WORLD_RANK", 0), ("PMIX_RANK", 0), ("PMI_RANK", 0), ("SLURM_PROCID", 0),
@@ -139,13 +139,6 @@ def slurm_first_node_address(env: dict[str, str]) -> str:
         return addr
 
 
-def die_with_parent(sig: int) -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def exit_line(name: str, code: int) -> str:
     return f"[{name}] tfkv-role: {name} {status_text(code)}"
 
@@ -235,13 +228,6 @@ def run_role(name: str, argv: list[str], env: dict[str, str], sge: bool = False)
     if sge and status in (99, 100):  # to Grid Engine, 99 means "run me again" and 100 "hold the job"
         status = 1
     return status
-
-
-def signal_group(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from typing import IO
 from tfkv.errors import ConfigError
 from tfkv.launcher import batch, role, signals
 from tfkv.launcher.base import Job, Result
-from tfkv.launcher.local import status_text
+from tfkv.launcher.process import status_text
 from tfkv.launcher.record import local_versions
 
 TEARDOWN = 30.0  # seconds Grid Engine gets to end the job after qdel

@@ -34,7 +34,7 @@ from typing import IO
 from tfkv.errors import ConfigError
 from tfkv.launcher import batch, role, signals
 from tfkv.launcher.base import Job, Result
-from tfkv.launcher.local import status_text
+from tfkv.launcher.process import GRACE, signal_group, status_text
 from tfkv.launcher.record import local_versions
 
 TEARDOWN = 15.0  # seconds Slurm gets to end the step or job after we ask
@@ -97,7 +97,7 @@ class SlurmLauncher:
 
         def interrupt(p: subprocess.Popen) -> None:
             for _ in range(2):  # two SIGINTs within a second: srun kills every task of the step
-                role.signal_group(p.pid, signal.SIGINT)
+                signal_group(p.pid, signal.SIGINT)
                 time.sleep(0.3)
 
         failure = batch.supervise(proc, output, TEARDOWN, interrupt)
@@ -117,7 +117,7 @@ class SlurmLauncher:
         failure = None
         over = False  # the job ended and we stopped sbatch --wait ourselves: its status says nothing
         try:
-            while proc.poll() is None and not output.grace_over(batch.GRACE + TEARDOWN):
+            while proc.poll() is None and not output.grace_over(GRACE + TEARDOWN):
                 # sbatch --wait notices the end only at its next poll (seconds): once every role
                 # ended, or one failed (Slurm then kills the rest), ask squeue.
                 ended = len(output.ended) == len(job.plan) or output.failed

@@ -54,7 +54,7 @@ from tfkv.errors import ConfigError
 from tfkv.launcher import signals
 from tfkv.launcher.base import Job, Result
 from tfkv.launcher.hosts import Host
-from tfkv.launcher.local import GRACE, first_cause
+from tfkv.launcher.process import GRACE, first_cause
 from tfkv.launcher.plan import Process
 from tfkv.launcher.record import EXCLUDE
 from tfkv.store.security import SECRET_NAMES

@@ -42,7 +42,7 @@ from typing import IO
 from tfkv.errors import ConfigError
 from tfkv.launcher import batch, role, signals
 from tfkv.launcher.base import Job, Result
-from tfkv.launcher.local import first_cause
+from tfkv.launcher.process import first_cause
 from tfkv.launcher.plan import Process
 from tfkv.launcher.record import local_versions
 
