@@ -120,7 +120,7 @@ def test_key_files_are_private_and_checked(tmp_path):
     keys = security.new_keys()
     path = security.write_keyfile(tmp_path / "launch" / "curve.key", keys)
     assert os.stat(path).st_mode & 0o777 == 0o600
-    assert security.keys_from_env({security.KEYFILE: str(path)}) == (True, keys)
+    assert security.keys_from_env({security.KEYFILE: str(path)}) == keys
     os.chmod(path, 0o644)
     with pytest.raises(security.SecurityError, match="readable by others"):
         security.read_keyfile(str(path))

@@ -81,7 +81,7 @@ class ClusterEnv:
             raise ClusterEnvError(f"DMLC_ROLE={role!r} must be one of {', '.join(ROLES)}")
         hint = _get(env, "TFKV_RANK_HINT")
         try:
-            _, keys = security.keys_from_env(env)
+            keys = security.keys_from_env(env)
         except security.SecurityError as e:
             raise ClusterEnvError(str(e)) from None
         return cls(

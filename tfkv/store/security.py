@@ -111,12 +111,12 @@ def _check(public: str, secret: str, where: str) -> Keys:
     return Keys(public.encode(), secret.encode())
 
 
-def keys_from_env(env: Mapping[str, str]) -> tuple[bool, Keys | None]:
-    """(secure, keys) as the environment says; warns when the job runs plain."""
+def keys_from_env(env: Mapping[str, str]) -> Keys | None:
+    """The job's keys as the environment gives them; None (with a warning): plain TCP."""
     flag = env.get(SECURE, "").strip().lower()
     if flag in ("0", "false", "no", "off"):
         _warn_once(INSECURE_WARNING)
-        return False, None
+        return None
     keys = None
     if env.get(PUBLIC) or env.get(SECRET):
         keys = _check(env.get(PUBLIC, ""), env.get(SECRET, ""), f"{PUBLIC}/{SECRET}")
@@ -126,8 +126,7 @@ def keys_from_env(env: Mapping[str, str]) -> tuple[bool, Keys | None]:
         if flag in ("1", "true", "yes", "on"):
             raise SecurityError(f"{SECURE}=1 but no job keys: set {PUBLIC} and {SECRET}, or {KEYFILE}")
         _warn_once(NO_KEYS_WARNING)
-        return False, None
-    return True, keys
+    return keys
 
 
 _warned: set[str] = set()
