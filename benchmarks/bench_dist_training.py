@@ -167,7 +167,7 @@ def run_processes(envs: list[dict[str, str]], argv: list[str], timeout: float, w
             procs.append(subprocess.Popen(argv, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, start_new_session=True))
         deadline = time.monotonic() + timeout
-        while any(p.poll() is None for p in procs):
+        while any([p.poll() is None for p in procs]):  # every one polled: it sets returncode
             bad = [i for i, p in enumerate(procs) if p.returncode not in (None, 0)]
             if bad:
                 raise Failed(f"{what} process {bad[0]} exited with status {procs[bad[0]].returncode}")

@@ -80,6 +80,16 @@ def test_local_launch_runs_a_job_and_leaves_its_record(tmp_path):
     assert not tagged_pids(env[TAG])
 
 
+def test_a_role_that_fails_while_earlier_ones_run_fails_the_job_at_once(tmp_path):
+    """The worker (last in the plan) exits 5 while the scheduler (first) still waits for it to
+    register: the job fails within the grace period naming the worker, not 120 s later when
+    the scheduler gives up on the missing worker and is blamed instead."""
+    proc = _launch("-n", "1", "--launcher", "local", "--run-dir", "rec", "--", "sh", "-c", "exit 5",
+                   cwd=tmp_path, timeout=60)
+    assert proc.returncode == 1
+    assert "the job failed: worker 0 exited with status 5" in proc.stderr, proc.stdout + proc.stderr
+
+
 def test_a_taken_port_is_a_clear_failure_not_a_hang(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -62,12 +62,15 @@ def run(plan: list[Process], cwd: str | None = None, out: IO[str] | None = None)
             pumps.append(t)
         failed: list[tuple[str, int]] = []  # in the order they were seen
         failed_at = None
-        while any(c.poll() is None for c in children.values()):
+        while True:
+            # Every child polled (not any(), which stops at the first one running): polling is
+            # what reaps a child and sets its returncode.
+            running = [c.poll() is None for c in children.values()]
             for name, c in children.items():
                 if c.returncode not in (None, 0) and all(name != f[0] for f in failed):
                     failed.append((name, c.returncode))
                     failed_at = failed_at or time.monotonic()
-            if failed_at is not None and time.monotonic() - failed_at > GRACE:
+            if not any(running) or (failed_at is not None and time.monotonic() - failed_at > GRACE):
                 break
             time.sleep(0.05)
         for name, c in children.items():

@@ -163,7 +163,8 @@ class YarnLauncher:
                 clients[label] = batch.start(argv, env=env, cwd=str(job.workdir))
                 output.pump(clients[label].stdout, f"[yarn {label}] ")
                 output.pump(clients[label].stderr, f"[yarn {label}] ")
-            while (any(c.poll() is None for c in clients.values()) and not output.failed
+            # Every client polled each time (a list, not any()): polling sets a failed one's returncode.
+            while (any([c.poll() is None for c in clients.values()]) and not output.failed
                    and not failed_clients() and scheduler.poll() in (None, 0)):
                 time.sleep(0.2)
             if not output.failed and not failed_clients():
