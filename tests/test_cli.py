@@ -35,6 +35,7 @@ def test_default_job_trains_and_leaves_its_record(tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["epoch=3"], "did you mean 'epochs'?"),
     (["batch_size=lots"], "could not be converted to Integer"),
+    (["progress=maybe"], "not a valid bool (type str); see tfkv-run --help"),  # a known key: no "did you mean"
     (["kvstore=dist_nope"], "Could not find 'kvstore/dist_nope'"),
     (["model=vgg11"], "needs inputs of at least 32x32"),
     (["devices=[gpu:7]"], "gpu:7 does not exist on this machine"),

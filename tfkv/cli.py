@@ -101,8 +101,8 @@ def _one_line(exc: BaseException) -> str:
     text = ": ".join(dict.fromkeys(parts))
     cause = exc.__cause__ or exc
     key, schema = getattr(cause, "key", None), getattr(cause, "object_type", None)
-    if key is not None and dataclasses.is_dataclass(schema):
-        known = [f.name for f in dataclasses.fields(schema)]
+    known = [f.name for f in dataclasses.fields(schema)] if dataclasses.is_dataclass(schema) else []
+    if key is not None and str(key) not in known:  # a known key with a bad value needs no spelling hint
         close = difflib.get_close_matches(str(key), known, n=1)
         if close:
             text += f" (did you mean {close[0]!r}?)"
