@@ -13,8 +13,9 @@ before pulling); `arrivals` hands out each key as its last part arrives. DataPar
 `pushpull_async` from inside its compiled step, per key, as backprop produces the gradients
 (hence the lock: the sockets are used from a TensorFlow thread). A part of more than
 TFKV_CHUNK_BYTES is cut into chunks, each its own key on its server, so one big tensor does not
-hold up the others; the chunks of a pulled key are copied into one array as they arrive. With `set_gradient_compression` pushes are 2-bit
-compressed (`tfkv.store.compression`) with one residual per key chunk kept on the worker.
+hold up the others; the chunks of a pulled key are copied into one array as they arrive. With
+`set_gradient_compression` pushes are 2-bit compressed (`tfkv.store.compression`) with one
+residual per key chunk kept on the worker.
 
 Creating a store in a process whose role is `server` or `scheduler` runs that role and exits,
 as MXNet does, so one command can be started for every role of a job.

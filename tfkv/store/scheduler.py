@@ -16,10 +16,10 @@ from typing import Any
 
 import zmq
 
+from tfkv.errors import EXIT_PEER_FAILED
 from tfkv.store import protocol as P
 from tfkv.store import security
 from tfkv.store.cluster_env import ClusterEnv
-from tfkv.errors import EXIT_PEER_FAILED
 from tfkv.store.scheduler_link import node_name
 
 log = logging.getLogger("tfkv.ps")

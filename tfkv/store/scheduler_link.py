@@ -28,7 +28,6 @@ from tfkv.store.cluster_env import ClusterEnv
 log = logging.getLogger("tfkv.ps")
 
 
-
 class ClusterError(RuntimeError):
     """The cluster could not be formed or broke; the message says which node and why."""
 
