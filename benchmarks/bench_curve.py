@@ -2,11 +2,13 @@
 
     python3 benchmarks/bench_curve.py [--sizes-mib 1 16] [--seconds 5]
 
-Starts a scheduler and a server (python -m tfkv.store.node) on loopback for each mode; this
-process is the worker. GB/s counts the bytes pushed plus the bytes pulled.
+Starts a scheduler and a server (python -m tfkv.store.node) on loopback for each mode; a child
+process per mode is the worker. GB/s counts the bytes pushed plus the bytes pulled; the ratio is
+CURVE's against plain TCP in the same run.
 """
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -55,9 +57,15 @@ if __name__ == "__main__":
     ap.add_argument("--mode", choices=["both", "plain", "curve"], default="both")
     a = ap.parse_args()
     if a.mode == "both":  # each mode in a fresh process: one ZeroMQ context, one environment
+        got = {}
         for mode in ("plain", "curve"):
-            subprocess.run([sys.executable, __file__, "--mode", mode, "--seconds", str(a.seconds),
-                            "--sizes-mib", *map(str, a.sizes_mib)], check=True)
-    else:
-        for mib, gbs in run(a.mode == "curve", a.sizes_mib, a.seconds).items():
-            print(f"{a.mode:5s} {mib:g} MiB push+pull: {gbs:.3f} GB/s", flush=True)
+            lines = subprocess.run([sys.executable, __file__, "--mode", mode, "--seconds", str(a.seconds),
+                                    "--sizes-mib", *map(str, a.sizes_mib)], check=True, capture_output=True,
+                                   text=True).stdout
+            got[mode] = json.loads(lines.strip().splitlines()[-1])
+        for mib in a.sizes_mib:
+            plain, curve = got["plain"][f"{mib:g}"], got["curve"][f"{mib:g}"]
+            print(f"plain {mib:g} MiB push+pull: {plain:.3f} GB/s")
+            print(f"curve {mib:g} MiB push+pull: {curve:.3f} GB/s  ({curve / plain:.2f}x plain)", flush=True)
+    else:  # the child: its figures as one JSON line
+        print(json.dumps({f"{mib:g}": gbs for mib, gbs in run(a.mode == "curve", a.sizes_mib, a.seconds).items()}))
