@@ -9,6 +9,8 @@
 - `netns_hosts`: two hosts `node1`, `node2` made of network namespaces on a bridge of their own
   (10.200.N.0/24, the first N no interface here uses), each with its own sshd on port 22, its
   own hostname and an /etc/hosts that names both (so DMLC_PS_ROOT_URI=node1 resolves on them).
+  Each also has an ssh alias no host can resolve (`far1` -> node1's address, `far2`), as a
+  `Host far1 / HostName 10.x` block of a real ~/.ssh/config: only ssh knows where it is.
   They share this machine's filesystem, PID numbers and Python, so tfkv imports there, and
   /proc here shows their processes.
 
@@ -163,6 +165,7 @@ def loopback_host(ssh_site: SSHSite):
 class NetnsHosts:
     names: list[str]  # ssh aliases, also each host's hostname: ["node1", "node2"]
     addresses: dict[str, str]  # alias -> 10.200.N.x
+    aliases: list[str]  # ["far1", "far2"]: ssh aliases of the same hosts that no /etc/hosts names
     bridge: str
     namespaces: list[str]
 
@@ -187,8 +190,8 @@ def netns_hosts(ssh_site: SSHSite):
     if n is None:
         pytest.fail("no free 10.200.N.0/24 subnet: earlier runs left bridges tkbr*/namespaces tk*h*; delete them")
     bridge, names = f"tkbr{n}", ["node1", "node2"]
-    hosts = NetnsHosts(names, {name: f"10.200.{n}.{i + 2}" for i, name in enumerate(names)}, bridge,
-                       [f"tk{n}h{i + 1}" for i in range(len(names))])
+    hosts = NetnsHosts(names, {name: f"10.200.{n}.{i + 2}" for i, name in enumerate(names)},
+                       [f"far{i + 1}" for i in range(len(names))], bridge, [f"tk{n}h{i + 1}" for i in range(len(names))])
     etc_hosts = ssh_site.dir / f"hosts_{n}"
     etc_hosts.write_text("127.0.0.1 localhost\n" + "".join(f"{a} {h}\n" for h, a in hosts.addresses.items()))
 
@@ -216,6 +219,7 @@ def netns_hosts(ssh_site: SSHSite):
                f"hostname {name} && mount --bind {etc_hosts} /etc/hosts && "
                f"exec {SSHD} -f {config} -E {ssh_site.dir / f'sshd_{ns}.log'}")
             ssh_site.add_host(name, address, 22)
+            ssh_site.add_host(hosts.aliases[i - 1], address, 22)
         for name in names:
             ssh_site.wait_for(name)
         yield hosts

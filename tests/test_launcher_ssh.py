@@ -371,3 +371,46 @@ def test_tfkv_run_cluster_ssh_end_to_end(netns_hosts, ssh_site, tmp_path):
     assert (metrics.parent / "launch" / "plan.json").is_file()
     assert list(dst.glob("outputs/*/*/metrics.json"))  # where the workers wrote it
     assert not _no_leftovers(env[TAG]), "processes of the job left behind"
+
+
+def _alias_job(hosts: list[str], tmp_path: Path, env: dict[str, str], **kw: str) -> tuple[str, dict]:
+    """A job on hosts named by ssh aliases only ssh can resolve: its output and its plan.json."""
+    work = _workdir(tmp_path, hosts)
+    run = tmp_path / "run"
+    args = ["-n", "2", "-s", "1", "-H", "hosts", "--launcher", "ssh", "--python", PY, "--run-dir", str(run)]
+    if kw.get("sync"):
+        args += ["--sync-dst-dir", str(tmp_path / "dst")]
+    proc = _launch(*args, "--", PY, "dist_worker.py", "updates", "out{rank}.json", "3", cwd=work, env=env, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    outputs = tmp_path / "dst" if kw.get("sync") else work
+    for rank in (0, 1):  # SGD lr=1 from 100: 3 steps of pushes 1 and 2
+        assert json.loads((outputs / f"out{rank}.json").read_text())["final"] == [91.0] * 4
+    return out, json.loads((run / "launch" / "plan.json").read_text())
+
+
+@pytest.mark.slow
+def test_an_ssh_alias_for_127_0_0_1_is_never_bound(loopback_host, ssh_site, tmp_path):
+    """`local` is a Host block of the ssh config (HostName 127.0.0.1, its own Port): no resolver
+    knows the name, so the scheduler must bind, and every role reach it at, the address the host
+    told us over ssh."""
+    env = {**_tag(tmp_path), **ssh_site.env()}
+    out, plan = _alias_job(["local"], tmp_path, env)
+    assert "cannot listen" not in out
+    assert {p["env"]["DMLC_PS_ROOT_URI"] for p in plan["processes"]} == {"127.0.0.1"}
+    assert {p["host"] for p in plan["processes"]} == {"local"}  # named as the user named it
+    assert not _no_leftovers(env[TAG]), "processes of the job left behind"
+
+
+@pytest.mark.slow
+def test_ssh_aliases_of_network_namespace_hosts(netns_hosts, ssh_site, tmp_path):
+    """`far1`/`far2` are ssh aliases of the two namespace hosts that neither host can resolve:
+    the scheduler binds node1's real address and the roles on far2 connect to it."""
+    env = {**_tag(tmp_path), **ssh_site.env()}
+    out, plan = _alias_job(netns_hosts.aliases, tmp_path, env, sync=True)
+    where = {p["name"]: p["host"] for p in plan["processes"]}
+    assert where == {"scheduler @far1": "far1", "server 0 @far1": "far1", "worker 0 @far2": "far2",
+                     "worker 1 @far1": "far1"}
+    assert {p["env"]["DMLC_PS_ROOT_URI"] for p in plan["processes"]} == {netns_hosts.addresses["node1"]}
+    assert "cannot listen" not in out  # and worker 0, on far2, pushed and pulled (checked in _alias_job)
+    assert not _no_leftovers(env[TAG]), "processes of the job left behind"

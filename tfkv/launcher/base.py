@@ -28,6 +28,10 @@ class Job:
     # synced); a backend whose workers write elsewhere copies it back into run_dir at the end.
     remote_run_dir: str | None = None
     python: str = "python3"  # the interpreter on the hosts
+    # Host name (as the hosts file has it) -> the address the host reported for itself in the
+    # pre-flight (ssh: the address its sshd was reached at). The scheduler binds it, every role
+    # connects to it: an ssh alias means nothing to bind() or to the other hosts' resolvers.
+    addresses: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -41,7 +45,8 @@ class Launcher(Protocol):
 
     def preflight(self, job: Job) -> dict[str, dict[str, str]]:
         """Check what the backend needs (binaries, hosts) before anything starts, raising a
-        ConfigError with one line per problem; return the tfkv/TF/Python versions per host."""
+        ConfigError with one line per problem; return the tfkv/TF/Python versions per host and
+        fill `job.addresses` with what the hosts say their addresses are."""
 
     def launch(self, job: Job, out: IO[str]) -> Result:
         """Start every process of `job.plan`, stream its output to `out`, wait for the end."""

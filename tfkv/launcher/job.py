@@ -82,6 +82,16 @@ def plan_job(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path
                     remote_run_dir=remote_path(opts, workdir, run_dir))
 
 
+def pin_scheduler(job: base.Job) -> None:
+    """DMLC_PS_ROOT_URI of every role: the address the scheduler's host reported in the
+    pre-flight, not the name the hosts file gives it (an ssh alias only the launcher's ssh
+    resolves; the scheduler would try to listen on it and the other hosts could not find it)."""
+    address = job.addresses.get(job.plan[0].host) if job.plan else None
+    if address:
+        for p in job.plan:
+            p.env["DMLC_PS_ROOT_URI"] = address
+
+
 def describe(job: base.Job) -> str:
     by_host: dict[str, list[str]] = {}
     for p in job.plan:
@@ -98,6 +108,7 @@ def launch(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path, 
     out.flush()
     launcher = base.create(opts.launcher)
     versions = launcher.preflight(job)
+    pin_scheduler(job)
     record.write(run_dir, opts.launcher, job, argv, versions, opts.hostfile)
     tee = record.Tee(out, run_dir / "launch" / "job.log")
     try:

@@ -144,6 +144,10 @@ class MPILauncher:
             raise ConfigError(f"mpirun could not run {job.python} -m tfkv.launcher.record on {', '.join(missing)} "
                               f"({status_text(proc.returncode)}: {_why(stdout + stderr)}); install "
                               "tfkv there or fix the hosts file")
+        for host, v in found.items():  # a rank mpirun started over ssh knows the address it was reached at
+            address = v.pop("address", None)
+            if address:
+                job.addresses[host] = address
         versions.update(found)
         return versions
 

@@ -41,6 +41,19 @@ def local_versions() -> dict[str, str]:
     return {"python": platform.python_version(), "tfkv": tfkv.__version__, "tensorflow": tf}
 
 
+def ssh_address(environ: dict[str, str] | None = None) -> str | None:
+    """This host's own address as the launcher reached it over ssh: the server half of
+    SSH_CONNECTION ("client-ip client-port server-ip server-port", set by sshd). A host the
+    hosts file names by an ssh alias (`Host node1` / `HostName 10.0.0.2`) is known by that name
+    only to the launcher's ssh; this is what its roles can bind and reach. None outside ssh, and
+    for IPv6 (tfkv's sockets are IPv4)."""
+    fields = (os.environ if environ is None else environ).get("SSH_CONNECTION", "").split()
+    if len(fields) != 4:
+        return None
+    address = fields[2].removeprefix("::ffff:")  # an IPv4 client of a dual-stack sshd
+    return None if ":" in address else address
+
+
 def tree_hash(root: Path) -> dict[str, Any]:
     """sha256 of every file under `root` (EXCLUDE aside) and one digest over them all."""
     files = {}
@@ -105,4 +118,4 @@ def write(run_dir: Path, launcher: str, job: Any, argv: Sequence[str], versions:
 
 
 if __name__ == "__main__":
-    print(json.dumps({**local_versions(), "hostname": platform.node()}))
+    print(json.dumps({**local_versions(), "hostname": platform.node(), "address": ssh_address()}))

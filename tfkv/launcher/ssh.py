@@ -368,6 +368,10 @@ class SSHLauncher:
         problems = [r for r in results if isinstance(r, str)]
         if problems:
             raise ConfigError("\n".join(problems))
+        for h, v in zip(hosts, results):
+            address = v.pop("address", None)
+            if address:
+                job.addresses.setdefault(h.name, address)
         return {str(h): v for h, v in zip(hosts, results)}
 
     def launch(self, job: Job, out: IO[str]) -> Result:
