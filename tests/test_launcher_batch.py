@@ -218,6 +218,21 @@ def test_mpi_job_with_a_failing_worker_names_it_and_leaves_nothing(tmp_path):
     _nothing_left(tag)
 
 
+@pytest.mark.slow
+def test_cluster_mpi_as_shipped_runs_on_this_machine(tmp_path):
+    """conf/cluster/mpi.yaml has no hosts file: like a bare `mpirun`, the job runs here."""
+    tag = f"mpi-shipped-{tmp_path.name}"
+    proc = subprocess.run(["tfkv-run", "kvstore=dist_sync", "cluster=mpi", "epochs=1", "progress=false"],
+                          cwd=tmp_path, env=_env(tag), capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    (metrics,) = tmp_path.glob("outputs/*/*/metrics.json")
+    assert json.loads(metrics.read_text())["epoch"] == 1
+    plan = json.loads((metrics.parent / "launch" / "plan.json").read_text())
+    assert plan["launcher"] == "mpi" and {p["host"] for p in plan["processes"]} == {"127.0.0.1"}
+    assert "[worker 1] tfkv-role: worker 1 exited with status 0" in proc.stdout
+    _nothing_left(tag)
+
+
 def _ctrl_c(args: list[str], cwd: Path, env: dict[str, str], when: str) -> tuple[int, str]:
     """Run tfkv-launch until `when` shows in its output, then press Ctrl-C (SIGINT to the launcher,
     as a terminal sends it to the foreground process); its exit status and whole output."""

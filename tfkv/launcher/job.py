@@ -46,10 +46,10 @@ def plan_job(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path
         raise ConfigError(f"launcher {opts.launcher!r} is not known; choose one of {', '.join(base.REGISTRY.names())}")
     if opts.hostfile:
         hosts = read_hosts(opts.hostfile)
-    elif opts.launcher in ("ssh", "mpi"):
-        raise ConfigError(f"the {opts.launcher} launcher needs a hosts file: -H hosts / cluster.hostfile=hosts")
+    elif opts.launcher == "ssh":
+        raise ConfigError("the ssh launcher needs a hosts file: -H hosts / cluster.hostfile=hosts")
     else:
-        hosts = [Host(opts.host)]
+        hosts = [Host(opts.host)]  # mpi without one: this machine, as a bare mpirun runs
     local = opts.launcher == "local"
     python = sys.executable if local else opts.python
     scheduler_host = opts.host if local or not opts.hostfile else hosts[0].name

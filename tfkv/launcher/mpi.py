@@ -5,7 +5,8 @@ Every MPI rank runs the role helper (`python -m tfkv.launcher.role`), which maps
 workers. The plan's placement is kept exactly: mpirun gets one application context
 (`-np k --host H:k ... : ...`) per run of consecutive processes on the same host, in plan order, so
 rank i lands on plan[i].host and rank 0, the scheduler, on the first host of the hosts file, whose
-address every role already has in DMLC_PS_ROOT_URI. Each context gets the job's variables with `-x`
+address every role already has in DMLC_PS_ROOT_URI. Without a hosts file every rank runs on this
+machine (127.0.0.1), as a bare `mpirun` would. Each context gets the job's variables with `-x`
 (mpirun passes a context's -x only to that context), including the launcher's TFKV_*/DMLC_*/...
 variables. The helpers prefix their roles' output, so mpirun's stdout is already the merged log.
 
