@@ -126,3 +126,16 @@ def test_more_signals_during_the_teardown_change_nothing(tmp_path, first, said):
     assert rc == 1 and f"tfkv-launch: the job failed: {said}; record in rec" in out, out
     assert "Traceback" not in out and out.count("the job failed") == 1, out
     assert not tagged_pids(env[TAG])
+
+
+@pytest.mark.parametrize("value", ["127.0.0.1", "127.0.0.1:", ":9000", "127.0.0.1:http", "127.0.0.1:70000"])
+def test_an_advertise_address_without_a_good_port_is_one_line(tmp_path, value):
+    import os
+
+    env = {**os.environ, "DMLC_ROLE": "server", "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "9",
+           "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": "1", "TFKV_SECURE": "0", "TFKV_ADVERTISE_ADDRESS": value}
+    proc = subprocess.run([sys.executable, "-m", "tfkv.store.node"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith(f"tfkv: TFKV_ADVERTISE_ADDRESS={value!r} must be host:port"), proc.stderr

@@ -45,12 +45,15 @@ class ClusterEnv:
     resend_timeout: float = 1.0  # seconds
     heartbeat_interval: float = 0.5
     heartbeat_timeout: float = 4.0
+    # A server that leaves a request unanswered and does not answer a PING about it within this
+    # many seconds fails the job (a dist_sync pull may wait longer: the server says it holds it).
+    request_timeout: float = 60.0
     start_timeout: float = 120.0
     max_message_bytes: int = 1 << 31
     reduction_nthreads: int = 4  # servers sum arrays of >= bigarray_bound elements in this many threads
     chunk_bytes: int = 16 << 20  # a worker sends a key's part in messages of at most this many bytes
     keys: security.Keys | None = field(default=None, repr=False)  # the job's CURVE keys; None: plain TCP
-    advertise: str | None = None  # TFKV_ADVERTISE_ADDRESS host:port a server registers (NAT, proxies)
+    advertise: tuple[str, int] | None = None  # TFKV_ADVERTISE_ADDRESS host:port a server registers (NAT, proxies)
 
     @staticmethod
     def role_of(env: Mapping[str, str] | None = None) -> str | None:
@@ -86,7 +89,7 @@ class ClusterEnv:
             raise ClusterEnvError(str(e)) from None
         return cls(
             keys=keys,
-            advertise=_get(env, "TFKV_ADVERTISE_ADDRESS"),
+            advertise=host_port(_get(env, "TFKV_ADVERTISE_ADDRESS"), "TFKV_ADVERTISE_ADDRESS"),
             role=role,
             scheduler_host=need("TFKV_SCHEDULER_HOST", "DMLC_PS_ROOT_URI"),
             scheduler_port=int(number(int, need("TFKV_SCHEDULER_PORT", "DMLC_PS_ROOT_PORT"), "DMLC_PS_ROOT_PORT")),
@@ -104,6 +107,7 @@ class ClusterEnv:
                                       "TFKV_HEARTBEAT_INTERVAL"),
             heartbeat_timeout=number(float, _get(env, "TFKV_HEARTBEAT_TIMEOUT", default="4"),
                                      "TFKV_HEARTBEAT_TIMEOUT"),
+            request_timeout=number(float, _get(env, "TFKV_REQUEST_TIMEOUT", default="60"), "TFKV_REQUEST_TIMEOUT"),
             start_timeout=number(float, _get(env, "TFKV_START_TIMEOUT", default="120"), "TFKV_START_TIMEOUT"),
             max_message_bytes=int(number(int, _get(env, "TFKV_MAX_MESSAGE_BYTES", default=str(1 << 31)),
                                          "TFKV_MAX_MESSAGE_BYTES")),
@@ -125,6 +129,18 @@ class ClusterEnv:
         if self.interface:
             return interface_address(self.interface)
         return route_address(self.scheduler_host, self.scheduler_port)
+
+
+def host_port(value: str | None, name: str) -> tuple[str, int] | None:
+    """`host:port` (IPv6 as [addr]:port) from variable `name`, or a ClusterEnvError naming it."""
+    if value is None:
+        return None
+    host, _, port = value.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if host and port.isdigit() and 0 < int(port) < 65536:
+        return host, int(port)
+    raise ClusterEnvError(f"{name}={value!r} must be host:port, with a port from 1 to 65535 "
+                          "(e.g. 203.0.113.5:9000): the address workers should connect to")
 
 
 def interface_address(name: str) -> str:

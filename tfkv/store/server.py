@@ -72,10 +72,7 @@ class Server:
         self.host = env.bind_address()
         self.port = self.sock.bind_to_random_port(f"tcp://{self.host}")
         # Behind NAT (or a test proxy) workers must connect elsewhere than where this binds.
-        host, port = self.host, self.port
-        if env.advertise:
-            host, _, p = env.advertise.rpartition(":")
-            port = int(p)
+        host, port = env.advertise or (self.host, self.port)
         self.link = SchedulerLink(env, "server", host, port)
         self.id = self.link.id
         self.workers = set(self.link.workers)
