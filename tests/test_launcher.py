@@ -58,6 +58,10 @@ def test_tfkv_launch_help_explains_itself(tmp_path):
     for flag in ("-n", "-s", "-H", "--launcher", "--sync-dst-dir", "--interface"):
         assert flag in out
     assert "servers on hosts 1-3, workers on hosts 4, 5 and 1" in out
+    # The description is whole sentences (it was cut after "workers running any").
+    text = " ".join(out.split())
+    assert "Starts a scheduler, servers and workers running any command, through one of the launcher " \
+           "backends, and tears the whole job down when one fails." in text
 
 
 def test_local_launch_runs_a_job_and_leaves_its_record(tmp_path):

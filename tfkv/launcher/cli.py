@@ -28,7 +28,7 @@ log, rerun.sh) goes to --run-dir.
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="tfkv-launch", description=__doc__.splitlines()[0].split(": ", 1)[1],
+        prog="tfkv-launch", description=__doc__.split("\n\n")[0].split(": ", 1)[1],
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-n", "--num-workers", type=int, required=True, help="number of worker processes")
     p.add_argument("-s", "--num-servers", type=int, help="number of server processes (default: -n)")
