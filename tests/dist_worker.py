@@ -261,6 +261,52 @@ def pushpull(kv, out):
 SCENARIOS["pushpull"] = pushpull
 
 
+def ends_without_close(kv, out):
+    """An MXNet-style script: it works, then ends without close() (MXNet's store leaves in its
+    destructor); main() below skips the close for it."""
+    kv.init("w", np.zeros(4, np.float32))
+    kv.push("w", np.full(4, kv.rank + 1.0, np.float32))
+    json.dump({"value": kv.pull("w").tolist()}, out)
+
+
+def crash(kv, out):
+    """Worker 1 raises (uncaught) a second after the job is up; worker 0 goes on pushing."""
+    kv.init("w", np.zeros(4, np.float32))
+    json.dump({"pid": os.getpid()}, out)
+    out.flush()
+    deadline = time.time() + 1.0
+    while True:
+        if kv.rank == 1 and time.time() > deadline:
+            raise RuntimeError("boom in worker 1")
+        kv.push("w", np.ones(4, np.float32))
+        kv.pull("w")
+        time.sleep(0.01)
+
+
+def lost_reply(kv, out):
+    """The first PULL reply is lost on the way in (as if a queue had dropped it): the pull must
+    raise, naming the server and the request, instead of waiting forever."""
+    kv.init("w", np.zeros(4, np.float32))
+    sock = kv._socks[kv._layout("w")[1].parts[0][0]]
+    real_recv = sock.recv_multipart
+    lost = {"n": 0}
+
+    def lossy_recv(*a, **kw):
+        frames = real_recv(*a, **kw)
+        if P.HEADER.unpack(bytes(frames[0]))[2] == P.Type.PULL and not lost["n"]:
+            lost["n"] += 1
+            return real_recv(*a, **kw)  # the next message instead; this one never arrived
+        return frames
+
+    sock.recv_multipart = lossy_recv
+    json.dump({"pulling_at": time.time()}, out)
+    out.flush()
+    kv.pull("w")  # raises: the test reads the cause in this worker's output
+
+
+SCENARIOS.update(ends_without_close=ends_without_close, crash=crash, lost_reply=lost_reply)
+
+
 if __name__ == "__main__":
     scenario, path = sys.argv[1], sys.argv[2]
     kind = os.environ.get("TEST_KVSTORE", "dist_sync")
@@ -268,4 +314,5 @@ if __name__ == "__main__":
     store = tfkv.store.create(kind)
     with open(path, "w") as f:
         SCENARIOS[scenario](store, f)
-    store.close()
+    if scenario != "ends_without_close":
+        store.close()

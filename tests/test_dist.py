@@ -91,7 +91,7 @@ def test_bad_requests_get_errors_and_the_server_stays_up(cluster):
     assert "3 values pushed, the key holds 8" in errors[2]
     assert "not initialised" in errors[3]
     assert "not a worker of this job" in errors[4]
-    assert "bad optimizer" in errors[5]
+    assert "optimizer 'x' is unknown" in errors[5]
     assert "bad magic" in errors[6]
     assert r["after"] == [2.0] * 8  # none of the bad pushes was applied
 
@@ -268,3 +268,39 @@ def test_dist_device_types_sum_on_a_device_or_through_the_host(cluster, p2p):
     for r in _results(outs):
         assert r["device_sum"] == [6.0] * 5
         assert r["step2"][0] == [[3.0] * 3] * 2
+
+
+# -- leaving: at interpreter exit, and when a reply never comes -------------------------------------
+
+def test_a_script_that_ends_without_close_leaves_cleanly(cluster):
+    """MXNet's worker scripts end without a teardown call (the store leaves in its destructor):
+    the interpreter's exit leaves as close() does, so every role exits 0, none is declared dead."""
+    _, outs = _job(cluster, "ends_without_close", num_workers=2, timeout=60)
+    assert [r["value"] for r in _results(outs)] == [[3.0] * 4] * 2
+
+
+def test_a_lost_reply_fails_the_request_naming_server_and_request(cluster):
+    """A reply that never arrives while the server keeps heartbeating: the worker asks the server
+    what it still holds and fails within a few heartbeat timeouts, naming the server and request."""
+    c = cluster(num_servers=1, num_workers=1)
+    c.start_servers()
+    (out,) = c.start_workers("lost_reply")
+    codes = c.wait(timeout=40)
+    ended = time.time()
+    assert codes["worker 0"] == 1 and codes["server 0"] == codes["scheduler"] == 3, f"{codes}\n{c.outputs()}"
+    log = c.output("worker 0")
+    assert "server 0 at 127.0.0.1:" in log and "PULL of key 'w' (request" in log and "reply was lost" in log, log
+    assert ended - _results([out])[0]["pulling_at"] < 12  # heartbeat timeout 3 s: one probe, its answer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nkeys,size,steps", [(10_000, 1_000, 3), (100_000, 2, 2)])
+def test_many_keys_every_reply_arrives_exactly(cluster, nkeys, size, steps):
+    """More replies in flight than ZeroMQ's default high-water mark (1,000 messages): none is
+    dropped, every update is applied once."""
+    from test_security import expected
+
+    _, outs = _job(cluster, "int_sgd", str(steps), str(nkeys), str(size), num_servers=2, num_workers=2,
+                   timeout=400)
+    for r in _results(outs):
+        assert r["final"] == expected(steps, nkeys, 2)

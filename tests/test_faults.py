@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 import zmq
-from conftest import REPO, TAG, tagged_pids, tfkv_run
+from conftest import REPO, TAG, Launching, tagged_pids, tfkv_run
 
 from tfkv.store import protocol as P
 from tfkv.store import security
@@ -168,3 +168,73 @@ def test_a_killed_dist_sync_job_resumes_to_the_same_weights(tmp_path):
     assert [h["epoch"] for h in metrics["history"]] == [1, 2, 3, 4]
     for a, b in zip(_weights(resumed), _weights(clean_run)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+# -- how a worker leaves, and who is blamed -------------------------------------------------------
+
+@pytest.mark.slow
+def test_the_digits_recipe_ends_cleanly_under_tfkv_launch_without_close(tmp_path):
+    """recipes/train_digits.py never closes its store (as MXNet scripts do not): under tfkv-launch
+    the job ends with status 0, every role gone."""
+    env = {**os.environ, TAG: f"recipe-{tmp_path.name}", "TFKV_HEARTBEAT_TIMEOUT": "4"}
+    proc = subprocess.run(["tfkv-launch", "-n", "2", "-s", "1", "--launcher", "local", "--run-dir", "rec", "--",
+                           sys.executable, str(REPO / "recipes" / "train_digits.py"), "--kvstore", "dist_sync",
+                           "--epochs", "1"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr
+    assert proc.stdout.count("Epoch 1:") == 2
+    assert not tagged_pids(env[TAG])
+
+
+@pytest.mark.slow
+def test_an_uncaught_exception_fails_the_job_at_once_with_its_cause(cluster):
+    """A worker that raises leaves as failed (its exception is the reason), at once: not as
+    finished, and not a heartbeat timeout later."""
+    c = cluster(num_servers=1, num_workers=2, TFKV_HEARTBEAT_TIMEOUT="20")
+    c.start_servers()
+    outs = c.start_workers("crash")
+    deadline = time.time() + 60
+    while not all(o.exists() and o.stat().st_size for o in outs):
+        assert time.time() < deadline, c.outputs()
+        time.sleep(0.05)
+    t0 = time.time()
+    codes = c.wait(timeout=40)
+    assert time.time() - t0 < 8, f"the job took {time.time() - t0:.1f} s to stop"  # worker 1 raises after 1 s
+    assert codes["worker 1"] == 1, codes
+    assert all(code == 3 for name, code in codes.items() if name != "worker 1"), f"{codes}\n{c.outputs()}"
+    assert "worker 1 failed (RuntimeError: boom in worker 1)" in c.output("worker 0"), c.output("worker 0")
+
+
+def _role_pid(tag, role, rank):
+    """The pid of the process of a tfkv-launch job running `role` `rank` (from its environment)."""
+    for pid in tagged_pids(tag):
+        try:
+            env = dict(v.split("=", 1) for v in open(f"/proc/{pid}/environ").read().split("\0") if "=" in v)
+        except OSError:
+            continue
+        if env.get("DMLC_ROLE") == role and env.get("TFKV_RANK_HINT") == str(rank):
+            return pid
+    raise AssertionError(f"no {role} {rank} among {tagged_pids(tag)}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["worker 1", "server 0", "scheduler"])
+def test_a_stopped_role_is_the_one_blamed(tmp_path, victim):
+    """SIGSTOP (a hang: the process lives, answers nothing): the job goes down within a few
+    seconds and its failure line names the role that stopped answering, not one that exited
+    because of it."""
+    env = {**os.environ, TAG: f"stop-{tmp_path.name}", "TFKV_HEARTBEAT_TIMEOUT": "4"}
+    launching = Launching(["-n", "2", "-s", "2", "--launcher", "local", "--run-dir", "rec", "--", sys.executable,
+                           str(REPO / "tests" / "fault_worker.py"), "w{rank}.json", "120"], tmp_path, env, timeout=120)
+    deadline = time.time() + 90
+    while not all((tmp_path / f"w{i}.json").exists() for i in range(2)):
+        assert time.time() < deadline and launching.proc.poll() is None, launching.out
+        time.sleep(0.1)
+    time.sleep(0.5)
+    role, _, rank = victim.partition(" ")
+    os.kill(_role_pid(env[TAG], role, rank or 0), signal.SIGSTOP)
+    t0 = time.time()
+    rc, out = launching.end(timeout=40)
+    assert time.time() - t0 < 15, f"the job took {time.time() - t0:.1f} s to stop\n{out}"
+    assert rc == 1, out
+    assert f"tfkv-launch: the job failed: {victim} stopped answering" in out, out[-3000:]
+    assert not tagged_pids(env[TAG])

@@ -73,10 +73,11 @@ def run(plan: list[Process], cwd: str | None = None, out: IO[str] | None = None)
             if not any(running) or (failed_at is not None and time.monotonic() - failed_at > GRACE):
                 break
             time.sleep(0.05)
+        running = [name for name, c in children.items() if c.poll() is None]
         for name, c in children.items():
             if c.returncode not in (None, 0) and all(name != f[0] for f in failed):
                 failed.append((name, c.returncode))
-        failure = first_cause(failed)
+        failure = first_cause(failed, running)
     except KeyboardInterrupt as e:
         failure = signals.failure(e)
     finally:

@@ -1,6 +1,7 @@
 """The process groups of a job's roles, as every launcher backend handles them: a child that dies
 with the process that started it, a signal to a whole group, and how a role's end is told
-(`worker 1 exited with status 5`, the first failure that was not a peer's reaction to another).
+(`worker 1 exited with status 5`, the first failure that was not a peer's reaction to another,
+or `worker 1 stopped answering` when that was a hang).
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+from typing import Sequence
 
 from tfkv.errors import EXIT_PEER_FAILED
 
@@ -36,8 +38,15 @@ def status_text(code: int) -> str:
     return f"exited with status {code}"
 
 
-def first_cause(failed: list[tuple[str, int]]) -> str | None:
+def first_cause(failed: list[tuple[str, int]], running: Sequence[str] = ()) -> str | None:
     """Processes that stopped because a peer failed say so with EXIT_PEER_FAILED: the cause is
-    the first failure that did not."""
-    causes = [f for f in failed if f[1] != EXIT_PEER_FAILED] or failed
-    return f"{causes[0][0]} {status_text(causes[0][1])}" if causes else None
+    the first failure that did not. When every failure did, the cause is whatever is still
+    `running` (roles that had not ended when the launcher looked): a role that hangs (stopped,
+    deadlocked) lives on while the others stop because it stopped answering."""
+    causes = [f for f in failed if f[1] != EXIT_PEER_FAILED]
+    if causes:
+        return f"{causes[0][0]} {status_text(causes[0][1])}"
+    if failed and running:
+        return (f"{' and '.join(running)} stopped answering (still running when the others had stopped because "
+                "a peer failed)")
+    return f"{failed[0][0]} {status_text(failed[0][1])}" if failed else None

@@ -439,7 +439,7 @@ class SSHLauncher:
             time.sleep(0.05)
         failed += [(r.name, r.code) for r in roles
                    if r.ended.is_set() and r.code != 0 and all(r.name != f[0] for f in failed)]
-        return first_cause(failed)
+        return first_cause(failed, [r.name for r in roles if not r.ended.is_set()])
 
     @staticmethod
     def _teardown(roles: list[_Role], first_conn: dict[str, Connection]) -> None:

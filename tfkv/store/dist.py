@@ -23,8 +23,10 @@ as MXNet does, so one command can be started for every role of a job.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
+import os
 import sys
 import threading
 import time
@@ -139,6 +141,10 @@ class DistStore(KVStore):
         for server in self.link.servers:
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 2000)
+            # Every message a server sends here answers a request this worker made, so its queue
+            # is bounded by this worker's own requests: no high-water mark, at which ZeroMQ would
+            # stop reading and leave the server's queue to fill (a pull of 10,000 keys).
+            sock.setsockopt(zmq.RCVHWM, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, env.max_message_bytes)
             security.client_socket(sock, env.keys)
             sock.connect(f"tcp://{server['host']}:{server['port']}")
@@ -147,6 +153,9 @@ class DistStore(KVStore):
         self._index = {sock: i for i, sock in enumerate(self._socks)}
         self._seq = itertools.count(1)
         self._pending: dict[int, list[Any]] = {}  # seq -> [server, frames, sent_at]
+        self._awaited = [0] * len(self._socks)  # per server: its requests in _pending
+        self._heard = [0.0] * len(self._socks)  # per server: when it last answered (or we began to wait)
+        self._probes: dict[int, tuple[int, float]] = {}  # server -> (seq, sent_at) of a PING in flight
         self._replies: dict[int, P.Message] = {}
         self._ids: dict[Hashable, int] = {}
         self._layouts: dict[int, Layout] = {}
@@ -158,6 +167,9 @@ class DistStore(KVStore):
         self.sum_on_device = self.on_device and gpu_p2p()
         # Sockets are not thread-safe: pushpull_async may run on a TensorFlow op's thread.
         self._lock = threading.RLock()
+        # MXNet's store leaves in its destructor, and its scripts end without a teardown call:
+        # this one leaves when the interpreter exits (close() unregisters it).
+        atexit.register(self._at_exit)
         if self.rank == 0:
             self._wait([self._send(s, P.Message(P.Type.CONFIGURE, meta={"sync": self.sync}))
                         for s in range(len(self._socks))])
@@ -187,8 +199,19 @@ class DistStore(KVStore):
                                  "so big arrays are split across more servers")
             self._socks[server].send_multipart(frames, copy=False)
             if track:
-                self._pending[msg.seq] = [server, frames, time.monotonic()]
+                now = time.monotonic()
+                self._pending[msg.seq] = [server, frames, now]
+                if not self._awaited[server]:
+                    self._heard[server] = now  # silence counts from when we begin to wait
+                self._awaited[server] += 1
         return msg.seq
+
+    def _answered(self, seq: int) -> list[Any] | None:
+        """Retire a request: its _pending entry, None if it was not (or no longer) awaited."""
+        entry = self._pending.pop(seq, None)
+        if entry is not None:
+            self._awaited[entry[0]] -= 1
+        return entry
 
     def _receive(self, timeout_ms: float) -> list[int]:
         """Take what the servers sent (waiting up to `timeout_ms` for the first of it); return
@@ -199,29 +222,85 @@ class DistStore(KVStore):
     def _receive_locked(self, timeout_ms: float) -> list[int]:
         arrived = []
         for sock, _ in self._poller.poll(timeout_ms):
+            server = self._index[sock]
             while True:
                 try:
                     frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
+                self._heard[server] = time.monotonic()
                 try:
                     msg = P.decode(frames, self.env.max_message_bytes // 4)
                 except P.ProtocolError as e:
-                    log.warning("dropped a malformed reply from server %d: %s", self._index[sock], e)
+                    log.warning("dropped a malformed reply from server %d: %s", server, e)
                     continue
                 if msg.type == P.Type.ERROR:  # also for untracked pushes
-                    self._pending.pop(msg.seq, None)
-                    raise DistError(f"server {self._index[sock]}: {(msg.meta or {}).get('message')}")
-                if self._pending.pop(msg.seq, None) is None:
+                    self._answered(msg.seq)
+                    raise DistError(f"server {server}: {(msg.meta or {}).get('message')}")
+                if self._answered(msg.seq) is None:
                     continue  # a late answer to a request already answered (resend)
-                if msg.type != P.Type.ACK:
+                if msg.type == P.Type.PING:
+                    if self._probes.get(server, (None,))[0] == msg.seq:
+                        del self._probes[server]
+                        self._check_held(server, msg.seq, msg.meta["held"])
+                elif msg.type != P.Type.ACK:
                     self._replies[msg.seq] = msg
                     arrived.append(msg.seq)
         return arrived
 
-    def _resend_overdue(self) -> None:
+    # -- a request that gets no answer -----------------------------------------------------------
+    #
+    # A dist_sync pull may wait as long as the slowest worker takes to push, so waiting has no
+    # deadline of its own. Instead, a server this worker has awaited in silence for a heartbeat
+    # timeout is asked (PING) how many of this worker's requests it holds: one connection is
+    # served in order, so every request sent before the PING has by its answer been either
+    # answered or held (a pull parked until its round closes). More awaited than held: a reply
+    # was lost, fail now naming it. No answer to the PING within TFKV_REQUEST_TIMEOUT: the
+    # server is alive (it heartbeats) but does not serve, fail naming it too.
+
+    def _describe(self, seq: int) -> str:
+        server, frames, sent_at = self._pending[seq]
+        head = P.HEADER.unpack(bytes(memoryview(frames[0])))
+        kid, chunk = head[7] % (1 << _CHUNK_SHIFT), head[7] >> _CHUNK_SHIFT
+        key = next((k for k, i in self._ids.items() if i == kid), kid)  # the caller's name for it
+        part = f" (part {chunk})" if chunk else ""
+        return (f"{P.Type(head[2]).name} of key {key!r}{part} (request {seq}, sent "
+                f"{time.monotonic() - sent_at:.1f} s ago)")
+
+    def _server_name(self, server: int) -> str:
+        where = self.link.servers[server]
+        return f"server {server} at {where['host']}:{where['port']}"
+
+    def _check_held(self, server: int, probe: int, held: int) -> None:
+        if self.env.resend:
+            return  # under PS_RESEND a lost request or reply is sent again instead
+        before = sorted(seq for seq, e in self._pending.items() if e[0] == server and seq < probe)
+        if len(before) > held:
+            raise DistError(f"{self._server_name(server)} did not answer {self._describe(before[0])} and "
+                            f"holds {held} of the {len(before)} requests this worker awaits from it: the reply "
+                            "was lost")
+
+    def _watch_servers(self) -> None:
+        now = time.monotonic()
+        for server, awaited in enumerate(self._awaited):
+            probe = self._probes.get(server)
+            if probe is not None:
+                if now - probe[1] > self.env.request_timeout:
+                    oldest = min(seq for seq, e in self._pending.items() if e[0] == server)
+                    raise DistError(f"{self._server_name(server)} has answered nothing for "
+                                    f"{now - self._heard[server]:.0f} s, not even a PING sent "
+                                    f"{now - probe[1]:.0f} s ago, while this worker awaits "
+                                    f"{self._describe(oldest)}; it is alive but not serving (raise "
+                                    "TFKV_REQUEST_TIMEOUT if it is only slow)")
+            elif awaited and now - self._heard[server] > self.env.heartbeat_timeout:
+                self._probes[server] = (self._send(server, P.Message(P.Type.PING)), now)
+
+    def _tick(self) -> None:
+        """What a wait does between polls: resend (PS_RESEND), ask silent servers."""
         with self._lock:
-            self._resend_overdue_locked()
+            if self.env.resend:
+                self._resend_overdue_locked()
+            self._watch_servers()
 
     def _resend_overdue_locked(self) -> None:
         now = time.monotonic()
@@ -245,8 +324,7 @@ class DistStore(KVStore):
         tick = min(100.0, self.env.resend_timeout * 1000)
         while any(s in self._pending for s in wanted):
             self._receive(tick)
-            if self.env.resend:
-                self._resend_overdue()
+            self._tick()
 
     # -- keys ----------------------------------------------------------------------------------
 
@@ -370,8 +448,7 @@ class DistStore(KVStore):
             if not waiting:
                 return
             arrived = self._receive(tick)
-            if self.env.resend:
-                self._resend_overdue()
+            self._tick()
 
     def wait(self, pulls: Sequence[Pull]) -> dict[Key, np.ndarray]:
         """Every pull's value, by key, once all have arrived."""
@@ -488,6 +565,7 @@ class DistStore(KVStore):
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self._at_exit)
         self._wait()
         self.link.done()
         for sock in self._socks:
@@ -496,7 +574,26 @@ class DistStore(KVStore):
     def abort(self, reason: str) -> None:
         if not self._closed:
             self._closed = True
+            atexit.unregister(self._at_exit)
             self.link.abort(reason)
+
+    def _at_exit(self) -> None:
+        """The interpreter is exiting without close(): after an uncaught exception (which the
+        interpreter has just printed, and left in sys.last_value) leave as failed, so the job
+        stops now naming it; after a normal end leave as close() does, so the job can end 0."""
+        exc = getattr(sys, "last_value", None)
+        if exc is not None:
+            self.abort(f"{type(exc).__name__}: {exc}")
+            return
+        try:
+            self.close()
+        except Exception as e:  # noqa: BLE001 - an atexit hook cannot raise: fail the job instead
+            print(f"tfkv: {self.link.name}: leaving at exit failed ({type(e).__name__}: {e})", file=sys.stderr,
+                  flush=True)
+            self._closed = False
+            self.abort(f"leaving at exit failed: {type(e).__name__}: {e}")
+            sys.stdout.flush()
+            os._exit(1)  # an exception in an atexit hook would not change the exit status
 
     _closed = False
     _optimizer: Any = None

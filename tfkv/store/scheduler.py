@@ -50,6 +50,9 @@ class Scheduler:
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
+        # No high-water mark: a ROUTER drops silently past it, and a lost BARRIER_DONE or
+        # FAILED would hang a node that still heartbeats. Control traffic is a few messages.
+        self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_META + 4096)  # control traffic only
         security.server_socket(self.sock, env.keys)
         try:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from collections import OrderedDict, defaultdict
+from collections import Counter, OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +62,12 @@ class Server:
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
+        # No reply is dropped: ZeroMQ's ROUTER silently drops what exceeds a peer's high-water
+        # mark (1,000 messages by default: the replies to a pull of 10,000 keys), so there is
+        # none; every queued reply answers a request that peer made and will read. A reply to a
+        # peer that is gone raises (ROUTER_MANDATORY) and is logged, not lost unseen.
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # Bounded by the transport: a peer cannot make this process allocate more than this.
         self.sock.setsockopt(zmq.MAXMSGSIZE, env.max_message_bytes)
         # Replies under 2 MiB are copied: pyzmq's zero-copy send releases each buffer through a
@@ -81,6 +87,9 @@ class Server:
         self.values: dict[int, np.ndarray] = {}
         self.rounds: dict[int, Round] = defaultdict(Round)
         self._seen: dict[int, OrderedDict[int, None]] = defaultdict(OrderedDict)
+        # Per sender: its requests held unanswered (pulls parked until their round closes,
+        # acknowledged pushes held for the next round), what a PING answers with.
+        self._held: Counter[int] = Counter()
         self.max_count = env.max_message_bytes // 4
         self.threshold: float | None = None  # of 2-bit pushes, once a worker set compression
         self._pool: ThreadPoolExecutor | None = None
@@ -99,7 +108,13 @@ class Server:
 
     def reply(self, identity: bytes, msg: P.Message) -> None:
         msg.sender = self.id
-        self.sock.send_multipart([identity, *P.encode(msg)], copy=False)
+        try:
+            self.sock.send_multipart([identity, *P.encode(msg)], copy=False)
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            log.warning("%s: %s reply (request %d) not sent: its sender is no longer connected", self.link.name,
+                        msg.type.name, msg.seq)
 
     def handle(self, identity: bytes, frames: list[Any]) -> None:
         try:
@@ -216,6 +231,7 @@ class Server:
         r = self.rounds[msg.key]
         if msg.sender in r.pushed:
             r.held.append((identity, msg))
+            self._held[msg.sender] += msg.want_ack
             return  # acknowledged when its round opens
         # The first push's buffer is kept as it arrived (read-only, nothing ever writes into a
         # stored value); the second sums into a fresh array, which no one else sees until the
@@ -246,8 +262,10 @@ class Server:
         pulls, held = r.pulls, r.held
         self.rounds[key] = Round()
         for identity, pull in pulls:
+            self._held[pull.sender] -= 1
             self._answer_pull(identity, pull)
         for identity, push in held:
+            self._held[push.sender] -= push.want_ack
             self.on_push(identity, push)
 
     def on_pull(self, identity: bytes, msg: P.Message) -> None:
@@ -255,6 +273,7 @@ class Server:
         r = self.rounds.get(msg.key)
         if self.sync and r is not None and msg.sender in r.pushed:
             r.pulls.append((identity, msg))  # answered when the round closes
+            self._held[msg.sender] += 1
             return
         self._answer_pull(identity, msg)
 
@@ -285,7 +304,9 @@ class Server:
         self.reply(identity, P.ack(msg))
 
     def on_ping(self, identity: bytes, msg: P.Message) -> None:
-        self.reply(identity, P.ack(msg))
+        # Answered once every earlier request on the connection was handled; says how many of
+        # them are held, so a worker can tell a reply that was lost from one not yet due.
+        self.reply(identity, P.Message(P.Type.PING, seq=msg.seq, reply=True, meta={"held": self._held[msg.sender]}))
 
     _handlers = {
         P.Type.PING: on_ping,
