@@ -13,11 +13,12 @@ from tfkv.store import protocol as P
 
 def test_round_trip_with_meta_and_data():
     data = np.arange(10, dtype=np.float32)
-    msg = P.Message(P.Type.PUSH, sender=3, seq=77, key=2**40 + 5, meta={"a": [1, 2]}, data=data)
+    meta = {"names": ["mean", "var"], "count": 2}
+    msg = P.Message(P.Type.SET_STATE, sender=3, seq=77, key=2**40 + 5, meta=meta, data=data)
     frames = P.encode(msg)
     assert len(frames) == 3 and len(frames[0]) == P.HEADER.size == 28
     back = P.decode([bytes(f) for f in frames])
-    assert (back.type, back.sender, back.seq, back.key, back.meta) == (P.Type.PUSH, 3, 77, 2**40 + 5, {"a": [1, 2]})
+    assert (back.type, back.sender, back.seq, back.key, back.meta) == (P.Type.SET_STATE, 3, 77, 2**40 + 5, meta)
     np.testing.assert_array_equal(back.data, data)
 
 
@@ -119,3 +120,129 @@ def test_two_bit_only_for_pushes():
 def test_encode_refuses_words_that_do_not_match_the_count():
     with pytest.raises(ValueError):
         P.encode(P.Message(P.Type.PUSH, data=np.zeros(2, np.uint32), dtype=P.DType.TWOBIT, count=40))
+
+
+# -- control messages: one schema for every message's metadata -------------------------------------
+
+def _control(type_, meta, reply=False, data=None):
+    """A message as a peer would send it, its metadata written as raw JSON text when a str."""
+    frames = [bytes(f) for f in P.encode(P.Message(type_, sender=1, seq=5, meta={}, data=data, reply=reply))]
+    frames[1] = meta.encode() if isinstance(meta, str) else json.dumps(meta).encode()
+    return frames
+
+
+SGD = {"name": "sgd", "momentum": 0.0, "wd": 0.0,
+       "schedule": {"name": "constant", "lr": 0.1, "factor": 0.1, "milestones": [], "total": 1, "warmup": 0}}
+ADAM = {**SGD, "name": "adam", "beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8}
+del ADAM["momentum"]
+
+
+def _opt(base=SGD, schedule=None, **fields):
+    return {"optimizer": {**base, **fields, "schedule": {**base["schedule"], **(schedule or {})}}}
+
+
+@pytest.mark.parametrize("type_,meta,message", [
+    # what the issue found crashing a server, a scheduler, or making weights NaN
+    (P.Type.SET_COMPRESSION, {"type": "2bit", "threshold": None}, "threshold"),
+    (P.Type.SET_COMPRESSION, {"type": "2bit", "threshold": [1]}, "threshold"),
+    (P.Type.SET_OPTIMIZER, _opt(momentum="x"), "momentum"),
+    (P.Type.SET_OPTIMIZER, _opt(ADAM, beta1="x"), "beta1"),
+    (P.Type.SET_OPTIMIZER, _opt(schedule={"name": "step", "milestones": 5}), "milestones"),
+    (P.Type.SET_OPTIMIZER, _opt(schedule={"lr": None}), "lr"),
+    (P.Type.SET_OPTIMIZER, _opt(schedule={"name": "cosine", "total": 0}), "total"),
+    (P.Type.CONFIGURE, {"sync": None}, "sync"),
+    (P.Type.REGISTER, {"role": [], "host": "h", "port": 1, "pid": 1, "hostname": "h"}, "role"),
+    (P.Type.REGISTER, {"role": {}, "host": "h", "port": 1, "pid": 1, "hostname": "h"}, "role"),
+    (P.Type.REGISTER, '{"role":"worker","host":"h","port":1,"pid":1e400,"hostname":"h"}', "pid"),
+    # and their neighbours
+    (P.Type.SET_COMPRESSION, {"type": 5, "threshold": 0.5}, "type"),
+    (P.Type.SET_COMPRESSION, {"type": "2bit", "threshold": "0.5"}, "threshold"),
+    (P.Type.SET_OPTIMIZER, {"optimizer": "sgd"}, "optimizer"),
+    (P.Type.SET_OPTIMIZER, {}, "optimizer"),
+    (P.Type.SET_OPTIMIZER, _opt(schedule={"lr": -1.0}), "lr"),
+    (P.Type.SET_OPTIMIZER, _opt(schedule={"name": "warp"}), "warp"),
+    (P.Type.SET_OPTIMIZER, _opt(schedule={"warmup": 1.5}), "warmup"),
+    (P.Type.SET_OPTIMIZER, _opt(schedule={"milestones": [1, "2"]}), "milestones"),
+    (P.Type.SET_OPTIMIZER, _opt(ADAM, beta1=1.0), "beta1"),
+    (P.Type.SET_OPTIMIZER, _opt(ADAM, epsilon=0.0), "epsilon"),
+    (P.Type.SET_OPTIMIZER, _opt(momentum=True), "momentum"),
+    (P.Type.SET_OPTIMIZER, _opt(teleport=1), "teleport"),
+    (P.Type.SET_OPTIMIZER, _opt(name="lbfgs"), "lbfgs"),
+    (P.Type.CONFIGURE, {"sync": 1}, "sync"),
+    (P.Type.CONFIGURE, {}, "sync"),
+    (P.Type.CONFIGURE, {"sync": True, "extra": 1}, "extra"),
+    (P.Type.SET_STATE, {"names": "momentum", "count": 1}, "names"),
+    (P.Type.SET_STATE, {"names": [], "count": -1}, "count"),
+    (P.Type.SET_STATE, {"names": [], "count": 2**70}, "count"),
+    (P.Type.REGISTER, {"role": "scheduler", "host": "h", "port": 1, "pid": 1, "hostname": "h"}, "role"),
+    (P.Type.REGISTER, {"role": "worker", "host": "h", "port": 70000, "pid": 1, "hostname": "h"}, "port"),
+    (P.Type.REGISTER, {"role": "worker", "host": "h", "port": 1, "pid": 1.5, "hostname": "h"}, "pid"),
+    (P.Type.REGISTER, {"role": "worker", "host": "h", "port": 1, "pid": 1, "hostname": "h",
+                       "rank_hint": "0"}, "rank_hint"),
+    (P.Type.FAILED, {"reason": ["x"]}, "reason"),
+    (P.Type.PULL, {"anything": 1}, "PULL"),
+    (P.Type.HEARTBEAT, {}, "HEARTBEAT"),
+])
+def test_every_control_message_is_checked_against_its_schema(type_, meta, message):
+    with pytest.raises(P.ProtocolError, match=message):
+        P.decode(_control(type_, meta), max_count=10**6)
+
+
+def test_a_reply_is_checked_against_the_reply_schema():
+    with pytest.raises(P.ProtocolError, match="message"):
+        P.decode(_control(P.Type.ERROR, {"message": 5}, reply=True))
+    with pytest.raises(P.ProtocolError, match="count"):
+        P.decode(_control(P.Type.GET_STATE, {"names": [], "count": None}, reply=True, data=np.zeros(0, np.float32)))
+    assert P.decode(_control(P.Type.ERROR, {"message": "no"}, reply=True)).meta == {"message": "no"}
+
+
+@pytest.mark.parametrize("type_,meta,data", [
+    (P.Type.CONFIGURE, {"sync": False}, None),
+    (P.Type.SET_COMPRESSION, {"type": "2bit", "threshold": 0.5}, None),
+    (P.Type.SET_COMPRESSION, {"type": "2bit", "threshold": 1}, None),
+    (P.Type.SET_OPTIMIZER, _opt(momentum=0.9), None),
+    (P.Type.SET_OPTIMIZER, _opt(ADAM, schedule={"name": "cosine", "total": 100, "warmup": 3}), None),
+    (P.Type.SET_OPTIMIZER, _opt(schedule={"name": "step", "milestones": [10, 20]}), None),
+    (P.Type.SET_STATE, {"names": ["momentum"], "count": 3}, np.zeros(4, np.float32)),
+    (P.Type.REGISTER, {"role": "server", "host": "10.0.0.1", "port": 9000, "pid": 12, "hostname": "n1",
+                       "rank_hint": None}, None),
+    (P.Type.FAILED, {"reason": "out of memory"}, None),
+])
+def test_what_the_nodes_send_is_accepted(type_, meta, data):
+    assert P.decode(_control(type_, meta, data=data), max_count=10**6).meta == meta
+
+
+def test_every_optimizer_the_store_sends_passes_its_own_schema():
+    from tfkv import optim
+
+    for opt in (optim.SGD(), optim.Adam(), optim.SGD(schedule=optim.Schedule("step", 0.2, 0.5, [3, 9], 1, 2)),
+                optim.SGD(schedule=optim.Schedule(name="cosine", lr=0.1, total=4, warmup=2), momentum=0.5)):
+        meta = {"optimizer": optim.to_dict(opt)}
+        assert optim.from_dict(P.decode(_control(P.Type.SET_OPTIMIZER, meta)).meta["optimizer"]) == opt
+
+
+@pytest.mark.parametrize("text", [
+    '{"a":' + "1" * 5000 + "}",  # int() refuses over 4300 digits with a plain ValueError
+    '{"a":NaN}', '{"a":-Infinity}',
+    "[" * 100_000 + "]" * 100_000,
+])
+def test_any_json_the_decoder_refuses_is_a_protocol_error(text):
+    with pytest.raises(P.ProtocolError, match="not JSON|nested"):
+        P.decode(_control(P.Type.CONFIGURE, text))
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(schedule={"lr": None}), "lr"),
+    (dict(schedule={"name": "cosine", "total": 0}), "total"),
+    (dict(schedule={"lr": float("nan")}), "lr"),
+    (dict(momentum="x"), "momentum"),
+])
+def test_the_optimizer_refuses_settings_that_break_the_update(kwargs, message):
+    """One rule wherever an optimizer is made: from the wire (from_dict) or in code."""
+    from tfkv import optim
+
+    with pytest.raises(ValueError, match=message):
+        optim.from_dict(_opt(**kwargs)["optimizer"])
+    schedule = kwargs.pop("schedule", {})
+    with pytest.raises(ValueError, match=message):
+        optim.SGD(schedule=optim.Schedule(**schedule), **kwargs)

@@ -8,8 +8,9 @@
               uint32 words, so a push of n gradients is 16x smaller on the wire
 
 Nothing received is unpickled or evaluated: the header is unpacked with `struct`, metadata is
-parsed by `json`, payloads are viewed by `numpy.frombuffer`. Every field is checked; a message
-that does not fit raises `ProtocolError` and the receiver answers with an error or drops it.
+parsed by `json` and checked against its message type's schema (`tfkv.store.schema`), payloads
+are viewed by `numpy.frombuffer`. Every field is checked; a message that does not fit raises
+`ProtocolError` and the receiver answers with an error or drops it.
 This module imports neither TensorFlow nor anything heavy.
 """
 
@@ -23,6 +24,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from tfkv.store import schema
 from tfkv.store.compression import words
 
 MAGIC = 0x4B54  # "TK"
@@ -142,8 +144,10 @@ def decode(frames: Sequence[Any], max_count: int | None = None) -> Message:
         if len(raw) > MAX_META:
             raise ProtocolError(f"{kind.name}: metadata of {len(raw)} bytes exceeds {MAX_META}")
         try:
-            meta = json.loads(bytes(raw))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            meta = json.loads(bytes(raw), parse_constant=_no_constant)
+        except RecursionError:
+            raise ProtocolError(f"{kind.name}: metadata is nested too deeply") from None
+        except ValueError as e:  # JSONDecodeError, bad UTF-8, an int of over 4300 digits, NaN
             raise ProtocolError(f"{kind.name}: metadata is not JSON ({e})") from None
         if not isinstance(meta, dict):
             raise ProtocolError(f"{kind.name}: metadata must be a JSON object")
@@ -172,7 +176,16 @@ def decode(frames: Sequence[Any], max_count: int | None = None) -> Message:
             msg.count = count
     elif count or dtype:
         raise ProtocolError(f"{kind.name}: count/dtype set without a payload")
+    try:
+        schema.check(kind.name, msg.reply, msg.meta, msg.data is not None)
+    except schema.SchemaError as e:
+        raise ProtocolError(f"{kind.name}: {e}") from None
     return msg
+
+
+def _no_constant(name: str) -> None:
+    # Python's json takes NaN and Infinity, which are not JSON and would reach arithmetic.
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def error(to: Message, text: str, sender: int = 0) -> Message:

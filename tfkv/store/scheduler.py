@@ -61,6 +61,7 @@ class Scheduler:
             raise OSError(f"scheduler cannot listen on {env.scheduler_host}:{env.scheduler_port} ({e}); "
                           "pick another DMLC_PS_ROOT_PORT or a local address for DMLC_PS_ROOT_URI") from None
         self.nodes: dict[bytes, Node] = {}
+        self._formed = False  # every node registered: from then on only members are heard
 
     def run(self) -> int:
         """Run the job's membership to the end: 0 when every worker finished, EXIT_PEER_FAILED
@@ -70,14 +71,24 @@ class Scheduler:
         return self._watch()
 
     def _recv(self, timeout_ms: float) -> tuple[bytes, P.Message] | None:
+        """The next message, decoded and checked against its schema; None for nothing, for a
+        malformed one (answered with an error) and, once the cluster formed, for anything from
+        a connection that is not a node of the job (dropped unread)."""
         if not self.sock.poll(timeout_ms):
             return None
         frames = self.sock.recv_multipart(copy=False)
         identity = frames[0].bytes
+        if self._formed and identity not in self.nodes:
+            return None
         try:
             return identity, P.decode(frames[1:])
         except P.ProtocolError as e:
-            log.warning("scheduler: dropped a malformed message: %s", e)
+            log.warning("scheduler: refused a malformed message: %s", e)
+            try:  # tell a registering node why it gets no place, and a member what it sent wrong
+                self.sock.send_multipart([identity, *P.encode(P.Message(
+                    P.Type.ERROR, meta={"message": str(e)[:2000]}, reply=True))], flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # its connection is gone or full: nothing to tell
             return None
 
     def _send(self, node: Node, msg: P.Message) -> None:
@@ -102,22 +113,19 @@ class Scheduler:
             if got is None:
                 continue
             identity, msg = got
-            if msg.type != P.Type.REGISTER or not isinstance(msg.meta, dict):
+            if msg.type != P.Type.REGISTER:
                 continue
-            m = msg.meta
-            role = m.get("role")
-            if role not in want or sum(n.role == role for n in self.nodes.values()) >= want[role]:
+            m = msg.meta  # checked by protocol.decode against REGISTER's schema: types and ranges
+            role = m["role"]
+            if sum(n.role == role for n in self.nodes.values()) >= want[role]:
                 self.sock.send_multipart([identity, *P.encode(P.error(msg, f"no place for a {role!r} in this job"))])
                 continue
-            try:
-                self.nodes[identity] = Node(identity, role, str(m.get("host", "")), int(m.get("port", 0)),
-                                            m.get("rank_hint") if isinstance(m.get("rank_hint"), int) else None,
-                                            str(m.get("hostname", "")), int(m.get("pid", 0)))
-            except (TypeError, ValueError):
-                continue
+            self.nodes[identity] = Node(identity, role, m["host"], m["port"], m.get("rank_hint"), m["hostname"],
+                                        m["pid"])
             if self.env.verbose >= 1:
                 log.info("scheduler: %s registered from %s (pid %s)", role, m.get("hostname"), m.get("pid"))
 
+        self._formed = True
         next_id = 1
         for role in ("server", "worker"):
             members = [n for n in self.nodes.values() if n.role == role]

@@ -132,6 +132,9 @@ class Server:
         if msg.sender not in self.workers:
             self.reply(identity, P.error(msg, f"sender {msg.sender} is not a worker of this job"))
             return
+        if msg.reply:
+            self.reply(identity, P.error(msg, f"a {msg.type.name} reply sent to a server, which serves requests"))
+            return
         mutating = msg.type in (P.Type.PUSH, P.Type.INIT, P.Type.SET_STATE, P.Type.SET_OPTIMIZER, P.Type.CONFIGURE,
                                P.Type.SET_COMPRESSION)
         if mutating and self._duplicate(msg):
@@ -193,22 +196,19 @@ class Server:
         list(self._pool.map(lambda s: np.add(a[s], b[s], out=out[s]), slices))
         return out
 
+    # The control handlers read their metadata as protocol.decode left it: checked against the
+    # message's schema (tfkv.store.schema), so every field is there with its type and range.
+
     def on_configure(self, identity: bytes, msg: P.Message) -> None:
-        self.sync = bool((msg.meta or {}).get("sync", True))
+        self.sync = msg.meta["sync"]
         self.reply(identity, P.ack(msg))
 
     def on_set_compression(self, identity: bytes, msg: P.Message) -> None:
-        try:
-            self.threshold = compression.parse(msg.meta or {})
-        except ValueError as e:
-            raise RequestError(str(e)) from None
+        self.threshold = compression.parse(msg.meta)
         self.reply(identity, P.ack(msg))
 
     def on_set_optimizer(self, identity: bytes, msg: P.Message) -> None:
-        try:
-            opt = optim.from_dict((msg.meta or {}).get("optimizer", {}))
-        except (TypeError, ValueError) as e:
-            raise RequestError(f"bad optimizer description: {e}") from None
+        opt = optim.from_dict(msg.meta["optimizer"])
         if self.updater is None or self.updater.optimizer != opt:
             self.updater = NumpyUpdater(opt)
         self.reply(identity, P.ack(msg))
@@ -294,13 +294,10 @@ class Server:
         if self.updater is None:
             raise RequestError("set the optimizer before its state")
         names = list(self.updater.optimizer.state_names)
-        if (msg.meta or {}).get("names", names) != names:
-            raise RequestError(f"state names {msg.meta.get('names')} do not match this optimizer's {names}")
+        if msg.meta["names"] != names:
+            raise RequestError(f"state names {msg.meta['names']} do not match this optimizer's {names}")
         data = self._payload(msg, value.size * len(names)) if names else np.zeros(0, np.float32)
-        count = (msg.meta or {}).get("count", 0)
-        if not isinstance(count, int) or count < 0:
-            raise RequestError("state count must be a non-negative integer")
-        self.updater.set(msg.key, list(np.split(data, len(names))) if names else [], count)
+        self.updater.set(msg.key, list(np.split(data, len(names))) if names else [], msg.meta["count"])
         self.reply(identity, P.ack(msg))
 
     def on_ping(self, identity: bytes, msg: P.Message) -> None:

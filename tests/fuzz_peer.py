@@ -1,0 +1,220 @@
+"""A registered member of a job that also sends malformed messages: `python fuzz_peer.py worker OUT
+STEPS NKEYS SIZE` or `python fuzz_peer.py server OUT`.
+
+As a worker it does dist_worker.py's int_sgd work (rank 1 of 2) and, between its steps, sends
+every malformed request of `server_cases` to the server under its own registered id, waiting for
+each answer; what was not refused with an ERROR is written to OUT. As a worker and as a server it
+also sends `scheduler_cases` to the scheduler on its registered connection (the scheduler answers
+nothing a test could wait for, so the test reads the scheduler's log). Every case is invalid by
+construction (a wrong type, a value out of range, a broken frame), never a valid request with
+other values: the job must end with exactly the values of a clean run.
+"""
+
+import json
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from tfkv import optim  # noqa: E402
+from tfkv.store import protocol as P  # noqa: E402
+
+T = P.Type
+
+
+def frames(type_, sender, seq, meta=None, data=None, key=0, reply=False, raw_meta=None):
+    out = [bytes(f) for f in P.encode(P.Message(type_, sender=sender, seq=seq, key=key, data=data, reply=reply,
+                                                meta={} if raw_meta is not None else meta))]
+    if raw_meta is not None:
+        out[1] = raw_meta
+    return out
+
+
+def wrong_types(value, nullable=False):
+    """JSON values of another type than `value`'s (so invalid wherever `value` is valid)."""
+    pool = {"null": None, "bool": True, "int": 7, "float": 1.5, "str": "x", "list": [1], "dict": {"a": 1}}
+    kind = ("bool" if isinstance(value, bool) else "int" if isinstance(value, int) else
+            "float" if isinstance(value, float) else "str" if isinstance(value, str) else
+            "list" if isinstance(value, list) else "dict")
+    same = {kind} | ({"int"} if kind == "float" else set()) | ({"null"} if nullable else set())
+    bad = [v for k, v in pool.items() if k not in same]
+    if kind == "list" and value == []:
+        bad.append(["x"])  # a list of the wrong items
+    return bad
+
+
+def mutations(base):
+    """(path, meta) for base with one field given each value of the wrong type, one field
+    missing, one unknown field added; nested objects field by field."""
+    for name, value in base.items():
+        nullable = value is None
+        if isinstance(value, dict):
+            for path, inner in mutations(value):
+                yield f"{name}.{path}", {**base, name: inner}
+        for bad in wrong_types(value if not nullable else 0.5, nullable):
+            yield f"{name}={bad!r}", {**base, name: bad}
+    yield "unknown field", {**base, "zz_unknown": 1}
+
+
+def meta_cases(sender, next_seq):
+    """Control requests with metadata that does not fit their schema."""
+    bases = {
+        T.CONFIGURE: {"sync": True},
+        T.SET_COMPRESSION: {"type": "2bit", "threshold": 0.5},
+        T.SET_STATE: {"names": [], "count": 0},
+        T.REGISTER: {"role": "worker", "host": "127.0.0.1", "port": 1, "rank_hint": None, "pid": 1, "hostname": "h"},
+        T.FAILED: {"node": "worker 9", "reason": "fuzz"},
+    }
+    # Fields a message may leave out (left out, the message would be valid: a FAILED without
+    # `node` would end the job).
+    optional = {(T.REGISTER, "rank_hint"), (T.FAILED, "node"), (T.SET_COMPRESSION, "threshold")}
+    for type_, base in bases.items():
+        for path, meta in mutations(base):
+            yield f"{type_.name} {path}", frames(type_, sender, next_seq(), meta)
+        for name in base:
+            if (type_, name) not in optional:
+                yield f"{type_.name} without {name}", frames(type_, sender, next_seq(),
+                                                             {k: v for k, v in base.items() if k != name})
+    o = optim.to_dict(optim.SGD(schedule=optim.Schedule(lr=1.0)))
+    for path, meta in mutations(o):  # the optimizer's fields, whatever tfkv.optim declares
+        yield f"SET_OPTIMIZER {path}", frames(T.SET_OPTIMIZER, sender, next_seq(), {"optimizer": meta})
+    for label, bad in [("lr null", {"schedule": {**o["schedule"], "lr": None}}),
+                       ("lr negative", {"schedule": {**o["schedule"], "lr": -1.0}}),
+                       ("cosine total 0", {"schedule": {**o["schedule"], "name": "cosine", "total": 0}}),
+                       ("milestones 5", {"schedule": {**o["schedule"], "name": "step", "milestones": 5}}),
+                       ("schedule warp", {"schedule": {**o["schedule"], "name": "warp"}}),
+                       ("momentum x", {"momentum": "x"}), ("name lbfgs", {"name": "lbfgs"})]:
+        yield f"SET_OPTIMIZER {label}", frames(T.SET_OPTIMIZER, sender, next_seq(), {"optimizer": {**o, **bad}})
+    adam = optim.to_dict(optim.Adam())
+    for label, bad in [("beta1 x", {"beta1": "x"}), ("beta1 1", {"beta1": 1.0}), ("epsilon 0", {"epsilon": 0.0})]:
+        yield f"SET_OPTIMIZER adam {label}", frames(T.SET_OPTIMIZER, sender, next_seq(), {"optimizer": {**adam, **bad}})
+    for label, raw in [("5000-digit int", b'{"sync":' + b"1" * 5000 + b"}"), ("NaN", b'{"sync":NaN}'),
+                       ("deep nesting", b"[" * 50_000 + b"]" * 50_000), ("not an object", b"[true]"),
+                       ("not UTF-8", b'{"sync":"\xff"}'), ("not JSON", b"{sync}")]:
+        yield f"CONFIGURE meta {label}", frames(T.CONFIGURE, sender, next_seq(), raw_meta=raw)
+
+
+def frame_cases(sender, next_seq, key, size):
+    """Broken frames, headers that lie, metadata or payloads where none belongs."""
+    good = frames(T.PULL, sender, next_seq(), key=key)
+    head = bytearray(good[0])
+    yield "garbage", [b"garbage"]
+    yield "empty frame", [b""]
+    for label, offset, value in [("bad magic", 0, b"\0\0"), ("version 9", 2, b"\x09"), ("type 200", 3, b"\xc8"),
+                                 ("flags 0x40", 4, b"\x40"), ("dtype 7", 5, b"\x07")]:
+        h = bytearray(head)
+        h[offset:offset + len(value)] = value
+        yield label, [bytes(h)]
+    yield "an extra frame", [bytes(head), b"extra"]
+    push = frames(T.PUSH, sender, next_seq(), data=np.ones(size, np.float32), key=key)
+    yield "payload shorter than the header says", [push[0], push[1][:-4]]
+    h = bytearray(push[0])
+    h[20:28] = (2**40).to_bytes(8, "little")
+    yield "count of 2**40", [bytes(h), push[1]]
+    yield "2-bit INIT", [P.HEADER.pack(P.MAGIC, P.VERSION, int(T.INIT), P.FLAG_DATA, int(P.DType.TWOBIT), sender,
+                                       next_seq(), key, 16), b"\0" * 4]
+    for type_ in (T.PULL, T.PING, T.GET_STATE, T.INIT, T.PUSH):
+        yield f"{type_.name} with metadata", frames(type_, sender, next_seq(), {"x": 1}, key=key,
+                                                    data=np.ones(size, np.float32) if type_ in (T.INIT, T.PUSH) else None)
+    for type_ in (T.CONFIGURE, T.PULL, T.PING):
+        yield f"{type_.name} with a payload", frames(type_, sender, next_seq(), {"sync": True} if type_ == T.CONFIGURE
+                                                     else None, data=np.ones(size, np.float32), key=key)
+    yield "PUSH without a payload", frames(T.PUSH, sender, next_seq(), key=key)
+    yield "a reply sent as a request", frames(T.PULL, sender, next_seq(), key=key, reply=True,
+                                             data=np.ones(size, np.float32))
+    yield "ERROR sent to a server", frames(T.ERROR, sender, next_seq(), {"message": "x"}, reply=True)
+    yield "ADDRESS_BOOK sent to a server", frames(T.ADDRESS_BOOK, sender, next_seq(), {"x": 1})
+
+
+def server_cases(sender, next_seq, key, size):
+    """Everything a server must refuse from a registered worker, each answered with an ERROR."""
+    yield from meta_cases(sender, next_seq)
+    yield from frame_cases(sender, next_seq, key, size)
+    # Well-formed, but not servable: the handlers refuse them.
+    yield "PUSH of the wrong size", frames(T.PUSH, sender, next_seq(), data=np.ones(size + 1, np.float32), key=key)
+    yield "PULL of an unknown key", frames(T.PULL, sender, next_seq(), key=987_654)
+    yield "SET_STATE with other names", frames(T.SET_STATE, sender, next_seq(), {"names": ["mean"], "count": 1},
+                                               data=np.ones(size, np.float32), key=key)
+    yield "2-bit PUSH without compression", [P.HEADER.pack(P.MAGIC, P.VERSION, int(T.PUSH), P.FLAG_DATA,
+                                                           int(P.DType.TWOBIT), sender, next_seq(), key, size),
+                                             b"\0" * 4 * ((size + 15) // 16)]
+
+
+def scheduler_cases(sender):
+    """Everything the scheduler must refuse from a registered node (it ignores REGISTER once the
+    cluster formed, so those test the schema, not the scheduler's state)."""
+    seq = iter(range(10**6, 2 * 10**6))
+    yield from meta_cases(sender, lambda: next(seq))
+    yield from frame_cases(sender, lambda: next(seq), 0, 4)
+    for type_ in (T.HEARTBEAT, T.BARRIER, T.DONE):
+        yield f"{type_.name} with metadata", frames(type_, sender, next(seq), {"x": 1})
+    yield "FAILED without a reason", frames(T.FAILED, sender, next(seq), {"node": "worker 0"})
+
+
+def fuzz_scheduler(link):
+    """Send scheduler_cases on this node's own, registered connection to the scheduler (through
+    the link's thread, which owns the socket). Returns how many were queued."""
+    real_send = link._send
+    link._send = lambda m: link._sock.send_multipart(m) if isinstance(m, list) else real_send(m)
+    cases = list(scheduler_cases(link.id))
+    for _, f in cases:
+        link._outbox.put(f)
+    return len(cases)
+
+
+def worker(out_path, steps, nkeys, size):
+    import tfkv.store
+
+    kv = tfkv.store.create("dist_sync")
+    kv.set_optimizer(optim.SGD(schedule=optim.Schedule(lr=1.0)))
+    keys = list(range(nkeys))
+    kv.init(keys, [np.full(size, 1000.0, np.float32) for _ in keys])
+    kv.barrier()
+    sent_to_scheduler = fuzz_scheduler(kv.link)
+    kid = kv._layout(0)[0]
+    server = kv._layout(0)[1].parts[0][0]
+    sock = kv._socks[server]
+    cases = list(server_cases(kv.link.id, lambda: next(kv._seq), kid, size))
+    per_step = -(-len(cases) // steps)
+    not_refused, answered = [], 0
+    for step in range(steps):
+        kv.push(keys, [np.full(size, float((kv.rank + 1) * (step % 5 + 1) + k % 3), np.float32) for k in keys])
+        kv.pull(keys)
+        with kv._lock:  # nothing is outstanding after a pull: each answer is the case's own
+            for label, f in cases[step * per_step:(step + 1) * per_step]:
+                sock.send_multipart(f)
+                if not sock.poll(10_000):
+                    not_refused.append(f"{label}: no answer")
+                    continue
+                reply = P.decode(sock.recv_multipart())
+                answered += 1
+                if reply.type != T.ERROR:
+                    not_refused.append(f"{label}: answered {reply.type.name}")
+    kv.barrier()
+    finals = kv.pull(keys)
+    with open(out_path, "w") as f:
+        json.dump({"final": [[float(v.min()), float(v.max())] for v in finals], "cases": len(cases),
+                   "answered": answered, "not_refused": not_refused, "to_scheduler": sent_to_scheduler}, f)
+    kv.close()
+
+
+def server(out_path):
+    from tfkv.store.cluster_env import ClusterEnv
+    from tfkv.store.server import Server
+
+    srv = Server(ClusterEnv.from_env())
+    sent = fuzz_scheduler(srv.link)
+    with open(out_path, "w") as f:
+        json.dump({"to_scheduler": sent}, f)
+    sys.exit(srv.run())
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "worker":
+        worker(sys.argv[2], *map(int, sys.argv[3:6]))
+    else:
+        server(sys.argv[2])

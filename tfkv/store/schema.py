@@ -1,0 +1,189 @@
+"""What the JSON metadata of every control message may hold: one table, checked on receipt.
+
+`protocol.decode` checks each message's metadata against `SCHEMAS` (by message type, request or
+reply) before anything acts on it, so no handler, on a server, the scheduler or a worker, ever
+sees a field of the wrong type, a number out of range, an unknown field, metadata on a message
+that takes none, or a payload where none belongs. The optimizer and compression settings are
+checked by the code that builds them (`tfkv.optim.from_dict`, `tfkv.store.compression.parse`),
+the same rule a config file meets. A message that does not fit raises `SchemaError` naming the
+field and what it must be; the receiver answers it with an error and serves on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+Check = Callable[[Any, str], None]  # raises SchemaError(f"{where} ...") when the value does not fit
+
+INT64 = 1 << 63
+
+
+class SchemaError(ValueError):
+    """Metadata that does not fit its message's schema; the text names the field."""
+
+
+def _fail(where: str, value: Any, what: str) -> None:
+    shown = repr(value)
+    raise SchemaError(f"{where}={shown[:60]}{'...' if len(shown) > 60 else ''} must be {what}")
+
+
+def boolean(value: Any, where: str) -> None:
+    if not isinstance(value, bool):
+        _fail(where, value, "true or false")
+
+
+def integer(lo: int = 0, hi: int = INT64 - 1) -> Check:
+    def check(value: Any, where: str) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            _fail(where, value, f"an integer from {lo} to {hi}")
+    return check
+
+
+def number(value: Any, where: str) -> None:
+    """A finite JSON number (the range is the builder's business)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        _fail(where, value, "a finite number")
+
+
+def text(max_len: int = 1000, choices: tuple[str, ...] = ()) -> Check:
+    def check(value: Any, where: str) -> None:
+        if not isinstance(value, str) or len(value) > max_len:
+            _fail(where, value, f"a string of at most {max_len} characters")
+        if choices and value not in choices:
+            _fail(where, value, f"one of {', '.join(choices)}")
+    return check
+
+
+def optional(inner: Check) -> Check:
+    def check(value: Any, where: str) -> None:
+        if value is not None:
+            inner(value, where)
+    return check
+
+
+def array(item: Check, max_len: int = 1 << 16) -> Check:
+    def check(value: Any, where: str) -> None:
+        if not isinstance(value, list) or len(value) > max_len:
+            _fail(where, value, f"a list of at most {max_len} items")
+        for i, v in enumerate(value):
+            item(v, f"{where}[{i}]")
+    return check
+
+
+def obj(fields: Mapping[str, Check], optional_fields: tuple[str, ...] = ()) -> Check:
+    """A JSON object with exactly these fields (those in `optional_fields` may be left out)."""
+    def check(value: Any, where: str) -> None:
+        if not isinstance(value, dict):
+            _fail(where, value, "an object")
+        unknown = sorted(set(value) - set(fields))
+        if unknown:
+            raise SchemaError(f"{where}: unknown field(s) {', '.join(map(str, unknown))[:200]}; "
+                              f"known: {', '.join(fields)}")
+        for name, field_check in fields.items():
+            if name in value:
+                field_check(value[name], f"{where}.{name}" if where else name)
+            elif name not in optional_fields:
+                raise SchemaError(f"{where + ': ' if where else ''}field {name!r} is missing")
+    return check
+
+
+def built_by(builder: Callable[[Any], Any]) -> Check:
+    """Valid when `builder` accepts it: the optimizer and compression settings are checked by
+    the code that makes them from a dict, so the wire and config files meet one rule."""
+    def check(value: Any, where: str) -> None:
+        try:
+            builder(value)
+        except (TypeError, ValueError) as e:
+            raise SchemaError(f"{where}: {e}" if where else str(e)) from None
+    return check
+
+
+@dataclass(frozen=True)
+class Schema:
+    meta: Check | None = None  # None: the message carries no metadata
+    data: str = "none"  # none | required | optional: whether a payload may come with it
+
+
+def _optimizer(d: Any) -> Any:
+    from tfkv import optim
+
+    return optim.from_dict(d)
+
+
+def _compression(d: Any) -> Any:
+    from tfkv.store import compression
+
+    if not isinstance(d, dict):
+        raise ValueError("must be an object")
+    kind, threshold = d.get("type"), d.get("threshold", 0.5)
+    if not isinstance(kind, str):
+        raise ValueError(f"type={kind!r} must be a string")
+    number(threshold, "threshold")  # parse() would take "0.5" or crash on null
+    return compression.parse(d)
+
+
+_HOST = text(255)
+_PORT = integer(0, 65535)
+_ID = integer(0, 65535)  # node ids travel in the header's 16-bit sender field
+_RANK = integer(0, 65535)
+_PID = integer(0, (1 << 32) - 1)
+_STATE = obj({"names": array(text(64), 16), "count": integer()})
+
+# The schema of every message, keyed by (type name, is a reply). A type missing from the table
+# is never valid in that direction.
+SCHEMAS: dict[tuple[str, bool], Schema] = {
+    # node <-> scheduler
+    ("REGISTER", False): Schema(obj({"role": text(16, ("server", "worker")), "host": _HOST, "port": _PORT,
+                                     "rank_hint": optional(_RANK), "pid": _PID, "hostname": _HOST},
+                                    optional_fields=("rank_hint",))),
+    ("ADDRESS_BOOK", False): Schema(obj({
+        "id": _ID, "rank": _RANK, "num_servers": _RANK, "num_workers": _RANK,
+        "servers": array(obj({"rank": _RANK, "id": _ID, "host": _HOST, "port": _PORT})),
+        "nodes": array(obj({"id": _ID, "role": text(16, ("server", "worker")), "rank": _RANK,
+                            "hostname": _HOST, "pid": _PID}))})),
+    ("HEARTBEAT", False): Schema(),
+    ("HEARTBEAT", True): Schema(),
+    ("BARRIER", False): Schema(),
+    ("BARRIER_DONE", False): Schema(),
+    ("DONE", False): Schema(),
+    ("SHUTDOWN", False): Schema(),
+    ("FAILED", False): Schema(obj({"node": text(200), "reason": text(2000)}, optional_fields=("node",))),
+    # worker -> server
+    ("CONFIGURE", False): Schema(obj({"sync": boolean})),
+    ("SET_OPTIMIZER", False): Schema(obj({"optimizer": built_by(_optimizer)})),
+    ("SET_COMPRESSION", False): Schema(built_by(_compression)),
+    ("INIT", False): Schema(data="required"),
+    ("PUSH", False): Schema(data="required"),
+    ("PULL", False): Schema(),
+    ("GET_STATE", False): Schema(),
+    ("SET_STATE", False): Schema(_STATE, data="optional"),
+    ("PING", False): Schema(),
+    # server -> worker
+    ("PULL", True): Schema(data="required"),
+    ("GET_STATE", True): Schema(_STATE, data="required"),
+    ("ACK", True): Schema(),
+    ("PING", True): Schema(obj({"held": integer()})),  # how many earlier requests the server holds
+    ("PING", True): Schema(obj({"held": integer()})),  # the sender's requests the server holds
+    ("ERROR", True): Schema(obj({"message": text(10_000)})),
+}
+
+
+def check(kind: str, reply: bool, meta: dict[str, Any] | None, has_data: bool) -> None:
+    """Raise SchemaError unless a message of this type and direction may carry this metadata
+    and (has_data) a payload."""
+    schema = SCHEMAS.get((kind, reply))
+    if schema is None:
+        raise SchemaError(f"{kind} is not a {'reply' if reply else 'request'} in this protocol")
+    if meta is None:
+        if schema.meta is not None:
+            raise SchemaError(f"{kind} needs metadata")
+    elif schema.meta is None:
+        raise SchemaError(f"{kind} carries no metadata")
+    else:
+        schema.meta(meta, "")
+    if has_data and schema.data == "none":
+        raise SchemaError(f"{kind} carries no payload")
+    if not has_data and schema.data == "required":
+        raise SchemaError(f"{kind} needs a payload")
