@@ -48,13 +48,14 @@ def python(script: Path, *args: str, cwd: Path, timeout: float = 300) -> subproc
 
 
 class Launching:
-    """tfkv-launch running in the background, its output (stdout and stderr merged) read as it
-    comes, for tests that signal it mid-job as a terminal or a batch system would."""
+    """tfkv-launch (or `program`) running in the background, its output (stdout and stderr merged)
+    read as it comes, for tests that signal it mid-job as a terminal or a batch system would."""
 
-    def __init__(self, args: list[str], cwd: Path, env: dict[str, str], timeout: float = 120):
+    def __init__(self, args: list[str], cwd: Path, env: dict[str, str], timeout: float = 120,
+                 program: str = "tfkv-launch"):
         import threading
 
-        self.proc = subprocess.Popen(["tfkv-launch", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([program, *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)

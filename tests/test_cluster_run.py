@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import TAG, tagged_pids, tfkv_run
+from conftest import TAG, Launching, tagged_pids, tfkv_run
 
 
 def _tagged(tmp_path):
@@ -39,6 +39,26 @@ def test_a_failing_worker_fails_the_job_and_leaves_nothing(tmp_path):
     last = [ln for ln in proc.stderr.splitlines() if ln.startswith("tfkv-run:")]
     assert len(last) == 1 and "the dist_sync job failed: worker" in last[0], proc.stderr
     assert "mnist: missing" in proc.stdout
+    assert not tagged_pids(env[TAG])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, said, status", [("SIGINT", "interrupted (Ctrl-C)", 130),
+                                               ("SIGTERM", "stopped by SIGTERM", 143)])
+def test_ctrl_c_ends_a_distributed_run_as_it_ends_a_single_one(tmp_path, sig, said, status):
+    """Ctrl-C in the middle of training: the whole job stops, tfkv-run exits 130 (SIGTERM: 143)
+    as it does for a single process, with one line naming the signal and no traceback."""
+    import signal
+
+    env = {**os.environ, **_tagged(tmp_path)}
+    run = Launching(["kvstore=dist_sync", "cluster=local", "epochs=100", "progress=false"], tmp_path, env,
+                    timeout=240, program="tfkv-run")
+    run.wait_for("steps/epoch")  # a worker is training
+    run.proc.send_signal(getattr(signal, sig))
+    rc, out = run.end(timeout=60)
+    failures = [ln for ln in out.splitlines() if ln.startswith("tfkv-run:")]
+    assert rc == status and len(failures) == 1 and said in failures[0], out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
     assert not tagged_pids(env[TAG])
 
 

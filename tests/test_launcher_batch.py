@@ -249,7 +249,7 @@ def test_ctrl_c_stops_an_mpi_job(tmp_path):
     tag = f"mpi-int-{tmp_path.name}"
     rc, out = _ctrl_c(["-n", "2", "-s", "1", "-H", "hosts", "--launcher", "mpi", "--run-dir", "rec", "--python",
                        sys.executable, "--", sys.executable, "fail.py", "-1"], tmp_path, _env(tag), f"working {tag}")
-    assert rc == 1 and "the job failed: interrupted (Ctrl-C)" in out, out
+    assert rc == 130 and "the job failed: interrupted (Ctrl-C)" in out, out
     _nothing_left(tag)
 
 
@@ -307,7 +307,7 @@ def test_ctrl_c_cancels_the_slurm_batch_job(slurm, tmp_path):  # noqa: F811
     env = _env(tag, SLURM_CONF=str(slurm.conf))
     rc, out = _ctrl_c(["-n", "2", "-s", "1", "--launcher", "slurm", "--run-dir", "rec", "--python", sys.executable,
                        "--", sys.executable, "fail.py", "-1"], tmp_path, env, f"working {tag}")
-    assert rc == 1 and "the job failed: interrupted (Ctrl-C)" in out, out
+    assert rc == 130 and "the job failed: interrupted (Ctrl-C)" in out, out
     _nothing_left(tag, within=15)  # KillWait=2 s, then SIGKILL
     queue = subprocess.run(["squeue", "-h"], env=env, capture_output=True, text=True, timeout=30).stdout
     assert "tfkv-slurm" not in queue
@@ -351,7 +351,7 @@ def test_ctrl_c_deletes_the_sge_job(sge, tmp_path):  # noqa: F811
     env = {**_env(tag), **{k: sge.env[k] for k in ("SGE_ROOT", "SGE_CELL")}}
     rc, out = _ctrl_c(["-n", "2", "-s", "1", "--launcher", "sge", "--run-dir", "rec", "--python", sys.executable,
                        "--", sys.executable, "fail.py", "-1"], tmp_path, env, f"working {tag}")
-    assert rc == 1 and "the job failed: interrupted (Ctrl-C)" in out, out
+    assert rc == 130 and "the job failed: interrupted (Ctrl-C)" in out, out
     _nothing_left(tag, within=15)
     assert "tfkv-sge" not in subprocess.run(["qstat"], env=env, capture_output=True, text=True, timeout=30).stdout
 

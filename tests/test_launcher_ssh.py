@@ -265,7 +265,7 @@ def test_ctrl_c_on_a_loopback_job_without_sync(loopback_host, ssh_site, tmp_path
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
-    assert launcher.returncode == 1 and "the job failed: interrupted (Ctrl-C)" in out, out[-3000:]
+    assert launcher.returncode == 130 and "the job failed: interrupted (Ctrl-C)" in out, out[-3000:]
     assert "127.0.0.1: scheduler, server 0, worker 0, worker 1" in out
     assert not _no_leftovers(env[TAG]), "processes of the job left behind"
 

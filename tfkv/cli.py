@@ -84,6 +84,9 @@ def _launch(cfg: DictConfig, run_dir: Path, overrides: list[str], cwd: Path) -> 
     worker = [python, "-m", "tfkv.cli", *overrides, f"hydra.run.dir={job.remote_path(opts, cwd, run_dir)}",
               "hydra.output_subdir=null", "hydra.job.name=worker{rank}"]
     result = job.launch(opts, worker, cwd, run_dir, ["tfkv-run", *overrides], sys.stdout)
+    if result.returncode > 128:  # stopped by Ctrl-C (130) or SIGTERM (143): exit as a single run does
+        print(f"tfkv-run: the {cfg.kvstore.type} job failed: {result.failure}; logs in {run_dir}", file=sys.stderr)
+        sys.exit(result.returncode)
     if result.failure:
         raise ClusterFailed(f"the {cfg.kvstore.type} job failed: {result.failure}; logs in {run_dir}")
     final = json.loads((run_dir / "metrics.json").read_text())

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(130)
     if result.failure:
         print(f"tfkv-launch: the job failed: {result.failure}; record in {run_dir}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(result.returncode if result.returncode > 128 else 1)  # 130 Ctrl-C, 143 SIGTERM
 
 
 if __name__ == "__main__":

@@ -101,7 +101,8 @@ def describe(job: base.Job) -> str:
 
 def launch(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path, argv: Sequence[str],
            out: IO[str]) -> base.Result:
-    """Plan, print the plan, check every host, write the record, run the job."""
+    """Plan, print the plan, check every host, write the record, run the job. The result's
+    returncode is 128 + N when signal N (Ctrl-C, SIGTERM) stopped the job."""
     job = plan_job(opts, worker_argv, workdir, run_dir)
     out.write(f"tfkv: {opts.launcher} job, {opts.num_servers} server(s), {opts.num_workers} worker(s) - "
               f"{describe(job)}\n")
@@ -112,11 +113,13 @@ def launch(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path, 
     record.write(run_dir, opts.launcher, job, argv, versions, opts.hostfile)
     tee = record.Tee(out, run_dir / "launch" / "job.log")
     try:
-        with signals.stop_once():
+        with signals.stop_once() as stop:
             try:
-                return launcher.launch(job, tee)
+                result = launcher.launch(job, tee)
             except KeyboardInterrupt as e:  # after the backend's own teardown, or before it started any
-                return base.Result(1, signals.failure(e))
+                result = base.Result(1, signals.failure(e))
+        # Every backend: a job stopped by a signal ends as a process killed by it (130, 143).
+        return base.Result(stop.status, result.failure) if stop.status else result
     finally:
         tee.close()
         (Path(run_dir) / "launch" / "curve.key").unlink(missing_ok=True)  # the job's keys die with it

@@ -6,6 +6,9 @@ before tearing the job down. Every later SIGINT or SIGTERM is ignored until the 
 second Ctrl-C, or `timeout` (which signals the launcher and then its whole process group), must
 not interrupt the teardown and leave roles running. `shielded()` covers a teardown that starts for
 another reason (a role failed) the same way.
+
+A job stopped this way ends with the status a shell gives a process killed by that signal,
+128 + N: 130 after Ctrl-C, 143 after SIGTERM (`Stop.status`), as a single tfkv-run does.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -32,22 +36,36 @@ def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()  # only it may set handlers
 
 
+@dataclass
+class Stop:
+    """Which signal stopped the job, if one did."""
+
+    signum: int | None = None
+
+    @property
+    def status(self) -> int | None:
+        """The exit status for it: 128 + N, as a shell reports a process ended by signal N."""
+        return None if self.signum is None else 128 + self.signum
+
+
 @contextlib.contextmanager
-def stop_once() -> Iterator[None]:
-    """Around a backend's launch: the first SIGINT/SIGTERM raises Interrupted, later ones are
-    ignored until the block is left."""
+def stop_once() -> Iterator[Stop]:
+    """Around a backend's launch: the first SIGINT/SIGTERM raises Interrupted (and is noted in
+    the Stop it yields), later ones are ignored until the block is left."""
+    stop = Stop()
     if not _main_thread():
-        yield
+        yield stop
         return
 
     def first(sig: int, _frame: Any) -> None:
         for s in SIGNALS:
             signal.signal(s, signal.SIG_IGN)
+        stop.signum = sig
         raise Interrupted(WHAT[signal.Signals(sig)])
 
     old = {s: signal.signal(s, first) for s in SIGNALS}
     try:
-        yield
+        yield stop
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
