@@ -89,3 +89,22 @@ def test_server_role_does_not_import_tensorflow(tmp_path):
             "import tfkv.store.server, tfkv.store.scheduler\n"
             "assert 'tensorflow' not in sys.modules\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env={**os.environ})
+
+
+@pytest.mark.slow
+def test_tfkv_launch_of_tfkv_run_leaves_one_run_directory(tmp_path):
+    """`tfkv-launch -n 2 -- tfkv-run kvstore=dist_sync`: the workers write into the launcher's
+    run directory (metrics and checkpoints from worker 0, a log per worker) instead of making a
+    Hydra run directory each."""
+    env = _tagged(tmp_path)
+    proc = subprocess.run(["tfkv-launch", "-n", "2", "-s", "1", "--launcher", "local", "--", "tfkv-run",
+                           "kvstore=dist_sync", "epochs=1", "progress=false"], cwd=tmp_path,
+                          env={**os.environ, **env}, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    (run,) = (tmp_path / "outputs").iterdir()  # one directory for the job, nothing else
+    assert run.name.startswith("launch-")
+    assert json.loads((run / "metrics.json").read_text())["epoch"] == 1
+    assert (run / "worker0.log").is_file() and (run / "worker1.log").is_file()
+    assert (run / "launch" / "plan.json").is_file()
+    assert not list(tmp_path.glob("multirun"))
+    assert not tagged_pids(env[TAG])

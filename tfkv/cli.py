@@ -81,8 +81,7 @@ def _launch(cfg: DictConfig, run_dir: Path, overrides: list[str], cwd: Path) -> 
     opts = job.Options(c.launcher, c.num_workers, c.num_servers, c.hostfile, c.sync_dst_dir, c.interface,
                        c.host, c.port, c.heartbeat_timeout, c.verbose, c.python, c.secure)
     python = sys.executable if c.launcher == "local" else c.python
-    worker = [python, "-m", "tfkv.cli", *overrides, f"hydra.run.dir={job.remote_path(opts, cwd, run_dir)}",
-              "hydra.output_subdir=null", "hydra.job.name=worker{rank}"]
+    worker = [python, "-m", "tfkv.cli", *overrides]  # they write into run_dir: plan.worker_overrides
     result = job.launch(opts, worker, cwd, run_dir, ["tfkv-run", *overrides], sys.stdout)
     if result.returncode > 128:  # stopped by Ctrl-C (130) or SIGTERM (143): exit as a single run does
         print(f"tfkv-run: the {cfg.kvstore.type} job failed: {result.failure}; logs in {run_dir}", file=sys.stderr)
@@ -121,6 +120,9 @@ def run() -> None:
         from tfkv.store import node
 
         node.main()  # serves until the job ends, then exits
+    from tfkv.launcher.plan import worker_overrides
+
+    sys.argv += worker_overrides(sys.argv[1:], os.environ)  # a launched job's worker: its run directory
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         _main()
         return

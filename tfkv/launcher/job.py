@@ -12,7 +12,7 @@ from typing import IO, Sequence
 from tfkv.errors import ConfigError
 from tfkv.launcher import base, record, signals
 from tfkv.launcher.hosts import Host, read_hosts
-from tfkv.launcher.plan import free_port, make_plan
+from tfkv.launcher.plan import RUN_DIR, free_port, make_plan
 from tfkv.store import security
 
 log = logging.getLogger("tfkv")
@@ -54,7 +54,7 @@ def plan_job(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path
     python = sys.executable if local else opts.python
     scheduler_host = opts.host if local or not opts.hostfile else hosts[0].name
     port = opts.port or free_port(opts.host if local else "0.0.0.0")
-    extra = {"TFKV_HEARTBEAT_TIMEOUT": str(opts.heartbeat_timeout)}
+    extra = {"TFKV_HEARTBEAT_TIMEOUT": str(opts.heartbeat_timeout), RUN_DIR: remote_path(opts, workdir, run_dir)}
     if opts.interface:
         extra["DMLC_INTERFACE"] = opts.interface
     if opts.verbose:

@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+# The job's run directory as the roles see it, in every role's environment: a worker that runs
+# tfkv-run writes there (see worker_overrides) instead of making a Hydra run directory of its own.
+RUN_DIR = "TFKV_RUN_DIR"
 
 
 @dataclass
@@ -53,3 +58,16 @@ def make_plan(num_workers: int, num_servers: int, worker_argv: list[str], node_a
         argv = [a.replace("{rank}", str(i)) for a in worker_argv]  # e.g. a per-worker log name
         plan.append(Process(name(f"worker {i}", host), "worker", i, host, argv, env("worker", i)))
     return plan
+
+
+def worker_overrides(argv: Sequence[str], environ: Mapping[str, str]) -> list[str]:
+    """The Hydra overrides that make tfkv-run, as a worker of a launched job, write into the
+    job's run directory (metrics, checkpoints from worker 0; `worker<rank>.log` each) and not
+    into one of its own; only those `argv` does not set itself. Empty outside a launched job."""
+    run_dir = environ.get(RUN_DIR)
+    if not run_dir or (environ.get("TFKV_ROLE") or environ.get("DMLC_ROLE") or "").lower() != "worker":
+        return []
+    wanted = {"hydra.run.dir": run_dir, "hydra.output_subdir": "null",
+              "hydra.job.name": f"worker{environ.get('TFKV_RANK_HINT', '')}"}
+    given = {a.split("=", 1)[0].lstrip("+~") for a in argv}
+    return [f"{k}={v}" for k, v in wanted.items() if k not in given]
