@@ -414,3 +414,42 @@ def test_ssh_aliases_of_network_namespace_hosts(netns_hosts, ssh_site, tmp_path)
     assert {p["env"]["DMLC_PS_ROOT_URI"] for p in plan["processes"]} == {netns_hosts.addresses["node1"]}
     assert "cannot listen" not in out  # and worker 0, on far2, pushed and pulled (checked in _alias_job)
     assert not _no_leftovers(env[TAG]), "processes of the job left behind"
+
+
+ENV_WORKER = """\
+import json, os, sys
+import tfkv.store
+kv = tfkv.store.create("dist_sync")  # a real role of the job: it registers, then reports
+json.dump(dict(os.environ), open(sys.argv[1], "w"))
+kv.close()
+"""
+# The launching shell's variables the test sets: forwarded ones reach every role, the plan's own
+# (which role, where the scheduler is) never come from the launcher, on either backend.
+FORWARDED = {"TFKV_TEST_VAR": "t", "DMLC_TEST_VAR": "d", "PS_TEST_VAR": "p", "MXNET_TEST_VAR": "m",
+             "OMP_NUM_THREADS": "1", "KMP_AFFINITY": "granularity=fine", "LD_LIBRARY_PATH": "/nonexistent/lib",
+             "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": "/nonexistent/py"}
+NOT_FORWARDED = {"TFKV_ROLE": "server", "TFKV_RANK_HINT": "7", "TFKV_SCHEDULER_HOST": "nowhere.invalid",
+                 "TFKV_NUM_WORKER": "9", "TFKV_CURVE_KEYFILE": "/nonexistent/key"}
+
+
+@pytest.mark.slow
+def test_the_same_variables_reach_the_roles_under_local_and_ssh(loopback_host, ssh_site, tmp_path):
+    seen = {}
+    for launcher in ("local", "ssh"):
+        work = tmp_path / launcher
+        work.mkdir()
+        (work / "env_worker.py").write_text(ENV_WORKER)
+        (work / "hosts").write_text("local\n")
+        env = {**_tag(tmp_path), **ssh_site.env(), **FORWARDED, **NOT_FORWARDED}
+        args = ["-n", "2", "-s", "1", "--launcher", launcher, "--python", PY, "--run-dir", str(work / "run")]
+        proc = _launch(*args, *(["-H", "hosts"] if launcher == "ssh" else []), "--", PY, "env_worker.py",
+                       "env{rank}.json", cwd=work, env=env, timeout=120)
+        assert proc.returncode == 0, (launcher, (proc.stdout + proc.stderr)[-3000:])
+        seen[launcher] = [json.loads((work / f"env{rank}.json").read_text()) for rank in (0, 1)]
+        assert not _no_leftovers(env[TAG]), "processes of the job left behind"
+    for launcher, roles in seen.items():
+        for rank, role_env in enumerate(roles):
+            assert {k: role_env.get(k) for k in FORWARDED} == FORWARDED, launcher
+            assert role_env["DMLC_ROLE"] == "worker" and role_env["TFKV_RANK_HINT"] == str(rank), launcher
+            assert not {k for k in NOT_FORWARDED if k != "TFKV_RANK_HINT"} & set(role_env), launcher
+            assert role_env["DMLC_NUM_WORKER"] == "2" and role_env["TFKV_RUN_DIR"].endswith("run"), launcher

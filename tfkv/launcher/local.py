@@ -18,7 +18,7 @@ from typing import IO
 
 from tfkv.launcher import signals
 from tfkv.launcher.base import Job, Result
-from tfkv.launcher.plan import Process
+from tfkv.launcher.plan import NOT_FORWARDED, Process
 from tfkv.launcher.process import GRACE, die_with_parent, first_cause, signal_group
 from tfkv.launcher.record import local_versions
 
@@ -52,8 +52,11 @@ def run(plan: list[Process], cwd: str | None = None, out: IO[str] | None = None)
     failure: str | None = None
     try:
         for p in plan:
+            # This machine's whole environment, less what the plan decides (plan.NOT_FORWARDED), so
+            # that the plan's variables and the forwarded ones are those an ssh role gets.
+            env = {k: v for k, v in os.environ.items() if k not in NOT_FORWARDED}
             child = subprocess.Popen(
-                p.argv, cwd=cwd, env={**os.environ, **p.env, "PYTHONUNBUFFERED": "1"},
+                p.argv, cwd=cwd, env={**env, **p.env, "PYTHONUNBUFFERED": "1"},
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
             children[p.name] = child

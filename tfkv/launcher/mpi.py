@@ -34,7 +34,7 @@ from tfkv.launcher import batch, role
 from tfkv.launcher.base import Job, Result
 from tfkv.launcher.hosts import Host
 from tfkv.launcher.process import status_text
-from tfkv.launcher.plan import Process
+from tfkv.launcher.plan import Process, forwarded_env
 from tfkv.launcher.record import local_versions
 
 TEARDOWN = 10.0  # seconds mpirun gets to kill its ranks after SIGTERM
@@ -90,7 +90,7 @@ def mpirun_argv(job: Job, mpirun: str = "mpirun", environ: dict[str, str] | None
     argv += ["--oversubscribe", "--bind-to", "none", "--mca", "orte_abort_on_non_zero_status", "1",
              "--wdir", str(job.workdir), *_rsh_args(job.hosts)]
     argv += shlex.split((environ if environ is not None else os.environ).get("TFKV_MPIRUN_ARGS", ""))
-    exports = {**role.forwarded_env(environ), **role.common_env(job.plan)}
+    exports = {**forwarded_env(os.environ if environ is None else environ), **role.common_env(job.plan)}
     for i, (first, host, procs) in enumerate(_contexts(job.plan)):
         if i:
             argv.append(":")

@@ -15,6 +15,26 @@ from typing import Mapping, Sequence
 # tfkv-run writes there (see worker_overrides) instead of making a Hydra run directory of its own.
 RUN_DIR = "TFKV_RUN_DIR"
 
+# Variables of the launching shell that every role gets too, on every backend and host (local,
+# ssh, mpi, yarn; Slurm and SGE pass the whole environment): the MXNet/tfkv knobs a user exports
+# (PS_RESEND, MXNET_KVSTORE_*, TFKV_HEARTBEAT_TIMEOUT, ...) and what dmlc's ssh tracker passes on.
+FORWARD_PREFIXES = ("TFKV_", "DMLC_", "PS_", "MXNET_")
+FORWARD_NAMES = ("OMP_NUM_THREADS", "KMP_AFFINITY", "LD_LIBRARY_PATH", "PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL")
+# ...but never what the plan decides for each role (its role, the scheduler, the job's size, keys
+# and run directory; the TFKV_ twins of DMLC_ names would override the plan's), nor the launcher's
+# own ssh config: a launcher started from inside another job must not pass that job's on.
+NOT_FORWARDED = frozenset({
+    "DMLC_ROLE", "TFKV_ROLE", "TFKV_RANK_HINT", "DMLC_PS_ROOT_URI", "TFKV_SCHEDULER_HOST", "DMLC_PS_ROOT_PORT",
+    "TFKV_SCHEDULER_PORT", "DMLC_NUM_SERVER", "TFKV_NUM_SERVER", "DMLC_NUM_WORKER", "TFKV_NUM_WORKER",
+    "TFKV_INTERFACE", "TFKV_CURVE_PUBLIC", "TFKV_CURVE_SECRET", "TFKV_CURVE_KEYFILE", "TFKV_SECRETS_ON_STDIN",
+    "TFKV_SSH_CONFIG", RUN_DIR})
+
+
+def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The launching shell's variables that reach every role, wherever it runs."""
+    return {k: v for k, v in environ.items()
+            if (k.startswith(FORWARD_PREFIXES) or k in FORWARD_NAMES) and k not in NOT_FORWARDED}
+
 
 @dataclass
 class Process:

@@ -45,12 +45,6 @@ from tfkv.launcher.process import die_with_parent, signal_group, status_text
 # Rank variables in the order they are looked for, with the number of their first rank.
 RANK_VARS = (("OMPI_COMM_WORLD_RANK", 0), ("PMIX_RANK", 0), ("PMI_RANK", 0), ("SLURM_PROCID", 0),
              ("SGE_TASK_ID", 1))
-# Variables of the launcher's own environment that every role gets too, over any transport (the
-# MXNet/tfkv knobs a user may have exported, and what a test tags its processes with).
-FORWARD_PREFIXES = ("TFKV_", "DMLC_", "PS_", "MXNET_")
-FORWARD_NAMES = ("PYTHONPATH", "PYTHONUNBUFFERED", "TF_CPP_MIN_LOG_LEVEL")
-# ...but never a role of the launcher's own (say, a launcher started from inside another job).
-NOT_FORWARDED = ("DMLC_ROLE", "TFKV_ROLE", "TFKV_RANK_HINT")
 
 # The line run_role prints when its role ends (exit_line); batch.Output parses it.
 EXIT_LINE = re.compile(r"^\[(?P<name>[^\]]+)\] tfkv-role: (?P=name) "
@@ -86,13 +80,6 @@ def helper_argv(python: str, plan: Sequence[Process], first: int = 0, rank_var: 
     if scheduler_host:
         argv += ["--scheduler-host", scheduler_host]
     return argv + ["--plan", json.dumps(table(plan, first), separators=(",", ":"))]
-
-
-def forwarded_env(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """The launcher's own variables that roles on other hosts must see too (see FORWARD_*)."""
-    environ = dict(os.environ if environ is None else environ)
-    return {k: v for k, v in environ.items()
-            if (k.startswith(FORWARD_PREFIXES) or k in FORWARD_NAMES) and k not in NOT_FORWARDED}
 
 
 # -- the helper ------------------------------------------------------------------------------------

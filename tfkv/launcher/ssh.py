@@ -28,10 +28,10 @@ pty outlives its closed ssh channel (shared/clusters.md):
 2. the launcher dies or its connection drops: the wrapper sees its stdin (the channel) close
    and kills its own group.
 
-Environment of a role: the plan's variables, PYTHONUNBUFFERED=1, and from the launching shell
-only its TFKV_* settings (heartbeat, timeouts, ...; not those the plan decides) and the thread
-settings MXNet's ssh tracker forwards, exported in the remote command; the remote login shell
-gives the rest. The job's CURVE keys (TFKV_CURVE_PUBLIC/SECRET) are never in the command, which
+Environment of a role: the plan's variables, PYTHONUNBUFFERED=1, and the launching shell's
+variables that every backend forwards (tfkv.launcher.plan.forwarded_env: TFKV_*, DMLC_*, PS_*,
+MXNET_*, the thread settings MXNet's ssh tracker passes on, ...; never those the plan decides),
+exported in the remote command; the remote login shell gives the rest. The job's CURVE keys (TFKV_CURVE_PUBLIC/SECRET) are never in the command, which
 `ps` on the host would show while the shell runs: they go as one JSON line on the channel's stdin
 (TFKV_SECRETS_ON_STDIN=1 tells the wrapper to read it) into the role's environment only.
 Processes on the launching machine reached through ssh (127.0.0.1) are remote processes like any other.
@@ -55,7 +55,7 @@ from tfkv.launcher import signals
 from tfkv.launcher.base import Job, Result
 from tfkv.launcher.hosts import Host
 from tfkv.launcher.process import GRACE, first_cause
-from tfkv.launcher.plan import Process
+from tfkv.launcher.plan import Process, forwarded_env
 from tfkv.launcher.record import EXCLUDE
 from tfkv.store.security import SECRET_NAMES
 
@@ -69,11 +69,6 @@ CONNECT_TIMEOUT = 10  # seconds, unless the ssh config sets ConnectTimeout
 RSYNC_IDLE_TIMEOUT = 120  # seconds without a byte moved before rsync gives up
 PER_CONNECTION = 8  # roles per connection: sshd's MaxSessions is 10, one is kept for the teardown
 LOST = 255  # a role whose connection dropped before it reported, as ssh itself says
-FORWARD = ("OMP_NUM_THREADS", "KMP_AFFINITY", "TF_CPP_MIN_LOG_LEVEL")
-# TFKV_* names that would override the plan's DMLC_* variables (tfkv's names come first), or mean
-# nothing on another machine.
-NOT_FORWARDED = {"TFKV_ROLE", "TFKV_SCHEDULER_HOST", "TFKV_SCHEDULER_PORT", "TFKV_NUM_SERVER",
-                 "TFKV_NUM_WORKER", "TFKV_RANK_HINT", "TFKV_INTERFACE", "TFKV_SSH_CONFIG"}
 MARK = "\x1etfkv-ssh "  # starts the wrapper's own lines (ASCII record separator: not in real output)
 
 # Runs as `python -c WRAPPER argv...` on the host; Python only, no tfkv needed.
@@ -279,9 +274,8 @@ def secret_env(p: Process) -> dict[str, str]:
 
 
 def _remote_env(p: Process) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if ((k.startswith("TFKV_") and k not in NOT_FORWARDED) or k in FORWARD) and k not in SECRET_NAMES}
-    env = {**env, **{k: v for k, v in p.env.items() if k not in SECRET_NAMES}, "PYTHONUNBUFFERED": "1"}
+    env = {**forwarded_env(os.environ), **{k: v for k, v in p.env.items() if k not in SECRET_NAMES},
+           "PYTHONUNBUFFERED": "1"}
     if secret_env(p):
         env["TFKV_SECRETS_ON_STDIN"] = "1"
     return env

@@ -43,7 +43,7 @@ from tfkv.errors import ConfigError
 from tfkv.launcher import batch, role, signals
 from tfkv.launcher.base import Job, Result
 from tfkv.launcher.process import first_cause
-from tfkv.launcher.plan import Process
+from tfkv.launcher.plan import Process, forwarded_env
 from tfkv.launcher.record import local_versions
 
 JAR_GLOB = "share/hadoop/yarn/hadoop-yarn-applications-distributedshell-*.jar"
@@ -102,7 +102,7 @@ def submissions(job: Job, jar: str, name: str = "tfkv", resources: Resources | N
                 environ: dict[str, str] | None = None) -> list[tuple[str, list[str]]]:
     """The `yarn jar ...` command lines that submit the servers and the workers: (label, argv)."""
     res = resources or Resources()
-    forwarded = role.forwarded_env(environ)
+    forwarded = forwarded_env(os.environ if environ is None else environ)
     subs = []
     for label, procs in _groups(job.plan):
         env = {**forwarded, **role.common_env(procs)}
