@@ -40,13 +40,13 @@ from tfkv import optim
 from tfkv.store import compression
 from tfkv.store import protocol as P
 from tfkv.store import security
-from tfkv.store.base import Key, KVStore, gpu_p2p, pairs
+from tfkv.store.base import Key, KVStore, gpu_p2p, in_place, pairs
 from tfkv.store.cluster_env import ClusterEnv
 from tfkv.store.scheduler_link import SchedulerLink
 
 log = logging.getLogger("tfkv.ps")
 
-_STR_KEY_BASE = 1 << 40  # string keys get ids from here, in init order (the same on every worker)
+_NAMED_KEY_BASE = 1 << 40  # keys that are not ints in [0, 2**40) get ids from here, in init order
 _CHUNK_SHIFT = 48  # chunk j > 0 of key id k is key k + (j << 48) on its server (ids stay < 2**48)
 
 
@@ -329,14 +329,27 @@ class DistStore(KVStore):
     # -- keys ----------------------------------------------------------------------------------
 
     def _id(self, key: Hashable) -> int:
-        if key not in self._ids:
-            if isinstance(key, (int, np.integer)) and 0 <= int(key) < _STR_KEY_BASE:
-                self._ids[key] = int(key)
+        """The key's id on the servers, the same on every worker. An int key in [0, 2**40) is its
+        own id (so `key * 9973 % servers` places it as in MXNet); any other key (a str, a negative
+        or a larger int) takes the next id from 2**40 in init order, which every worker shares,
+        as MXNet numbers its str keys. So two distinct keys never share an id."""
+        self._check_key(key)
+        kid = self._ids.get(key)
+        if kid is None:
+            if isinstance(key, (int, np.integer)) and 0 <= int(key) < _NAMED_KEY_BASE:
+                kid = int(key)
             else:
-                self._ids[key] = _STR_KEY_BASE + sum(1 for k in self._ids if not isinstance(k, int))
-        return self._ids[key]
+                kid = _NAMED_KEY_BASE + self._named
+                if kid >> _CHUNK_SHIFT:
+                    raise ValueError(f"key {key!r}: more than {(1 << _CHUNK_SHIFT) - _NAMED_KEY_BASE} keys")
+                self._named += 1
+            self._ids[key] = kid
+        return kid
+
+    _named = 0  # keys numbered from _NAMED_KEY_BASE so far
 
     def _layout(self, key: Hashable) -> tuple[int, Layout]:
+        self._check_key(key)
         kid = self._ids.get(key)
         if kid is None or kid not in self._layouts:
             raise KeyError(f"key {key!r} was not initialised; call init({key!r}, value) first")
@@ -408,8 +421,10 @@ class DistStore(KVStore):
     def pushpull(self, key: Key | Sequence[Key], value: Any, out: Any = None,
                  priority: int | Sequence[int] = 0) -> Any:
         """Push each key and request it back at once, so that replies stream back while later
-        keys are still going out (both directions of the link busy, not one after the other)."""
-        return self._finish(key, out, self.pushpull_async(key, value, priority, out=out))
+        keys are still going out (both directions of the link busy, not one after the other).
+        Without `out` the result goes into `value`, as MXNet's (see base.in_place), and is returned."""
+        into = out if out is not None else in_place(key, value)
+        return self._finish(key, out, self.pushpull_async(key, value, priority, out=into))
 
     def pushpull_async(self, key: Key | Sequence[Key], value: Any, priority: int | Sequence[int] = 0,
                        out: Any = None) -> list[Pull]:
