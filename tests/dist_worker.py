@@ -21,15 +21,15 @@ from tfkv.store import protocol as P  # noqa: E402
 def semantics(kv, out):
     """Sync sums, update on the store, a big array split over servers, string keys."""
     r, n = kv.rank, kv.num_workers
-    kv.init([0, 1, "big"], [np.zeros((2, 3), np.float32), np.ones(5, np.float32), np.zeros(1000, np.float32)])
+    kv.init(["a", "b", "big"], [np.zeros((2, 3), np.float32), np.ones(5, np.float32), np.zeros(1000, np.float32)])
     results = {}
     for step in range(3):
-        kv.push([0, "big"], [np.full((2, 3), r + 1.0, np.float32), np.full(1000, step + r, np.float32)])
-        a, big = kv.pull([0, "big"])
+        kv.push(["a", "big"], [np.full((2, 3), r + 1.0, np.float32), np.full(1000, step + r, np.float32)])
+        a, big = kv.pull(["a", "big"])
         results[f"step{step}"] = [a.tolist(), float(big[0]), float(big[-1])]
     # Two device values from this machine are summed before the push.
-    kv.push(1, [np.full(5, 1.0, np.float32), np.full(5, 2.0, np.float32)])
-    results["device_sum"] = kv.pull(1).tolist()
+    kv.push("b", [np.full(5, 1.0, np.float32), np.full(5, 2.0, np.float32)])
+    results["device_sum"] = kv.pull("b").tolist()
     results["rank"], results["num_workers"] = r, n
     json.dump(results, out)
 
@@ -305,6 +305,35 @@ def lost_reply(kv, out):
 
 
 SCENARIOS.update(ends_without_close=ends_without_close, crash=crash, lost_reply=lost_reply)
+
+KEYS = {"int": [0, 5, -1, -2, -(1 << 40), (1 << 40) - 1, 1 << 40, (1 << 40) + 1, 1 << 48, (1 << 63) + 7],
+        "str": ["w", "", "0", "00", "Aa", "BB", "w ", "W", "\u043a\u043b\u044e\u0447", "a" * 300]}
+
+
+def keys(kv, out):
+    """Keys of one kind (sys.argv[3]): negative and large ints, or strs that collide under
+    common hashes ("Aa"/"BB"): key i holds i + 1 after init, and a push of rank + 10 * (i + 1)
+    from each worker; a key of the other kind and a Python updater are refused."""
+    kind = sys.argv[3]
+    names = KEYS[kind]
+    kv.init(names, [np.full(3, i + 1.0, np.float32) for i in range(len(names))])
+    res = {"init": [float(v[0]) for v in kv.pull(names)]}
+    kv.push(names, [np.full(3, kv.rank + 10.0 * (i + 1), np.float32) for i in range(len(names))])
+    res["pushed"] = [float(v[0]) for v in kv.pull(names)]
+    res["ids"] = len({kv._id(k) for k in names})
+    try:
+        kv.init("w" if kind == "int" else 7, np.zeros(3, np.float32))
+    except ValueError as e:
+        res["mixed"] = str(e)
+    try:
+        kv.set_updater(lambda key, received, stored: None)
+    except ValueError as e:
+        res["updater"] = str(e)
+    res["capable"], res["dead"] = kv.is_capable("optimizer"), kv.num_dead_node(6)
+    json.dump(res, out)
+
+
+SCENARIOS["keys"] = keys
 
 
 if __name__ == "__main__":

@@ -7,18 +7,25 @@ import pytest
 from conftest import tfkv_run
 
 
+def _accuracy(run_dir):
+    return json.loads((run_dir / "metrics.json").read_text())["test_accuracy"]
+
+
 @pytest.mark.slow
-def test_two_bit_training_reaches_the_uncompressed_accuracy(tmp_path):
-    # Gradients are divided by the global batch (2 x 16), so they are small: threshold 0.05 sends
-    # +-0.05 once a residual has built up that much (0.1 ended 1.1 points short with seed 1). A small batch gives the error feedback
-    # enough steps (45 per epoch) to catch up. Without momentum: server-side momentum 0.9 turns
-    # each +-t into a 10x larger weight change, which made 2-bit runs unstable on this tiny job.
-    common = ["kvstore=dist_sync", "cluster=local", "batch_size=16", "epochs=10", "optimizer.momentum=0",
-              "optimizer.lr=0.2", "progress=false", "seed=1"]
-    accuracy = {}
-    for name, extra in (("plain", []), ("2bit", ["kvstore.compression.type=2bit",
-                                                 "kvstore.compression.threshold=0.05"])):
-        tfkv_run(*common, *extra, f"hydra.run.dir={tmp_path / name}", cwd=tmp_path, timeout=600)
-        accuracy[name] = json.loads((tmp_path / name / "metrics.json").read_text())["test_accuracy"]
-    assert accuracy["plain"] > 0.95
-    assert accuracy["2bit"] >= accuracy["plain"] - 0.01, accuracy
+def test_mxnet_threshold_on_the_default_experiment_matches_uncompressed(tmp_path):
+    """Workers push gradient sums and the optimizer applies rescale_grad = 1/global batch, as
+    MXNet's Module, so MXNet's threshold 0.5 works as it does there: the default experiment
+    (digits MLP, batch 64 per worker, SGD lr 0.1) ends within 1 point of uncompressed for three
+    seeds. Without momentum: server-side momentum 0.9 turns the stale residual of a large
+    gradient (sent at most +-0.5 a step) into a long overshoot on this 110-step job, in MXNet's
+    scheme too (see README)."""
+    common = ["kvstore=dist_sync", "cluster=local", "optimizer.momentum=0", "progress=false"]
+    for seed in (0, 1, 2):
+        accuracy = {}
+        for name, extra in (("plain", []), ("2bit", ["kvstore.compression.type=2bit",
+                                                     "kvstore.compression.threshold=0.5"])):
+            run_dir = tmp_path / f"{name}{seed}"
+            tfkv_run(*common, *extra, f"seed={seed}", f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=300)
+            accuracy[name] = _accuracy(run_dir)
+        assert accuracy["plain"] > 0.9, accuracy
+        assert accuracy["2bit"] >= accuracy["plain"] - 0.01, (seed, accuracy)

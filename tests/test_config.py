@@ -64,7 +64,11 @@ def test_schema_rejects_typos_and_wrong_types():
     (["epochs=0"], "epochs=0 must be at least 1"),
     (["optimizer.schedule.name=linear"], "optimizer.schedule.name='linear' is not known"),
     (["kvstore.compression.type=1bit"], "kvstore.compression.type='1bit' is not known"),
-    (["kvstore.compression.type=2bit"], "kvstore=local has none"),
+    (["kvstore.compression.type=2bit"], "kvstore=local sends neither: use kvstore=device or kvstore=dist_sync"),
+    (["kvstore.type=dist"], "kvstore.type='dist' is MXNet's name for dist_sync; write kvstore=dist_sync"),
+    (["kvstore.type=nccl"], "kvstore.type='nccl': KVStore type 'nccl' is MXNet's, not tfkv's; use device"),
+    (["optimizer.rescale_grad=0"], "optimizer.rescale_grad=0.0 must be positive"),
+    (["optimizer.clip_gradient=-1"], "optimizer.clip_gradient=-1.0 must be positive"),
     (["kvstore=dist_sync", "cluster=local", "kvstore.compression.type=2bit", "kvstore.compression.threshold=0"],
      "threshold=0.0 must be positive"),
 ])
@@ -77,6 +81,15 @@ def test_validation_gives_one_line(overrides, message):
 def test_compression_validates_for_dist_types():
     config.validate(_compose("kvstore=dist_sync", "cluster=local", "kvstore.compression.type=2bit",
                              "kvstore.compression.threshold=0.25"))
+    config.validate(_compose("kvstore=device", "kvstore.compression.type=2bit"))  # between devices, as MXNet
+
+
+def test_mxnet_spellings_of_kvstore_types_compose():
+    for name, kind in (("dist", "dist_sync"), ("dist_device_sync", "dist_sync_device"),
+                       ("dist_device_async", "dist_async_device")):
+        cfg = _compose(f"kvstore={name}", "cluster=local")
+        assert cfg.kvstore.type == kind
+        config.validate(cfg)
 
 
 def test_validation_does_not_import_tensorflow():

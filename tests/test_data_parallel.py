@@ -1,7 +1,8 @@
 """Data parallelism gives the weights of one device, whatever the split and the store.
 
-Exactness: each device's loss is its examples' summed loss over the global batch, so the summed
-gradients equal the one-device gradient in exact arithmetic. In float32 the sum is taken in a
+Exactness: each device pushes the gradient of its examples' summed loss and the optimizer's
+rescale_grad divides the sum by the global batch (MXNet's scale), so the update equals the
+one-device one in exact arithmetic. In float32 the sum is taken in a
 different order (per slice, then across devices), so weights agree to round-off (~1e-6
 relative), not bit for bit; the tolerance below is a few hundred times that, far below any
 real difference (a wrong split or a missed device changes weights by >1e-2).
@@ -128,6 +129,43 @@ def test_k_devices_match_one_device(case, tf_devices, reference):
     dp = _train(devices, kv, SGD, work_load=case.get("work_load"),
                 update_on_kvstore=case.get("update_on_kvstore", True))
     _assert_same(dp.get_weights(), reference)
+
+
+def test_pushes_gradient_sums_and_rescales_as_mxnet_module(tf_devices):
+    """MXNet's scale: the store sums each device's gradient of its examples' summed loss (what a
+    2-bit threshold is compared with), and the optimizer divides by the batch (rescale_grad)."""
+    devices = tf_devices[:2]
+    kv = store.create("local", devices=devices)
+    dp = _train(devices, kv, SGD, update_on_kvstore=False)  # the store only sums
+    x, y = _batches()[0]
+    model = build(ModelConfig(name="mlp", hidden=[32, 16]), SHAPE, CLASSES)
+    model.set_weights(dp.get_weights())
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(y, model(x)))
+    want = tape.gradient(loss, model.trainable_variables)
+    dp.step(x, y)
+    for k, g in enumerate(want):
+        np.testing.assert_allclose(kv.pull(k).numpy(), g, rtol=1e-4, atol=1e-5 * float(np.abs(g).max()))
+    assert dp._updaters[0].optimizer.rescale_grad == 1 / BATCH
+    assert SGD.rescale_grad is None  # the caller's optimizer is left as it was
+
+
+@pytest.mark.parametrize("sync, rescale", [(True, 1 / (2 * BATCH)), (False, 1 / BATCH)])
+def test_rescale_grad_counts_every_worker_of_a_synchronous_store(sync, rescale, tf_devices):
+    """Module's rule: 1 / (batch x workers) when the servers sum every worker's push before one
+    update (dist_sync), 1 / batch when each push updates (dist_async); a set value is kept."""
+
+    class TwoWorkers(HostStore):
+        distributed = True
+        num_workers = 2
+
+    TwoWorkers.sync = sync
+    kv = TwoWorkers()
+    _train(tf_devices[:1], kv, SGD)
+    assert kv.updater.optimizer.rescale_grad == rescale
+    kept = TwoWorkers()
+    _train(tf_devices[:1], kept, optim.SGD(rescale_grad=0.5))
+    assert kept.updater.optimizer.rescale_grad == 0.5
 
 
 def test_split_follows_work_load():

@@ -33,7 +33,7 @@ from tfkv.parallel.model_parallel import ModelParallel
 T, V, B = 6, 40, 16  # sequence length, vocabulary, batch
 CFG = ModelConfig(name="lstm_lm", hidden=[16, 12], embed_dim=8)
 SGD = optim.SGD(schedule=optim.Schedule(lr=0.5), momentum=0.9)
-SCALE = 1.0 / (B * T)  # the mean over every token of the batch, as the trainer sets it
+SCALE = 1.0 / T  # the mean over an example's tokens, as the trainer sets it (rescale_grad: 1 / batch)
 
 
 def _batch(seed=0, batch=B):

@@ -22,7 +22,9 @@ def _run_numpy(opt, w, grads):
     optim.SGD(schedule=optim.Schedule(lr=0.1), momentum=0.9, wd=1e-3),
     optim.Adam(schedule=optim.Schedule(lr=0.01), wd=1e-4),
     optim.SGD(schedule=optim.Schedule(name="cosine", lr=0.1, total=4, warmup=2), momentum=0.5),
-], ids=["sgd", "sgd-momentum-wd", "adam", "sgd-cosine-warmup"])
+    optim.SGD(schedule=optim.Schedule(lr=0.1), momentum=0.9, wd=1e-3, rescale_grad=0.25, clip_gradient=0.2),
+    optim.Adam(schedule=optim.Schedule(lr=0.01), wd=1e-2, rescale_grad=0.5, clip_gradient=0.3),
+], ids=["sgd", "sgd-momentum-wd", "adam", "sgd-cosine-warmup", "sgd-rescale-clip", "adam-rescale-clip"])
 def test_numpy_and_tensorflow_agree(opt):
     rng = np.random.default_rng(0)
     w0 = rng.normal(size=(5, 3)).astype(np.float32)
@@ -46,6 +48,56 @@ def test_sgd_matches_mxnet_formula():
     assert new_w == pytest.approx(2.0 + new_v)
 
 
+def test_rescale_grad_and_clip_gradient_have_mxnet_meaning():
+    # SGD (MXNet's sgd_mom_update): clip(rescale_grad * grad) first, then + wd * weight.
+    sgd = optim.SGD(schedule=optim.Schedule(lr=0.5), momentum=0.9, wd=0.1, rescale_grad=0.25, clip_gradient=0.2)
+    w, v = np.float32(2.0), np.float32(0.3)
+    new_w, (new_v,) = sgd.step(optim.NumpyOps, 0.0, w, np.float32(4.0), (v,))
+    assert new_v == pytest.approx(0.9 * 0.3 - 0.5 * (min(0.25 * 4.0, 0.2) + 0.1 * 2.0))
+    assert new_w == pytest.approx(2.0 + new_v)
+    _, (small,) = sgd.step(optim.NumpyOps, 0.0, w, np.float32(0.4), (v,))  # 0.1 is under the clip
+    assert small == pytest.approx(0.9 * 0.3 - 0.5 * (0.25 * 0.4 + 0.1 * 2.0))
+    # Adam (MXNet's adam_update): rescale_grad * grad + wd * weight, then clipped.
+    adam = optim.Adam(schedule=optim.Schedule(lr=0.01), wd=0.1, rescale_grad=0.5, clip_gradient=0.3)
+    _, (m, var) = adam.step(optim.NumpyOps, 0.0, np.float32(2.0), np.float32(-3.0), (np.float32(0), np.float32(0)))
+    assert m == pytest.approx(0.1 * -0.3) and var == pytest.approx(0.001 * 0.09)  # clip(-1.5 + 0.2)
+    # Unset, rescale_grad is MXNet's default 1 and nothing is clipped.
+    plain = optim.SGD(schedule=optim.Schedule(lr=1.0))
+    assert plain.step(optim.NumpyOps, 0.0, np.float32(0.0), np.float32(7.0), ())[0] == pytest.approx(-7.0)
+
+
+@pytest.mark.parametrize("field, value", [("rescale_grad", 0.0), ("clip_gradient", -1.0), ("rescale_grad", "x")])
+def test_rescale_and_clip_out_of_range_are_refused_by_name(field, value):
+    with pytest.raises(ValueError, match=f"sgd.{field}="):
+        optim.from_dict({**optim.to_dict(optim.SGD()), field: value})
+
+
+def test_unset_rescale_grad_becomes_one_over_the_examples_of_an_update():
+    assert optim.with_rescale(optim.SGD(), 128).rescale_grad == 1 / 128
+    assert optim.with_rescale(optim.Adam(rescale_grad=0.5), 128).rescale_grad == 0.5  # set: kept
+
+
+def test_mxnet_names_and_arguments_create_the_optimizer():
+    sgd = optim.create("SGD", learning_rate=0.2, momentum=0.9, wd=1e-4, rescale_grad=1 / 128, clip_gradient=5.0)
+    assert sgd == optim.SGD(schedule=optim.Schedule(lr=0.2), momentum=0.9, wd=1e-4, rescale_grad=1 / 128,
+                            clip_gradient=5.0)
+    assert optim.create("sgd").schedule.lr == 0.01  # MXNet's default learning rate
+    adam = optim.create("Adam", beta1=0.8, epsilon=1e-6)
+    assert (adam.name, adam.schedule.lr, adam.beta1, adam.epsilon) == ("adam", 0.001, 0.8, 1e-6)
+    with pytest.raises(ValueError, match="optimizer 'nag' is not in tfkv; choose one of adam, sgd"):
+        optim.create("nag")
+    with pytest.raises(ValueError, match="argument\\(s\\) lazy_update not supported by tfkv; it takes"):
+        optim.create("sgd", lazy_update=False)
+
+
+def test_config_rescale_and_clip_reach_the_rule():
+    from tfkv.config import OptimizerConfig
+
+    opt = optim.from_config(OptimizerConfig(name="sgd", rescale_grad=0.5, clip_gradient=2.0), 10, 2)
+    assert (opt.rescale_grad, opt.clip_gradient) == (0.5, 2.0)
+    assert optim.from_config(OptimizerConfig(name="adam"), 10, 2).rescale_grad is None
+
+
 def test_adam_first_step_moves_by_lr():
     # With bias correction, Adam's first step is lr * sign(g) (up to epsilon).
     opt = optim.Adam(schedule=optim.Schedule(lr=0.01))
@@ -67,7 +119,8 @@ def test_schedules():
 
 
 def test_optimizer_travels_as_json():
-    opt = optim.SGD(schedule=optim.Schedule(name="step", lr=0.2, milestones=[5]), momentum=0.9, wd=1e-4)
+    opt = optim.SGD(schedule=optim.Schedule(name="step", lr=0.2, milestones=[5]), momentum=0.9, wd=1e-4,
+                    rescale_grad=1 / 128, clip_gradient=5.0)
     again = optim.from_dict(json.loads(json.dumps(optim.to_dict(opt))))
     assert again == opt
     with pytest.raises(ValueError):
@@ -78,7 +131,10 @@ def test_optimizer_travels_as_json():
     optim.SGD(schedule=optim.Schedule(lr=0.1), momentum=0.9, wd=1e-3),
     optim.SGD(schedule=optim.Schedule(name="step", lr=0.5, milestones=[2])),
     optim.Adam(schedule=optim.Schedule(lr=0.01)),
-], ids=["sgd-momentum-wd", "sgd-step", "adam"])
+    optim.SGD(schedule=optim.Schedule(lr=0.1), momentum=0.9, wd=1e-3, rescale_grad=1 / 64),
+    optim.SGD(schedule=optim.Schedule(lr=0.1), wd=1e-3, rescale_grad=0.5, clip_gradient=0.3),
+    optim.SGD(schedule=optim.Schedule(lr=0.1), momentum=0.5, rescale_grad=0.25, clip_gradient=0.3),
+], ids=["sgd-momentum-wd", "sgd-step", "adam", "sgd-rescale", "sgd-rescale-clip-wd", "sgd-rescale-clip"])
 def test_server_updater_follows_the_rule(opt):
     """The servers' numpy updater (in place for SGD) gives the rule's numbers and never writes
     into the weight it was given (it may still be in flight in a zero-copy send)."""

@@ -1,5 +1,7 @@
-"""The single-machine KVStore types through MXNet's API: registry, push/pull, update in the
-store, aggregate-only, optimizer state, and `local` and `device` giving the same numbers."""
+"""The KVStore types through MXNet's API: registry and MXNet's type names, push/pull, update in
+the store, aggregate-only, optimizer state, `local` and `device` giving the same numbers, and the
+MXNet behaviours users rely on (pushpull in place, one kind of key, capabilities, Python
+updaters, 2-bit compression between devices; keys of a real dist job)."""
 
 import numpy as np
 import pytest
@@ -172,3 +174,163 @@ def test_gpu_p2p_variables():
     assert gpu_p2p({}) and gpu_p2p({"MXNET_ENABLE_GPU_P2P": "1"})
     assert not gpu_p2p({"MXNET_ENABLE_GPU_P2P": "0"})
     assert not gpu_p2p({"TFKV_ENABLE_GPU_P2P": "false", "MXNET_ENABLE_GPU_P2P": "1"})  # tfkv's name first
+
+
+# -- MXNet behaviours: pushpull in place, keys, names, capabilities, updaters, compression ---------
+
+@pytest.mark.parametrize("kind", ["local", "device"])
+def test_pushpull_without_out_writes_into_the_values(kind, tf_devices):
+    kv = store.create(kind, devices=tf_devices[:2])
+    kv.init(["a", "b"], [np.zeros(2, np.float32), np.zeros(3, np.float32)])
+    a = [_var([1, 2], d) for d in tf_devices[:2]]
+    b = np.full(3, 5.0, np.float32)
+    kv.pushpull(["a", "b"], [a, b])  # MXNet: no out, so the result goes into the values
+    for v in a:
+        np.testing.assert_array_equal(v.numpy(), [2, 4])
+    np.testing.assert_array_equal(b, [5, 5, 5])
+    c = _var([3, 3], tf_devices[0])
+    kv.pushpull("a", c)  # one value, not a list
+    np.testing.assert_array_equal(c.numpy(), [3, 3])
+
+    @tf.function
+    def traced():
+        kv.pushpull("a", a)
+
+    traced()
+    for v in a:
+        np.testing.assert_array_equal(v.numpy(), [4, 8])  # [2, 4] from each device
+
+
+@pytest.mark.parametrize("kind", ["local", "device"])
+def test_one_kind_of_key_per_store(kind, tf_devices):
+    kv = store.create(kind, devices=tf_devices[:2])
+    kv.init(-1, np.zeros(2, np.float32))
+    with pytest.raises(ValueError, match="key 'w' is a str, but this store's keys are ints: .* never both"):
+        kv.init("w", np.zeros(2, np.float32))
+    with pytest.raises(ValueError, match="never both"):
+        kv.push("w", tf.ones(2))
+    with pytest.raises(TypeError, match="key 1.5 is a float; a KVStore key is an int or a str"):
+        kv.init(1.5, np.zeros(2, np.float32))
+    named = store.create(kind, devices=tf_devices[:2])
+    named.init("w", np.zeros(2, np.float32))
+    with pytest.raises(ValueError, match="key 0 is a int, but this store's keys are strs"):
+        named.pull(0)
+
+
+def test_mxnet_type_names():
+    for name, kind in (("dist", "dist_sync"), ("dist_device_sync", "dist_sync_device"),
+                       ("dist_sync_device", "dist_sync_device"), ("dist_device_async", "dist_async_device"),
+                       ("Dist_Async", "dist_async"), ("LOCAL", "local"), ("local_update_cpu", "local"),
+                       ("local_allreduce_cpu", "local"), ("local_allreduce_device", "device"), ("device", "device")):
+        assert store.canonical(name) == kind, name
+    assert store.create("Local").type == "local"
+    assert store.create("local_allreduce_device").type == "device"
+    with pytest.raises(ValueError, match="KVStore type 'nccl' is MXNet's, not tfkv's; use device"):
+        store.create("nccl")
+    with pytest.raises(ValueError, match="'horovod' is MXNet's, not tfkv's; use dist_sync"):
+        store.canonical("horovod")
+    assert store.compresses("device") and store.compresses("dist") and not store.compresses("local")
+
+
+def test_capabilities_and_dead_nodes():
+    from tfkv.store.base import OPTIMIZER, SERVER_GROUP, WORKER_GROUP
+
+    kv = store.create("local")
+    assert kv.is_capable(OPTIMIZER) and kv.is_capable("OPTIMIZER")
+    with pytest.raises(ValueError, match="unknown capability 'sparse'"):
+        kv.is_capable("sparse")
+    assert kv.num_dead_node(SERVER_GROUP + WORKER_GROUP) == 0 and kv.num_dead_node(1, timeout=5) == 0
+    with pytest.raises(ValueError, match="node_id=9"):
+        kv.num_dead_node(9)
+
+
+@pytest.mark.parametrize("kind", ["local", "device"])
+def test_python_updater_as_mxnet(kind, tf_devices):
+    """MXNet's tutorial updater: `stored += input * 2`, on every push; in a tf.function too."""
+    calls = []
+
+    def update(key, received, stored):
+        calls.append(key)
+        stored += received * 2
+
+    kv = store.create(kind, devices=tf_devices[:2])
+    kv._set_updater(update)
+    kv.init(3, np.ones((2, 3), np.float32))
+    kv.push(3, [tf.ones((2, 3)), tf.ones((2, 3))])  # summed: 2, then 1 + 2 * 2
+    np.testing.assert_array_equal(kv.pull(3).numpy(), np.full((2, 3), 5.0))
+
+    @tf.function
+    def step():
+        kv.push(3, [tf.ones((2, 3)), tf.zeros((2, 3))])
+
+    step()
+    np.testing.assert_array_equal(kv.pull(3).numpy(), np.full((2, 3), 7.0))
+    assert calls == [3, 3]
+    kv.set_updater(lambda key, received, stored: stored - received)  # returning the new value works too
+    kv.push(3, tf.ones((2, 3)))
+    np.testing.assert_array_equal(kv.pull(3).numpy(), np.full((2, 3), 6.0))
+    with pytest.raises(TypeError, match="not callable"):
+        kv.set_updater(42)
+    with pytest.raises(RuntimeError, match="a Python updater"):
+        kv.save_optimizer_states("/tmp/never-written.npz")
+
+
+def test_device_store_compresses_between_devices_as_mxnet(tf_devices):
+    """Each device quantises its value with its own residual (error feedback) on that device;
+    the sum is of the +-threshold values, as numpy's `compression` computes them."""
+    from tfkv.store import compression
+
+    devs = tf_devices[:2]
+    kv = store.create("device", devices=devs)
+    kv.init(0, np.zeros(5, np.float32))
+    kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})  # after init too, as before it
+    kv.init(1, np.zeros((2, 2), np.float32))
+    grads = [np.array([0.3, 0.6, -0.7, 1.2, 0.0], np.float32), np.array([0.3, -0.2, -0.4, 0.5, 0.1], np.float32)]
+    residuals = [np.zeros(5, np.float32) for _ in devs]
+
+    @tf.function
+    def step(a, b):
+        kv.push(0, [a, b])
+        return kv.pull(0)
+
+    for _ in range(3):
+        want = sum(compression.unpack(compression.pack(g, r, 0.5), 5, 0.5) for g, r in zip(grads, residuals))
+        with tf.device(devs[0]):
+            a = tf.constant(grads[0])
+        with tf.device(devs[1]):
+            b = tf.constant(grads[1])
+        np.testing.assert_array_equal(step(a, b).numpy(), want)
+    for r, var, d in zip(residuals, kv._residuals[0], devs):
+        np.testing.assert_array_equal(var.numpy(), r)
+        spec, want = tf.DeviceSpec.from_string(var.device), tf.DeviceSpec.from_string(d)
+        assert (spec.device_type, spec.device_index) == (want.device_type, want.device_index)
+    kv.push(1, [tf.fill((2, 2), 0.7), tf.fill((2, 2), -0.1)])
+    np.testing.assert_array_equal(kv.pull(1).numpy(), np.full((2, 2), 0.5))
+    with pytest.raises(ValueError, match="kvstore=local sends neither"):
+        store.create("local").set_gradient_compression({"type": "2bit", "threshold": 0.5})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["int", "str"])
+def test_dist_keys_never_share_a_server_slot(cluster, kind):
+    """Negative and large int keys, or strs, in a real dist_sync job over 2 servers: each key
+    keeps its own value (2**40 and -1 shared one before), a key of the other kind is refused."""
+    import json
+
+    from dist_worker import KEYS
+
+    c = cluster(num_servers=2, num_workers=2)
+    c.start_servers()
+    outs = c.start_workers("keys", kind)
+    codes = c.wait(120)
+    assert all(code == 0 for code in codes.values()), f"{codes}\n{c.outputs()}"
+    n = len(KEYS[kind])
+    for out in outs:
+        r = json.loads(out.read_text())
+        assert r["init"] == [i + 1.0 for i in range(n)]
+        assert r["pushed"] == [1 + 20.0 * (i + 1) for i in range(n)]  # rank 0 + rank 1 + 2 x 10(i+1)
+        assert r["ids"] == n
+        other = "str" if kind == "int" else "int"
+        assert f"is a {other}, but this store's keys are {kind}s" in r["mixed"]
+        assert "cannot run a Python updater" in r["updater"]
+        assert r["capable"] is True and r["dead"] == 0

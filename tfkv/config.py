@@ -66,6 +66,11 @@ class OptimizerConfig:
     beta1: float = 0.9  # adam
     beta2: float = 0.999  # adam
     epsilon: float = 1e-8  # adam
+    # MXNet's: the summed gradient is multiplied by rescale_grad (null: 1 / the examples of one
+    # update, every worker's for dist_sync, as MXNet's Module sets it), then clipped to
+    # [-clip_gradient, clip_gradient] (null: no clipping)
+    rescale_grad: Optional[float] = None
+    clip_gradient: Optional[float] = None
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
 
 
@@ -177,7 +182,16 @@ def validate(cfg: Any) -> None:
     known("optimizer.name", cfg.optimizer.name, optim.names(), "optimizer")
     known("optimizer.schedule.name", cfg.optimizer.schedule.name, optim.schedule_names(),
           "optimizer.schedule.name")
-    known("kvstore.type", cfg.kvstore.type, store.names(), "kvstore")
+    kind = cfg.kvstore.type
+    if kind not in store.names():  # MXNet's spelling of a type, or one of its types tfkv lacks: name ours
+        try:
+            use = store.canonical(kind)
+        except ValueError as e:
+            if str(kind).strip().lower() in store.INSTEAD:
+                raise ConfigError(f"kvstore.type={kind!r}: {e}") from None
+        else:
+            raise ConfigError(f"kvstore.type={kind!r} is MXNet's name for {use}; write kvstore={use}")
+    known("kvstore.type", kind, store.names(), "kvstore")
 
     devices = list(cfg.devices)
     if not devices:
@@ -206,6 +220,10 @@ def validate(cfg: Any) -> None:
         )
     if cfg.optimizer.lr <= 0:
         raise ConfigError(f"optimizer.lr={cfg.optimizer.lr} must be positive")
+    for key in ("rescale_grad", "clip_gradient"):
+        value = getattr(cfg.optimizer, key)
+        if value is not None and not 0 < value < float("inf"):
+            raise ConfigError(f"optimizer.{key}={value} must be positive, or null for MXNet's default")
     _validate_cluster(cfg)
     _validate_placement(cfg)
     resume = cfg.resume
@@ -241,9 +259,12 @@ def _validate_cluster(cfg: Any) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if compressing is not None:
-        if not is_distributed(kind):
-            raise ConfigError(f"kvstore.compression.type={comp.type} compresses pushes to parameter servers; "
-                              f"kvstore={kind} has none: use kvstore=dist_sync (or another dist_* type)")
+        from tfkv import store
+
+        if not store.compresses(kind):
+            raise ConfigError(f"kvstore.compression.type={comp.type} compresses what devices send to be summed "
+                              f"(kvstore=device) or workers push to parameter servers (dist_*); kvstore={kind} "
+                              "sends neither: use kvstore=device or kvstore=dist_sync")
     for key in ("num_workers", "num_servers"):
         if getattr(c, key) < 1:
             raise ConfigError(f"cluster.{key}={getattr(c, key)} must be at least 1")

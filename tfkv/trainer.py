@@ -76,10 +76,11 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
         if cfg.resume not in (False, "false") and ckpt is None:
             log.warning("resume: no earlier checkpoint of this command found; starting from scratch")
 
-        # Positions per example: the sequence length for a language model, else 1. The loss is
-        # then the mean over every position of the global batch, as for classification.
+        # Positions per example: the sequence length for a language model, else 1. An example's
+        # loss is then the mean over its positions; the optimizer's rescale_grad makes the sum
+        # over examples a mean over the global batch, as for classification.
         positions = int(np.prod(ds.y_train.shape[1:], dtype=np.int64))
-        loss_scale = 1.0 / (cfg.batch_size * positions * store.num_workers) if positions > 1 else None
+        loss_scale = 1.0 / positions if positions > 1 else None
         sizes = split_batch(cfg.batch_size, cfg.work_load_list, len(tf_devices))
         if cfg.placement is not None:
             dp = _model_parallel(cfg, ds, tf_devices, store, optimizer, loss_scale,

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from tfkv import optim
 from tfkv.parallel.metrics import RunningMetrics, evaluate
 from tfkv.store.base import KVStore
 from tfkv.store.tf_updater import TFUpdater
@@ -33,6 +34,12 @@ class Parallel:
     def __init__(self) -> None:
         self.metrics = RunningMetrics()
         self._updaters: list[TFUpdater] = []  # when the workers update: one per copy of the weights
+
+    def _rescaled(self, optimizer: optim.Optimizer, batch: int) -> optim.Optimizer:
+        """The optimizer with MXNet Module's rescale_grad unless one is set: 1 / the examples
+        whose summed gradients one update applies (this worker's `batch`, times the workers when
+        a synchronous store sums every worker's push before it updates)."""
+        return optim.with_rescale(optimizer, batch * (self.store.num_workers if self.store.sync else 1))
 
     def _finish_step(self, pending: list[Any]) -> float:
         """Take the replies to `pending` (pushpull_async's requests) as they arrive, then write

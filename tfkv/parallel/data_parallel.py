@@ -50,9 +50,11 @@ class DataParallel(Parallel):
     ):
         """`devices` are TensorFlow device names; `batch_sizes[i]` examples go to device i.
 
-        The loss is summed over examples and scaled by `loss_scale` (default: 1 / the global
-        batch, the batch of every worker together), so the sum over devices and workers is the
-        gradient of the mean loss of the global batch, whatever the split.
+        As in MXNet, what is pushed is the gradient of the loss summed over the examples (times
+        `loss_scale`, default 1; the trainer gives 1/sequence length for per-token losses), and the
+        optimizer's `rescale_grad` turns the sum into a mean: unset, it becomes 1 / the examples of
+        one update (every worker's for `dist_sync`), as MXNet's Module sets it. So k devices
+        compute what one does, whatever the split, and 2-bit thresholds apply to MXNet's scale.
         """
         if len(batch_sizes) != len(devices):
             raise ValueError(f"{len(batch_sizes)} batch sizes for {len(devices)} devices")
@@ -62,7 +64,8 @@ class DataParallel(Parallel):
         self.batch_sizes = [int(n) for n in batch_sizes]
         self.uses_store = len(self.devices) > 1 or store.distributed
         self.update_on_kvstore = update_on_kvstore and self.uses_store
-        self.loss_scale = loss_scale or 1.0 / (sum(self.batch_sizes) * store.num_workers)
+        self.loss_scale = loss_scale or 1.0
+        optimizer = self._rescaled(optimizer, sum(self.batch_sizes))
         self.replicas = []
         for d in self.devices:
             with tf.device(d):

@@ -11,8 +11,8 @@ goes forward through the groups and then backward, and each group's gradients ar
 the pieces before one update. Group s's work on piece i depends only on group s-1's work on
 piece i, so TensorFlow's dataflow executor runs group s on piece i-1 while group s-1 already
 works on piece i; nothing orders ops that need not be ordered. The loss is every position's
-summed loss times `loss_scale` (default 1 / (batch x workers), as in data parallelism), so the
-summed micro-batch gradients are the gradient of the unsplit batch.
+summed loss times `loss_scale` (default 1; the optimizer's rescale_grad makes it a mean, as in
+data parallelism), so the summed micro-batch gradients are the gradient of the unsplit batch.
 
 In a `dist_*` job each worker is model-parallel: after the compiled step every weight's gradient
 is pushed and asked back at once (`pushpull_async`, as DataParallel does for stores it cannot
@@ -66,7 +66,8 @@ class ModelParallel(Parallel):
         self.micro_sizes = split_batch(self.batch_size, None, int(micro_batches))
         self.uses_store = store.distributed
         self.update_on_kvstore = update_on_kvstore and self.uses_store
-        self.loss_scale = loss_scale or 1.0 / (self.batch_size * store.num_workers)
+        self.loss_scale = loss_scale or 1.0
+        optimizer = self._rescaled(optimizer, self.batch_size)
 
         self.models = []
         for g, d in zip(groups, self.devices):

@@ -1,7 +1,9 @@
 """KVStore types by name: `tfkv.store.create("local")`, as MXNet's `mx.kv.create`.
 
 Types register a "module:Class" target so that naming or listing them imports nothing heavy;
-the class is imported on `create`. The distributed types plug into the same registry.
+the class is imported on `create`. The distributed types plug into the same registry. MXNet's
+other spellings of these types work too (any case, `dist` for `dist_sync`, ...), and the types
+MXNet has and tfkv does not are refused naming the type to use.
 """
 
 from __future__ import annotations
@@ -22,12 +24,53 @@ REGISTRY = Registry("KVStore type", {
 register = REGISTRY.register
 names = REGISTRY.names
 
+# MXNet's other names for the same types (its create() lower-cases the name; "dist" without
+# "_async" is synchronous, "device" sums on the devices; the local_* names are its older ones).
+ALIASES = {
+    "dist": "dist_sync",
+    "dist_device_sync": "dist_sync_device",
+    "dist_device_async": "dist_async_device",
+    "local_update_cpu": "local",
+    "local_allreduce_cpu": "local",
+    "local_allreduce_device": "device",
+}
+# MXNet types tfkv has no counterpart for, and what to use instead.
+INSTEAD = {
+    "nccl": "device (sums on the devices)",
+    "horovod": "dist_sync (tfkv's own parameter server)",
+    "byteps": "dist_sync (tfkv's own parameter server)",
+    "dist_p3": "dist_sync (whose requests already go out in priority order)",
+    "dist_sync_p3": "dist_sync (whose requests already go out in priority order)",
+}
+
+
+def canonical(name: str) -> str:
+    """tfkv's name for the KVStore type MXNet calls `name`; ValueError naming the type to use
+    for one tfkv does not have, or listing the known names."""
+    key = str(name).strip().lower()
+    if name in REGISTRY:
+        return name
+    if key in REGISTRY:
+        return key
+    if key in ALIASES:
+        return ALIASES[key]
+    if key in INSTEAD:
+        raise ValueError(f"KVStore type {name!r} is MXNet's, not tfkv's; use {INSTEAD[key]}")
+    raise ValueError(f"unknown KVStore type {name!r}; known: {', '.join(names())} "
+                     f"(and MXNet's {', '.join(sorted(ALIASES))})")
+
+
+def compresses(name: str) -> bool:
+    """Whether type `name` takes 2-bit gradient compression: `device` and every dist type, as in
+    MXNet (`local` sums in host memory and refuses it)."""
+    kind = canonical(name)
+    return kind == "device" or kind.startswith("dist")
+
 
 def create(name: str = "local", **kwargs: Any) -> KVStore:
-    """A new store of type `name`; kwargs go to its constructor (e.g. `devices=`)."""
-    if name not in REGISTRY:
-        raise ValueError(f"unknown KVStore type {name!r}; known: {', '.join(names())}")
-    return REGISTRY.get(name)(**kwargs)
+    """A new store of type `name` (tfkv's or MXNet's name for it); kwargs go to its constructor
+    (e.g. `devices=`)."""
+    return REGISTRY.get(canonical(name))(**kwargs)
 
 
-__all__ = ["KVStore", "create", "names", "register"]
+__all__ = ["KVStore", "canonical", "compresses", "create", "names", "register"]

@@ -12,9 +12,17 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from typing import Any, Hashable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Hashable, Iterator, Mapping, Sequence
+
+import numpy as np
 
 Key = Hashable
+#: MXNet's updater: updater(key, received, stored) changes `stored` in place (or returns the new value)
+Updater = Callable[[Any, Any, Any], Any]
+#: MXNet's capability names (`kv.is_capable(KVStore.OPTIMIZER)`)
+OPTIMIZER = "optimizer"
+#: ps-lite's node groups, as MXNet's num_dead_node takes them (sums of these name several groups)
+SCHEDULER, SERVER_GROUP, WORKER_GROUP = 1, 2, 4
 
 
 def pairs(key: Key | Sequence[Key], value: Any) -> Iterator[tuple[Key, list[Any]]]:
@@ -33,6 +41,32 @@ def pairs(key: Key | Sequence[Key], value: Any) -> Iterator[tuple[Key, list[Any]
         yield key, list(value)
     else:
         yield key, [value]
+
+
+def key_kind(key: Any) -> str:
+    """"int" or "str": the two kinds of key MXNet takes."""
+    if isinstance(key, str):
+        return "str"
+    if isinstance(key, (int, np.integer)):
+        return "int"
+    raise TypeError(f"key {key!r} is a {type(key).__name__}; a KVStore key is an int or a str")
+
+
+def writable(value: Any) -> bool:
+    """Can take a result in place, as every MXNet NDArray can: a tf.Variable or a writable numpy
+    array (a tf.Tensor is immutable)."""
+    if isinstance(value, np.ndarray):
+        return bool(value.flags.writeable)
+    return callable(getattr(value, "assign", None))
+
+
+def in_place(key: Key | Sequence[Key], value: Any) -> Any:
+    """pushpull's `out` when none is given: MXNet writes the result into `value`; here into each
+    of its arrays that can be written (see `writable`), in `pull`'s `out` form."""
+    if isinstance(key, (list, tuple)):
+        return [in_place(k, v) for k, v in zip(key, value)]
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return [v for v in values if writable(v)]
 
 
 def gpu_p2p(env: Mapping[str, str] | None = None) -> bool:
@@ -54,6 +88,9 @@ class KVStore(ABC):
     traceable: bool = False
     #: values cross machines (a parameter server); False for the single-machine stores
     distributed: bool = False
+    #: an update applies every worker's push of a step together (trivially, with one worker);
+    #: False for the `dist_async` types, whose servers apply each push as it arrives
+    sync: bool = True
     #: has pushpull_async/arrivals: push a key and request it back without waiting (safe to
     #: call from a TensorFlow op's thread), take the replies as they come
     async_pushpull: bool = False
@@ -83,8 +120,13 @@ class KVStore(ABC):
         """Copy each key's stored value into `out` (variables), or return it when out is None."""
 
     def pushpull(self, key: Key | Sequence[Key], value: Any, out: Any = None, priority: int | Sequence[int] = 0) -> Any:
+        """Push, then pull into `out`; without `out`, as MXNet, into `value` (every array of it
+        that can be written, see `writable`), and the result is also returned."""
         self.push(key, value, priority)
-        return self.pull(key, out if out is not None else None, priority)
+        if out is not None:
+            return self.pull(key, out, priority)
+        self.pull(key, in_place(key, value), priority)
+        return self.pull(key, None, priority)
 
     def pushpull_async(self, key: Key | Sequence[Key], value: Any, priority: int | Sequence[int] = 0) -> list[Any]:
         """Push the keys and ask for them back without waiting, where the store can (see
@@ -107,14 +149,16 @@ class KVStore(ABC):
         """Run `optimizer` (a `tfkv.optim` rule) inside the store on every push."""
 
     def set_gradient_compression(self, compression_params: Mapping[str, Any] | None) -> None:
-        """MXNet's API: {"type": "2bit", "threshold": 0.5} compresses what workers push to the
-        parameter servers. A single-machine store sums inside one graph and sends nothing over a
-        wire, so it accepts only {"type": "none"} (MXNet refuses compression for `local` too)."""
+        """MXNet's API: {"type": "2bit", "threshold": 0.5} compresses what is sent to be summed:
+        between devices (`device`) or from workers to the parameter servers (`dist_*`). The
+        threshold applies to what is pushed: gradient sums over a batch, as in MXNet (see
+        tfkv.optim's rescale_grad). `local` sums in host memory and accepts only {"type": "none"},
+        as MXNet's refuses compression."""
         from tfkv.store import compression
 
         if compression.parse(compression_params) is not None:
-            raise ValueError(f"gradient compression applies to pushes to parameter servers; kvstore={self.type} "
-                             "has none (use a dist_* type)")
+            raise ValueError(f"gradient compression applies to what devices send to be summed (kvstore=device) or "
+                             f"workers push to parameter servers (dist_*); kvstore={self.type} sends neither")
 
     def barrier(self) -> None:
         """Wait until every worker reaches this point (a no-op with one worker)."""
@@ -127,8 +171,42 @@ class KVStore(ABC):
     def load_optimizer_states(self, fname: str) -> None: ...
 
     def is_capable(self, capability: str) -> bool:
-        """MXNet's capability query; "optimizer": can run an optimizer in the store."""
-        return capability == "optimizer"
+        """MXNet's capability query. OPTIMIZER ("optimizer"): the store can run an optimizer on
+        push (every tfkv type can). An unknown capability is a ValueError, as in MXNet."""
+        if str(capability).lower() == OPTIMIZER:
+            return True
+        raise ValueError(f"unknown capability {capability!r}; known: {OPTIMIZER!r}")
+
+    def num_dead_node(self, node_id: int, timeout: float = 60) -> int:
+        """MXNet's count of the nodes of `node_id` (SCHEDULER 1, SERVER_GROUP 2, WORKER_GROUP 4, or
+        a sum of them) silent for more than `timeout` seconds. tfkv ends the whole job once a node
+        is silent for the heartbeat timeout (4 s by default), so a store that can still be asked
+        counts none; a single-machine store has no other nodes."""
+        if not isinstance(node_id, (int, np.integer)) or not 1 <= int(node_id) <= 7:
+            raise ValueError(f"node_id={node_id!r}: give a node group, 1 (scheduler), 2 (servers), 4 (workers) "
+                             "or a sum of them")
+        return 0
+
+    def set_updater(self, updater: Updater) -> None:
+        """MXNet's `_set_updater`: run `updater(key, received, stored)` on every push instead of
+        an optimizer. Only a store that updates in this process can call Python."""
+        raise ValueError(f"kvstore={self.type} cannot run a Python updater: its updates run on the parameter "
+                         "servers, which take only a tfkv.optim rule (set_optimizer), never code")
+
+    def _set_updater(self, updater: Updater) -> None:
+        """MXNet's name for `set_updater`."""
+        self.set_updater(updater)
+
+    def _check_key(self, key: Key) -> None:
+        """One kind of key per store (MXNet: "Mixed key types are not allowed")."""
+        kind = key_kind(key)
+        if self._key_kind is None:
+            self._key_kind = kind
+        elif kind != self._key_kind:
+            raise ValueError(f"key {key!r} is a {kind}, but this store's keys are {self._key_kind}s: a store takes "
+                             "int keys or str keys, never both (as MXNet)")
+
+    _key_kind: str | None = None
 
     def close(self) -> None:
         """Leave cleanly and release sockets and threads; a store is unusable afterwards."""

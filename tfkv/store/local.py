@@ -2,17 +2,21 @@
 accelerators, keys spread over them).
 
 Their push/pull are TensorFlow ops, so data parallelism traces them into the same tf.function
-as the forward and backward passes: one graph per step, no Python between devices.
+as the forward and backward passes: one graph per step, no Python between devices (unless a
+Python updater is set, MXNet's `_set_updater`, which runs in a `tf.numpy_function`). The
+`device` store also takes MXNet's 2-bit gradient compression: each device quantises its value
+with its own residual and only the 2-bit words travel to the device that sums.
 """
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Sequence
+from typing import Any, Hashable, Mapping, Sequence
 
 import numpy as np
 import tensorflow as tf
 
-from tfkv.store.base import Key, KVStore, gpu_p2p, pairs
+from tfkv.store import compression, tf_compression
+from tfkv.store.base import Key, KVStore, Updater, gpu_p2p, pairs
 from tfkv.store.tf_updater import TFUpdater
 
 
@@ -27,6 +31,7 @@ class LocalStore(KVStore):
         self._values: dict[Hashable, tf.Variable] = {}
         self._home: dict[Hashable, str] = {}
         self._updater: TFUpdater | None = None
+        self._py_updater: Updater | None = None  # MXNet's _set_updater: a Python callable
         # Read once: the choice is traced into the step's graph.
         self._sum_on_home = gpu_p2p()
 
@@ -34,6 +39,7 @@ class LocalStore(KVStore):
         return "/device:CPU:0"
 
     def _var(self, key: Hashable) -> tf.Variable:
+        self._check_key(key)
         try:
             return self._values[key]
         except KeyError:
@@ -41,6 +47,7 @@ class LocalStore(KVStore):
 
     def init(self, key: Key | Sequence[Key], value: Any) -> None:
         for k, values in pairs(key, value):
+            self._check_key(k)
             if k in self._values:
                 raise ValueError(f"key {k!r} is already initialised")
             home = self._place(k, values[0])
@@ -49,29 +56,57 @@ class LocalStore(KVStore):
             self._home[k] = home
             if self._updater is not None:
                 self._updater.create_state(k, self._values[k], home)
+            self._key_added(k)
+
+    def _key_added(self, key: Hashable) -> None:
+        """A key was initialised (the device store gives it compression residuals)."""
 
     def push(self, key: Key | Sequence[Key], value: Any, priority: int = 0) -> None:
         for k, values in pairs(key, value):
             var = self._var(k)
-            if len(values) == 1:
-                merged = values[0]
-            else:
-                # Where the devices' values meet: on the key's home device (peer to peer), or,
-                # with GPU P2P disabled, in host memory, then the result goes to the home device.
-                with tf.device(self._home[k] if self._sum_on_home else "/device:CPU:0"):
-                    merged = tf.add_n([tf.identity(v) for v in values])
+            merged = self._merge(k, values)
             with tf.device(self._home[k]):
-                if self._updater is not None:
+                if self._py_updater is not None:
+                    self._run_py_updater(k, var, merged)
+                elif self._updater is not None:
                     self._updater.update(k, var, merged)
                 else:
                     var.assign(merged)
+
+    def _merge(self, key: Hashable, values: list[Any]) -> Any:
+        """The sum of a key's device values."""
+        if len(values) == 1:
+            return values[0]
+        # Where the devices' values meet: on the key's home device (peer to peer), or, with GPU
+        # P2P disabled, in host memory, then the result goes to the home device.
+        with tf.device(self._home[key] if self._sum_on_home else "/device:CPU:0"):
+            return tf.add_n([tf.identity(v) for v in values])
+
+    def _run_py_updater(self, key: Hashable, var: tf.Variable, merged: Any) -> None:
+        """MXNet's updater(key, received, stored) on numpy arrays: it changes `stored` in place
+        (as MXNet's NDArray) or returns the new value."""
+        updater = self._py_updater
+
+        def run(received: np.ndarray, weight: np.ndarray) -> np.ndarray:
+            stored = np.array(weight)  # writable, as MXNet's stored NDArray
+            result = updater(key, received, stored)
+            return np.asarray(stored if result is None else result, weight.dtype).reshape(weight.shape)
+
+        new = tf.numpy_function(run, [merged, tf.convert_to_tensor(var)], var.dtype, stateful=True)
+        var.assign(tf.ensure_shape(new, var.shape))
 
     def pull(self, key: Key | Sequence[Key], out: Any = None, priority: int = 0) -> Any:
         results = []
         for k, outs in pairs(key, out):
             var = self._var(k)
             for o in outs:
-                o.assign(var)
+                if not isinstance(o, np.ndarray):
+                    o.assign(var)
+                elif tf.executing_eagerly():  # MXNet's out= may be a host array: written in place
+                    np.copyto(o, var.numpy())
+                else:
+                    raise TypeError(f"pull of key {k!r}: a numpy out can only be written eagerly; inside a "
+                                    "tf.function give a tf.Variable")
             if not outs:
                 results.append(tf.identity(var))
         if out is None:
@@ -79,13 +114,22 @@ class LocalStore(KVStore):
         return None
 
     def set_optimizer(self, optimizer: Any) -> None:
+        self._py_updater = None
         self._updater = TFUpdater(optimizer)
         for k, var in self._values.items():
             self._updater.create_state(k, var, self._home[k])
 
+    def set_updater(self, updater: Updater) -> None:
+        """MXNet's `_set_updater`: every push calls `updater(key, received, stored)` with numpy
+        arrays (`stored` to change in place, or return the new value) instead of an optimizer."""
+        if not callable(updater):
+            raise TypeError(f"updater {updater!r} is not callable; give a function (key, received, stored)")
+        self._updater, self._py_updater = None, updater
+
     def _require_updater(self) -> TFUpdater:
         if self._updater is None:
-            raise RuntimeError("this store has no optimizer; call set_optimizer() first")
+            what = "a Python updater, whose state is its own" if self._py_updater else "no optimizer"
+            raise RuntimeError(f"this store has {what}; call set_optimizer() first")
         return self._updater
 
     def save_optimizer_states(self, fname: str) -> None:
@@ -110,3 +154,44 @@ class DeviceStore(LocalStore):
         home = min(self._devices, key=lambda d: self._load[d])
         self._load[home] += int(np.prod(value.shape))
         return home
+
+    _threshold: float | None = None  # 2-bit compression between devices, when set
+
+    def set_gradient_compression(self, compression_params: Mapping[str, Any] | None) -> None:
+        """MXNet's: {"type": "2bit", "threshold": 0.5} compresses what each device sends to the
+        device that sums a key, with a residual per key per device (error feedback) kept on that
+        device. Call it outside a tf.function (it makes variables); a new threshold starts the
+        residuals afresh."""
+        threshold = compression.parse(compression_params)
+        if threshold != self._threshold:
+            self._residuals: dict[Hashable, list[tf.Variable]] = {}
+            self._threshold = threshold
+            for k in self._values:
+                self._key_added(k)
+
+    def _key_added(self, key: Hashable) -> None:
+        if self._threshold is None:
+            return
+        size = int(np.prod(self._values[key].shape))
+        residuals = []
+        for d in self._devices:
+            with tf.device(d):
+                residuals.append(tf.Variable(tf.zeros([size], tf.float32), trainable=False))
+        self._residuals[key] = residuals
+
+    def _merge(self, key: Hashable, values: list[Any]) -> Any:
+        if self._threshold is None:
+            return super()._merge(key, values)
+        residuals = self._residuals[key]
+        if len(values) > len(residuals):
+            raise ValueError(f"push of key {key!r}: {len(values)} values for the store's {len(residuals)} devices")
+        words = []
+        for v, r in zip(values, residuals):
+            with tf.device(r.device):  # quantised where it was computed: only words travel
+                words.append(tf_compression.pack(v, r, self._threshold))
+        var = self._values[key]
+        size = int(np.prod(var.shape))
+        with tf.device(self._home[key] if self._sum_on_home else "/device:CPU:0"):
+            decoded = [tf_compression.unpack(w, size, self._threshold) for w in words]
+            total = decoded[0] if len(decoded) == 1 else tf.add_n(decoded)
+            return tf.reshape(total, var.shape)

@@ -33,18 +33,26 @@ class NumpyUpdater:
         return np.asarray(new_weight, np.float32)
 
     def _sgd(self, key: int, weight: np.ndarray, grad: np.ndarray) -> np.ndarray:
-        """optim.SGD.step, computed in place: v = m*v - lr*(g + wd*w); w + v."""
+        """optim.SGD.step, computed in place: g = clip(rescale*grad) + wd*w; v = m*v - lr*g; w + v."""
         opt = self.optimizer
         lr = np.float32(opt.schedule(np.float32(self.count[key]), optim.NumpyOps))
+        rescale = 1.0 if opt.rescale_grad is None else float(opt.rescale_grad)
         step = self._scratch.get(key)
         if step is None or step.shape != weight.shape:
             step = self._scratch[key] = np.empty_like(weight)
-        if opt.wd:
-            np.multiply(weight, np.float32(opt.wd), out=step)
-            step += grad
+        if opt.clip_gradient:
+            np.multiply(grad, np.float32(rescale), out=step)
+            np.clip(step, -opt.clip_gradient, opt.clip_gradient, out=step)
+            if opt.wd:
+                step += np.float32(opt.wd) * weight  # a temporary, only with both clip and wd
             step *= lr
+        elif opt.wd:
+            # lr*(rescale*g + wd*w) as lr*rescale*(g + (wd/rescale)*w): no temporary
+            np.multiply(weight, np.float32(opt.wd / rescale), out=step)
+            step += grad
+            step *= np.float32(lr * rescale)
         else:
-            np.multiply(grad, lr, out=step)
+            np.multiply(grad, np.float32(lr * rescale), out=step)
         self.count[key] += 1
         if opt.momentum:
             (v,) = self.state[key]

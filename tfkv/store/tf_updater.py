@@ -19,6 +19,7 @@ class TFOps:
     sqrt = staticmethod(tf.sqrt)
     cos = staticmethod(tf.cos)
     minimum = staticmethod(tf.minimum)
+    clip = staticmethod(tf.clip_by_value)
 
     @staticmethod
     def ge(x: Any, y: float) -> Any:
