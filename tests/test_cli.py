@@ -40,6 +40,12 @@ def test_default_job_trains_and_leaves_its_record(tmp_path):
     (["model=vgg11"], "needs inputs of at least 32x32"),
     (["devices=[gpu:7]"], "gpu:7 does not exist on this machine"),
     (["dataset=mnist", "dataset.download=false", "dataset.root=nowhere"], "nowhere"),
+    (["seed=-1"], "seed=-1 must be between 0 and 4294967295"),
+    (["+epoch=3"], "epoch is not a setting tfkv knows (did you mean epochs?)"),  # + got past the schema
+    (["model=resnet19"], "available: lenet, lstm_lm, mlp, resnet18, vgg11 (did you mean 'resnet18'?)"),
+    (["experiment=mnist_lenet"], "to add it, write +experiment=mnist_lenet"),
+    (["-m", "epochs=1", "--cfg", "job"], "Only one of --run, --multirun, --cfg"),
+    (["devices=[cpu:0"], "write lists as key=[a,b]"),
 ])
 def test_bad_input_is_one_line_and_nonzero(tmp_path, args, message):
     proc = tfkv_run(*args, cwd=tmp_path, check=False)
@@ -113,3 +119,65 @@ def test_resume_from_an_explicit_run_directory(tmp_path):
     assert f"resumed from {first / 'checkpoints' / 'epoch-0001'}" in out.stdout + out.stderr
     second = [r for r in _run_dirs(tmp_path) if r != first][0]
     assert [h["epoch"] for h in json.loads((second / "metrics.json").read_text())["history"]] == [1, 2]
+
+
+def test_home_in_a_path_is_expanded_as_the_shell_does(tmp_path):
+    """README's `dataset.root=~/data/mnist` (a lexer error in Hydra's grammar) works as typed."""
+    proc = tfkv_run("--cfg", "job", "dataset.root=~/data/mnist", "hydra.run.dir=~/runs/x", cwd=tmp_path,
+                    env={"HOME": str(tmp_path)})
+    assert f"root: {tmp_path}/data/mnist" in proc.stdout, proc.stdout
+    quoted = tfkv_run("--cfg", "job", "dataset.root='~/data'", cwd=tmp_path, env={"HOME": str(tmp_path)})
+    assert "root: ~/data" in quoted.stdout  # quoted: as written; the data loaders expand it when reading
+
+
+@pytest.mark.parametrize("role", ["scheduler", "server", "worker"])
+@pytest.mark.parametrize("keyfile", ["missing", "readable by others"])
+def test_a_bad_key_file_is_one_line_for_every_role(tmp_path, role, keyfile):
+    path = tmp_path / "curve.key"
+    if keyfile == "readable by others":
+        import subprocess as sp
+        import sys
+
+        sp.run([sys.executable, "-m", "tfkv.store.security", str(path)], check=True, capture_output=True)
+        path.chmod(0o644)
+    env = {"DMLC_ROLE": role, "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "9", "DMLC_NUM_SERVER": "1",
+           "DMLC_NUM_WORKER": "1", "TFKV_CURVE_KEYFILE": str(path)}
+    proc = tfkv_run("kvstore=dist_sync", "epochs=1", cwd=tmp_path, env=env, check=False, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and f"TFKV_CURVE_KEYFILE={path}" in lines[0], proc.stderr
+
+
+def test_resume_no_means_false_without_a_warning(tmp_path):
+    proc = tfkv_run("epochs=1", "resume=no", "progress=false", cwd=tmp_path)
+    assert "WARNING" not in proc.stdout + proc.stderr and "epoch 1/1" in proc.stdout
+
+
+def _interrupt(tmp_path: Path, when: str) -> subprocess.CompletedProcess:
+    """Ctrl-C (SIGINT, as a terminal sends it) `when`: "importing" or "training"."""
+    proc = subprocess.Popen(["tfkv-run", "epochs=200", "progress=false"], cwd=tmp_path, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        if when == "importing":
+            time.sleep(0.3)
+        else:
+            for line in proc.stdout:
+                if "epoch 2/200" in line:
+                    break
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.mark.parametrize("when", ["importing", "training"])
+def test_ctrl_c_is_one_line_and_status_130(tmp_path, when):
+    proc = _interrupt(tmp_path, when)
+    assert proc.returncode == 130, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("tfkv-run: interrupted"), proc.stderr
+    if when == "training":
+        assert "checkpoint epoch-000" in lines[0] and "resume=true" in lines[0], lines

@@ -5,27 +5,33 @@ the scheduler, the servers and the workers (each running `tfkv-run` again as a w
 their own processes, and this one waits and reports. A process whose environment gives it a
 role (DMLC_ROLE=server, ...) takes that role before Hydra or TensorFlow start.
 
-A mistake a user can fix (a typo, a wrong type, an unknown name, a missing data set) is printed
-as one line and exits with status 2, before TensorFlow starts where the config alone shows it.
+A mistake a user can fix (a typo, a wrong type, an unknown name, a missing data set, missing
+keys, a full disk) is printed as one line and exits with status 2, before TensorFlow starts
+where the config alone shows it; Ctrl-C is one line and status 130. This module imports only
+the standard library at first, so that even an early Ctrl-C finds its handler in place.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import errno
 import logging
 import os
+import re
 import sys
+import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-import hydra
-from omegaconf import DictConfig, OmegaConf
-
-from tfkv import config as config_schema
 from tfkv.errors import TfkvError
 
 log = logging.getLogger("tfkv")
+
+# A full or read-only disk is the machine's state, not a bug: one line, like a config mistake.
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+
+_run_dir: Path | None = None  # the job's run directory once known, for the Ctrl-C line
 
 
 def conf_dir() -> str:
@@ -37,26 +43,43 @@ def conf_dir() -> str:
     raise RuntimeError(f"tfkv's config tree is missing (looked in {here / 'conf'}); reinstall tfkv")
 
 
-config_schema.register()
-
-
-@hydra.main(version_base="1.3", config_path=conf_dir(), config_name="config")
-def _main(cfg: DictConfig) -> Any:
+def _main(cfg: Any) -> Any:
+    """The Hydra task: one job."""
     try:
         return _job(cfg)
-    except TfkvError as e:  # exit here: past this point Hydra adds its own lines to the message
-        print(f"tfkv-run: {e}", file=sys.stderr)
+    except Exception as e:  # exit here: past this point Hydra adds its own lines to the message
+        text = user_error(e)
+        if text is None:
+            raise
+        print(f"tfkv-run: {text}", file=sys.stderr)
         sys.exit(2)
 
 
-def _job(cfg: DictConfig) -> dict[str, Any]:
-    config_schema.validate(cfg)
-    from hydra.core.hydra_config import HydraConfig
+def user_error(e: BaseException) -> str | None:
+    """The one line for an error the user fixes outside tfkv's code, or None for a bug."""
+    from tfkv.store.cluster_env import ClusterEnvError
+    from tfkv.store.scheduler_link import ClusterError
+    from tfkv.store.security import SecurityError
 
+    if isinstance(e, (TfkvError, ClusterEnvError, ClusterError, SecurityError)):
+        return str(e)
+    if isinstance(e, OSError) and e.errno in DISK_ERRNOS:
+        where = f" writing {e.filename}" if e.filename else ""
+        return f"{e.strerror}{where}; free space there or choose another hydra.run.dir"
+    return None
+
+
+def _job(cfg: Any) -> dict[str, Any]:
+    global _run_dir
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    from tfkv import config as config_schema
     from tfkv.store.cluster_env import ClusterEnv
 
+    config_schema.validate(cfg)
     hc = HydraConfig.get()
-    run_dir = Path(hc.runtime.output_dir)
+    run_dir = _run_dir = Path(hc.runtime.output_dir)
     in_job = ClusterEnv.role_of() is not None
     if not in_job:
         (run_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
@@ -70,7 +93,7 @@ def _job(cfg: DictConfig) -> dict[str, Any]:
     return {k: v for k, v in final.items() if k != "history"}
 
 
-def _launch(cfg: DictConfig, run_dir: Path, overrides: list[str], cwd: Path) -> dict[str, Any]:
+def _launch(cfg: Any, run_dir: Path, overrides: list[str], cwd: Path) -> dict[str, Any]:
     """Start the whole parameter-server job; its workers write into this run directory."""
     import json
 
@@ -96,11 +119,28 @@ def _launch(cfg: DictConfig, run_dir: Path, overrides: list[str], cwd: Path) -> 
 
 def _one_line(exc: BaseException) -> str:
     """Hydra's and OmegaConf's multi-line messages, folded into one line with a hint."""
+    from hydra.errors import MissingConfigException, OverrideParseException
+
     parts = []
     for e in (exc, exc.__cause__):
         if e is not None and str(e).strip():
             parts.append(str(e).strip().splitlines()[0].rstrip("."))
     text = ": ".join(dict.fromkeys(parts))
+    if isinstance(exc, MissingConfigException) and exc.options:
+        # `model=resnet19`: Hydra's list of what there is, and the nearest name
+        wanted = str(exc.missing_cfg_file).rsplit("/", 1)[-1]
+        text += f"; available: {', '.join(exc.options)}"
+        close = difflib.get_close_matches(wanted, exc.options, n=1)
+        if close:
+            text += f" (did you mean {close[0]!r}?)"
+    elif "No match in the defaults list" in str(exc):
+        # `experiment=x`: a group that is not in the defaults is added with +, as Hydra's second line says
+        m = re.search(r"use (\+\S+)", str(exc))
+        if m:
+            text += f"; to add it, write {m.group(1)}"
+    elif isinstance(exc, OverrideParseException):
+        text += ("; write lists as key=[a,b] and quote a value holding spaces or special characters "
+                 "for both the shell and Hydra, e.g. 'key=\"a value\"'")
     cause = exc.__cause__ or exc
     key, schema = getattr(cause, "key", None), getattr(cause, "object_type", None)
     known = [f.name for f in dataclasses.fields(schema)] if dataclasses.is_dataclass(schema) else []
@@ -111,8 +151,55 @@ def _one_line(exc: BaseException) -> str:
     return text + "; see tfkv-run --help"
 
 
-def run() -> None:
-    """Console entry point of `tfkv-run`."""
+def _from_hydra_itself(exc: BaseException) -> bool:
+    """Raised by Hydra's command-line handling (`-m ... --cfg job`), not by a job of ours."""
+    import hydra
+
+    frames = [frame for frame, _ in traceback.walk_tb(exc.__traceback__)]
+    if not frames or any(f.f_code is _main.__code__ for f in frames):
+        return False
+    return frames[-1].f_code.co_filename.startswith(os.path.dirname(hydra.__file__) + os.sep)
+
+
+# A value that starts with ~ (or ~user), alone or as an element of a sweep: dataset.root=~/data
+_HOME = re.compile(r"(^|,)(~[\w.-]*)(?=/|,|$)")
+_OVERRIDE = re.compile(r"^([+~]{0,2}[\w.\-/@]+)=(.*)$", re.S)
+
+
+def expand_home(arg: str) -> str:
+    """`key=~/data` -> `key=/home/me/data`, as the shell expands `~` in an assignment.
+
+    Hydra's override grammar has no unquoted `~` in a value, so without this the README's own
+    `dataset.root=~/data/mnist` is a lexer error. A quoted value (`'key="~/x"'`) stays as written.
+    """
+    m = _OVERRIDE.match(arg)
+    if not m or not m.group(2).startswith("~"):
+        return arg
+    value = _HOME.sub(lambda h: h.group(1) + os.path.expanduser(h.group(2)), m.group(2))
+    return f"{m.group(1)}={value}"
+
+
+def _interrupted() -> str:
+    """The Ctrl-C line: where the newest checkpoint is, when this job got one."""
+    if _run_dir is not None:
+        from tfkv import checkpoint
+
+        newest = checkpoint.latest(_run_dir)
+        if newest is not None:
+            return (f"interrupted; checkpoint {newest.name} is in {_run_dir} "
+                    "(resume=true continues from it)")
+    return "interrupted"
+
+
+def _hydra_app() -> Callable[[], Any]:
+    import hydra
+
+    from tfkv import config  # noqa: F401  (importing it registers the schema with Hydra)
+
+    return hydra.main(version_base="1.3", config_path=conf_dir(), config_name="config")(_main)
+
+
+def _run() -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from tfkv.store.cluster_env import ClusterEnv
 
@@ -120,27 +207,39 @@ def run() -> None:
         from tfkv.store import node
 
         node.main()  # serves until the job ends, then exits
+    sys.argv[1:] = [expand_home(a) for a in sys.argv[1:]]
     from tfkv.launcher.plan import worker_overrides
 
     sys.argv += worker_overrides(sys.argv[1:], os.environ)  # a launched job's worker: its run directory
+    app = _hydra_app()
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
-        _main()
+        app()
         return
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let Hydra's errors reach us instead of printing them
     try:
-        _main()
-    except TfkvError as e:
-        print(f"tfkv-run: {e}", file=sys.stderr)
-        sys.exit(2)
+        app()
     except (HydraException, OmegaConfBaseException) as e:
         print(f"tfkv-run: {_one_line(e)}", file=sys.stderr)
         sys.exit(2)
+    except Exception as e:
+        text = user_error(e)  # e.g. Hydra's own writes into the run directory on a full disk
+        if text is None and _from_hydra_itself(e):
+            text = f"{e}; see tfkv-run --help"
+        if text is None:
+            raise
+        print(f"tfkv-run: {text}", file=sys.stderr)
+        sys.exit(2)
+
+
+def run() -> None:
+    """Console entry point of `tfkv-run`."""
+    try:
+        _run()
     except KeyboardInterrupt:
-        print("tfkv-run: interrupted; the last finished epoch's checkpoint is in the run "
-              "directory (resume=true continues from it)", file=sys.stderr)
+        print(f"tfkv-run: {_interrupted()}", file=sys.stderr)
         sys.exit(130)
 
 

@@ -8,7 +8,10 @@ shape) once, at the edge, before TensorFlow is imported. Nothing inside re-check
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import re
+import typing
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
@@ -144,6 +147,9 @@ def register() -> None:
     ConfigStore.instance().store(name="tfkv_schema", node=Config)
 
 
+register()  # importing this module is what makes `tfkv_schema` known to Hydra
+
+
 _DEVICE = re.compile(r"^(cpu|gpu):(\d+)$")
 
 
@@ -199,6 +205,9 @@ def validate(cfg: Any) -> None:
     parsed = [parse_device(d) for d in devices]
     if len(set(parsed)) != len(parsed):
         raise ConfigError(f"devices={devices} names a device twice; list each device once")
+    _validate_keys(cfg, Config, "")
+    if not 0 <= cfg.seed < 2**32:
+        raise ConfigError(f"seed={cfg.seed} must be between 0 and {2**32 - 1} (numpy's and TensorFlow's range)")
     for key in ("batch_size", "eval_batch_size", "epochs", "log_every"):
         if getattr(cfg, key) < 1:
             raise ConfigError(f"{key}={getattr(cfg, key)} must be at least 1")
@@ -229,6 +238,22 @@ def validate(cfg: Any) -> None:
     resume = cfg.resume
     if not isinstance(resume, (bool, str)):
         raise ConfigError(f"resume={resume!r} must be true, false or a run directory")
+
+
+def _validate_keys(node: Any, schema: type, prefix: str) -> None:
+    """Refuse keys the schema does not have: `+epoch=3` adds one past OmegaConf's struct check, and
+    the run would silently ignore it."""
+    from omegaconf import DictConfig
+
+    fields = typing.get_type_hints(schema)
+    for key in node.keys():
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"did you mean {prefix}{close[0]}?" if close else f"see {schema.__name__} in tfkv/config.py"
+            raise ConfigError(f"{prefix}{key} is not a setting tfkv knows ({hint})")
+        child = node[key]
+        if dataclasses.is_dataclass(fields[key]) and isinstance(child, DictConfig):
+            _validate_keys(child, fields[key], f"{prefix}{key}.")
 
 
 def _validate_cluster(cfg: Any) -> None:

@@ -22,5 +22,10 @@ class DataError(TfkvError):
     """A data set is missing or malformed on disk."""
 
 
+class OutputError(TfkvError):
+    """The run directory cannot be written (a full disk, a read-only file system); the message
+    names the file and the system's reason."""
+
+
 class ClusterFailed(TfkvError):
     """A role of a distributed job failed; the message names it."""

@@ -14,9 +14,11 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
+
+from tfkv.errors import OutputError
 
 log = logging.getLogger("tfkv")
 
@@ -73,8 +75,6 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
         optimizer = optim.from_config(cfg.optimizer, steps, cfg.epochs)
         resume_from = checkpoint.find_resume(cfg.resume, run_dir, search_root or Path.cwd(), overrides)
         ckpt = checkpoint.load(resume_from) if resume_from else None
-        if cfg.resume not in (False, "false") and ckpt is None:
-            log.warning("resume: no earlier checkpoint of this command found; starting from scratch")
 
         # Positions per example: the sequence length for a language model, else 1. An example's
         # loss is then the mean over its positions; the optimizer's rescale_grad makes the sum
@@ -106,7 +106,8 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
         else:
             log.info("%s on %s (batch %s per device), kvstore=%s, %d worker(s), %d steps/epoch",
                      cfg.model.name, ",".join(cfg.devices), sizes, store.type, store.num_workers, steps)
-        writer = tf.summary.create_file_writer(str(run_dir / "tensorboard")) if chief else None
+        writer = _written(lambda: tf.summary.create_file_writer(str(run_dir / "tensorboard")),
+                          run_dir / "tensorboard") if chief else None
 
         for epoch in range(start, cfg.epochs + 1):
             batches = data.train_dataset(ds, cfg.batch_size, epoch, cfg.seed, store.num_workers,
@@ -160,7 +161,7 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
                                  "samples_per_sec", "train_perplexity", "test_perplexity"):
                         if name in record:
                             tf.summary.scalar(f"epoch/{name}", record[name], step=epoch)
-                writer.flush()
+                _written(writer.flush, run_dir / "tensorboard")
                 checkpoint.save(run_dir, epoch, dp.get_weights(), dp.weight_names(),
                                 dp.save_optimizer, history)
                 _write_metrics(run_dir, _summary(history))
@@ -196,7 +197,29 @@ def _model_parallel(cfg: Any, ds: Any, tf_devices: list[str], store: Any, optimi
                          initial_weights=initial_weights, loss_scale=loss_scale)
 
 
+def _written(write: Callable[[], Any], where: Path) -> Any:
+    """`write()`'s result; TensorFlow's or the system's failure to write `where` (a full disk) as
+    the one-line OutputError, not a traceback from inside TensorFlow."""
+    import tensorflow as tf
+
+    try:
+        return write()
+    except OSError as e:
+        reason = e.strerror or str(e)
+    except tf.errors.OpError as e:
+        # "{{function_node ...}} PATH; No space left on device\n\tFailed to flush ...": the reason
+        reason = e.message.splitlines()[0].rsplit("; ", 1)[-1]
+    raise OutputError(f"cannot write {where} ({reason}); free space there or choose another hydra.run.dir")
+
+
 def _write_metrics(run_dir: Path, metrics: dict[str, Any]) -> None:
     tmp = run_dir / ".metrics.json.tmp"
-    tmp.write_text(json.dumps(metrics, indent=1))
-    tmp.replace(run_dir / "metrics.json")
+
+    def write() -> None:
+        try:
+            tmp.write_text(json.dumps(metrics, indent=1))
+            tmp.replace(run_dir / "metrics.json")
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    _written(write, run_dir / "metrics.json")

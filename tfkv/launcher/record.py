@@ -73,22 +73,43 @@ def tree_hash(root: Path) -> dict[str, Any]:
 
 
 class Tee:
-    """A text stream that writes to the console and to the job log."""
+    """A text stream that writes to the console and to the job log.
+
+    The log is a copy: when it cannot be written (a full disk) the console still gets everything,
+    with one line saying the log stopped, and the job's own outcome is what the launcher reports.
+    """
 
     def __init__(self, console: IO[str], path: Path):
         self.console = console
-        self.file = open(path, "a", buffering=1)
+        self.path = path
+        self.file: IO[str] | None = open(path, "a", buffering=1)
+
+    def _to_file(self, action: Any) -> None:
+        if self.file is None:
+            return
+        try:
+            action(self.file)
+        except OSError as e:
+            file, self.file = self.file, None
+            try:
+                file.close()
+            except OSError:
+                pass  # its buffer cannot be written either
+            self.console.write(f"tfkv: cannot write {self.path} ({e.strerror or e}); the rest of the "
+                               "job's output goes to this console only\n")
 
     def write(self, text: str) -> int:
         self.console.write(text)
-        return self.file.write(text)
+        self._to_file(lambda f: f.write(text))
+        return len(text)
 
     def flush(self) -> None:
         self.console.flush()
-        self.file.flush()
+        self._to_file(lambda f: f.flush())
 
     def close(self) -> None:
-        self.file.close()
+        self._to_file(lambda f: f.close())
+        self.file = None
 
 
 def write(run_dir: Path, launcher: str, job: Any, argv: Sequence[str], versions: dict[str, Any],
