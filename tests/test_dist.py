@@ -300,7 +300,8 @@ def test_many_keys_every_reply_arrives_exactly(cluster, nkeys, size, steps):
     dropped, every update is applied once."""
     from test_security import expected
 
+    # A heartbeat timeout for a loaded machine (as in test_soak): the point is the replies.
     _, outs = _job(cluster, "int_sgd", str(steps), str(nkeys), str(size), num_servers=2, num_workers=2,
-                   timeout=400)
+                   timeout=400, TFKV_HEARTBEAT_TIMEOUT="10")
     for r in _results(outs):
         assert r["final"] == expected(steps, nkeys, 2)

@@ -18,7 +18,10 @@ hold up the others; the chunks of a pulled key are copied into one array as they
 residual per key chunk kept on the worker.
 
 Creating a store in a process whose role is `server` or `scheduler` runs that role and exits,
-as MXNet does, so one command can be started for every role of a job.
+as MXNet does, so one command can be started for every role of a job. A worker's store leaves
+when the interpreter exits, as MXNet's does in its destructor (see `_at_exit`). Waiting has no
+deadline of its own (a dist_sync pull waits for the slowest worker), but a silent server is
+asked what it holds, so a lost reply fails the job naming it (see `_check_held`).
 """
 
 from __future__ import annotations
@@ -322,9 +325,13 @@ class DistStore(KVStore):
             self._unsynced.clear()
         wanted = list(self._pending) if seqs is None else list(seqs)
         tick = min(100.0, self.env.resend_timeout * 1000)
-        while any(s in self._pending for s in wanted):
-            self._receive(tick)
-            self._tick()
+        i = 0
+        while i < len(wanted):  # each answered one is passed once (any() rescanned them: 100,000 keys)
+            if wanted[i] in self._pending:
+                self._receive(tick)
+                self._tick()
+            else:
+                i += 1
 
     # -- keys ----------------------------------------------------------------------------------
 
