@@ -284,19 +284,22 @@ def crash(kv, out):
 
 
 def lost_reply(kv, out):
-    """The first PULL reply is lost on the way in (as if a queue had dropped it): the pull must
-    raise, naming the server and the request, instead of waiting forever."""
+    """The first PULL reply is lost on the way in (as if a queue had dropped it), or with "all"
+    every message from the server from then on (a server that heartbeats but never answers): the
+    pull must raise, naming the server and the request, instead of waiting forever."""
+    every = sys.argv[3:] == ["all"]
     kv.init("w", np.zeros(4, np.float32))
     sock = kv._socks[kv._layout("w")[1].parts[0][0]]
     real_recv = sock.recv_multipart
     lost = {"n": 0}
 
     def lossy_recv(*a, **kw):
-        frames = real_recv(*a, **kw)
-        if P.HEADER.unpack(bytes(frames[0]))[2] == P.Type.PULL and not lost["n"]:
-            lost["n"] += 1
-            return real_recv(*a, **kw)  # the next message instead; this one never arrived
-        return frames
+        while True:
+            frames = real_recv(*a, **kw)  # zmq.Again when nothing (more) is there
+            if every or (P.HEADER.unpack(bytes(frames[0]))[2] == P.Type.PULL and not lost["n"]):
+                lost["n"] += 1
+                continue  # never arrived
+            return frames
 
     sock.recv_multipart = lossy_recv
     json.dump({"pulling_at": time.time()}, out)

@@ -293,6 +293,20 @@ def test_a_lost_reply_fails_the_request_naming_server_and_request(cluster):
     assert ended - _results([out])[0]["pulling_at"] < 12  # heartbeat timeout 3 s: one probe, its answer
 
 
+def test_a_server_that_answers_nothing_fails_the_request_after_the_request_timeout(cluster):
+    """Every message from the server is lost from the first pull on, the answer to the PING that
+    asks about it too: the pull fails once TFKV_REQUEST_TIMEOUT has passed, naming both."""
+    c = cluster(num_servers=1, num_workers=1, TFKV_REQUEST_TIMEOUT="3")
+    c.start_servers()
+    (out,) = c.start_workers("lost_reply", "all")
+    codes = c.wait(timeout=40)
+    ended = time.time()
+    assert codes["worker 0"] == 1 and codes["server 0"] == codes["scheduler"] == 3, f"{codes}\n{c.outputs()}"
+    log = c.output("worker 0")
+    assert "server 0 at 127.0.0.1:" in log and "not even a PING sent" in log and "PULL of key 'w'" in log, log
+    assert 6 <= ended - _results([out])[0]["pulling_at"] < 15  # 3 s of silence, then 3 s for the PING
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("nkeys,size,steps", [(10_000, 1_000, 3), (100_000, 2, 2)])
 def test_many_keys_every_reply_arrives_exactly(cluster, nkeys, size, steps):
