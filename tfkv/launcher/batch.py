@@ -17,13 +17,14 @@ from pathlib import Path
 from typing import IO, Any, Callable
 
 from tfkv.launcher import signals
-from tfkv.launcher.process import GRACE, die_with_parent, first_cause, signal_group
+from tfkv.launcher.process import GRACE, die_with_parent, first_cause, signal_group, warn_without_parent_death
 from tfkv.launcher.role import EXIT_LINE
 
 
 def start(argv: list[str], env: dict[str, str] | None = None, cwd: str | Path | None = None,
           stdin: int | None = subprocess.DEVNULL) -> subprocess.Popen:
     """A client (mpirun, srun, sbatch, qsub, ...) in its own process group that dies with us."""
+    warn_without_parent_death()
     return subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=stdin,
                             start_new_session=True, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
 

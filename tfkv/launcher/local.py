@@ -19,7 +19,7 @@ from typing import IO
 from tfkv.launcher import signals
 from tfkv.launcher.base import Job, Result
 from tfkv.launcher.plan import NOT_FORWARDED, Process
-from tfkv.launcher.process import GRACE, die_with_parent, first_cause, signal_group
+from tfkv.launcher.process import GRACE, die_with_parent, first_cause, signal_group, warn_without_parent_death
 from tfkv.launcher.record import local_versions
 
 def _pump(name: str, stream: IO[bytes], out: IO[str], lock: threading.Lock) -> None:
@@ -50,6 +50,7 @@ def run(plan: list[Process], cwd: str | None = None, out: IO[str] | None = None)
     children: dict[str, subprocess.Popen] = {}
     pumps = []
     failure: str | None = None
+    warn_without_parent_death()
     try:
         for p in plan:
             # This machine's whole environment, less what the plan decides (plan.NOT_FORWARDED), so

@@ -7,6 +7,8 @@ or `worker 1 stopped answering` when that was a hang).
 from __future__ import annotations
 
 import ctypes
+import functools
+import logging
 import os
 import signal
 from typing import Sequence
@@ -14,14 +16,42 @@ from typing import Sequence
 from tfkv.errors import EXIT_PEER_FAILED
 
 GRACE = 2.0  # seconds the other roles get to notice a failure on their own before teardown
+PR_SET_PDEATHSIG, PR_GET_PDEATHSIG = 1, 2
+
+log = logging.getLogger("tfkv")
 
 
 def die_with_parent(sig: int) -> None:
-    """In a child (preexec_fn): receive `sig` when the parent dies (PR_SET_PDEATHSIG)."""
+    """In a child (preexec_fn): receive `sig` when the parent dies (PR_SET_PDEATHSIG). Where that
+    cannot be done the child runs without it: warn_without_parent_death says so in the parent."""
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
     except OSError:
         pass
+
+
+@functools.lru_cache(maxsize=None)
+def parent_death_problem() -> str | None:
+    """Why the parent-death signal cannot be set in this process's children (no glibc, a kernel
+    or sandbox that refuses prctl), or None. Asked with PR_GET_PDEATHSIG, which changes nothing;
+    children inherit what refuses it (seccomp filters, the kernel)."""
+    try:
+        value = ctypes.c_int()
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        if libc.prctl(PR_GET_PDEATHSIG, ctypes.byref(value)) != 0:
+            return os.strerror(ctypes.get_errno())
+    except (OSError, AttributeError) as e:
+        return str(e)
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def warn_without_parent_death() -> None:
+    """Once per process, before it starts children that should die with it: say when they cannot."""
+    problem = parent_death_problem()
+    if problem:
+        log.warning("tfkv: the parent-death signal (PR_SET_PDEATHSIG) cannot be set here (%s): if this process "
+                    "is killed with SIGKILL, the roles it started keep running; stop them by hand", problem)
 
 
 def signal_group(pid: int, sig: int) -> None:
