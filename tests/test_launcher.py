@@ -62,6 +62,7 @@ def test_tfkv_launch_help_explains_itself(tmp_path):
     text = " ".join(out.split())
     assert "Starts a scheduler, servers and workers running any command, through one of the launcher " \
            "backends, and tears the whole job down when one fails." in text
+    assert "130 after Ctrl-C and 143 after SIGTERM" in text and "OMP_NUM_THREADS" in text
 
 
 def test_local_launch_runs_a_job_and_leaves_its_record(tmp_path):

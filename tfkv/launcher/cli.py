@@ -22,7 +22,17 @@ Hosts file lines: host, host:port or user@host[:port]; '#' starts a comment. Eve
 DMLC_ROLE, DMLC_PS_ROOT_URI, DMLC_PS_ROOT_PORT, DMLC_NUM_SERVER and DMLC_NUM_WORKER; servers
 and the scheduler run `python3 -m tfkv.store.node`, workers run the command. "{rank}" in the
 command becomes the worker's index. The job's record (plan, hosts, tree hash, versions, merged
-log, rerun.sh) goes to --run-dir.
+log, rerun.sh) goes to --run-dir, which every role gets as TFKV_RUN_DIR (tfkv-run workers write
+their metrics, checkpoints and logs there). Hosts may be ssh aliases: the scheduler listens on the
+address its host reports over ssh.
+
+Every role, on every backend, also gets these variables of this shell: TFKV_*, DMLC_*, PS_*,
+MXNET_*, OMP_NUM_THREADS, KMP_AFFINITY, LD_LIBRARY_PATH, PYTHONPATH, TF_CPP_MIN_LOG_LEVEL; never
+those the plan sets (DMLC_ROLE, DMLC_PS_ROOT_*, DMLC_NUM_*, their TFKV_ twins, the job's keys).
+
+Exit status: 0 when every role exited 0; 1 when one failed (named on the last line); 2 for a
+mistake found before anything started; 130 after Ctrl-C and 143 after SIGTERM, once every role
+of the job is stopped.
 """
 
 
