@@ -236,7 +236,7 @@ def test_capabilities_and_dead_nodes():
     from tfkv.store.base import OPTIMIZER, SERVER_GROUP, WORKER_GROUP
 
     kv = store.create("local")
-    assert kv.is_capable(OPTIMIZER) and kv.is_capable("OPTIMIZER")
+    assert kv.is_capable(OPTIMIZER) and kv.is_capable(kv.OPTIMIZER) and kv.is_capable("OPTIMIZER")
     with pytest.raises(ValueError, match="unknown capability 'sparse'"):
         kv.is_capable("sparse")
     assert kv.num_dead_node(SERVER_GROUP + WORKER_GROUP) == 0 and kv.num_dead_node(1, timeout=5) == 0

@@ -84,6 +84,7 @@ class KVStore(ABC):
 
     #: the registry name, e.g. "local"
     type: str = ""
+    OPTIMIZER = OPTIMIZER  # MXNet's `kv.is_capable(kv.OPTIMIZER)`
     #: push/pull are TensorFlow ops that may be traced into the training tf.function
     traceable: bool = False
     #: values cross machines (a parameter server); False for the single-machine stores
