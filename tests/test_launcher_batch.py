@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from cluster_daemons import sge, slurm  # noqa: F401  (session fixtures)
+from cluster_hosts import netns_hosts, ssh_site  # noqa: F401  (session fixtures)
 from conftest import REPO, TAG, Launching, tagged_pids
 
 from tfkv.errors import ConfigError
@@ -452,4 +453,23 @@ def test_yarn_launch_runs_the_job_through_the_yarn_client(tmp_path):
     _updates_ok(tmp_path, 2, 5)
     assert "[yarn servers] INFO impl.YarnClientImpl: Submitted application application_" in proc.stdout
     assert not (tmp_path / "kills").exists()  # nothing to kill after a clean end
+    _nothing_left(tag)
+
+
+@pytest.mark.slow
+def test_mpi_job_on_hosts_named_by_ssh_aliases(netns_hosts, ssh_site, tmp_path):  # noqa: F811
+    """mpirun reaches far1/far2 (ssh aliases of the namespace hosts that no resolver knows) through
+    the ssh config; the scheduler listens on the address far1 reported, not on `far1`."""
+    (tmp_path / "hosts").write_text("".join(f"{h}\n" for h in netns_hosts.aliases))
+    subnet = netns_hosts.addresses["node1"].rsplit(".", 1)[0] + ".0/24"
+    tag = f"mpi-alias-{tmp_path.name}"
+    mpirun_args = (f"--mca plm_rsh_agent 'ssh -F {ssh_site.config}' --mca oob_tcp_if_include {subnet} "
+                   f"--mca btl_tcp_if_include {subnet}")
+    proc = _tfkv_launch("-n", "2", "-s", "1", "-H", "hosts", "--launcher", "mpi", "--run-dir", "rec",
+                        "--python", sys.executable, "--", sys.executable, WORKER, "updates", "out{rank}.json", "3",
+                        cwd=tmp_path, env=_env(tag, TFKV_MPIRUN_ARGS=mpirun_args))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    _updates_ok(tmp_path, 2, 3)
+    plan = json.loads((tmp_path / "rec" / "launch" / "plan.json").read_text())
+    assert {p["env"]["DMLC_PS_ROOT_URI"] for p in plan["processes"]} == {netns_hosts.addresses["node1"]}
     _nothing_left(tag)
