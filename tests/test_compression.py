@@ -66,3 +66,24 @@ def test_parse_params():
     for bad in ({"type": "1bit"}, {"type": "2bit", "threshold": 0}, {"type": "2bit", "thresh": 1}):
         with pytest.raises(ValueError):
             C.parse(bad)
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 100])
+def test_tensorflow_ops_pack_the_same_words_as_numpy(n):
+    """The device store's in-graph compression is the wire format: the same words, residuals and
+    decoded values as the numpy scheme the servers decode."""
+    import tensorflow as tf
+
+    from tfkv.store import tf_compression as T
+
+    rng = np.random.default_rng(n)
+    grad = rng.normal(size=n).astype(np.float32)
+    start = (rng.normal(size=n) * 0.3).astype(np.float32)
+    residual = start.copy()
+    words = C.pack(grad, residual, 0.5)
+    var = tf.Variable(start)
+    got = T.pack(tf.constant(grad), var, 0.5)
+    assert got.dtype == tf.uint32
+    np.testing.assert_array_equal(got.numpy(), words)
+    np.testing.assert_array_equal(var.numpy(), residual)
+    np.testing.assert_array_equal(T.unpack(got, n, 0.5).numpy(), C.unpack(words, n, 0.5))
