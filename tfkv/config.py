@@ -79,9 +79,12 @@ class OptimizerConfig:
 
 @dataclass
 class CompressionConfig:
-    # none | 2bit: what workers push to the parameter servers (MXNet's set_gradient_compression)
+    # none | 2bit: what workers push to the parameter servers (dist_*) or devices send to be summed
+    # (device), as MXNet's set_gradient_compression
     type: str = "none"
-    threshold: float = 0.5  # 2bit: each value sent is +threshold, -threshold or 0
+    # 2bit: each value sent is +threshold, -threshold or 0; on MXNet's scale (gradient sums over a
+    # batch, see optimizer.rescale_grad), so MXNet's 0.5 means what it does there
+    threshold: float = 0.5
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The KVStore interface every store type implements, with MXNet's calling conventions.
 
-A key is an int or a str. A value is one array, or a list of arrays (one per device) that the
+A key is an int or a str, one kind per store (MXNet refuses the mix). A value is one array, or a list of arrays (one per device) that the
 store sums before it stores or updates. `push`/`pull`/`init` also take a list of keys with a
 list of values. `priority` (an int, or one per key) orders a store's requests, higher first,
 where it has any to order (the parameter-server client); the single-machine stores run inside
