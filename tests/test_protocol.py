@@ -45,7 +45,7 @@ def _header(**kw):
     ([_header(version=9), b"\0" * 8], "protocol version 9"),
     ([_header(type=200), b"\0" * 8], "unknown message type 200"),
     ([_header(flags=64), b"\0" * 8], "unknown flags"),
-    ([_header(), b"\0" * 8, b"extra"], "3 frames, flags say 2"),
+    ([_header(), b"\0" * 8, b"extra"], "3 frames, flags and count say 2"),
     ([_header(), b"\0" * 7], "payload is 7 bytes, header says 2"),
     ([_header(dtype=7), b"\0" * 8], "dtype code 7"),
     ([_header(count=10**12), b"\0" * 8], "exceed the limit"),
@@ -246,3 +246,37 @@ def test_the_optimizer_refuses_settings_that_break_the_update(kwargs, message):
     schedule = kwargs.pop("schedule", {})
     with pytest.raises(ValueError, match=message):
         optim.SGD(schedule=optim.Schedule(**schedule), **kwargs)
+
+
+# -- payloads cut into frames (no frame over MAX_FRAME: the cap every socket enforces) -------------
+
+@pytest.mark.parametrize("n", [0, 1, P.FRAME_BYTES // 4, P.FRAME_BYTES // 4 + 1, 3 * P.FRAME_BYTES // 4 + 5])
+def test_a_large_payload_travels_as_frames_no_larger_than_the_cap(n):
+    data = np.arange(n, dtype=np.float32)
+    frames = P.encode(P.Message(P.Type.PUSH, key=1, data=data))
+    payload = frames[1:]
+    assert len(payload) == max(1, -(-n * 4 // P.FRAME_BYTES))
+    assert all(memoryview(f).nbytes <= P.FRAME_BYTES <= P.MAX_FRAME for f in frames)
+    assert all(np.shares_memory(np.frombuffer(f, np.uint8), data) for f in payload if memoryview(f).nbytes)
+    back = P.decode([bytes(f) for f in frames], max_count=10**7)
+    np.testing.assert_array_equal(back.data, data)
+
+
+def test_two_bit_payloads_are_cut_into_frames_too():
+    count = 16 * (P.FRAME_BYTES // 4) + 16  # one word more than a frame holds
+    words = np.arange(count // 16, dtype=np.uint32)
+    frames = P.encode(P.Message(P.Type.PUSH, data=words, dtype=P.DType.TWOBIT, count=count))
+    assert len(frames) == 3
+    back = P.decode([bytes(f) for f in frames], max_count=count)
+    np.testing.assert_array_equal(back.data, words)
+
+
+@pytest.mark.parametrize("sizes,message", [
+    ([P.FRAME_BYTES], "2 frames, flags and count say 3"),  # a frame missing
+    ([P.FRAME_BYTES - 4, 8], "in frames of"),  # frames cut elsewhere than FRAME_BYTES
+    ([P.FRAME_BYTES, 8], "payload is"),  # one float too many
+])
+def test_payload_frames_must_be_cut_as_the_sender_cuts_them(sizes, message):
+    header = _header(count=P.FRAME_BYTES // 4 + 1)
+    with pytest.raises(P.ProtocolError, match=message):
+        P.decode([header, *(b"\0" * n for n in sizes)], max_count=10**7)

@@ -280,3 +280,78 @@ def test_a_lossy_link_with_resend_ends_with_the_clean_weights(cluster):
     # A clean run of int_sgd ends exactly here (integer sums; tests/test_soak.py runs it clean).
     for out in outs:
         assert json.loads(out.read_text())["final"] == expected(steps, nkeys, workers)
+
+
+def _curve_stranger(port: int, claim: int, send: int, result: dict) -> None:
+    """A peer without keys on a raw TCP socket: the ZMTP 3 greeting announcing CURVE, then a
+    handshake command frame that claims `claim` bytes, of which it streams up to `send` (0: it
+    stalls after the frame's header). Records what it sent and whether the node hung up."""
+    import socket
+
+    greeting = b"\xff" + b"\0" * 8 + b"\x7f" + bytes([3, 0]) + b"CURVE".ljust(20, b"\0") + b"\0" + b"\0" * 31
+    result.update(sent=0, closed=False, streamed=False, started=time.monotonic())
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        try:
+            s.sendall(greeting)
+            s.recv(64)  # the node's greeting
+            s.sendall(b"\x06" + claim.to_bytes(8, "big"))  # a long command frame
+            block = b"\0" * (1 << 16)
+            while result["sent"] < send:
+                s.sendall(block)
+                result["sent"] += len(block)
+            result["streamed"] = True
+            s.settimeout(30)
+            result["closed"] = s.recv(1) == b""  # blocks until the node hangs up (or 30 s)
+        except (ConnectionResetError, BrokenPipeError):
+            result["closed"] = True
+        except socket.timeout:
+            pass
+    result["streamed"] = True
+    result["ended"] = time.monotonic()
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+@pytest.mark.slow
+def test_strangers_cannot_make_a_server_buffer_unauthenticated_frames(cluster):
+    """20 strangers at once announce CURVE and stream a handshake frame claiming 1 GiB (64 MiB of
+    it sent each): the server hangs up on each early, its memory stays within 100 MiB of idle,
+    a stranger that stalls mid-handshake is dropped by the handshake timeout, and the job ends
+    with exact values."""
+    steps = 400  # 0.05 s apart: the job outlasts the strangers and the handshake timeout
+    c = cluster(num_servers=1, num_workers=2)
+    c.start_servers()
+    outs = c.start_workers("int_sgd", str(steps), "1", "64", "0.05")
+    _, port = _listening(c, "server 0")
+    pid = c.procs["server 0"].pid
+    time.sleep(1.5)  # the job is under way
+    idle = _rss_mib(pid)
+    stalled: dict = {}
+    threads = [threading.Thread(target=_curve_stranger, args=(port, 1 << 30, 0, stalled), daemon=True)]
+    results = [{} for _ in range(20)]
+    threads += [threading.Thread(target=_curve_stranger, args=(port, 1 << 30, 64 << 20, r), daemon=True)
+                for r in results]
+    for t in threads:
+        t.start()
+    peak = idle
+    while not all(r.get("streamed") for r in results):  # what they sent is in the server by now
+        assert c.procs["server 0"].poll() is None, c.outputs()
+        peak = max(peak, _rss_mib(pid))
+        time.sleep(0.02)
+    time.sleep(0.5)
+    peak = max(peak, _rss_mib(pid))
+    print(f"server RSS: idle {idle:.0f} MiB, peak {peak:.0f} MiB with 20 strangers")
+    assert peak - idle < 100, f"server grew from {idle:.0f} to {peak:.0f} MiB before authentication"
+    while any(t.is_alive() for t in threads):
+        assert c.procs["server 0"].poll() is None, c.outputs()
+        time.sleep(0.1)
+    assert all(r["closed"] for r in results), results
+    assert all(r["sent"] < 8 << 20 for r in results), "the server read far more than its frame cap"
+    assert stalled["closed"] and stalled["ended"] - stalled["started"] < 25, stalled
+    codes = c.wait(120)
+    assert all(v == 0 for v in codes.values()), c.outputs()
+    for out in outs:
+        assert json.loads(out.read_text())["final"] == expected(steps, 1, 2)

@@ -2,10 +2,17 @@
 
     frame 0   header, 28 bytes, little-endian (HEADER below)
     frame 1   JSON object, only if FLAG_META is set (control messages; at most MAX_META bytes)
-    frame 2   payload, only if FLAG_DATA is set; sent from and received into numpy buffers
-              without copies. dtype FLOAT32: `count` float32 values (count*4 bytes); dtype
-              TWOBIT: `count` values 2-bit compressed (tfkv.store.compression), ceil(count/16)
-              uint32 words, so a push of n gradients is 16x smaller on the wire
+    frame 2+  payload, only if FLAG_DATA is set, cut into frames of FRAME_BYTES (the last one
+              shorter; always at least one frame); sent from numpy buffers without copies, and
+              received without copies when it fits one frame. dtype FLOAT32: `count` float32
+              values (count*4 bytes); dtype TWOBIT: `count` values 2-bit compressed
+              (tfkv.store.compression), ceil(count/16) uint32 words, so a push of n gradients
+              is 16x smaller on the wire
+
+No frame is larger than MAX_FRAME, and every socket refuses larger ones (ZMQ_MAXMSGSIZE, set
+by tfkv.store.security): libzmq applies that cap per frame and also to the frames of a CURVE
+handshake, so a peer that has not authenticated can make a node buffer at most MAX_FRAME
+bytes, while a large chunk travels as several frames of one message.
 
 Nothing received is unpickled or evaluated: the header is unpacked with `struct`, metadata is
 parsed by `json` and checked against its message type's schema (`tfkv.store.schema`), payloads
@@ -31,6 +38,8 @@ MAGIC = 0x4B54  # "TK"
 VERSION = 1
 HEADER = struct.Struct("<HBBBBHIQQ")  # magic version type flags dtype sender seq key count
 MAX_META = 1 << 20
+FRAME_BYTES = 1 << 20  # payload bytes per frame
+MAX_FRAME = max(MAX_META, FRAME_BYTES)  # the largest frame a node sends or accepts
 
 FLAG_META = 1
 FLAG_DATA = 2
@@ -105,7 +114,8 @@ def encode(msg: Message) -> list[Any]:
         else:
             data = np.ascontiguousarray(msg.data, dtype=np.float32).reshape(-1)
             count, dtype = data.size, DType.FLOAT32
-        frames.append(memoryview(data).cast("B"))
+        raw = memoryview(data).cast("B")
+        frames.extend(raw[i:i + FRAME_BYTES] for i in range(0, max(len(raw), 1), FRAME_BYTES))
     frames[0] = HEADER.pack(MAGIC, VERSION, int(msg.type), flags, int(dtype), msg.sender,
                             msg.seq & 0xFFFFFFFF, msg.key, count)
     return frames
@@ -133,9 +143,23 @@ def decode(frames: Sequence[Any], max_count: int | None = None) -> Message:
         raise ProtocolError(f"unknown message type {type_}") from None
     if flags & ~(FLAG_META | FLAG_DATA | FLAG_REPLY | FLAG_ACK):
         raise ProtocolError(f"unknown flags 0x{flags:02x}")
-    expected = 1 + bool(flags & FLAG_META) + bool(flags & FLAG_DATA)
+    nbytes = 0
+    if flags & FLAG_DATA:
+        if dtype not in (DType.FLOAT32, DType.TWOBIT):
+            raise ProtocolError(f"{kind.name}: dtype code {dtype} is not supported (float32, 2-bit)")
+        # For TWOBIT, count is the number of values represented: the limit bounds what decoding
+        # them will allocate, not only the bytes received.
+        if max_count is not None and count > max_count:
+            raise ProtocolError(f"{kind.name}: {count} elements exceed the limit of {max_count}")
+        if dtype == DType.TWOBIT and kind != Type.PUSH:
+            raise ProtocolError(f"{kind.name}: 2-bit payloads are only for PUSH")
+        nbytes = words(count) * 4 if dtype == DType.TWOBIT else count * 4
+    elif count or dtype:
+        raise ProtocolError(f"{kind.name}: count/dtype set without a payload")
+    npayload = max(1, -(-nbytes // FRAME_BYTES)) if flags & FLAG_DATA else 0
+    expected = 1 + bool(flags & FLAG_META) + npayload
     if len(frames) != expected:
-        raise ProtocolError(f"{kind.name}: {len(frames)} frames, flags say {expected}")
+        raise ProtocolError(f"{kind.name}: {len(frames)} frames, flags and count say {expected}")
     msg = Message(kind, sender, seq, key, reply=bool(flags & FLAG_REPLY), want_ack=bool(flags & FLAG_ACK),
                   frames=list(frames))
     i = 1
@@ -154,28 +178,20 @@ def decode(frames: Sequence[Any], max_count: int | None = None) -> Message:
         msg.meta = meta
         i += 1
     if flags & FLAG_DATA:
-        if dtype not in (DType.FLOAT32, DType.TWOBIT):
-            raise ProtocolError(f"{kind.name}: dtype code {dtype} is not supported (float32, 2-bit)")
-        # For TWOBIT, count is the number of values represented: the limit bounds what decoding
-        # them will allocate, not only the bytes received.
-        if max_count is not None and count > max_count:
-            raise ProtocolError(f"{kind.name}: {count} elements exceed the limit of {max_count}")
-        raw = _buffer(frames[i])
-        if dtype == DType.TWOBIT:
-            if kind != Type.PUSH:
-                raise ProtocolError(f"{kind.name}: 2-bit payloads are only for PUSH")
-            if len(raw) != words(count) * 4:
-                raise ProtocolError(f"{kind.name}: payload is {len(raw)} bytes, header says {count} "
-                                    f"2-bit values ({words(count) * 4} bytes)")
-            msg.data = np.frombuffer(raw, dtype=np.uint32)
-            msg.dtype, msg.count = DType.TWOBIT, count
-        else:
-            if len(raw) != count * 4:
-                raise ProtocolError(f"{kind.name}: payload is {len(raw)} bytes, header says {count} float32")
-            msg.data = np.frombuffer(raw, dtype=np.float32)
-            msg.count = count
-    elif count or dtype:
-        raise ProtocolError(f"{kind.name}: count/dtype set without a payload")
+        parts = [_buffer(f) for f in frames[i:]]
+        sizes = [len(p) for p in parts]
+        if sum(sizes) != nbytes or any(n != FRAME_BYTES for n in sizes[:-1]):
+            what = f"{count} 2-bit values ({nbytes} bytes)" if dtype == DType.TWOBIT else f"{count} float32"
+            split = f" in frames of {sizes[:3]}{'...' if len(sizes) > 3 else ''}" if len(sizes) > 1 else ""
+            raise ProtocolError(f"{kind.name}: payload is {sum(sizes)} bytes{split}, header says {what}")
+        if len(parts) == 1:
+            raw: Any = parts[0]  # the received buffer itself: no copy
+        else:  # one copy, into one array: numpy needs the payload contiguous
+            raw = np.empty(nbytes, np.uint8)
+            for j, part in enumerate(parts):
+                raw[j * FRAME_BYTES:j * FRAME_BYTES + len(part)] = np.frombuffer(part, np.uint8)
+        msg.data = np.frombuffer(raw, dtype=np.uint32 if dtype == DType.TWOBIT else np.float32)
+        msg.dtype, msg.count = DType(dtype), count
     try:
         schema.check(kind.name, msg.reply, msg.meta, msg.data is not None)
     except schema.SchemaError as e:

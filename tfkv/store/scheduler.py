@@ -53,7 +53,6 @@ class Scheduler:
         # No high-water mark: a ROUTER drops silently past it, and a lost BARRIER_DONE or
         # FAILED would hang a node that still heartbeats. Control traffic is a few messages.
         self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_META + 4096)  # control traffic only
         security.server_socket(self.sock, env.keys)
         try:
             self.sock.bind(f"tcp://{env.scheduler_host}:{env.scheduler_port}")

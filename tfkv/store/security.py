@@ -19,6 +19,11 @@ sockets (scheduler links, workers) are CURVE clients of the same keypair.
 
 No keys and no TFKV_SECURE=0 (a job started by hand with MXNet's DMLC_* variables only): plain
 TCP with a warning, as MXNet users expect. TFKV_SECURE=1 without keys is an error.
+
+What a connection can cost a node before it authenticates is bounded on every socket, secure
+or not: no frame over protocol.MAX_FRAME (1 MiB) is accepted (libzmq's ZMQ_MAXMSGSIZE holds for
+the handshake's frames too; a stranger announcing CURVE and a 1 GiB frame is cut off after
+1 MiB), and a handshake not finished within HANDSHAKE_SECONDS is dropped.
 """
 
 from __future__ import annotations
@@ -33,10 +38,14 @@ from typing import Mapping
 
 import zmq
 
+from tfkv.store.protocol import MAX_FRAME
+
 log = logging.getLogger("tfkv.ps")
 
 PUBLIC, SECRET, KEYFILE, SECURE = "TFKV_CURVE_PUBLIC", "TFKV_CURVE_SECRET", "TFKV_CURVE_KEYFILE", "TFKV_SECURE"
 SECRET_NAMES = (PUBLIC, SECRET)  # never on a command line, never in a record
+
+HANDSHAKE_SECONDS = 10  # a CURVE handshake takes milliseconds; a stalled one holds its buffers
 
 INSECURE_WARNING = ("tfkv: this job runs WITHOUT authentication or encryption (cluster.secure=false / "
                     "TFKV_SECURE=0): anyone who can reach its ports can read and change the model; "
@@ -167,8 +176,17 @@ def _start_authenticator(ctx: zmq.Context, keys: Keys) -> None:
         _authenticators[id(ctx)] = auth
 
 
+def _bound(sock: zmq.Socket) -> None:
+    """Cap what a peer can make this socket buffer (per frame, the handshake's included) and how
+    long it may take to authenticate."""
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_SECONDS * 1000)
+
+
 def server_socket(sock: zmq.Socket, keys: Keys | None) -> None:
-    """Make a listening socket a CURVE server that admits the job's key only (before bind)."""
+    """Make a listening socket a CURVE server that admits the job's key only (before bind); with
+    or without keys, bound what an unauthenticated peer can make it buffer."""
+    _bound(sock)
     if keys is None:
         return
     _start_authenticator(sock.context, keys)
@@ -179,7 +197,9 @@ def server_socket(sock: zmq.Socket, keys: Keys | None) -> None:
 
 
 def client_socket(sock: zmq.Socket, keys: Keys | None) -> None:
-    """Make a connecting socket a CURVE client of the job (before connect)."""
+    """Make a connecting socket a CURVE client of the job (before connect), its frames bounded
+    as a server's."""
+    _bound(sock)
     if keys is None:
         return
     sock.curve_secretkey = keys.secret

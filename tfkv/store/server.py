@@ -68,8 +68,6 @@ class Server:
         # peer that is gone raises (ROUTER_MANDATORY) and is logged, not lost unseen.
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        # Bounded by the transport: a peer cannot make this process allocate more than this.
-        self.sock.setsockopt(zmq.MAXMSGSIZE, env.max_message_bytes)
         # Replies under 2 MiB are copied: pyzmq's zero-copy send releases each buffer through a
         # helper thread that contends for the GIL with this loop (1 MiB push+pull: +30% measured);
         # larger ones are not (4 MiB chunks of a ResNet18 pushpull: +10% zero-copy).
