@@ -324,6 +324,9 @@ def keys(kv, out):
     kv.push(names, [np.full(3, kv.rank + 10.0 * (i + 1), np.float32) for i in range(len(names))])
     res["pushed"] = [float(v[0]) for v in kv.pull(names)]
     res["ids"] = len({kv._id(k) for k in names})
+    a, b = np.ones(3, np.float32), [np.ones(3, np.float32), np.full(3, 2.0, np.float32)]
+    kv.pushpull(names[:2], [a, b])  # no out: MXNet writes the result into the values
+    res["in_place"] = [a.tolist(), b[0].tolist(), b[1].tolist()]
     try:
         kv.init("w" if kind == "int" else 7, np.zeros(3, np.float32))
     except ValueError as e:

@@ -314,7 +314,8 @@ def test_device_store_compresses_between_devices_as_mxnet(tf_devices):
 @pytest.mark.parametrize("kind", ["int", "str"])
 def test_dist_keys_never_share_a_server_slot(cluster, kind):
     """Negative and large int keys, or strs, in a real dist_sync job over 2 servers: each key
-    keeps its own value (2**40 and -1 shared one before), a key of the other kind is refused."""
+    keeps its own value (2**40 and -1 shared one before), a key of the other kind is refused;
+    pushpull without out writes into the values."""
     import json
 
     from dist_worker import KEYS
@@ -330,6 +331,7 @@ def test_dist_keys_never_share_a_server_slot(cluster, kind):
         assert r["init"] == [i + 1.0 for i in range(n)]
         assert r["pushed"] == [1 + 20.0 * (i + 1) for i in range(n)]  # rank 0 + rank 1 + 2 x 10(i+1)
         assert r["ids"] == n
+        assert r["in_place"] == [[2.0] * 3, [6.0] * 3, [6.0] * 3]  # pushpull without out, into the values
         other = "str" if kind == "int" else "int"
         assert f"is a {other}, but this store's keys are {kind}s" in r["mixed"]
         assert "cannot run a Python updater" in r["updater"]
