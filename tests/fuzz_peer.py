@@ -134,6 +134,13 @@ def server_cases(sender, next_seq, key, size):
     """Everything a server must refuse from a registered worker, each answered with an ERROR."""
     yield from meta_cases(sender, next_seq)
     yield from frame_cases(sender, next_seq, key, size)
+    # Every type a server does not serve, bare, as a request and as a reply.
+    served = {T.CONFIGURE, T.SET_OPTIMIZER, T.SET_COMPRESSION, T.INIT, T.PUSH, T.PULL, T.GET_STATE, T.SET_STATE,
+              T.PING}
+    for type_ in T:
+        for reply in (False, True):
+            if type_ not in served or reply:
+                yield f"bare {type_.name}{' reply' if reply else ''}", frames(type_, sender, next_seq(), reply=reply)
     # Well-formed, but not servable: the handlers refuse them.
     yield "PUSH of the wrong size", frames(T.PUSH, sender, next_seq(), data=np.ones(size + 1, np.float32), key=key)
     yield "PULL of an unknown key", frames(T.PULL, sender, next_seq(), key=987_654)

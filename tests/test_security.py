@@ -116,6 +116,19 @@ def test_plan_with_secure_false_warns_and_turns_curve_off(tmp_path, caplog):
     assert all(security.SECRET not in " ".join(p.argv) and secrets.pop() not in " ".join(p.argv) for p in j.plan[:1])
 
 
+def test_every_socket_bounds_what_an_unauthenticated_peer_costs():
+    # (A CURVE server socket starts this process's ZAP handler for good: the slow test below
+    # covers that case in the server's own process.)
+    ctx = zmq.Context.instance()
+    for kind, make, keys in ((zmq.ROUTER, security.server_socket, None), (zmq.DEALER, security.client_socket, None),
+                             (zmq.DEALER, security.client_socket, security.new_keys())):
+        sock = ctx.socket(kind)
+        make(sock, keys)
+        assert sock.getsockopt(zmq.MAXMSGSIZE) == P.MAX_FRAME <= 1 << 20
+        assert sock.getsockopt(zmq.HANDSHAKE_IVL) == security.HANDSHAKE_SECONDS * 1000 <= 10_000
+        sock.close(linger=0)
+
+
 def test_key_files_are_private_and_checked(tmp_path):
     keys = security.new_keys()
     path = security.write_keyfile(tmp_path / "launch" / "curve.key", keys)
