@@ -165,7 +165,6 @@ SCHEMAS: dict[tuple[str, bool], Schema] = {
     ("GET_STATE", True): Schema(_STATE, data="required"),
     ("ACK", True): Schema(),
     ("PING", True): Schema(obj({"held": integer()})),  # how many earlier requests the server holds
-    ("PING", True): Schema(obj({"held": integer()})),  # the sender's requests the server holds
     ("ERROR", True): Schema(obj({"message": text(10_000)})),
 }
 
