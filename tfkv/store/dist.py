@@ -148,7 +148,6 @@ class DistStore(KVStore):
             # is bounded by this worker's own requests: no high-water mark, at which ZeroMQ would
             # stop reading and leave the server's queue to fill (a pull of 10,000 keys).
             sock.setsockopt(zmq.RCVHWM, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, env.max_message_bytes)
             security.client_socket(sock, env.keys)
             sock.connect(f"tcp://{server['host']}:{server['port']}")
             self._poller.register(sock, zmq.POLLIN)
