@@ -205,7 +205,8 @@ def _no_constant(name: str) -> None:
 
 
 def error(to: Message, text: str, sender: int = 0) -> Message:
-    return Message(Type.ERROR, sender=sender, seq=to.seq, key=to.key, meta={"message": text}, reply=True)
+    # Cut to what the ERROR schema admits, so that no explanation is itself refused.
+    return Message(Type.ERROR, sender=sender, seq=to.seq, key=to.key, meta={"message": text[:4000]}, reply=True)
 
 
 def ack(to: Message, sender: int = 0, **meta: Any) -> Message:
