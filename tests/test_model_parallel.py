@@ -46,7 +46,7 @@ def _model_parallel(devices, micro_batches, cfg=CFG, batch=B, opt=SGD):
     keras.utils.set_random_seed(3)
     groups = models.build_groups(cfg, (T,), V)
     return ModelParallel(groups, devices, store.create("local"), opt, batch,
-                         micro_batches=micro_batches, loss_scale=1.0 / (batch * T))
+                         micro_batches=micro_batches, loss_scale=SCALE)
 
 
 def _assert_close(got, want):
@@ -100,7 +100,7 @@ def test_pipelined_gradients_equal_the_unsplit_model(case, tf_devices):
         full.set_weights(mp.get_weights())
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(y, full(x, training=True)))
-            loss = loss / (batch * T)
+            loss = loss / T  # summed over the batch: what is pushed (rescale_grad divides by it)
         want = [np.asarray(tf.convert_to_tensor(g)) for g in tape.gradient(loss, full.trainable_variables)]
     assert [g.shape for g in got] == [w.shape for w in want]
     assert all(np.abs(w).max() > 0 for w in want)
