@@ -130,6 +130,16 @@ def test_home_in_a_path_is_expanded_as_the_shell_does(tmp_path):
     assert "root: ~/data" in quoted.stdout  # quoted: as written; the data loaders expand it when reading
 
 
+def test_home_expansion_covers_sweeps_and_leaves_the_rest_alone():
+    from tfkv.cli import expand_home
+
+    home = os.path.expanduser("~")
+    assert expand_home("dataset.root=~/a,~/b") == f"dataset.root={home}/a,{home}/b"
+    assert expand_home("+resume=~") == f"+resume={home}"
+    for kept in ("~epochs", "~epochs=3", "dataset.root='~/a'", "dataset.root=a~b", "-m", "seed=1"):
+        assert expand_home(kept) == kept
+
+
 @pytest.mark.parametrize("role", ["scheduler", "server", "worker"])
 @pytest.mark.parametrize("keyfile", ["missing", "readable by others"])
 def test_a_bad_key_file_is_one_line_for_every_role(tmp_path, role, keyfile):
