@@ -66,14 +66,21 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_file(tmp_path, case):
     assert f"resume={tmp_path / 'checkpoints' / 'epoch-0001'}" in text, text  # the one to use instead
 
 
-def test_tfkv_run_refuses_a_truncated_checkpoint_in_one_line(tmp_path):
-    tfkv_run("epochs=1", "progress=false", "hydra.run.dir=first", cwd=tmp_path)
-    weights = tmp_path / "first" / "checkpoints" / "epoch-0001" / "weights.npz"
-    weights.write_bytes(weights.read_bytes()[:300])
-    proc = tfkv_run("epochs=2", "progress=false", "resume=first", cwd=tmp_path, check=False)
+def _one_line(proc) -> str:
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("tfkv-run:")]
+    return line
+
+
+def test_tfkv_run_refuses_another_models_or_a_truncated_checkpoint_in_one_line(tmp_path):
+    tfkv_run("epochs=1", "progress=false", "hydra.run.dir=first", cwd=tmp_path)
+    for other in ("model.hidden=[32]", "optimizer=adam"):
+        line = _one_line(tfkv_run("epochs=2", "progress=false", "resume=first", other, cwd=tmp_path, check=False))
+        assert "does not fit this model and optimizer" in line and "resume=false" in line, line
+    weights = tmp_path / "first" / "checkpoints" / "epoch-0001" / "weights.npz"
+    weights.write_bytes(weights.read_bytes()[:300])
+    line = _one_line(tfkv_run("epochs=2", "progress=false", "resume=first", cwd=tmp_path, check=False))
     assert str(weights.resolve()) in line or str(Path("first") / "checkpoints") in line, line
     assert "weights.npz is damaged" in line and "resume=false" in line, line
 

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tfkv.errors import OutputError
+from tfkv.errors import ConfigError, OutputError
 
 log = logging.getLogger("tfkv")
 
@@ -82,21 +82,30 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
         positions = int(np.prod(ds.y_train.shape[1:], dtype=np.int64))
         loss_scale = 1.0 / positions if positions > 1 else None
         sizes = split_batch(cfg.batch_size, cfg.work_load_list, len(tf_devices))
-        if cfg.placement is not None:
-            dp = _model_parallel(cfg, ds, tf_devices, store, optimizer, loss_scale,
-                                 ckpt.weights if ckpt else None)
-        else:
-            dp = DataParallel(
-                lambda: models.build(cfg.model, ds.input_shape, ds.num_classes),
-                tf_devices, store, optimizer, sizes,
-                update_on_kvstore=cfg.kvstore.update_on_kvstore,
-                initial_weights=ckpt.weights if ckpt else None,
-                loss_scale=loss_scale,
-            )
+        try:
+            if cfg.placement is not None:
+                dp = _model_parallel(cfg, ds, tf_devices, store, optimizer, loss_scale,
+                                     ckpt.weights if ckpt else None)
+            else:
+                dp = DataParallel(
+                    lambda: models.build(cfg.model, ds.input_shape, ds.num_classes),
+                    tf_devices, store, optimizer, sizes,
+                    update_on_kvstore=cfg.kvstore.update_on_kvstore,
+                    initial_weights=ckpt.weights if ckpt else None,
+                    loss_scale=loss_scale,
+                )
+            if ckpt:
+                dp.load_optimizer(ckpt.optimizer, run_dir)
+        except (ValueError, KeyError) as e:
+            if not ckpt:
+                raise
+            # resume=<dir> of a run with another model or optimizer: Keras or the updater says what differs
+            raise ConfigError(f"resume: checkpoint {ckpt.path} does not fit this model and optimizer "
+                              f"({str(e).splitlines()[0]}); resume a run of the same model settings, "
+                              "or start afresh with resume=false") from None
         history: list[dict[str, Any]] = list(ckpt.history) if ckpt else []
         start = ckpt.epoch + 1 if ckpt else 1
         if ckpt:
-            dp.load_optimizer(ckpt.optimizer, run_dir)
             log.info("resumed from %s at epoch %d", ckpt.path, ckpt.epoch)
         chief = store.rank == 0
         if cfg.placement is not None:
