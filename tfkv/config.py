@@ -236,6 +236,7 @@ def validate(cfg: Any) -> None:
         value = getattr(cfg.optimizer, key)
         if value is not None and not 0 < value < float("inf"):
             raise ConfigError(f"optimizer.{key}={value} must be positive, or null for MXNet's default")
+    _validate_model(cfg.model)
     _validate_cluster(cfg)
     _validate_placement(cfg)
     resume = cfg.resume
@@ -257,6 +258,18 @@ def _validate_keys(node: Any, schema: type, prefix: str) -> None:
         child = node[key]
         if dataclasses.is_dataclass(fields[key]) and isinstance(child, DictConfig):
             _validate_keys(child, fields[key], f"{prefix}{key}.")
+
+
+def _validate_model(m: Any) -> None:
+    """The sizes Keras would refuse with a traceback once the model is built."""
+    if not 0 <= m.dropout < 1:
+        raise ConfigError(f"model.dropout={m.dropout} must be at least 0 and below 1 (the share of units dropped)")
+    if any(h < 1 for h in m.hidden):
+        raise ConfigError(f"model.hidden={list(m.hidden)} must list layer sizes of at least 1, e.g. [256,128]")
+    if m.width < 1:
+        raise ConfigError(f"model.width={m.width} must be at least 1 (channels of the first stage)")
+    if m.embed_dim < 0:
+        raise ConfigError(f"model.embed_dim={m.embed_dim} must be 0 (the first LSTM's size) or more")
 
 
 def _validate_cluster(cfg: Any) -> None:
