@@ -46,6 +46,7 @@ def test_default_job_trains_and_leaves_its_record(tmp_path):
     (["experiment=mnist_lenet"], "to add it, write +experiment=mnist_lenet"),
     (["-m", "epochs=1", "--cfg", "job"], "Only one of --run, --multirun, --cfg"),
     (["devices=[cpu:0"], "write lists as key=[a,b]"),
+    (["devices=cpu:0"], "write a list in brackets, e.g. devices=[cpu:0]"),
 ])
 def test_bad_input_is_one_line_and_nonzero(tmp_path, args, message):
     proc = tfkv_run(*args, cwd=tmp_path, check=False)

@@ -138,6 +138,8 @@ def _one_line(exc: BaseException) -> str:
         m = re.search(r"use (\+\S+)", str(exc))
         if m:
             text += f"; to add it, write {m.group(1)}"
+    elif "is not a ListConfig" in str(exc.__cause__):  # devices=cpu:0
+        text += "; write a list in brackets, e.g. devices=[cpu:0]"
     elif isinstance(exc, OverrideParseException):
         text += ("; write lists as key=[a,b] and quote a value holding spaces or special characters "
                  "for both the shell and Hydra, e.g. 'key=\"a value\"'")
