@@ -129,6 +129,21 @@ def test_every_socket_bounds_what_an_unauthenticated_peer_costs():
         sock.close(linger=0)
 
 
+def test_a_payload_of_several_frames_passes_the_frame_cap_under_curve():
+    """CURVE adds bytes to every frame and libzmq counts them against the cap: payload frames
+    must leave room (1 MiB frames were dropped, and every secure job with a key over 1 MiB
+    failed with 'the reply was lost'). In a child: a CURVE server socket starts a ZAP thread."""
+    code = ("import numpy as np, zmq; from tfkv.store import protocol as P, security\n"
+            "keys = security.new_keys(); ctx = zmq.Context()\n"
+            "r = ctx.socket(zmq.ROUTER); security.server_socket(r, keys); port = r.bind_to_random_port('tcp://127.0.0.1')\n"
+            "d = ctx.socket(zmq.DEALER); security.client_socket(d, keys); d.connect(f'tcp://127.0.0.1:{port}')\n"
+            "x = np.arange(3 << 18, dtype=np.float32)\n"
+            "d.send_multipart(P.encode(P.Message(P.Type.INIT, key=1, data=x)), copy=False)\n"
+            "assert r.poll(10000), 'the message never arrived: its sender was disconnected'\n"
+            "assert np.array_equal(P.decode(r.recv_multipart()[1:]).data, x)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
 def test_key_files_are_private_and_checked(tmp_path):
     keys = security.new_keys()
     path = security.write_keyfile(tmp_path / "launch" / "curve.key", keys)

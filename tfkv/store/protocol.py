@@ -38,7 +38,10 @@ MAGIC = 0x4B54  # "TK"
 VERSION = 1
 HEADER = struct.Struct("<HBBBBHIQQ")  # magic version type flags dtype sender seq key count
 MAX_META = 1 << 20
-FRAME_BYTES = 1 << 20  # payload bytes per frame
+# Payload bytes per frame: below MAX_FRAME by room for CURVE, which wraps every frame in a
+# MESSAGE command (about 40 bytes more) that libzmq counts against ZMQ_MAXMSGSIZE; a frame of
+# exactly MAX_FRAME got its sender disconnected and the message lost in every secure job.
+FRAME_BYTES = (1 << 20) - 4096
 MAX_FRAME = max(MAX_META, FRAME_BYTES)  # the largest frame a node sends or accepts
 
 FLAG_META = 1
