@@ -153,16 +153,17 @@ def tiny_disk(tmp_path):
         subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
-def _fill(disk: Path) -> None:
-    """Take every free byte of `disk`."""
-    fd = os.open(disk / "ballast", os.O_WRONLY | os.O_CREAT)
-    try:
-        while os.write(fd, b"\0" * 4096):
-            pass
-    except OSError:
-        pass  # full
-    finally:
-        os.close(fd)
+def _fill(disk: Path, *open_files: Path) -> None:
+    """Take every free byte of `disk`, also the room left in the last page of `open_files`."""
+    for path, chunk in [(disk / "ballast", 4096), *((f, 1) for f in open_files)]:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        try:
+            while os.write(fd, b"\0" * chunk):
+                pass
+        except OSError:
+            pass  # full
+        finally:
+            os.close(fd)
     assert shutil.disk_usage(disk).free < 4096
 
 
@@ -195,7 +196,7 @@ def test_the_launcher_survives_its_own_log_on_a_full_disk(tmp_path, tiny_disk):
         for line in proc.stdout:  # once a role speaks, the record is written and job.log open
             out.append(line)
             if line.startswith("["):
-                _fill(tiny_disk)
+                _fill(tiny_disk, run / "launch" / "job.log")
                 break
         rest, err = proc.communicate(timeout=240)
     finally:
