@@ -238,3 +238,35 @@ def test_a_stopped_role_is_the_one_blamed(tmp_path, victim):
     assert rc == 1, out
     assert f"tfkv-launch: the job failed: {victim} stopped answering" in out, out[-3000:]
     assert not tagged_pids(env[TAG])
+
+
+SLOW_TO_EXIT = """\
+import atexit, os, sys, time
+import numpy as np
+# Registered before the store's own exit hook, so it runs after it (atexit is last in, first out):
+# the worker has already told the job it failed, then takes seconds to exit, as TensorFlow's
+# teardown can on a loaded machine.
+atexit.register(time.sleep, 4)
+import tfkv.store
+kv = tfkv.store.create("dist_sync")
+kv.init(0, np.zeros(10, np.float32))
+if kv.rank == 1:
+    raise RuntimeError("boom")
+while True:
+    kv.push(0, np.ones(10, np.float32)); kv.pull(0); time.sleep(0.01)
+"""
+
+
+@pytest.mark.slow
+def test_a_role_slow_to_exit_after_its_failure_is_blamed_for_it_not_for_a_hang(tmp_path):
+    """Its peers exit (status 3) while it is still exiting: the launcher waits for it and names
+    its own status, not 'stopped answering'."""
+    (tmp_path / "slow.py").write_text(SLOW_TO_EXIT)
+    env = {**os.environ, TAG: f"slow-{tmp_path.name}"}
+    p = subprocess.run([sys.executable, "-m", "tfkv.launcher.cli", "-n", "2", "--launcher", "local", "--",
+                        sys.executable, "slow.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=120)
+    out = p.stdout + p.stderr
+    assert p.returncode == 1, out
+    assert "the job failed: worker 1 exited with status 1" in out, out[-3000:]
+    assert not tagged_pids(env[TAG])

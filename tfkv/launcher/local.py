@@ -19,7 +19,7 @@ from typing import IO
 from tfkv.launcher import signals
 from tfkv.launcher.base import Job, Result
 from tfkv.launcher.plan import NOT_FORWARDED, Process
-from tfkv.launcher.process import GRACE, die_with_parent, first_cause, signal_group, warn_without_parent_death
+from tfkv.launcher.process import die_with_parent, done_waiting, first_cause, signal_group, warn_without_parent_death
 from tfkv.launcher.record import local_versions
 
 def _pump(name: str, stream: IO[bytes], out: IO[str], lock: threading.Lock) -> None:
@@ -74,7 +74,7 @@ def run(plan: list[Process], cwd: str | None = None, out: IO[str] | None = None)
                 if c.returncode not in (None, 0) and all(name != f[0] for f in failed):
                     failed.append((name, c.returncode))
                     failed_at = failed_at or time.monotonic()
-            if not any(running) or (failed_at is not None and time.monotonic() - failed_at > GRACE):
+            if not any(running) or done_waiting(failed, failed_at, time.monotonic()):
                 break
             time.sleep(0.05)
         running = [name for name, c in children.items() if c.poll() is None]

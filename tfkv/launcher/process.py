@@ -16,6 +16,10 @@ from typing import Sequence
 from tfkv.errors import EXIT_PEER_FAILED
 
 GRACE = 2.0  # seconds the other roles get to notice a failure on their own before teardown
+# When every failure so far is a peer's reaction (EXIT_PEER_FAILED), the cause is a role still
+# running: hung, or only slow to exit after reporting its own failure (TensorFlow's teardown on a
+# loaded machine takes seconds). It gets this long to end before it is blamed as hung.
+HANG_GRACE = 6.0
 PR_SET_PDEATHSIG, PR_GET_PDEATHSIG = 1, 2
 
 log = logging.getLogger("tfkv")
@@ -66,6 +70,16 @@ def status_text(code: int) -> str:
     if code < 0:
         return f"was killed by {signal.Signals(-code).name}"
     return f"exited with status {code}"
+
+
+def done_waiting(failed: list[tuple[str, int]], since: float | None, now: float) -> bool:
+    """Whether a launcher has waited long enough after the first failure (seen at `since`) to
+    tear the job down: GRACE once a failure names its own cause, HANG_GRACE while every failure
+    is a peer's reaction, so that a role still exiting is not blamed for a hang."""
+    if since is None:
+        return False
+    own_cause = any(code != EXIT_PEER_FAILED for _, code in failed)
+    return now - since > (GRACE if own_cause else HANG_GRACE)
 
 
 def first_cause(failed: list[tuple[str, int]], running: Sequence[str] = ()) -> str | None:

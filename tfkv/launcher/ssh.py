@@ -54,7 +54,7 @@ from tfkv.errors import ConfigError
 from tfkv.launcher import signals
 from tfkv.launcher.base import Job, Result
 from tfkv.launcher.hosts import Host
-from tfkv.launcher.process import GRACE, first_cause
+from tfkv.launcher.process import done_waiting, first_cause
 from tfkv.launcher.plan import Process, forwarded_env
 from tfkv.launcher.record import EXCLUDE
 from tfkv.store.security import SECRET_NAMES
@@ -420,7 +420,7 @@ class SSHLauncher:
 
     @staticmethod
     def _wait(roles: list[_Role]) -> str | None:
-        """Until every role ended, or GRACE after the first failure; what failed first."""
+        """Until every role ended, or process.done_waiting after the first failure; what failed first."""
         failed: list[tuple[str, int]] = []  # in the order seen
         failed_at = None
         while not all(r.ended.is_set() for r in roles):
@@ -428,7 +428,7 @@ class SSHLauncher:
                 if r.ended.is_set() and r.code != 0 and all(r.name != f[0] for f in failed):
                     failed.append((r.name, r.code))
                     failed_at = failed_at or time.monotonic()
-            if failed_at is not None and time.monotonic() - failed_at > GRACE:
+            if done_waiting(failed, failed_at, time.monotonic()):
                 break
             time.sleep(0.05)
         failed += [(r.name, r.code) for r in roles
