@@ -327,6 +327,11 @@ def keys(kv, out):
     a, b = np.ones(3, np.float32), [np.ones(3, np.float32), np.full(3, 2.0, np.float32)]
     kv.pushpull(names[:2], [a, b])  # no out: MXNet writes the result into the values
     res["in_place"] = [a.tolist(), b[0].tolist(), b[1].tolist()]
+    shaped = 1 << 50 if kind == "int" else "shaped"
+    kv.init(shaped, np.zeros((2, 3), np.float32))
+    flat = np.ones(6, np.float32)  # the key's size, flat: written through a view in its shape
+    kv.pushpull(shaped, flat)
+    res["flat"] = flat.tolist()
     try:
         kv.init("w" if kind == "int" else 7, np.zeros(3, np.float32))
     except ValueError as e:

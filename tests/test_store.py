@@ -332,6 +332,7 @@ def test_dist_keys_never_share_a_server_slot(cluster, kind):
         assert r["pushed"] == [1 + 20.0 * (i + 1) for i in range(n)]  # rank 0 + rank 1 + 2 x 10(i+1)
         assert r["ids"] == n
         assert r["in_place"] == [[2.0] * 3, [6.0] * 3, [6.0] * 3]  # pushpull without out, into the values
+        assert r["flat"] == [2.0] * 6
         other = "str" if kind == "int" else "int"
         assert f"is a {other}, but this store's keys are {kind}s" in r["mixed"]
         assert "cannot run a Python updater" in r["updater"]

@@ -429,8 +429,17 @@ class DistStore(KVStore):
         """Push each key and request it back at once, so that replies stream back while later
         keys are still going out (both directions of the link busy, not one after the other).
         Without `out` the result goes into `value`, as MXNet's (see base.in_place), and is returned."""
-        into = out if out is not None else in_place(key, value)
+        into = out if out is not None else self._in_place(key, value)
         return self._finish(key, out, self.pushpull_async(key, value, priority, out=into))
+
+    def _in_place(self, key: Key | Sequence[Key], value: Any) -> Any:
+        """base.in_place, with a numpy value of a key's size but another shape (a flat gradient)
+        viewed in the key's shape, so the result still lands in it."""
+        if isinstance(key, (list, tuple)):
+            return [self._in_place(k, v) for k, v in zip(key, value)]
+        shape = self._layout(key)[1].shape
+        return [o.reshape(shape) if isinstance(o, np.ndarray) and o.shape != shape and o.flags.c_contiguous
+                and o.size == int(np.prod(shape)) else o for o in in_place(key, value)]
 
     def pushpull_async(self, key: Key | Sequence[Key], value: Any, priority: int | Sequence[int] = 0,
                        out: Any = None) -> list[Pull]:
