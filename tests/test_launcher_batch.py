@@ -254,6 +254,29 @@ def test_ctrl_c_stops_an_mpi_job(tmp_path):
     _nothing_left(tag)
 
 
+@pytest.mark.slow
+def test_a_stopped_worker_under_mpi_is_the_one_blamed(tmp_path):
+    """SIGSTOP of a worker under mpi (no hosts file: every rank here): the failure line names the
+    worker that stopped answering, not a role that exited because of it, as under local and ssh."""
+    from test_faults import _role_pid
+
+    tag = f"mpi-stop-{tmp_path.name}"
+    env = _env(tag, TFKV_HEARTBEAT_TIMEOUT="4")
+    launching = Launching(["-n", "2", "-s", "2", "--launcher", "mpi", "--run-dir", "rec", "--python", sys.executable,
+                           "--", sys.executable, str(REPO / "tests" / "fault_worker.py"), "w{rank}.json", "120"],
+                          tmp_path, env, timeout=120)
+    deadline = time.time() + 90
+    while not all((tmp_path / f"w{i}.json").exists() for i in range(2)):
+        assert time.time() < deadline and launching.proc.poll() is None, launching.out
+        time.sleep(0.1)
+    time.sleep(0.5)
+    os.kill(_role_pid(tag, "worker", 1), signal.SIGSTOP)
+    rc, out = launching.end(timeout=60)
+    assert rc != 0, out
+    assert "tfkv-launch: the job failed: worker 1 stopped answering" in out, out[-3000:]
+    _nothing_left(tag)
+
+
 # -- slurm -----------------------------------------------------------------------------------------
 
 def _slurm_args(n: int = 2, s: int = 1) -> list[str]:

@@ -14,10 +14,10 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import IO, Any, Callable, Sequence
 
 from tfkv.launcher import signals
-from tfkv.launcher.process import GRACE, die_with_parent, first_cause, signal_group, warn_without_parent_death
+from tfkv.launcher.process import die_with_parent, done_waiting, first_cause, signal_group, warn_without_parent_death
 from tfkv.launcher.role import EXIT_LINE
 
 
@@ -84,7 +84,7 @@ def supervise(proc: subprocess.Popen, output: "Output", teardown: float,
     the interrupt's failure line, or None."""
     failure = None
     try:
-        while proc.poll() is None and not output.grace_over(GRACE + teardown):
+        while proc.poll() is None and not output.grace_over(teardown):
             time.sleep(0.05)
     except KeyboardInterrupt as e:
         failure = signals.failure(e)
@@ -108,10 +108,13 @@ def quietly(argv: list[str], env: dict[str, str] | None = None, timeout: float =
 
 class Output:
     """The job's merged output: lines go to `out` as they come; the helper's exit lines tell which
-    role ended how, in the order they arrived."""
+    role ended how, in the order they arrived. `names` are the plan's roles: those that never
+    reported their end are the ones still running, blamed when every failure is a peer's reaction
+    (a stopped role never reports; the resource manager kills it with the job)."""
 
-    def __init__(self, out: IO[str], watch: str | None = None):
+    def __init__(self, out: IO[str], names: Sequence[str] = (), watch: str | None = None):
         self.out = out
+        self.names = list(names)
         self.watch = re.compile(watch) if watch else None
         self.found: list[str] = []  # what `watch` (one group) matched, in order: job ids, app ids
         self.lock = threading.Lock()
@@ -136,11 +139,14 @@ class Output:
                     self.first_failure_at = self.first_failure_at or time.monotonic()
 
     def cause(self) -> str | None:
-        return first_cause(self.failed)
+        with self.lock:
+            return first_cause(self.failed, [n for n in self.names if n not in self.ended])
 
-    def grace_over(self, grace: float = GRACE) -> bool:
-        """A role failed `grace` seconds ago: time to tear the rest down."""
-        return self.first_failure_at is not None and time.monotonic() - self.first_failure_at > grace
+    def grace_over(self, extra: float = 0.0) -> bool:
+        """process.done_waiting after the first failure, plus `extra` seconds (the client's own
+        teardown): time to tear the rest down."""
+        with self.lock:
+            return done_waiting(self.failed, self.first_failure_at, time.monotonic() - extra)
 
     def pump(self, stream: IO[bytes], prefix: str = "") -> None:
         """Forward a pipe's lines (with `prefix` for a client's own messages) on a thread."""

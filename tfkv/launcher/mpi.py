@@ -154,7 +154,7 @@ class MPILauncher:
 
     def launch(self, job: Job, out: IO[str]) -> Result:
         argv = mpirun_argv(job, _need_mpirun())
-        output = batch.Output(out)
+        output = batch.Output(out, [p.name for p in job.plan])
         proc = batch.start(argv, env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=str(job.workdir))
         output.pump(proc.stdout)  # the helpers' prefixed lines
         output.pump(proc.stderr, "[mpirun] ")  # mpirun's own messages

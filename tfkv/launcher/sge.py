@@ -82,7 +82,7 @@ class SGELauncher:
         for i in range(1, tasks + 1):
             (files / f"task-{i}.log").unlink(missing_ok=True)
         env = {**os.environ, **role.common_env(job.plan), "PYTHONUNBUFFERED": "1"}
-        output = batch.Output(out)
+        output = batch.Output(out, [p.name for p in job.plan])
         done = threading.Event()
         for i in range(1, tasks + 1):
             output.tail(files / f"task-{i}.log", done)

@@ -34,7 +34,7 @@ from typing import IO
 from tfkv.errors import ConfigError
 from tfkv.launcher import batch, role, signals
 from tfkv.launcher.base import Job, Result
-from tfkv.launcher.process import GRACE, signal_group, status_text
+from tfkv.launcher.process import signal_group, status_text
 from tfkv.launcher.record import local_versions
 
 TEARDOWN = 15.0  # seconds Slurm gets to end the step or job after we ask
@@ -85,9 +85,10 @@ class SlurmLauncher:
     def launch(self, job: Job, out: IO[str]) -> Result:
         name = batch.job_name("slurm")
         env = {**os.environ, **role.common_env(job.plan), "PYTHONUNBUFFERED": "1"}
+        names = [p.name for p in job.plan]
         if in_allocation():
-            return self._step(job, name, env, batch.Output(out))
-        return self._batch(job, name, env, batch.Output(out, watch=r"Submitted batch job (\d+)"))
+            return self._step(job, name, env, batch.Output(out, names))
+        return self._batch(job, name, env, batch.Output(out, names, watch=r"Submitted batch job (\d+)"))
 
     def _step(self, job: Job, name: str, env: dict[str, str], output: batch.Output) -> Result:
         """srun inside the allocation we run in."""
@@ -117,7 +118,7 @@ class SlurmLauncher:
         failure = None
         over = False  # the job ended and we stopped sbatch --wait ourselves: its status says nothing
         try:
-            while proc.poll() is None and not output.grace_over(GRACE + TEARDOWN):
+            while proc.poll() is None and not output.grace_over(TEARDOWN):
                 # sbatch --wait notices the end only at its next poll (seconds): once every role
                 # ended, or one failed (Slurm then kills the rest), ask squeue.
                 ended = len(output.ended) == len(job.plan) or output.failed

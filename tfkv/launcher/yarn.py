@@ -145,7 +145,7 @@ class YarnLauncher:
     def launch(self, job: Job, out: IO[str]) -> Result:
         _need_yarn()
         subs = submissions(job, find_jar(), batch.job_name("yarn"), Resources.from_env())
-        output = batch.Output(out, watch=_APP_ID.pattern)
+        output = batch.Output(out, [p.name for p in job.plan], watch=_APP_ID.pattern)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         scheduler = batch.start(role.helper_argv(sys.executable, job.plan[:1], index=0), env=env,
                                cwd=str(job.workdir))
