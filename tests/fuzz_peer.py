@@ -87,11 +87,21 @@ def meta_cases(sender, next_seq):
                        ("cosine total 0", {"schedule": {**o["schedule"], "name": "cosine", "total": 0}}),
                        ("milestones 5", {"schedule": {**o["schedule"], "name": "step", "milestones": 5}}),
                        ("schedule warp", {"schedule": {**o["schedule"], "name": "warp"}}),
-                       ("momentum x", {"momentum": "x"}), ("name lbfgs", {"name": "lbfgs"})]:
+                       ("momentum x", {"momentum": "x"}), ("name lbfgs", {"name": "lbfgs"}),
+                       # integers beyond float64: OverflowError, not ValueError, once killed a server
+                       ("momentum 10**400", {"momentum": 10**400}),
+                       ("lr 10**400", {"schedule": {**o["schedule"], "lr": 10**400}}),
+                       ("milestones [10**400]", {"schedule": {**o["schedule"], "name": "step", "milestones": [10**400]}}),
+                       ("cosine total 10**400", {"schedule": {**o["schedule"], "name": "cosine", "total": 10**400}}),
+                       ("warmup 2**53", {"schedule": {**o["schedule"], "warmup": 2**53}})]:
         yield f"SET_OPTIMIZER {label}", frames(T.SET_OPTIMIZER, sender, next_seq(), {"optimizer": {**o, **bad}})
     adam = optim.to_dict(optim.Adam())
-    for label, bad in [("beta1 x", {"beta1": "x"}), ("beta1 1", {"beta1": 1.0}), ("epsilon 0", {"epsilon": 0.0})]:
+    for label, bad in [("beta1 x", {"beta1": "x"}), ("beta1 1", {"beta1": 1.0}), ("epsilon 0", {"epsilon": 0.0}),
+                       ("beta2 -10**400", {"beta2": -10**400})]:
         yield f"SET_OPTIMIZER adam {label}", frames(T.SET_OPTIMIZER, sender, next_seq(), {"optimizer": {**adam, **bad}})
+    yield "SET_COMPRESSION threshold 10**400", frames(T.SET_COMPRESSION, sender, next_seq(),
+                                                      {"type": "2bit", "threshold": 10**400})
+    yield "SET_STATE count 2**53", frames(T.SET_STATE, sender, next_seq(), {"names": [], "count": 2**53})
     for label, raw in [("5000-digit int", b'{"sync":' + b"1" * 5000 + b"}"), ("NaN", b'{"sync":NaN}'),
                        ("deep nesting", b"[" * 50_000 + b"]" * 50_000), ("not an object", b"[true]"),
                        ("not UTF-8", b'{"sync":"\xff"}'), ("not JSON", b"{sync}")]:

@@ -182,10 +182,32 @@ def _opt(base=SGD, schedule=None, **fields):
     (P.Type.FAILED, {"reason": ["x"]}, "reason"),
     (P.Type.PULL, {"anything": 1}, "PULL"),
     (P.Type.HEARTBEAT, {}, "HEARTBEAT"),
+    # integers too large for float64 (math.isfinite raised OverflowError, past the handlers' catch)
+    (P.Type.SET_COMPRESSION, {"type": "2bit", "threshold": 10**400}, "threshold"),
+    (P.Type.SET_OPTIMIZER, _opt(momentum=10**400), "momentum"),
+    (P.Type.SET_OPTIMIZER, _opt(ADAM, beta1=-10**400), "beta1"),
+    (P.Type.SET_OPTIMIZER, _opt(schedule={"lr": 10**400}), "lr"),
+    (P.Type.SET_OPTIMIZER, _opt(schedule={"name": "step", "milestones": [10**400]}), "milestones"),
+    (P.Type.SET_OPTIMIZER, _opt(schedule={"name": "cosine", "total": 10**400}), "total"),
+    (P.Type.SET_OPTIMIZER, _opt(schedule={"warmup": 2**53}), "warmup"),
+    (P.Type.SET_STATE, {"names": [], "count": 2**53}, "count"),
 ])
 def test_every_control_message_is_checked_against_its_schema(type_, meta, message):
     with pytest.raises(P.ProtocolError, match=message):
         P.decode(_control(type_, meta), max_count=10**6)
+
+
+def test_any_failure_of_a_schema_check_is_a_protocol_error(monkeypatch):
+    """Belt and braces: whatever a check raises (a builder's bug included), decode raises
+    ProtocolError, the one error a node catches and answers; a node never dies on a message."""
+    from tfkv.store import schema
+
+    def broken(value, where):
+        raise ZeroDivisionError("a bug in a check")
+
+    monkeypatch.setitem(schema.SCHEMAS, ("CONFIGURE", False), schema.Schema(broken))
+    with pytest.raises(P.ProtocolError, match="CONFIGURE.*ZeroDivisionError"):
+        P.decode(_control(P.Type.CONFIGURE, {"sync": True}))
 
 
 def test_a_reply_is_checked_against_the_reply_schema():
@@ -236,6 +258,9 @@ def test_any_json_the_decoder_refuses_is_a_protocol_error(text):
     (dict(schedule={"name": "cosine", "total": 0}), "total"),
     (dict(schedule={"lr": float("nan")}), "lr"),
     (dict(momentum="x"), "momentum"),
+    (dict(momentum=10**400), "momentum"),
+    (dict(schedule={"name": "step", "milestones": [10**400]}), "milestones"),
+    (dict(schedule={"name": "cosine", "total": 10**400}), "total"),
 ])
 def test_the_optimizer_refuses_settings_that_break_the_update(kwargs, message):
     """One rule wherever an optimizer is made: from the wire (from_dict) or in code."""

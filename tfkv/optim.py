@@ -12,12 +12,13 @@ Optimizers are plain dataclasses so they travel between processes as JSON, never
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from types import UnionType
 from typing import Any, Optional, Protocol, Union, get_args, get_origin, get_type_hints
 
 import numpy as np
+
+from tfkv.store import schema
 
 
 class Ops(Protocol):
@@ -209,9 +210,9 @@ def _fits(value: Any, hint: Any) -> bool:
     if hint is type(None):
         return value is None
     if hint is float:
-        return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+        return schema.is_number(value)
     if hint is int:
-        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+        return schema.is_integer(value)
     if hint is str:
         return isinstance(value, str)
     if get_origin(hint) is list:
@@ -221,7 +222,7 @@ def _fits(value: Any, hint: Any) -> bool:
     return True
 
 
-_KINDS = {float: "a finite number", int: "an integer", str: "a string", type(None): "null"}
+_KINDS = {float: "a finite number", int: f"an integer below 2**{schema.MAX_INT.bit_length() - 1}", str: "a string", type(None): "null"}
 
 
 def _check_fields(obj: Any, label: str) -> None:

@@ -199,6 +199,8 @@ def decode(frames: Sequence[Any], max_count: int | None = None) -> Message:
         schema.check(kind.name, msg.reply, msg.meta, msg.data is not None)
     except schema.SchemaError as e:
         raise ProtocolError(f"{kind.name}: {e}") from None
+    except Exception as e:  # a check's own failure: still this message's fault, never the node's end
+        raise ProtocolError(f"{kind.name}: metadata refused ({type(e).__name__}: {e})") from None
     return msg
 
 

@@ -12,12 +12,34 @@ field and what it must be; the receiver answers it with an error and serves on.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 Check = Callable[[Any, str], None]  # raises SchemaError(f"{where} ...") when the value does not fit
 
-INT64 = 1 << 63
+# Every integer a node takes, from the wire or a config, is below float64's exact range: JSON
+# admits integers of thousands of digits, which overflow float() (math.isfinite(10**400) raises
+# OverflowError), numpy and every count they reach. One bound, used by every check here and by
+# tfkv.optim's.
+MAX_INT = 1 << 53
+
+
+def is_number(value: Any) -> bool:
+    """A finite real number (not a bool), an integer one below MAX_INT in magnitude."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    if isinstance(value, numbers.Integral):
+        return is_integer(value)
+    try:
+        return math.isfinite(value)
+    except ArithmeticError:  # a Fraction or Decimal beyond float's range
+        return False
+
+
+def is_integer(value: Any) -> bool:
+    """An integer (not a bool) below MAX_INT in magnitude."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and -MAX_INT < value < MAX_INT
 
 
 class SchemaError(ValueError):
@@ -34,17 +56,17 @@ def boolean(value: Any, where: str) -> None:
         _fail(where, value, "true or false")
 
 
-def integer(lo: int = 0, hi: int = INT64 - 1) -> Check:
+def integer(lo: int = 0, hi: int = MAX_INT - 1) -> Check:
     def check(value: Any, where: str) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        if not isinstance(value, int) or not is_integer(value) or not lo <= value <= hi:
             _fail(where, value, f"an integer from {lo} to {hi}")
     return check
 
 
 def number(value: Any, where: str) -> None:
     """A finite JSON number (the range is the builder's business)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        _fail(where, value, "a finite number")
+    if not isinstance(value, (int, float)) or not is_number(value):
+        _fail(where, value, f"a finite number (an integer one below 2**{MAX_INT.bit_length() - 1})")
 
 
 def text(max_len: int = 1000, choices: tuple[str, ...] = ()) -> Check:
@@ -95,7 +117,7 @@ def built_by(builder: Callable[[Any], Any]) -> Check:
     def check(value: Any, where: str) -> None:
         try:
             builder(value)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, ArithmeticError) as e:
             raise SchemaError(f"{where}: {e}" if where else str(e)) from None
     return check
 
