@@ -253,6 +253,12 @@ def pushpull(kv, out):
     except ValueError as e:
         res["bad_out"] = str(e)
     res["after_bad_out"] = float(kv.pull("small")[0])  # nothing was sent for the refused pull
+    # In place into values Pull cannot fill directly (float64, as np.ones makes; not contiguous):
+    # cast into them on delivery, as LocalStore does.
+    f64, strided = np.full(3, r + 1.0), np.zeros((50, 80), np.float32)[:, ::2]
+    kv.pushpull(["small", "chunked"], [f64, strided])
+    res["cast_in_place"] = [str(f64.dtype), f64.tolist(), float(strided.min()), float(strided.max())]
+    res["after_cast"] = float(kv.pull("small")[0])  # the sync round was whole
     kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
     res["compressed"] = float(kv.pushpull("chunked", np.full((50, 40), 0.5, np.float32)).max())
     json.dump(res, out)

@@ -62,8 +62,10 @@ def test_pushpull_streams_each_key_back(cluster):
         assert r["arrived"] == ["chunked", "small", "split"]  # each key once
         assert r["async"] == {"small": [2.0, 2.0], "split": [2.0, 2.0], "chunked": [2.0, 2.0]}
         assert r["into_out"] == [3.0, 3.0, True]
-        assert "expected a writable C-contiguous float32[50, 40]" in r["bad_out"]
+        assert "expected a writable float[50, 40]" in r["bad_out"]
         assert r["after_bad_out"] == 2.0
+        assert r["cast_in_place"] == ["float64", [3.0] * 3, 0.0, 0.0]  # 1 + 2; chunked: 0 + 0
+        assert r["after_cast"] == 3.0
         assert r["compressed"] == 1.0  # 0.5 quantised to +0.5 by both workers
 
 

@@ -191,6 +191,9 @@ def test_pushpull_without_out_writes_into_the_values(kind, tf_devices):
     c = _var([3, 3], tf_devices[0])
     kv.pushpull("a", c)  # one value, not a list
     np.testing.assert_array_equal(c.numpy(), [3, 3])
+    d = np.full(3, 7.0)  # float64, as np.ones makes: cast into, as MXNet's copy into an NDArray
+    assert kv.pushpull("b", d) is not None and d.dtype == np.float64
+    np.testing.assert_array_equal(d, [7, 7, 7])
 
     @tf.function
     def traced():

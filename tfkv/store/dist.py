@@ -68,8 +68,8 @@ class Layout:
 class Pull:
     """A key's pull requests in flight: `seqs` holds (sequence number, start, end) per part.
 
-    `outs` are where the value goes: TensorFlow variables (assigned) or numpy arrays. The first
-    numpy array, which must be writable, C-contiguous, float32 and of the key's shape, receives
+    `outs` are where the value goes: TensorFlow variables (assigned) or numpy arrays (writable,
+    of the key's shape, a dtype float32 casts to). The first C-contiguous float32 one receives
     the parts directly as they arrive (MXNet's `pull(key, out=array)`: no allocation per pull);
     without one, a key of one part is the reply's own read-only buffer (no copy) and a key of
     several parts is assembled in a fresh array."""
@@ -81,15 +81,18 @@ class Pull:
     value: np.ndarray | None = None  # once every part has arrived
 
     def __post_init__(self) -> None:
+        # Checked here, before anything is sent, so that a refused out leaves no request (nor a
+        # sync round) half done. Arrays of another dtype or layout are copied into on delivery
+        # (np.copyto, as LocalStore does), so every store type takes the same outs.
         self._dest = None
         for o in self.outs:
             if isinstance(o, np.ndarray):
-                if (o.shape != self.layout.shape or o.dtype != np.float32 or not o.flags.c_contiguous
-                        or not o.flags.writeable):
+                if (o.shape != self.layout.shape or not o.flags.writeable
+                        or not np.can_cast(np.float32, o.dtype, "same_kind")):
                     raise ValueError(f"pull of key {self.key!r}: out array is {o.dtype}{list(o.shape)}, expected "
-                                     f"a writable C-contiguous float32{list(self.layout.shape)}")
-                self._dest = o
-                break
+                                     f"a writable float{list(self.layout.shape)}")
+                if self._dest is None and o.dtype == np.float32 and o.flags.c_contiguous:
+                    self._dest = o
 
     def expect(self, seqs: list[tuple[int, int, int]]) -> None:
         """The requests sent for this pull's parts."""
