@@ -101,6 +101,11 @@ def meta_cases(sender, next_seq):
         yield f"SET_OPTIMIZER adam {label}", frames(T.SET_OPTIMIZER, sender, next_seq(), {"optimizer": {**adam, **bad}})
     yield "SET_COMPRESSION threshold 10**400", frames(T.SET_COMPRESSION, sender, next_seq(),
                                                       {"type": "2bit", "threshold": 10**400})
+    # An error text longer than the ERROR schema admits (every unknown field named): the ERROR
+    # must still reach the sender, cut, or the worker reports a lost reply instead of the cause.
+    yield "SET_OPTIMIZER 2000 unknown fields", frames(T.SET_OPTIMIZER, sender, next_seq(),
+                                                      {"optimizer": {**o, **{f"zz_{i:05d}_{'x' * 20}": 1
+                                                                              for i in range(2000)}}})
     yield "SET_STATE count 2**53", frames(T.SET_STATE, sender, next_seq(), {"names": [], "count": 2**53})
     for label, raw in [("5000-digit int", b'{"sync":' + b"1" * 5000 + b"}"), ("NaN", b'{"sync":NaN}'),
                        ("deep nesting", b"[" * 50_000 + b"]" * 50_000), ("not an object", b"[true]"),

@@ -305,3 +305,33 @@ def test_payload_frames_must_be_cut_as_the_sender_cuts_them(sizes, message):
     header = _header(count=P.FRAME_BYTES // 4 + 1)
     with pytest.raises(P.ProtocolError, match=message):
         P.decode([header, *(b"\0" * n for n in sizes)], max_count=10**7)
+
+
+# -- what a node says when it refuses, and how much metadata one frame carries ----------------------
+
+def test_the_refusal_of_any_malformed_request_is_an_error_its_sender_can_read():
+    """A refusal's text can be any length (an unknown-field list names every field): the ERROR is
+    cut to what the ERROR schema admits, keeps the request's sequence number, and decodes at the
+    receiver (a longer one was refused there, and the worker reported 'the reply was lost')."""
+    many = {f"field_{i:05d}_{'x' * 20}": 1 for i in range(2000)}
+    frames = _control(P.Type.SET_OPTIMIZER, {"optimizer": {**SGD, **many}})
+    with pytest.raises(P.ProtocolError) as refused:
+        P.decode(frames)
+    assert len(str(refused.value)) > 10_000
+    for error in (P.refusal(frames, str(refused.value)), P.error(P.Message(P.Type.PING, seq=5), "x" * 50_000)):
+        back = P.decode([bytes(f) for f in P.encode(error)])
+        assert back.type == P.Type.ERROR and back.reply and back.seq == 5
+        assert back.meta["message"].startswith(str(error.meta["message"])[:40])
+    assert P.refusal([b"garbage"], "bad").seq == 0  # no readable header: no sequence number
+
+
+def test_metadata_fits_one_frame_with_room_for_curve():
+    """A frame of MAX_FRAME is disconnected under CURVE (its ~40 bytes count against the cap):
+    metadata is held to FRAME_BYTES as payload frames are, refused by encode, not lost on the wire."""
+    assert P.MAX_META <= P.FRAME_BYTES < P.MAX_FRAME
+    fits = {"reason": "x" * (P.MAX_META - len('{"reason":""}'))}
+    assert len(bytes(P.encode(P.Message(P.Type.FAILED, meta=fits))[1])) == P.MAX_META
+    with pytest.raises(ValueError, match="metadata"):
+        P.encode(P.Message(P.Type.FAILED, meta={"reason": fits["reason"] + "x"}))
+    with pytest.raises(P.ProtocolError, match="metadata of"):
+        P.decode([_header(flags=P.FLAG_META, count=0, dtype=0), b" " * (P.MAX_META + 1)])

@@ -1,7 +1,8 @@
 """The parameter server's wire format: ZeroMQ multipart messages with a fixed binary header.
 
     frame 0   header, 28 bytes, little-endian (HEADER below)
-    frame 1   JSON object, only if FLAG_META is set (control messages; at most MAX_META bytes)
+    frame 1   JSON object, only if FLAG_META is set (control messages; at most MAX_META bytes,
+              FRAME_BYTES like a payload frame)
     frame 2+  payload, only if FLAG_DATA is set, cut into frames of FRAME_BYTES (the last one
               shorter; always at least one frame); sent from numpy buffers without copies, and
               received without copies when it fits one frame. dtype FLOAT32: `count` float32
@@ -37,12 +38,12 @@ from tfkv.store.compression import words
 MAGIC = 0x4B54  # "TK"
 VERSION = 1
 HEADER = struct.Struct("<HBBBBHIQQ")  # magic version type flags dtype sender seq key count
-MAX_META = 1 << 20
-# Payload bytes per frame: below MAX_FRAME by room for CURVE, which wraps every frame in a
+MAX_FRAME = 1 << 20  # the largest frame a socket accepts (ZMQ_MAXMSGSIZE), CURVE's bytes included
+# What a node puts in one frame: below MAX_FRAME by room for CURVE, which wraps every frame in a
 # MESSAGE command (about 40 bytes more) that libzmq counts against ZMQ_MAXMSGSIZE; a frame of
 # exactly MAX_FRAME got its sender disconnected and the message lost in every secure job.
-FRAME_BYTES = (1 << 20) - 4096
-MAX_FRAME = max(MAX_META, FRAME_BYTES)  # the largest frame a node sends or accepts
+FRAME_BYTES = MAX_FRAME - 4096
+MAX_META = FRAME_BYTES  # metadata is one frame: encode refuses more, decode too
 
 FLAG_META = 1
 FLAG_DATA = 2
@@ -105,7 +106,10 @@ def encode(msg: Message) -> list[Any]:
     frames: list[Any] = [b""]
     if msg.meta is not None:
         flags |= FLAG_META
-        frames.append(json.dumps(msg.meta, separators=(",", ":")).encode())
+        meta = json.dumps(msg.meta, separators=(",", ":")).encode()
+        if len(meta) > MAX_META:  # refused here, by name, rather than disconnected on the wire
+            raise ValueError(f"{msg.type.name}: metadata of {len(meta)} bytes exceeds {MAX_META}")
+        frames.append(meta)
     count, dtype = 0, DType.NONE
     if msg.data is not None:
         flags |= FLAG_DATA
@@ -210,8 +214,22 @@ def _no_constant(name: str) -> None:
 
 
 def error(to: Message, text: str, sender: int = 0) -> Message:
-    # Cut to what the ERROR schema admits, so that no explanation is itself refused.
-    return Message(Type.ERROR, sender=sender, seq=to.seq, key=to.key, meta={"message": text[:4000]}, reply=True)
+    """The ERROR answering `to`. Every ERROR a node sends is made here: its text is cut to what
+    the ERROR schema admits, so that no explanation is itself refused as malformed."""
+    if len(text) > schema.MAX_ERROR_TEXT:
+        text = text[:schema.MAX_ERROR_TEXT - 3] + "..."
+    return Message(Type.ERROR, sender=sender, seq=to.seq, key=to.key, meta={"message": text}, reply=True)
+
+
+def refusal(frames: Sequence[Any], text: str) -> Message:
+    """The ERROR answering received frames that did not decode (`text`: the ProtocolError's),
+    with their sequence number and key when the header can be read, so the sender can tell
+    which of its requests was refused."""
+    seq = key = 0
+    head = _buffer(frames[0]) if frames else b""
+    if len(head) == HEADER.size:
+        seq, key = HEADER.unpack(head)[6:8]
+    return error(Message(Type.ERROR, seq=seq, key=key), text)
 
 
 def ack(to: Message, sender: int = 0, **meta: Any) -> Message:

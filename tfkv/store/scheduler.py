@@ -84,8 +84,7 @@ class Scheduler:
         except P.ProtocolError as e:
             log.warning("scheduler: refused a malformed message: %s", e)
             try:  # tell a registering node why it gets no place, and a member what it sent wrong
-                self.sock.send_multipart([identity, *P.encode(P.Message(
-                    P.Type.ERROR, meta={"message": str(e)[:2000]}, reply=True))], flags=zmq.NOBLOCK)
+                self.sock.send_multipart([identity, *P.encode(P.refusal(frames[1:], str(e)))], flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass  # its connection is gone or full: nothing to tell
             return None

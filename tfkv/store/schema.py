@@ -24,6 +24,8 @@ Check = Callable[[Any, str], None]  # raises SchemaError(f"{where} ...") when th
 # tfkv.optim's.
 MAX_INT = 1 << 53
 
+MAX_ERROR_TEXT = 4000  # characters of an ERROR's message (protocol.error cuts to it)
+
 
 def is_number(value: Any) -> bool:
     """A finite real number (not a bool), an integer one below MAX_INT in magnitude."""
@@ -187,7 +189,7 @@ SCHEMAS: dict[tuple[str, bool], Schema] = {
     ("GET_STATE", True): Schema(_STATE, data="required"),
     ("ACK", True): Schema(),
     ("PING", True): Schema(obj({"held": integer()})),  # how many earlier requests the server holds
-    ("ERROR", True): Schema(obj({"message": text(10_000)})),
+    ("ERROR", True): Schema(obj({"message": text(MAX_ERROR_TEXT)})),
 }
 
 

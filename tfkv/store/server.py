@@ -119,10 +119,7 @@ class Server:
             msg = P.decode(frames, self.max_count)
         except P.ProtocolError as e:
             log.warning("%s: refused a malformed request: %s", self.link.name, e)
-            seq = 0
-            if frames and len(frames[0]) == P.HEADER.size:
-                seq = P.HEADER.unpack(frames[0].bytes if hasattr(frames[0], "bytes") else frames[0])[6]
-            self.reply(identity, P.Message(P.Type.ERROR, seq=seq, meta={"message": str(e)}, reply=True))
+            self.reply(identity, P.refusal(frames, str(e)))
             return
         if self.env.verbose >= 2:
             log.info("%s: %s key=%d from %d seq=%d (%s floats)", self.link.name, msg.type.name, msg.key,
