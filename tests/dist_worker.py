@@ -353,6 +353,27 @@ def keys(kv, out):
 SCENARIOS["keys"] = keys
 
 
+def busy_server(kv, out):
+    """A server that goes silent (SIGSTOP, pid in argv[3]) for longer than the worker's heartbeat
+    timeout with a long queue of this worker's pulls, then answers them one by one for longer
+    than TFKV_REQUEST_TIMEOUT before it reaches the PING sent while it was silent."""
+    import signal
+    import threading
+
+    kv.init("w", np.arange(200_000, dtype=np.float32))
+    server = int(sys.argv[3])
+    os.kill(server, signal.SIGSTOP)
+    threading.Timer(float(sys.argv[4]), os.kill, (server, signal.SIGCONT)).start()
+    dest = np.empty(200_000, np.float32)
+    pulls = [kv._request_pull("w", [dest]) for _ in range(int(sys.argv[5]))]
+    t0 = time.monotonic()
+    kv.wait(pulls)
+    json.dump({"seconds": time.monotonic() - t0, "exact": bool(np.array_equal(dest, np.arange(200_000)))}, out)
+
+
+SCENARIOS["busy_server"] = busy_server
+
+
 if __name__ == "__main__":
     scenario, path = sys.argv[1], sys.argv[2]
     kind = os.environ.get("TEST_KVSTORE", "dist_sync")

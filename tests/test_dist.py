@@ -309,8 +309,22 @@ def test_a_server_that_answers_nothing_fails_the_request_after_the_request_timeo
     assert 6 <= ended - _results([out])[0]["pulling_at"] < 15  # 3 s of silence, then 3 s for the PING
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("nkeys,size,steps", [(10_000, 1_000, 3), (100_000, 2, 2)])
+def test_a_busy_server_still_answering_is_not_timed_out(cluster):
+    """A server silent past the worker's heartbeat timeout gets a PING, queued behind this
+    worker's own pulls; it then answers them for longer than TFKV_REQUEST_TIMEOUT before it
+    reaches the PING. Replies keep coming, so the request timeout counts from the last one heard,
+    not from the PING: the job finishes."""
+    c = cluster(num_servers=1, num_workers=1, TFKV_HEARTBEAT_TIMEOUT="6")  # the server's stop is no death
+    c.start_servers()
+    (out,) = c.start_workers("busy_server", str(c.procs["server 0"].pid), "2", "900",
+                             TFKV_HEARTBEAT_TIMEOUT="1.5", TFKV_REQUEST_TIMEOUT="1")
+    codes = c.wait(timeout=60)
+    assert set(codes.values()) == {0}, f"{codes}\n{c.outputs()}"
+    r = _results([out])[0]
+    assert r["exact"] and r["seconds"] > 1.5 + 1, r  # past the PING's request timeout
+
+
+
 def test_many_keys_every_reply_arrives_exactly(cluster, nkeys, size, steps):
     """More replies in flight than ZeroMQ's default high-water mark (1,000 messages): none is
     dropped, every update is applied once."""

@@ -260,8 +260,9 @@ class DistStore(KVStore):
     # timeout is asked (PING) how many of this worker's requests it holds: one connection is
     # served in order, so every request sent before the PING has by its answer been either
     # answered or held (a pull parked until its round closes). More awaited than held: a reply
-    # was lost, fail now naming it. No answer to the PING within TFKV_REQUEST_TIMEOUT: the
-    # server is alive (it heartbeats) but does not serve, fail naming it too.
+    # was lost, fail now naming it. No answer to the PING, nor any other reply, within
+    # TFKV_REQUEST_TIMEOUT: the server is alive (it heartbeats) but does not serve, fail naming
+    # it too.
 
     def _describe(self, seq: int) -> str:
         server, frames, sent_at = self._pending[seq]
@@ -290,7 +291,9 @@ class DistStore(KVStore):
         for server, awaited in enumerate(self._awaited):
             probe = self._probes.get(server)
             if probe is not None:
-                if now - probe[1] > self.env.request_timeout:
+                # From the last reply heard, not from the PING: a busy server still answering
+                # the requests queued ahead of the PING is serving.
+                if now - max(probe[1], self._heard[server]) > self.env.request_timeout:
                     oldest = min(seq for seq, e in self._pending.items() if e[0] == server)
                     raise DistError(f"{self._server_name(server)} has answered nothing for "
                                     f"{now - self._heard[server]:.0f} s, not even a PING sent "
