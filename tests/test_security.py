@@ -383,3 +383,61 @@ def test_strangers_cannot_make_a_server_buffer_unauthenticated_frames(cluster):
     assert all(v == 0 for v in codes.values()), c.outputs()
     for out in outs:
         assert json.loads(out.read_text())["final"] == expected(steps, 1, 2)
+
+
+def _flood(address: str, count: int, pid: int) -> tuple[int, float]:
+    """A stranger (plain TCP, no keys) that sends `count` malformed requests, each answered by an
+    ERROR of about 4 KB, and never reads one. Returns how many it sent and the node's peak RSS."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 1)  # it reads nothing: what it is sent stays queued at the node
+    sock.setsockopt(zmq.RCVBUF, 4096)
+    sock.setsockopt(zmq.SNDTIMEO, 10_000)
+    sock.connect(address)
+    fields = {f"zz_{i:04d}_{'x' * 24}": 1 for i in range(300)}  # every unknown field is named
+    bad = [bytes(f) for f in P.encode(P.Message(P.Type.SET_OPTIMIZER, sender=1, seq=1, meta={
+        "optimizer": {"name": "sgd", **fields}}))]
+    peak, sent = 0.0, 0
+    try:
+        for sent in range(1, count + 1):
+            sock.send_multipart(bad)
+            if sent % 1000 == 0:
+                peak = max(peak, _rss_mib(pid))
+    except zmq.Again:
+        pass  # the node stopped reading: its RSS is what the test measures
+    for _ in range(20):  # what was sent is processed by now
+        time.sleep(0.1)
+        peak = max(peak, _rss_mib(pid))
+    sock.close()
+    return sent, peak
+
+
+@pytest.mark.slow
+def test_a_stranger_that_never_reads_cannot_grow_a_node_without_bound(cluster):
+    """Plain TCP, where a stranger's bytes reach the decoder: 20,000 malformed requests (80 MB of
+    ERROR replies if each were answered) to the scheduler before the cluster formed and to a
+    server while the job runs, from a peer that never reads. Each node grows by under 30 MiB,
+    and the job ends with exact values."""
+    steps, flood = 400, 20_000
+    c = cluster(num_servers=1, num_workers=1, TFKV_SECURE="0")
+    c.start("scheduler", "scheduler", [sys.executable, "-m", "tfkv.store.node"])
+    pid = c.procs["scheduler"].pid
+    time.sleep(2)  # imported and listening
+    idle = _rss_mib(pid)
+    sent, peak = _flood(f"tcp://127.0.0.1:{c.env['DMLC_PS_ROOT_PORT']}", flood, pid)
+    print(f"scheduler RSS: idle {idle:.0f} MiB, peak {peak:.0f} MiB after {sent} malformed messages")
+    assert c.procs["scheduler"].poll() is None, c.output("scheduler")[-3000:]
+    assert sent == flood and peak - idle < 30, f"the scheduler grew from {idle:.0f} to {peak:.0f} MiB"
+    c.start("server 0", "server", [sys.executable, "-m", "tfkv.store.node"], TFKV_RANK_HINT="0")
+    (out,) = c.start_workers("int_sgd", str(steps), "1", "8", "0.05")
+    host, port = _listening(c, "server 0")
+    pid = c.procs["server 0"].pid
+    time.sleep(1.5)  # the job is under way
+    idle = _rss_mib(pid)
+    sent, peak = _flood(f"tcp://{host}:{port}", flood, pid)
+    print(f"server RSS: idle {idle:.0f} MiB, peak {peak:.0f} MiB after {sent} malformed messages")
+    assert sent == flood and peak - idle < 30, f"the server grew from {idle:.0f} to {peak:.0f} MiB"
+    codes = c.wait(120)
+    assert all(v == 0 for v in codes.values()), c.outputs()
+    assert json.loads(out.read_text())["final"] == expected(steps, 1, 1)
+    assert len(c.output("server 0")) < 1 << 20, "the server logged every stranger's message"

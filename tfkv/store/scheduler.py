@@ -21,6 +21,7 @@ from tfkv.store import protocol as P
 from tfkv.store import security
 from tfkv.store.cluster_env import ClusterEnv
 from tfkv.store.scheduler_link import node_name
+from tfkv.store.strangers import Strangers
 
 log = logging.getLogger("tfkv.ps")
 
@@ -51,7 +52,8 @@ class Scheduler:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
         # No high-water mark: a ROUTER drops silently past it, and a lost BARRIER_DONE or
-        # FAILED would hang a node that still heartbeats. Control traffic is a few messages.
+        # FAILED would hang a node that still heartbeats. Control traffic is a few messages, and
+        # a connection that is not a node gets a few answers at most (_refuse).
         self.sock.setsockopt(zmq.SNDHWM, 0)
         security.server_socket(self.sock, env.keys)
         try:
@@ -61,6 +63,7 @@ class Scheduler:
                           "pick another DMLC_PS_ROOT_PORT or a local address for DMLC_PS_ROOT_URI") from None
         self.nodes: dict[bytes, Node] = {}
         self._formed = False  # every node registered: from then on only members are heard
+        self._strangers = Strangers("scheduler")
 
     def run(self) -> int:
         """Run the job's membership to the end: 0 when every worker finished, EXIT_PEER_FAILED
@@ -71,7 +74,7 @@ class Scheduler:
 
     def _recv(self, timeout_ms: float) -> tuple[bytes, P.Message] | None:
         """The next message, decoded and checked against its schema; None for nothing, for a
-        malformed one (answered with an error) and, once the cluster formed, for anything from
+        malformed one (answered with an error, to a stranger only a few times) and, once the cluster formed, for anything from
         a connection that is not a node of the job (dropped unread)."""
         if not self.sock.poll(timeout_ms):
             return None
@@ -82,12 +85,20 @@ class Scheduler:
         try:
             return identity, P.decode(frames[1:])
         except P.ProtocolError as e:
-            log.warning("scheduler: refused a malformed message: %s", e)
-            try:  # tell a registering node why it gets no place, and a member what it sent wrong
-                self.sock.send_multipart([identity, *P.encode(P.refusal(frames[1:], str(e)))], flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass  # its connection is gone or full: nothing to tell
+            # Tell a member what it sent wrong, and a registering node why it gets no place.
+            self._refuse(identity, P.refusal(frames[1:], str(e)), f"a malformed message: {e}")
             return None
+
+    def _refuse(self, identity: bytes, error: P.Message, what: str) -> None:
+        """Answer with `error`: always a node of the job; anyone else (a node still registering,
+        a stranger) only while its few answers last (tfkv.store.strangers), then silently."""
+        if identity not in self.nodes and not self._strangers.may_answer(identity):
+            return
+        log.warning("scheduler: refused %s", what)
+        try:
+            self.sock.send_multipart([identity, *P.encode(error)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # its connection is gone: nothing to tell
 
     def _send(self, node: Node, msg: P.Message) -> None:
         self.sock.send_multipart([node.identity, *P.encode(msg)], copy=False)
@@ -116,7 +127,7 @@ class Scheduler:
             m = msg.meta  # checked by protocol.decode against REGISTER's schema: types and ranges
             role = m["role"]
             if sum(n.role == role for n in self.nodes.values()) >= want[role]:
-                self.sock.send_multipart([identity, *P.encode(P.error(msg, f"no place for a {role!r} in this job"))])
+                self._refuse(identity, P.error(msg, f"no place for a {role!r} in this job"), f"a {role} with no place")
                 continue
             self.nodes[identity] = Node(identity, role, m["host"], m["port"], m.get("rank_hint"), m["hostname"],
                                         m["pid"])

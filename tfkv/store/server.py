@@ -12,8 +12,9 @@ threshold a worker announced (SET_COMPRESSION) before they are summed. Summing a
 least the big-array bound uses MXNET_KVSTORE_REDUCTION_NTHREADS threads, one slice each (numpy
 releases the GIL in np.add), smaller ones stay on the serving thread.
 
-Requests are handled by one thread, in the order each connection delivers them. A malformed or wrong-size request gets an ERROR reply and
-the server carries on. A request seen before (same sender and sequence number, as resent
+Requests are handled by one thread, in the order each connection delivers them. A malformed or
+wrong-size request gets an ERROR reply and the server carries on; a connection no worker of the
+job spoke on gets a few such replies, then none (tfkv.store.strangers). A request seen before (same sender and sequence number, as resent
 under PS_RESEND) is acknowledged again but never applied twice. No TensorFlow here.
 """
 
@@ -35,6 +36,7 @@ from tfkv.store import security
 from tfkv.store.cluster_env import ClusterEnv
 from tfkv.store.np_updater import NumpyUpdater
 from tfkv.store.scheduler_link import SchedulerLink
+from tfkv.store.strangers import Strangers
 
 log = logging.getLogger("tfkv.ps")
 
@@ -64,7 +66,8 @@ class Server:
         self.sock.setsockopt(zmq.LINGER, 1000)
         # No reply is dropped: ZeroMQ's ROUTER silently drops what exceeds a peer's high-water
         # mark (1,000 messages by default: the replies to a pull of 10,000 keys), so there is
-        # none; every queued reply answers a request that peer made and will read. A reply to a
+        # none; every queued reply answers a request that peer made and will read (a connection
+        # no worker spoke on gets a few answers at most: _refuse). A reply to a
         # peer that is gone raises (ROUTER_MANDATORY) and is logged, not lost unseen.
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -91,6 +94,10 @@ class Server:
         self.max_count = env.max_message_bytes // 4
         self.threshold: float | None = None  # of 2-bit pushes, once a worker set compression
         self._pool: ThreadPoolExecutor | None = None
+        # Connections a worker of the job sent a well-formed request on: answered whatever they
+        # send. Any other gets a few errors, then nothing (its replies would queue unread).
+        self._members: set[bytes] = set()
+        self._strangers = Strangers(self.link.name)
         log.info("%s listening on %s:%d", self.link.name, self.host, self.port)
 
     # -- loop ----------------------------------------------------------------------------------
@@ -118,15 +125,15 @@ class Server:
         try:
             msg = P.decode(frames, self.max_count)
         except P.ProtocolError as e:
-            log.warning("%s: refused a malformed request: %s", self.link.name, e)
-            self.reply(identity, P.refusal(frames, str(e)))
+            self._refuse(identity, P.refusal(frames, str(e)), f"a malformed request: {e}")
             return
         if self.env.verbose >= 2:
             log.info("%s: %s key=%d from %d seq=%d (%s floats)", self.link.name, msg.type.name, msg.key,
                      msg.sender, msg.seq, 0 if msg.data is None else msg.data.size)
         if msg.sender not in self.workers:
-            self.reply(identity, P.error(msg, f"sender {msg.sender} is not a worker of this job"))
+            self._refuse(identity, P.error(msg, f"sender {msg.sender} is not a worker of this job"), "a stranger")
             return
+        self._members.add(identity)
         if msg.reply:
             self.reply(identity, P.error(msg, f"a {msg.type.name} reply sent to a server, which serves requests"))
             return
@@ -143,6 +150,13 @@ class Server:
             handler(self, identity, msg)
         except RequestError as e:
             self.reply(identity, P.error(msg, str(e)))
+
+    def _refuse(self, identity: bytes, error: P.Message, what: str) -> None:
+        """Answer with `error`: always a member (a connection a worker of the job spoke on);
+        anyone else only while its few answers last (tfkv.store.strangers), then silently."""
+        if identity in self._members or self._strangers.may_answer(identity):
+            log.warning("%s: refused %s", self.link.name, what)
+            self.reply(identity, error)
 
     def _duplicate(self, msg: P.Message) -> bool:
         seen = self._seen[msg.sender]
