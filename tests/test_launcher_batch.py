@@ -189,13 +189,17 @@ def test_a_missing_resource_manager_is_a_one_line_config_error(name, binary, mon
 
 @pytest.mark.slow
 def test_mpi_job_through_tfkv_launch_runs_and_records(tmp_path):
+    """Launched from an ssh login (SSH_CONNECTION set, here to an address this machine does not
+    have): ranks mpirun starts here are not reached over ssh, so the scheduler stays on 127.0.0.1."""
     (tmp_path / "hosts").write_text("127.0.0.1\n")
     tag = f"mpi-ok-{tmp_path.name}"
     t0 = time.monotonic()
     proc = _tfkv_launch("-n", "2", "-s", "2", "-H", "hosts", "--launcher", "mpi", "--run-dir", "rec",
                         "--python", sys.executable, "--", sys.executable, WORKER, "updates", "out{rank}.json", "5",
-                        cwd=tmp_path, env=_env(tag))
+                        cwd=tmp_path, env=_env(tag, SSH_CONNECTION="192.0.2.1 50000 192.0.2.7 22"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    plan = json.loads((tmp_path / "rec" / "launch" / "plan.json").read_text())
+    assert {p["env"]["DMLC_PS_ROOT_URI"] for p in plan["processes"]} == {"127.0.0.1"}, plan
     print(f"mpi job: {time.monotonic() - t0:.1f} s")
     _updates_ok(tmp_path, 2, 5)
     log = (tmp_path / "rec" / "launch" / "job.log").read_text()

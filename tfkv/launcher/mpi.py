@@ -128,7 +128,11 @@ class MPILauncher:
             argv += ([":"] if i else []) + ["-np", "1", "--host", host, job.python, "-m", "tfkv.launcher.record"]
         # SIGTERM, not SIGKILL, on timeout: mpirun then ends the ssh sessions it started (each in a
         # process group of its own) instead of leaving them behind.
-        proc = batch.start(argv, cwd=str(job.workdir))
+        # Without the launcher's own SSH_CONNECTION (its user's login): ranks mpirun starts on this
+        # machine inherit its environment and would report the address that login came in on;
+        # only a rank reached through an ssh session of its own may report one (record.ssh_address).
+        env = {k: v for k, v in os.environ.items() if k != "SSH_CONNECTION"}
+        proc = batch.start(argv, env=env, cwd=str(job.workdir))
         try:
             stdout_b, stderr_b = proc.communicate(timeout=PREFLIGHT_TIMEOUT)
         except subprocess.TimeoutExpired:
