@@ -173,7 +173,10 @@ class DistStore(KVStore):
         # Sockets are not thread-safe: pushpull_async may run on a TensorFlow op's thread.
         self._lock = threading.RLock()
         # MXNet's store leaves in its destructor, and its scripts end without a teardown call:
-        # this one leaves when the interpreter exits (close() unregisters it).
+        # this one leaves when the interpreter exits (close() unregisters it). An exception left in
+        # sys.last_value already (IPython sets it for every traceback it displays) is not the one
+        # that ends this interpreter: _at_exit only heeds a newer one.
+        self._shown_before = getattr(sys, "last_value", None)
         atexit.register(self._at_exit)
         if self.rank == 0:
             self._wait([self._send(s, P.Message(P.Type.CONFIGURE, meta={"sync": self.sync}))
@@ -618,7 +621,7 @@ class DistStore(KVStore):
         interpreter has just printed, and left in sys.last_value) leave as failed, so the job
         stops now naming it; after a normal end leave as close() does, so the job can end 0."""
         exc = getattr(sys, "last_value", None)
-        if exc is not None:
+        if exc is not None and exc is not self._shown_before:
             self.abort(f"{type(exc).__name__}: {exc}")
             return
         try:
@@ -629,10 +632,12 @@ class DistStore(KVStore):
             self._closed = False
             self.abort(f"leaving at exit failed: {type(e).__name__}: {e}")
             sys.stdout.flush()
+            logging.shutdown()  # os._exit skips the atexit hook that would flush the log handlers
             os._exit(1)  # an exception in an atexit hook would not change the exit status
 
     _closed = False
     _optimizer: Any = None
+    _shown_before: BaseException | None = None
 
 
 class DistAsync(DistStore):
