@@ -335,3 +335,29 @@ def test_metadata_fits_one_frame_with_room_for_curve():
         P.encode(P.Message(P.Type.FAILED, meta={"reason": fits["reason"] + "x"}))
     with pytest.raises(P.ProtocolError, match="metadata of"):
         P.decode([_header(flags=P.FLAG_META, count=0, dtype=0), b" " * (P.MAX_META + 1)])
+
+
+def test_a_joined_payload_does_not_keep_its_frames_alive():
+    """A payload of several frames is copied into one array: the received frames are released
+    then, not held next to the copy for as long as the message (a held push took twice its size)."""
+    import gc
+    import weakref
+
+    data = np.arange(P.FRAME_BYTES // 4 + 10, dtype=np.float32)
+    received = [np.frombuffer(bytes(f), np.uint8).copy() for f in P.encode(P.Message(P.Type.PUSH, data=data))]
+    alive = [weakref.ref(f) for f in received]
+    back = P.decode(received, max_count=10**7)
+    del received
+    gc.collect()
+    assert not any(ref() is not None for ref in alive[1:]), "the payload frames outlive their copy"
+    np.testing.assert_array_equal(back.data, data)
+    one = [np.frombuffer(bytes(f), np.uint8).copy() for f in P.encode(P.Message(P.Type.PUSH, data=data[:10]))]
+    assert np.shares_memory(P.decode(one).data, one[1])  # one frame: received without a copy
+
+
+def test_the_server_sends_full_payload_frames_without_a_copy():
+    """The server copies reply frames below its copy threshold: the threshold must lie below
+    the largest frame it sends, or the zero-copy path is never taken."""
+    from tfkv.store import server
+
+    assert server.COPY_THRESHOLD < P.FRAME_BYTES

@@ -97,7 +97,7 @@ class Message:
     count: int = 0  # TWOBIT only: how many values the words represent
     reply: bool = False
     want_ack: bool = True
-    frames: list[Any] = field(default_factory=list, repr=False)  # keeps received buffers alive
+    frames: list[Any] = field(default_factory=list, repr=False)  # the received buffers `data` views, if any
 
 
 def encode(msg: Message) -> list[Any]:
@@ -167,8 +167,7 @@ def decode(frames: Sequence[Any], max_count: int | None = None) -> Message:
     expected = 1 + bool(flags & FLAG_META) + npayload
     if len(frames) != expected:
         raise ProtocolError(f"{kind.name}: {len(frames)} frames, flags and count say {expected}")
-    msg = Message(kind, sender, seq, key, reply=bool(flags & FLAG_REPLY), want_ack=bool(flags & FLAG_ACK),
-                  frames=list(frames))
+    msg = Message(kind, sender, seq, key, reply=bool(flags & FLAG_REPLY), want_ack=bool(flags & FLAG_ACK))
     i = 1
     if flags & FLAG_META:
         raw = _buffer(frames[i])
@@ -193,7 +192,8 @@ def decode(frames: Sequence[Any], max_count: int | None = None) -> Message:
             raise ProtocolError(f"{kind.name}: payload is {sum(sizes)} bytes{split}, header says {what}")
         if len(parts) == 1:
             raw: Any = parts[0]  # the received buffer itself: no copy
-        else:  # one copy, into one array: numpy needs the payload contiguous
+            msg.frames = list(frames)
+        else:  # one copy, into one array (numpy needs the payload contiguous); the frames are let go
             raw = np.empty(nbytes, np.uint8)
             for j, part in enumerate(parts):
                 raw[j * FRAME_BYTES:j * FRAME_BYTES + len(part)] = np.frombuffer(part, np.uint8)
