@@ -53,6 +53,15 @@ def test_a_saved_checkpoint_loads_back(tmp_path):
     assert list(ckpt.optimizer) == ["0/mom"] and ckpt.history == [{"epoch": 1}]
 
 
+def test_a_checkpoint_of_more_than_ten_thousand_variables_loads_back(tmp_path):
+    """Array names w0000..w10000: 'w10000' sorts among the 'w1000x' in text order."""
+    weights = [np.full(1, i, np.float32) for i in range(10_001)]
+    checkpoint.save(tmp_path, 1, weights, [f"v{i}" for i in range(10_001)],
+                    lambda path: np.savez(path, **{"0/mom": np.zeros(1, np.float32)}), [])
+    ckpt = checkpoint.load(checkpoint.latest(tmp_path))
+    assert [float(w[0]) for w in ckpt.weights] == list(range(10_001))
+
+
 @pytest.mark.parametrize("case", sorted(DAMAGE))
 def test_a_damaged_checkpoint_is_one_line_naming_the_file(tmp_path, case):
     name, damage, message = DAMAGE[case]
