@@ -15,7 +15,7 @@ import zmq
 from conftest import REPO, TAG, Launching, tagged_pids, tfkv_run
 
 from tfkv.store import protocol as P
-from tfkv.store import security
+from tfkv.store import security, strangers
 
 
 def _start(c, seconds, kind):
@@ -119,7 +119,10 @@ def test_live_server_and_scheduler_survive_fuzzing(cluster):
         sock.close()
         assert c.procs[name].poll() is None, f"{name} died under fuzzing:\n{c.output(name)}"
     ctx.term()
-    assert replies > 1000  # the server answered the malformed requests with errors
+    # The server answered the first malformed requests with errors, then no more: a connection
+    # no worker spoke on gets a few answers at most (tfkv.store.strangers); the scheduler, formed,
+    # drops anything from a connection that is not a node.
+    assert 0 < replies <= strangers.PER_PEER
     assert _proc_rss_kib(server_pid) - rss_before < 100_000, "server memory grew by over 100 MB"
     codes = c.wait(timeout=60)  # the real worker carries on and finishes cleanly
     assert all(code == 0 for code in codes.values()), f"{codes}\n{c.outputs()}"
