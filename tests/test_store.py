@@ -313,6 +313,21 @@ def test_device_store_compresses_between_devices_as_mxnet(tf_devices):
         store.create("local").set_gradient_compression({"type": "2bit", "threshold": 0.5})
 
 
+def test_device_store_does_not_compress_a_single_value(tf_devices):
+    """MXNet's CommDevice::Reduce returns a lone value as it is, before any compression: nothing
+    crosses between devices, so nothing is quantised (nor kept as a residual)."""
+    kv = store.create("device", devices=tf_devices[:2])
+    kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
+    kv.init(0, np.zeros(3, np.float32))
+    kv.push(0, np.array([0.3, -0.7, 1.2], np.float32))
+    np.testing.assert_allclose(kv.pull(0).numpy(), [0.3, -0.7, 1.2])
+    one = store.create("device", devices=tf_devices[:1])
+    one.set_gradient_compression({"type": "2bit", "threshold": 0.5})
+    one.init(0, np.zeros(3, np.float32))
+    one.push(0, [tf.constant([0.3, -0.7, 1.2])])
+    np.testing.assert_allclose(one.pull(0).numpy(), [0.3, -0.7, 1.2])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["int", "str"])
 def test_dist_keys_never_share_a_server_slot(cluster, kind):

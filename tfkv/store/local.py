@@ -180,7 +180,9 @@ class DeviceStore(LocalStore):
         self._residuals[key] = residuals
 
     def _merge(self, key: Hashable, values: list[Any]) -> Any:
-        if self._threshold is None:
+        # A lone value crosses no device link: MXNet's CommDevice::Reduce returns it as it is,
+        # before compressing.
+        if self._threshold is None or len(values) == 1:
             return super()._merge(key, values)
         residuals = self._residuals[key]
         if len(values) > len(residuals):
