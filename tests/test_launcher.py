@@ -181,3 +181,13 @@ def test_a_launcher_that_cannot_set_the_parent_death_signal_says_so_once(tmp_pat
     assert len(said) == 1 and "Operation not permitted" in said[0], out
     assert "the roles it started keep running" in said[0]
     assert not tagged_pids(env[TAG])
+
+
+def test_a_servers_advertised_address_reaches_no_role_from_the_launcher():
+    """TFKV_ADVERTISE_ADDRESS is one server's host:port: forwarded, every server of the job would
+    register that one address (and the local launcher's roles would inherit it too)."""
+    from tfkv.launcher.plan import NOT_FORWARDED, forwarded_env
+
+    environ = {"TFKV_ADVERTISE_ADDRESS": "10.0.0.5:9000", "TFKV_HEARTBEAT_TIMEOUT": "4"}
+    assert forwarded_env(environ) == {"TFKV_HEARTBEAT_TIMEOUT": "4"}
+    assert "TFKV_ADVERTISE_ADDRESS" in NOT_FORWARDED  # what the local launcher leaves out

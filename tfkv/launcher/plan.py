@@ -22,12 +22,14 @@ FORWARD_PREFIXES = ("TFKV_", "DMLC_", "PS_", "MXNET_")
 FORWARD_NAMES = ("OMP_NUM_THREADS", "KMP_AFFINITY", "LD_LIBRARY_PATH", "PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL")
 # ...but never what the plan decides for each role (its role, the scheduler, the job's size, keys
 # and run directory; the TFKV_ twins of DMLC_ names would override the plan's), nor the launcher's
-# own ssh config: a launcher started from inside another job must not pass that job's on.
+# own ssh config: a launcher started from inside another job must not pass that job's on; nor
+# what belongs to one node (TFKV_ADVERTISE_ADDRESS, one server's host:port: every server would
+# register the same one).
 NOT_FORWARDED = frozenset({
     "DMLC_ROLE", "TFKV_ROLE", "TFKV_RANK_HINT", "DMLC_PS_ROOT_URI", "TFKV_SCHEDULER_HOST", "DMLC_PS_ROOT_PORT",
     "TFKV_SCHEDULER_PORT", "DMLC_NUM_SERVER", "TFKV_NUM_SERVER", "DMLC_NUM_WORKER", "TFKV_NUM_WORKER",
     "TFKV_INTERFACE", "TFKV_CURVE_PUBLIC", "TFKV_CURVE_SECRET", "TFKV_CURVE_KEYFILE", "TFKV_SECRETS_ON_STDIN",
-    "TFKV_SSH_CONFIG", RUN_DIR})
+    "TFKV_SSH_CONFIG", "TFKV_ADVERTISE_ADDRESS", RUN_DIR})
 
 
 def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
