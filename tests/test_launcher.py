@@ -148,14 +148,15 @@ def test_an_advertise_address_without_a_good_port_is_one_line(tmp_path, value):
     assert proc.stderr.startswith(f"tfkv: TFKV_ADVERTISE_ADDRESS={value!r} must be host:port"), proc.stderr
 
 
-# Runs argv under a seccomp filter that refuses prctl(PR_SET_PDEATHSIG) and prctl(PR_GET_PDEATHSIG)
-# with EPERM (as some sandboxes and non-Linux kernels would), everything else allowed: x86_64 only.
+# Runs argv under a seccomp filter that refuses prctl(PR_SET_PDEATHSIG) (and, with GET, also
+# prctl(PR_GET_PDEATHSIG)) with EPERM (as some sandboxes and non-Linux kernels would), everything
+# else allowed: x86_64 only.
 NO_PDEATHSIG = r"""
 import ctypes, os, struct, sys
 libc = ctypes.CDLL("libc.so.6", use_errno=True)
 prog = [(0x20, 0, 0, 4), (0x15, 0, 5, 0xC000003E),  # arch is x86_64, else allow
         (0x20, 0, 0, 0), (0x15, 0, 3, 157),           # syscall is prctl, else allow
-        (0x20, 0, 0, 16), (0x15, 2, 0, 1), (0x15, 1, 0, 2),  # option PR_SET/GET_PDEATHSIG: EPERM
+        (0x20, 0, 0, 16), (0x15, 2, 0, 1), (0x15, 1, 0, GET),  # option PR_SET_PDEATHSIG or GET: EPERM
         (0x06, 0, 0, 0x7FFF0000), (0x06, 0, 0, 0x00050000 | 1)]
 code = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *i) for i in prog))
 class Prog(ctypes.Structure):
@@ -167,11 +168,14 @@ os.execvp(sys.argv[1], sys.argv[1:])
 
 
 @pytest.mark.skipif(__import__("platform").machine() != "x86_64", reason="the seccomp filter is x86_64 code")
-def test_a_launcher_that_cannot_set_the_parent_death_signal_says_so_once(tmp_path):
+@pytest.mark.parametrize("refused", ["set only", "set and get"])
+def test_a_launcher_that_cannot_set_the_parent_death_signal_says_so_once(tmp_path, refused):
+    """A sandbox may refuse setting the signal yet let it be read: the launcher asks by setting."""
     import os
 
     env = {**os.environ, TAG: f"pdeathsig-{tmp_path.name}"}
-    proc = subprocess.run([sys.executable, "-c", NO_PDEATHSIG, "tfkv-launch", "-n", "2", "-s", "1", "--launcher",
+    get = "2" if refused == "set and get" else "1"  # PR_GET_PDEATHSIG, or PR_SET_PDEATHSIG again
+    proc = subprocess.run([sys.executable, "-c", f"GET = {get}\n" + NO_PDEATHSIG, "tfkv-launch", "-n", "2", "-s", "1", "--launcher",
                            "local", "--run-dir", "rec", "--", sys.executable, str(REPO / "tests" / "dist_worker.py"),
                            "updates", "out{rank}.json", "2"], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=120)

@@ -27,7 +27,8 @@ log = logging.getLogger("tfkv")
 
 def die_with_parent(sig: int) -> None:
     """In a child (preexec_fn): receive `sig` when the parent dies (PR_SET_PDEATHSIG). Where that
-    cannot be done the child runs without it: warn_without_parent_death says so in the parent."""
+    cannot be done (prctl's -1, ignored: a preexec_fn has no one to tell) the child runs without
+    it: warn_without_parent_death, which probes the same call, says so in the parent."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
     except OSError:
@@ -37,12 +38,16 @@ def die_with_parent(sig: int) -> None:
 @functools.lru_cache(maxsize=None)
 def parent_death_problem() -> str | None:
     """Why the parent-death signal cannot be set in this process's children (no glibc, a kernel
-    or sandbox that refuses prctl), or None. Asked with PR_GET_PDEATHSIG, which changes nothing;
-    children inherit what refuses it (seccomp filters, the kernel)."""
+    or sandbox that refuses prctl), or None. Asked by setting it here, to the value this process
+    already has (read with PR_GET_PDEATHSIG; 0, none, where that is refused too): a sandbox may
+    allow reading it and refuse setting it. Children inherit what refuses it (seccomp filters,
+    the kernel)."""
     try:
         value = ctypes.c_int()
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         if libc.prctl(PR_GET_PDEATHSIG, ctypes.byref(value)) != 0:
+            value.value = 0
+        if libc.prctl(PR_SET_PDEATHSIG, value.value) != 0:
             return os.strerror(ctypes.get_errno())
     except (OSError, AttributeError) as e:
         return str(e)
