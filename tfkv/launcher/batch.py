@@ -77,19 +77,23 @@ def stop(proc: subprocess.Popen, grace: float = 5.0, first: int = signal.SIGTERM
 
 
 def supervise(proc: subprocess.Popen, output: "Output", teardown: float,
-              interrupt: Callable[[subprocess.Popen], None] | None = None) -> str | None:
+              interrupt: Callable[[subprocess.Popen], None] | None = None,
+              ends_itself: bool = True) -> str | None:
     """Wait for a resource manager's client (mpirun, srun) to end, or for the grace after a role
-    failed to run out; Ctrl-C or SIGTERM cuts it short. Then, if it still runs, `interrupt` it
-    (its own way to end a job), stop it and what it started, and finish the output. Returns
-    the interrupt's failure line, or None."""
+    failed to run out (plus `teardown`, when the client `ends_itself` a job one of whose roles
+    failed); Ctrl-C or SIGTERM cuts it short. Then, if it still runs, `interrupt` it (its own way
+    to end a job), stop it and what it started, and finish the output. Returns the interrupt's
+    failure line, or None."""
     failure = None
     try:
-        while proc.poll() is None and not output.grace_over(teardown):
+        while proc.poll() is None and not output.grace_over(teardown if ends_itself else 0.0):
             time.sleep(0.05)
     except KeyboardInterrupt as e:
         failure = signals.failure(e)
     finally:
         with signals.shielded():
+            if proc.poll() is None:  # else every line is still to be read: the output tells all
+                output.teardown_begins()
             if interrupt is not None and proc.poll() is None:
                 interrupt(proc)
             stop(proc, grace=teardown)
@@ -115,6 +119,7 @@ class Output:
     def __init__(self, out: IO[str], names: Sequence[str] = (), watch: str | None = None):
         self.out = out
         self.names = list(names)
+        self.before_teardown: tuple[list[tuple[str, int]], list[str]] | None = None
         self.watch = re.compile(watch) if watch else None
         self.found: list[str] = []  # what `watch` (one group) matched, in order: job ids, app ids
         self.lock = threading.Lock()
@@ -140,7 +145,15 @@ class Output:
 
     def cause(self) -> str | None:
         with self.lock:
+            if self.before_teardown is not None:
+                return first_cause(*self.before_teardown)
             return first_cause(self.failed, [n for n in self.names if n not in self.ended])
+
+    def teardown_begins(self) -> None:
+        """The launcher stops what still runs: the cause is told from what ended before (a hung
+        role then ends too, killed by the teardown, and must not be blamed for that)."""
+        with self.lock:
+            self.before_teardown = (list(self.failed), [n for n in self.names if n not in self.ended])
 
     def grace_over(self, extra: float = 0.0) -> bool:
         """process.done_waiting after the first failure, plus `extra` seconds (the client's own

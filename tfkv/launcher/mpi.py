@@ -10,9 +10,12 @@ machine (127.0.0.1), as a bare `mpirun` would. Each context gets the job's varia
 (mpirun passes a context's -x only to that context), including the launcher's TFKV_*/DMLC_*/...
 variables. The helpers prefix their roles' output, so mpirun's stdout is already the merged log.
 
-Teardown: mpirun runs in its own process group. It aborts the whole job when a rank exits non-zero
-(`--mca orte_abort_on_non_zero_status 1`) and kills every rank when it gets SIGTERM, which the
-launcher sends on Ctrl-C; the group is killed after a grace period. Open MPI puts every rank in its
+Teardown: mpirun runs in its own process group. It does not abort the job when a rank exits
+non-zero (`--mca orte_abort_on_non_zero_status 0`): the other roles notice and report it, and the
+launcher ends the job as the local one does (process.done_waiting), so that a role killed by
+mpirun's abort before it could report is not taken for one that hung. mpirun kills every rank
+when it gets SIGTERM, which the launcher sends then and on Ctrl-C; the group is killed after a
+grace period. Open MPI puts every rank in its
 own process group; the helper passes signals on to its role and dies with orted/mpirun.
 
 The mpi backend does not copy the working tree: hosts must see the same paths (a shared file
@@ -87,7 +90,7 @@ def mpirun_argv(job: Job, mpirun: str = "mpirun", environ: dict[str, str] | None
     if os.geteuid() == 0:
         argv.append("--allow-run-as-root")  # Open MPI refuses root otherwise
     # One slot per role is the plan's business, not the host's core count; the roles bind nothing.
-    argv += ["--oversubscribe", "--bind-to", "none", "--mca", "orte_abort_on_non_zero_status", "1",
+    argv += ["--oversubscribe", "--bind-to", "none", "--mca", "orte_abort_on_non_zero_status", "0",
              "--wdir", str(job.workdir), *_rsh_args(job.hosts)]
     argv += shlex.split((environ if environ is not None else os.environ).get("TFKV_MPIRUN_ARGS", ""))
     exports = {**forwarded_env(os.environ if environ is None else environ), **role.common_env(job.plan)}
@@ -162,9 +165,8 @@ class MPILauncher:
         proc = batch.start(argv, env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=str(job.workdir))
         output.pump(proc.stdout)  # the helpers' prefixed lines
         output.pump(proc.stderr, "[mpirun] ")  # mpirun's own messages
-        # mpirun aborts the job on the first failure itself; the grace period only guards against
-        # an mpirun that keeps waiting on a rank.
-        failure = batch.supervise(proc, output, TEARDOWN)
+        # mpirun waits for every rank; the launcher ends the job once a failure's grace is over.
+        failure = batch.supervise(proc, output, TEARDOWN, ends_itself=False)
         rc = proc.returncode
         failure = failure or output.cause() or (f"mpirun {status_text(rc)}" if rc else None)
         return Result(0 if failure is None else (rc if rc and rc > 0 else 1), failure)

@@ -200,6 +200,7 @@ def run_role(name: str, argv: list[str], env: dict[str, str], sge: bool = False)
 
     def forward(sig: int, _frame: Any) -> None:
         signal_group(child.pid, sig)
+        signal_group(child.pid, signal.SIGCONT)  # a stopped (hung) role acts on it only once resumed
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
