@@ -75,6 +75,8 @@ def test_schema_rejects_typos_and_wrong_types():
     (["kvstore.type=nccl"], "kvstore.type='nccl': KVStore type 'nccl' is MXNet's, not tfkv's; use device"),
     (["optimizer.rescale_grad=0"], "optimizer.rescale_grad=0.0 must be positive"),
     (["optimizer.clip_gradient=-1"], "optimizer.clip_gradient=-1.0 must be positive"),
+    (["optimizer.momentum=-1"], "sgd.momentum=-1.0 must be at least 0"),
+    (["optimizer=adam", "optimizer.beta1=1"], "adam.beta1=1.0 must be from 0 to below 1"),
     (["kvstore=dist_sync", "cluster=local", "kvstore.compression.type=2bit", "kvstore.compression.threshold=0"],
      "threshold=0.0 must be positive"),
 ])

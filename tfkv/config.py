@@ -236,6 +236,10 @@ def validate(cfg: Any) -> None:
         value = getattr(cfg.optimizer, key)
         if value is not None and not 0 < value < float("inf"):
             raise ConfigError(f"optimizer.{key}={value} must be positive, or null for MXNet's default")
+    try:  # every rule the optimizer itself holds (momentum, betas, epsilon, ...), the one definition
+        optim.from_config(cfg.optimizer, 1, cfg.epochs)
+    except ValueError as e:
+        raise ConfigError(f"optimizer: {e}; fix it with optimizer.<setting>=...") from None
     _validate_model(cfg.model)
     _validate_cluster(cfg)
     _validate_placement(cfg)
