@@ -59,7 +59,8 @@ REGISTRY = Registry("launcher", {
     "slurm": "tfkv.launcher.slurm:SlurmLauncher",
     "sge": "tfkv.launcher.sge:SGELauncher",
     "yarn": "tfkv.launcher.yarn:YarnLauncher",
-})
+}, plugins="tfkv.launchers")  # and installed packages' launchers (tfkv.plugins)
+REGISTRY.reserve("none")  # cluster.launcher=none: no launcher
 
 
 def create(name: str) -> Launcher:

@@ -20,7 +20,7 @@ REGISTRY = Registry("KVStore type", {
     "dist_async": "tfkv.store.dist:DistAsync",
     "dist_sync_device": "tfkv.store.dist:DistSyncDevice",
     "dist_async_device": "tfkv.store.dist:DistAsyncDevice",
-})
+}, plugins="tfkv.stores")  # and installed packages' types (tfkv.plugins)
 register = REGISTRY.register
 names = REGISTRY.names
 
@@ -42,6 +42,7 @@ INSTEAD = {
     "dist_p3": "dist_sync (whose requests already go out in priority order)",
     "dist_sync_p3": "dist_sync (whose requests already go out in priority order)",
 }
+REGISTRY.reserve(*ALIASES, *INSTEAD)  # a plug-in may not take MXNet's names for types
 
 
 def canonical(name: str) -> str:

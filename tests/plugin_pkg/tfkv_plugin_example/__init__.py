@@ -1,0 +1,1 @@
+"""One tfkv plug-in of each kind, for tfkv's own tests."""

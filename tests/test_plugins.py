@@ -1,0 +1,146 @@
+"""Plug-ins from other packages: tests/plugin_pkg is installed with pip (offline, into a target
+directory on PYTHONPATH: this interpreter's environment for the subprocesses, without touching
+the site-packages the other tests use), and each kind it declares is used through tfkv."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = "tfkv-plugin-example"
+
+
+@pytest.fixture(scope="module")
+def plugin_env(tmp_path_factory) -> dict[str, str]:
+    """The environment of a process that sees the installed plug-in package; uninstalled after."""
+    root = tmp_path_factory.mktemp("plugins")
+    source, target = root / "src", root / "site"
+    shutil.copytree(REPO / "tests" / "plugin_pkg", source)  # setuptools builds in the source tree
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--no-index", "--disable-pip-version-check", "--root-user-action=ignore",
+                    "--target", str(target), str(source)], check=True, capture_output=True, text=True)
+    assert list(target.glob("tfkv_plugin_example-*.dist-info/entry_points.txt"))
+    path = os.pathsep.join(p for p in (str(target), os.environ.get("PYTHONPATH")) if p)
+    yield {**os.environ, "PYTHONPATH": path}
+    shutil.rmtree(target)  # pip --target has no uninstall: the package is its directory
+
+
+def run_python(code: str, env: dict[str, str], cwd: Path | None = None, timeout: float = 120) -> dict:
+    """Run `code` in a fresh interpreter; it prints one JSON object as its last line."""
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["stderr"] = proc.stderr
+    return out
+
+
+def test_plugins_become_names_and_config_options_without_importing_tensorflow(plugin_env):
+    out = run_python("""
+        import json, sys
+        from hydra.core.config_store import ConfigStore
+        from omegaconf import OmegaConf
+        from tfkv import plugins, store
+        from tfkv.launcher import base
+        plugins.load()
+        plugins.load()  # twice: nothing more is said
+        repo = ConfigStore.instance().repo
+        nodes = {g: {k: OmegaConf.to_container(v.node) for k, v in repo.get(g, {}).items()}
+                 for g in ("kvstore", "cluster", "model", "dataset")}
+        print(json.dumps({"stores": store.names(), "launchers": base.REGISTRY.names(), "nodes": nodes,
+                          "canonical": store.canonical("twin"), "compresses": store.compresses("twin"),
+                          "tensorflow": "tensorflow" in sys.modules, "keras": "keras" in sys.modules}))
+    """, plugin_env)
+    assert "twin" in out["stores"] and "shaky" in out["stores"] and "twin" in out["launchers"]
+    assert out["canonical"] == "twin" and out["compresses"] is False
+    nodes = out["nodes"]
+    assert nodes["kvstore"]["twin.yaml"] == {"type": "twin"}
+    assert nodes["cluster"]["twin.yaml"] == {"launcher": "twin"}
+    # the builder's keyword defaults that are plain values; not what tfkv passes (input_shape,
+    # num_classes) nor a default that is an object (init=keras.initializers...)
+    assert nodes["model"]["tinynet.yaml"] == {"_target_": "tfkv_plugin_example.nets.build", "width": 16,
+                                              "dropout": 0.0, "activation": "relu"}
+    assert nodes["dataset"]["blobs.yaml"] == {"_target_": "tfkv_plugin_example.data.make", "n": 600,
+                                              "features": 8, "classes": 3, "spread": 0.5}
+    assert "local.yaml" not in nodes["kvstore"] and "gone.yaml" not in nodes["dataset"]
+    # reading the names ran no plug-in's module: nets.py imports keras at its top
+    assert not out["tensorflow"] and not out["keras"]
+    # one line per broken plug-in, naming its package and entry point
+    lines = [line for line in out["stderr"].splitlines() if line.strip()]
+    clash = [line for line in lines if "local = tfkv_plugin_example.stores:TwinStore" in line]
+    gone = [line for line in lines if "gone = tfkv_plugin_example.missing:make" in line]
+    assert len(clash) == 1 and f"package {PACKAGE}" in clash[0] and "tfkv's is used" in clash[0], lines
+    assert len(gone) == 1 and f"package {PACKAGE}" in gone[0] and "no module named" in gone[0].lower(), lines
+    assert len(lines) == 2 and "Traceback" not in out["stderr"], lines
+
+
+def test_a_plugin_store_is_created_by_name_and_a_broken_one_is_one_line(plugin_env):
+    out = run_python("""
+        import json
+        import numpy as np
+        from tfkv import store
+        from tfkv.errors import ConfigError
+        try:
+            store.create("shaky")
+            broken = None
+        except ConfigError as e:
+            broken = str(e)
+        kv = store.create("twin")
+        kv.init(3, np.ones(4, "float32"))
+        kv.push(3, [np.full(4, 2.0, "float32"), np.full(4, 5.0, "float32")])
+        pulled = np.zeros(4, "float32")
+        kv.pull(3, out=pulled)
+        print(json.dumps({"class": type(kv).__name__, "type": kv.type, "pulled": pulled.tolist(),
+                          "broken": broken}))
+    """, plugin_env)
+    assert out["class"] == "TwinStore" and out["type"] == "twin"
+    assert out["pulled"] == [7.0] * 4  # no optimizer: the store keeps the sum pushed, as local does
+    assert out["broken"] and "\n" not in out["broken"], out
+    assert f"shaky = tfkv_plugin_example.shaky:Store ([tfkv.stores] of package {PACKAGE})" in out["broken"]
+    assert "tfkv_plugin_example_missing_dependency" in out["broken"] and "uninstall" in out["broken"]
+
+
+def test_plugin_config_options_compose_with_hydra(plugin_env):
+    out = run_python("""
+        import json
+        from hydra import compose, initialize_config_dir
+        from tfkv import config, plugins
+        from tfkv.cli import conf_dir
+        plugins.load()
+        with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
+            a = compose("config", overrides=["kvstore=twin"])
+            b = compose("config", overrides=["kvstore=dist_sync", "cluster=twin", "cluster.num_workers=3"])
+            c = compose("config", overrides=["kvstore=local"])
+        print(json.dumps({"a": a.kvstore.type, "b": [b.kvstore.type, b.cluster.launcher, b.cluster.num_workers],
+                          "c": c.kvstore.type}))
+    """, plugin_env)
+    assert out["a"] == "twin" and out["b"] == ["dist_sync", "twin", 3]
+    assert out["c"] == "local"  # tfkv's own option, not the plug-in that claims the name
+
+
+@pytest.mark.slow
+def test_a_plugin_launcher_runs_a_job(plugin_env, tmp_path):
+    """The plug-in launcher (tfkv's local one under another name) starts a scheduler, a server
+    and two workers that train through the parameter server."""
+    out = run_python(f"""
+        import json, sys
+        from pathlib import Path
+        from tfkv.launcher import job
+        opts = job.Options("twin", 2, 1, python=sys.executable, heartbeat_timeout=4.0)
+        worker = [sys.executable, {str(REPO / "tests" / "dist_worker.py")!r}, "updates", "out{{rank}}.json", "4"]
+        result = job.launch(opts, worker, Path.cwd(), Path.cwd() / "rec", ["test"], sys.stdout)
+        print(json.dumps({{"returncode": result.returncode, "failure": result.failure}}))
+    """, plugin_env, cwd=tmp_path, timeout=180)
+    assert out["returncode"] == 0, out
+    log = (tmp_path / "rec" / "launch" / "job.log").read_text()
+    assert "twin launcher: starting the job" in log
+    for i in range(2):
+        assert json.loads((tmp_path / f"out{i}.json").read_text())["final"] == [100.0 - 4 * 3] * 4
