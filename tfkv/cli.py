@@ -1,8 +1,8 @@
 """`tfkv-run`: the Hydra app. Composes and validates the config, then trains.
 
 With a `dist_*` KVStore and a cluster launcher, this process only plans and launches the job:
-the scheduler, the servers and the workers (each running `tfkv-run` again as a worker) start as
-their own processes, and this one waits and reports. A process whose environment gives it a
+the scheduler, the servers and the workers (`python -m tfkv.worker`, each running the config this
+process recorded) start as their own processes, and this one waits and reports. A process whose environment gives it a
 role (DMLC_ROLE=server, ...) takes that role before Hydra or TensorFlow start.
 
 A mistake a user can fix (a typo, a wrong type, an unknown name, a missing data set, missing
@@ -94,18 +94,31 @@ def _job(cfg: Any) -> dict[str, Any]:
 
 
 def _launch(cfg: Any, run_dir: Path, overrides: list[str], cwd: Path) -> dict[str, Any]:
-    """Start the whole parameter-server job; its workers write into this run directory."""
+    """Start the whole parameter-server job; its workers write into this run directory.
+
+    Every worker runs this process's config as recorded in config_resolved.yaml (tfkv.worker),
+    never one composed again from the overrides: --config-dir, hydra.searchpath and every
+    decision made here (the checkpoint resume=true means) reach every host as they are."""
     import json
 
+    from hydra.core.hydra_config import HydraConfig
+
+    from tfkv import checkpoint, worker
     from tfkv.errors import ClusterFailed
     from tfkv.launcher import job
 
     c = cfg.cluster
     opts = job.Options(c.launcher, c.num_workers, c.num_servers, c.hostfile, c.sync_dst_dir, c.interface,
                        c.host, c.port, c.heartbeat_timeout, c.verbose, c.python, c.secure)
+    # resume=true means an earlier run of this command here, where its outputs are; the workers
+    # get the checkpoint's path as they see it (under sync_dst_dir on the hosts of a synced tree).
+    resume_from = checkpoint.find_resume(cfg.resume, run_dir, cwd, overrides)
+    cfg.resume = job.remote_path(opts, cwd, resume_from) if resume_from else False
+    hc = HydraConfig.get()
+    env = worker.record(cfg, run_dir, hc.job_logging)
     python = sys.executable if c.launcher == "local" else c.python
-    worker = [python, "-m", "tfkv.cli", *overrides]  # they write into run_dir: plan.worker_overrides
-    result = job.launch(opts, worker, cwd, run_dir, ["tfkv-run", *overrides], sys.stdout)
+    result = job.launch(opts, [python, "-m", "tfkv.worker"], cwd, run_dir, _command_line(hc, overrides),
+                        sys.stdout, env)
     if result.returncode > 128:  # stopped by Ctrl-C (130) or SIGTERM (143): exit as a single run does
         print(f"tfkv-run: the {cfg.kvstore.type} job failed: {result.failure}; logs in {run_dir}", file=sys.stderr)
         sys.exit(result.returncode)
@@ -115,6 +128,16 @@ def _launch(cfg: Any, run_dir: Path, overrides: list[str], cwd: Path) -> dict[st
     log.info("done: test_accuracy %.4f after %d epochs; run directory %s",
              final["test_accuracy"], final["epoch"], run_dir)
     return {k: v for k, v in final.items() if k != "history"}
+
+
+def _command_line(hc: Any, overrides: list[str]) -> list[str]:
+    """This job's tfkv-run command, for the record's rerun.sh: its own config directory and
+    name, Hydra's overrides (hydra.searchpath, ...) and the job's (one job of a sweep)."""
+    argv = ["tfkv-run"]
+    argv += [f"--config-dir={s.path}" for s in hc.runtime.config_sources if s.provider == "command-line"]
+    if hc.job.config_name != "config":
+        argv.append(f"--config-name={hc.job.config_name}")
+    return argv + [o for o in hc.overrides.hydra if not o.startswith("hydra.mode=")] + overrides
 
 
 def _one_line(exc: BaseException) -> str:
@@ -209,6 +232,10 @@ def _run() -> None:
         from tfkv.store import node
 
         node.main()  # serves until the job ends, then exits
+    # The user's own package (model._target_: myproj.nets.build) imports from the directory
+    # tfkv-run started in, as `python -m` would have it: a console script's sys.path lacks it.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     sys.argv[1:] = [expand_home(a) for a in sys.argv[1:]]
     from tfkv.launcher.plan import worker_overrides
 

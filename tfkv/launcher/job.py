@@ -7,7 +7,7 @@ import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Sequence
+from typing import IO, Mapping, Sequence
 
 from tfkv.errors import ConfigError
 from tfkv.launcher import base, record, signals
@@ -41,7 +41,9 @@ def remote_path(opts: Options, workdir: Path, path: Path) -> str:
     return str(path)
 
 
-def plan_job(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path) -> base.Job:
+def plan_job(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path,
+             env: Mapping[str, str] | None = None) -> base.Job:
+    """The job's plan; `env` goes to every role (tfkv-run: the workers' config)."""
     if opts.launcher not in base.REGISTRY:
         raise ConfigError(f"launcher {opts.launcher!r} is not known; choose one of {', '.join(base.REGISTRY.names())}")
     if opts.hostfile:
@@ -54,7 +56,8 @@ def plan_job(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path
     python = sys.executable if local else opts.python
     scheduler_host = opts.host if local or not opts.hostfile else hosts[0].name
     port = opts.port or free_port(opts.host if local else "0.0.0.0")
-    extra = {"TFKV_HEARTBEAT_TIMEOUT": str(opts.heartbeat_timeout), RUN_DIR: remote_path(opts, workdir, run_dir)}
+    extra = {**(env or {}), "TFKV_HEARTBEAT_TIMEOUT": str(opts.heartbeat_timeout),
+             RUN_DIR: remote_path(opts, workdir, run_dir)}
     if opts.interface:
         extra["DMLC_INTERFACE"] = opts.interface
     if opts.verbose:
@@ -100,10 +103,11 @@ def describe(job: base.Job) -> str:
 
 
 def launch(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path, argv: Sequence[str],
-           out: IO[str]) -> base.Result:
-    """Plan, print the plan, check every host, write the record, run the job. The result's
-    returncode is 128 + N when signal N (Ctrl-C, SIGTERM) stopped the job."""
-    job = plan_job(opts, worker_argv, workdir, run_dir)
+           out: IO[str], env: Mapping[str, str] | None = None) -> base.Result:
+    """Plan, print the plan, check every host, write the record, run the job (`env`: more
+    variables for every role). The result's returncode is 128 + N when signal N (Ctrl-C,
+    SIGTERM) stopped the job."""
+    job = plan_job(opts, worker_argv, workdir, run_dir, env)
     out.write(f"tfkv: {opts.launcher} job, {opts.num_servers} server(s), {opts.num_workers} worker(s) - "
               f"{describe(job)}\n")
     out.flush()

@@ -14,22 +14,24 @@ from typing import Mapping, Sequence
 # The job's run directory as the roles see it, in every role's environment: a worker that runs
 # tfkv-run writes there (see worker_overrides) instead of making a Hydra run directory of its own.
 RUN_DIR = "TFKV_RUN_DIR"
+# The config a tfkv-run job's workers run (tfkv.worker): the launcher's, as it recorded it.
+CONFIG = "TFKV_CONFIG"
 
 # Variables of the launching shell that every role gets too, on every backend and host (local,
 # ssh, mpi, yarn; Slurm and SGE pass the whole environment): the MXNet/tfkv knobs a user exports
 # (PS_RESEND, MXNET_KVSTORE_*, TFKV_HEARTBEAT_TIMEOUT, ...) and what dmlc's ssh tracker passes on.
 FORWARD_PREFIXES = ("TFKV_", "DMLC_", "PS_", "MXNET_")
 FORWARD_NAMES = ("OMP_NUM_THREADS", "KMP_AFFINITY", "LD_LIBRARY_PATH", "PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL")
-# ...but never what the plan decides for each role (its role, the scheduler, the job's size, keys
-# and run directory; the TFKV_ twins of DMLC_ names would override the plan's), nor the launcher's
-# own ssh config: a launcher started from inside another job must not pass that job's on; nor
-# what belongs to one node (TFKV_ADVERTISE_ADDRESS, one server's host:port: every server would
-# register the same one).
+# ...but never what the plan decides for each role (its role, the scheduler, the job's size, keys,
+# run directory and config; the TFKV_ twins of DMLC_ names would override the plan's), nor the
+# launcher's own ssh config: a launcher started from inside another job must not pass that job's
+# on; nor what belongs to one node (TFKV_ADVERTISE_ADDRESS, one server's host:port: every server
+# would register the same one).
 NOT_FORWARDED = frozenset({
     "DMLC_ROLE", "TFKV_ROLE", "TFKV_RANK_HINT", "DMLC_PS_ROOT_URI", "TFKV_SCHEDULER_HOST", "DMLC_PS_ROOT_PORT",
     "TFKV_SCHEDULER_PORT", "DMLC_NUM_SERVER", "TFKV_NUM_SERVER", "DMLC_NUM_WORKER", "TFKV_NUM_WORKER",
     "TFKV_INTERFACE", "TFKV_CURVE_PUBLIC", "TFKV_CURVE_SECRET", "TFKV_CURVE_KEYFILE", "TFKV_SECRETS_ON_STDIN",
-    "TFKV_SSH_CONFIG", "TFKV_ADVERTISE_ADDRESS", RUN_DIR})
+    "TFKV_SSH_CONFIG", "TFKV_ADVERTISE_ADDRESS", RUN_DIR, CONFIG})
 
 
 def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
@@ -83,9 +85,11 @@ def make_plan(num_workers: int, num_servers: int, worker_argv: list[str], node_a
 
 
 def worker_overrides(argv: Sequence[str], environ: Mapping[str, str]) -> list[str]:
-    """The Hydra overrides that make tfkv-run, as a worker of a launched job, write into the
-    job's run directory (metrics, checkpoints from worker 0; `worker<rank>.log` each) and not
-    into one of its own; only those `argv` does not set itself. Empty outside a launched job."""
+    """The Hydra overrides that make tfkv-run, as the workers' command of `tfkv-launch -- tfkv-run
+    ...`, write into the job's run directory (metrics, checkpoints from worker 0; `worker<rank>.log`
+    each) and not into one of its own; only those `argv` does not set itself. Empty outside a
+    launched job. (The workers of `tfkv-run cluster=...` itself run tfkv.worker instead: the
+    launcher's recorded config, no Hydra of their own.)"""
     run_dir = environ.get(RUN_DIR)
     if not run_dir or (environ.get("TFKV_ROLE") or environ.get("DMLC_ROLE") or "").lower() != "worker":
         return []

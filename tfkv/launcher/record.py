@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import IO, Any, Sequence
 
+from tfkv.launcher.plan import CONFIG
+
 # Never part of the synced tree: run outputs, VCS data, caches.
 EXCLUDE = ("outputs", "multirun", ".git", "__pycache__", ".pytest_cache", "launch")
 
@@ -119,9 +121,11 @@ def write(run_dir: Path, launcher: str, job: Any, argv: Sequence[str], versions:
     d.mkdir(parents=True, exist_ok=True)
     from tfkv.store.security import SECRET_NAMES
 
-    # The job's keys are never recorded: a rerun makes fresh ones.
+    # The job's keys are never recorded: a rerun makes fresh ones. The workers' config (encoded,
+    # unreadable here) is the run directory's config_resolved.yaml.
+    shown = {**{k: "<not recorded>" for k in SECRET_NAMES}, CONFIG: "<config_resolved.yaml>"}
     plan = [{"name": p.name, "role": p.role, "rank": p.rank, "host": p.host, "argv": p.argv,
-             "env": {k: ("<not recorded>" if k in SECRET_NAMES else v) for k, v in p.env.items()}}
+             "env": {k: shown.get(k, v) for k, v in p.env.items()}}
             for p in job.plan]
     (d / "plan.json").write_text(json.dumps({
         "launcher": launcher, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "workdir": str(job.workdir),
