@@ -128,19 +128,13 @@ def test_plugin_config_options_compose_with_hydra(plugin_env):
 
 @pytest.mark.slow
 def test_a_plugin_launcher_runs_a_job(plugin_env, tmp_path):
-    """The plug-in launcher (tfkv's local one under another name) starts a scheduler, a server
-    and two workers that train through the parameter server."""
-    out = run_python(f"""
-        import json, sys
-        from pathlib import Path
-        from tfkv.launcher import job
-        opts = job.Options("twin", 2, 1, python=sys.executable, heartbeat_timeout=4.0)
-        worker = [sys.executable, {str(REPO / "tests" / "dist_worker.py")!r}, "updates", "out{{rank}}.json", "4"]
-        result = job.launch(opts, worker, Path.cwd(), Path.cwd() / "rec", ["test"], sys.stdout)
-        print(json.dumps({{"returncode": result.returncode, "failure": result.failure}}))
-    """, plugin_env, cwd=tmp_path, timeout=180)
-    assert out["returncode"] == 0, out
-    log = (tmp_path / "rec" / "launch" / "job.log").read_text()
-    assert "twin launcher: starting the job" in log
+    """tfkv-launch --launcher twin: the plug-in launcher (tfkv's local one under another name)
+    starts a scheduler, a server and two workers that train through the parameter server."""
+    proc = subprocess.run(["tfkv-launch", "-n", "2", "-s", "1", "--launcher", "twin", "--python", sys.executable,
+                           "--run-dir", "rec", "--", sys.executable, str(REPO / "tests" / "dist_worker.py"),
+                           "updates", "out{rank}.json", "4"],
+                          cwd=tmp_path, env=plugin_env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "twin launcher: starting the job" in (tmp_path / "rec" / "launch" / "job.log").read_text()
     for i in range(2):
         assert json.loads((tmp_path / f"out{i}.json").read_text())["final"] == [100.0 - 4 * 3] * 4

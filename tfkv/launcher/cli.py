@@ -43,7 +43,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--num-workers", type=int, required=True, help="number of worker processes")
     p.add_argument("-s", "--num-servers", type=int, help="number of server processes (default: -n)")
     p.add_argument("-H", "--hostfile", help="hosts file (required by ssh; mpi without one runs on this machine)")
-    p.add_argument("--launcher", default="ssh", choices=["local", "ssh", "mpi", "slurm", "sge", "yarn"],
+    from tfkv.launcher.base import REGISTRY  # tfkv's launchers and installed packages' (tfkv.plugins)
+
+    p.add_argument("--launcher", default="ssh", choices=REGISTRY.names(),
                    help="how to start the processes (default: ssh)")
     p.add_argument("--sync-dst-dir", help="rsync the current directory to this path on every host first")
     p.add_argument("--interface", help="network interface the servers listen on (DMLC_INTERFACE)")
