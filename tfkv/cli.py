@@ -108,8 +108,8 @@ def _launch(cfg: Any, run_dir: Path, overrides: list[str], cwd: Path) -> dict[st
     from tfkv.launcher import job
 
     c = cfg.cluster
-    opts = job.Options(c.launcher, c.num_workers, c.num_servers, c.hostfile, c.sync_dst_dir, c.interface,
-                       c.host, c.port, c.heartbeat_timeout, c.verbose, c.python, c.secure)
+    # the settings this launcher has (config.CLUSTER_SCHEMAS); Options' defaults for the rest
+    opts = job.Options(**{f.name: c[f.name] for f in dataclasses.fields(job.Options) if f.name in c})
     # resume=true means an earlier run of this command here, where its outputs are; the workers
     # get the checkpoint's path as they see it (under sync_dst_dir on the hosts of a synced tree).
     resume_from = checkpoint.find_resume(cfg.resume, run_dir, cwd, overrides)

@@ -23,36 +23,6 @@ from tfkv.store import compression
 
 
 @dataclass
-class ModelConfig:
-    name: str = MISSING
-    hidden: List[int] = field(default_factory=lambda: [256, 128])  # mlp only
-    dropout: float = 0.0
-    batch_norm: bool = True  # vgg11 only; resnet18 always has it
-    width: int = 64  # channels of the first stage (vgg11, resnet18)
-    # lstm_lm: `hidden` lists the LSTM layers' sizes; the embedding has embed_dim (0: hidden[0])
-    embed_dim: int = 0
-
-
-@dataclass
-class DatasetConfig:
-    name: str = MISSING
-    root: str = "data"  # where mnist/cifar10 files live (relative to the working directory)
-    download: bool = True  # fetch from the standard URL when files are missing and we are online
-    augment: bool = False  # random crop + flip for image sets (cifar10)
-    test_fraction: float = 0.2  # digits: share held out for testing
-    # synthetic only: a learnable random problem
-    num_train: int = 4096
-    num_test: int = 1024
-    shape: List[int] = field(default_factory=lambda: [32, 32, 3])
-    num_classes: int = 10
-    # text (ptb, embedded_text): tokens per training sequence, vocabulary cap (0: every word of
-    # the training text), and the held-out split evaluated each epoch
-    seq_len: int = 35
-    vocab_size: int = 10000
-    eval_split: str = "test"
-
-
-@dataclass
 class ScheduleConfig:
     name: str = "constant"  # constant | step | cosine
     factor: float = 0.1  # step: multiply the rate by this ...
@@ -62,19 +32,30 @@ class ScheduleConfig:
 
 @dataclass
 class OptimizerConfig:
+    """What every optimizer takes."""
+
     name: str = MISSING  # sgd | adam
     lr: float = 0.1
-    momentum: float = 0.0  # sgd
     wd: float = 0.0
-    beta1: float = 0.9  # adam
-    beta2: float = 0.999  # adam
-    epsilon: float = 1e-8  # adam
     # MXNet's: the summed gradient is multiplied by rescale_grad (null: 1 / the examples of one
     # update, every worker's for dist_sync, as MXNet's Module sets it), then clipped to
     # [-clip_gradient, clip_gradient] (null: no clipping)
     rescale_grad: Optional[float] = None
     clip_gradient: Optional[float] = None
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+
+
+@dataclass
+class SGDConfig(OptimizerConfig):
+    momentum: float = 0.0
+
+
+@dataclass
+class AdamConfig(OptimizerConfig):
+    lr: float = 0.001
+    beta1: float = 0.9
+    beta2: float = 0.999
+    epsilon: float = 1e-8
 
 
 @dataclass
@@ -97,15 +78,18 @@ class KVStoreConfig:
 
 
 @dataclass
-class ClusterConfig:
+class NoCluster:
     # none: this process trains alone (or is one role of a job started by hand with DMLC_*);
     # local | ssh | mpi | slurm | sge | yarn: start the scheduler, servers and workers that way.
     launcher: str = "none"
+
+
+@dataclass
+class ClusterConfig(NoCluster):
+    """What every launcher takes (cluster=local has exactly these)."""
+
     num_workers: int = 2
     num_servers: int = 1
-    hostfile: Optional[str] = None  # ssh/mpi: one host per line (host, host:port, user@host)
-    sync_dst_dir: Optional[str] = None  # ssh: rsync the working directory there on every host
-    python: str = "python3"  # the interpreter on the hosts
     host: str = "127.0.0.1"  # the scheduler's address
     port: int = 0  # the scheduler's port; 0 picks a free one
     interface: Optional[str] = None  # network interface servers listen on (DMLC_INTERFACE)
@@ -116,6 +100,30 @@ class ClusterConfig:
     secure: bool = True
 
 
+@dataclass
+class RemoteCluster(ClusterConfig):
+    """Launchers that start roles on other hosts (mpi, slurm, sge, yarn)."""
+
+    hostfile: Optional[str] = None  # mpi: one host per line (host, host:port, user@host)
+    python: str = "python3"  # the interpreter on the hosts
+
+
+@dataclass
+class SSHCluster(RemoteCluster):
+    sync_dst_dir: Optional[str] = None  # rsync the working directory there on every host
+
+
+# cluster.launcher -> the settings that launcher has (a launcher from a plug-in: ClusterConfig's,
+# or the schema its class declares as `config`)
+CLUSTER_SCHEMAS: dict[str, type] = {"none": NoCluster, "local": ClusterConfig, "ssh": SSHCluster,
+                                    "mpi": RemoteCluster, "slurm": RemoteCluster, "sge": RemoteCluster,
+                                    "yarn": RemoteCluster}
+OPTIMIZER_SCHEMAS: dict[str, type] = {"sgd": SGDConfig, "adam": AdamConfig}
+
+
+@dataclass
+class ExportConfig:
+    saved_model: bool = False  # also a SavedModel (model.export) for serving, beside model.keras
 
 
 def is_distributed(kvstore_type: str) -> bool:
@@ -124,19 +132,29 @@ def is_distributed(kvstore_type: str) -> bool:
 
 @dataclass
 class Config:
-    model: ModelConfig = MISSING
-    dataset: DatasetConfig = MISSING
-    optimizer: OptimizerConfig = MISSING
+    # Any callable returning a keras.Model (_target_ + its keyword arguments), or {path: x.keras}
+    model: Any = MISSING
+    # Any data factory (_target_ + its keyword arguments); see tfkv.data.source
+    dataset: Any = MISSING
+    # A Keras loss name, a _target_ node, or {output name: loss}; and a list of Keras metrics
+    loss: Any = field(default_factory=lambda: {"_target_": "keras.losses.SparseCategoricalCrossentropy",
+                                               "from_logits": True})
+    metrics: Any = field(default_factory=lambda: ["accuracy"])
+    objective: str = "test_accuracy"  # the metric tfkv-run returns (to a sweeper)
+    optimizer: Any = MISSING  # one of OPTIMIZER_SCHEMAS, by optimizer.name
     kvstore: KVStoreConfig = MISSING
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    cluster: Any = field(default_factory=lambda: {"launcher": "none"})  # one of CLUSTER_SCHEMAS
     devices: List[str] = field(default_factory=lambda: ["cpu:0"])
     work_load_list: Optional[List[float]] = None
     batch_size: int = 64  # per machine; split across `devices`
     eval_batch_size: int = 1000
     epochs: int = 10
+    steps_per_epoch: Optional[int] = None  # null: the fewest full batches of any worker's shard
     seed: int = 0
     deterministic: bool = False  # tf.config.experimental.enable_op_determinism()
     resume: Any = False  # false | true (last checkpoint of the same command) | a run dir
+    eval_only: bool = False  # evaluate the `resume` checkpoint on the test split, no training
+    export: ExportConfig = field(default_factory=ExportConfig)
     progress: bool = True  # progress bar on a terminal
     log_every: int = 20  # steps between progress-bar and TensorBoard step updates
     # Model parallelism: null = data parallelism (a model copy per device); `auto` = the model's
@@ -176,8 +194,11 @@ def split_batch(batch_size: int, work_load_list: Optional[List[float]], num_devi
 
 
 def validate(cfg: Any) -> None:
-    """Reject what the schema's types cannot: unknown names, bad devices, a bad workload split."""
-    from tfkv import data, models, store, optim
+    """Reject what the schema's types cannot: unknown names, keys the chosen option does not have,
+    bad devices, a bad workload split, a model or data factory that does not take its settings.
+    Each option node (optimizer, cluster) is replaced by its typed form, defaults filled in."""
+    from tfkv import models, store, optim
+    from tfkv.data import source
 
     def known(kind: str, value: str, names: list[str], group: str) -> None:
         if value not in names:
@@ -186,11 +207,16 @@ def validate(cfg: Any) -> None:
                 f"(e.g. {group}={sorted(names)[0]})"
             )
 
-    known("model.name", cfg.model.name, models.names(), "model")
-    known("dataset.name", cfg.dataset.name, data.names(), "dataset")
-    known("optimizer.name", cfg.optimizer.name, optim.names(), "optimizer")
+    _validate_keys(cfg, Config, "")
+    optimizer_name = _option_name(cfg.optimizer, "optimizer", "name")
+    known("optimizer.name", optimizer_name, optim.names(), "optimizer")
+    cfg.optimizer = typed(cfg.optimizer, OPTIMIZER_SCHEMAS[optimizer_name], "optimizer", optimizer_name)
     known("optimizer.schedule.name", cfg.optimizer.schedule.name, optim.schedule_names(),
           "optimizer.schedule.name")
+    launcher = _option_name(cfg.cluster, "cluster", "launcher")
+    cfg.cluster = typed(cfg.cluster, cluster_schema(launcher), "cluster", launcher)
+    models.check(cfg.model)
+    source.check(cfg.dataset)
     kind = cfg.kvstore.type
     if kind not in store.names():  # MXNet's spelling of a type, or one of its types tfkv lacks: name ours
         try:
@@ -208,9 +234,10 @@ def validate(cfg: Any) -> None:
     parsed = [parse_device(d) for d in devices]
     if len(set(parsed)) != len(parsed):
         raise ConfigError(f"devices={devices} names a device twice; list each device once")
-    _validate_keys(cfg, Config, "")
     if not 0 <= cfg.seed < 2**32:
         raise ConfigError(f"seed={cfg.seed} must be between 0 and {2**32 - 1} (numpy's and TensorFlow's range)")
+    if cfg.steps_per_epoch is not None and cfg.steps_per_epoch < 1:
+        raise ConfigError(f"steps_per_epoch={cfg.steps_per_epoch} must be at least 1, or null (from the data)")
     for key in ("batch_size", "eval_batch_size", "epochs", "log_every"):
         if getattr(cfg, key) < 1:
             raise ConfigError(f"{key}={getattr(cfg, key)} must be at least 1")
@@ -240,7 +267,6 @@ def validate(cfg: Any) -> None:
         optim.from_config(cfg.optimizer, 1, cfg.epochs)
     except ValueError as e:
         raise ConfigError(f"optimizer: {e}; fix it with optimizer.<setting>=...") from None
-    _validate_model(cfg.model)
     _validate_cluster(cfg)
     _validate_placement(cfg)
     resume = cfg.resume
@@ -248,43 +274,69 @@ def validate(cfg: Any) -> None:
         raise ConfigError(f"resume={resume!r} must be true, false or a run directory")
 
 
-def _validate_keys(node: Any, schema: type, prefix: str) -> None:
-    """Refuse keys the schema does not have: `+epoch=3` adds one past OmegaConf's struct check, and
-    the run would silently ignore it."""
+def _validate_keys(node: Any, schema: type, prefix: str, option: str = "") -> None:
+    """Refuse keys the schema does not have: `+epoch=3` adds one past OmegaConf's struct check,
+    `optimizer=adam optimizer.momentum=0.9` one that only another option has; either way the run
+    would silently ignore it."""
     from omegaconf import DictConfig
 
     fields = typing.get_type_hints(schema)
     for key in node.keys():
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
+            if option:
+                mean = f" (did you mean {prefix}{close[0]}?)" if close else ""
+                raise ConfigError(f"{prefix}{key} is not a setting of {option}{mean}; its settings: "
+                                  f"{', '.join(sorted(fields))}")
             hint = f"did you mean {prefix}{close[0]}?" if close else f"see {schema.__name__} in tfkv/config.py"
             raise ConfigError(f"{prefix}{key} is not a setting tfkv knows ({hint})")
         child = node[key]
         if dataclasses.is_dataclass(fields[key]) and isinstance(child, DictConfig):
-            _validate_keys(child, fields[key], f"{prefix}{key}.")
+            _validate_keys(child, fields[key], f"{prefix}{key}.", option)
 
 
-def _validate_model(m: Any) -> None:
-    """The sizes Keras would refuse with a traceback once the model is built."""
-    if not 0 <= m.dropout < 1:
-        raise ConfigError(f"model.dropout={m.dropout} must be at least 0 and below 1 (the share of units dropped)")
-    if any(h < 1 for h in m.hidden):
-        raise ConfigError(f"model.hidden={list(m.hidden)} must list layer sizes of at least 1, e.g. [256,128]")
-    if m.width < 1:
-        raise ConfigError(f"model.width={m.width} must be at least 1 (channels of the first stage)")
-    if m.embed_dim < 0:
-        raise ConfigError(f"model.embed_dim={m.embed_dim} must be 0 (the first LSTM's size) or more")
+def _option_name(node: Any, group: str, key: str) -> str:
+    from omegaconf import DictConfig
+
+    if not isinstance(node, (DictConfig, dict)) or node.get(key) is None:
+        raise ConfigError(f"{group}.{key} is missing; choose an option, e.g. {group}=<option> (see conf/{group}/)")
+    return str(node[key])
+
+
+def cluster_schema(launcher: str) -> type:
+    """The settings of `cluster.launcher`: its own schema, or (a plug-in's) the declared or common one."""
+    if launcher in CLUSTER_SCHEMAS:
+        return CLUSTER_SCHEMAS[launcher]
+    from tfkv.launcher.base import REGISTRY as LAUNCHERS
+
+    if launcher in LAUNCHERS:
+        return getattr(LAUNCHERS.get(launcher), "config", None) or ClusterConfig
+    raise ConfigError(f"cluster.launcher={launcher!r} is not known; choose one of "
+                      f"{', '.join(sorted(set(CLUSTER_SCHEMAS) | set(LAUNCHERS.names())))} (e.g. cluster=local)")
+
+
+def typed(node: Any, schema: type, group: str, option: str) -> Any:
+    """`node` checked against the schema of its option and merged onto it (defaults filled in).
+    A key the option does not have is one line naming the option's keys."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    _validate_keys(node, schema, f"{group}.", f"{group}={option}")
+    try:
+        return OmegaConf.merge(OmegaConf.structured(schema), node)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or getattr(e, "key", None) or ""
+        return _raise(f"{group}.{key}".rstrip("."), str(e).splitlines()[0])
+
+
+def _raise(key: str, why: str) -> Any:
+    raise ConfigError(f"{key}: {why}")
 
 
 def _validate_cluster(cfg: Any) -> None:
     import os
 
-    from tfkv.launcher.base import REGISTRY as LAUNCHERS
-
     c, kind = cfg.cluster, cfg.kvstore.type
-    if c.launcher != "none" and c.launcher not in LAUNCHERS:
-        raise ConfigError(f"cluster.launcher={c.launcher!r} is not known; choose one of none, "
-                          f"{', '.join(LAUNCHERS.names())} (e.g. cluster=local)")
     in_job = bool(os.environ.get("TFKV_ROLE") or os.environ.get("DMLC_ROLE"))
     if is_distributed(kind):
         if c.launcher == "none" and not in_job:
@@ -310,6 +362,8 @@ def _validate_cluster(cfg: Any) -> None:
             raise ConfigError(f"kvstore.compression.type={comp.type} compresses what devices send to be summed "
                               f"(kvstore=device) or workers push to parameter servers (dist_*); kvstore={kind} "
                               "sends neither: use kvstore=device or kvstore=dist_sync")
+    if c.launcher == "none":
+        return
     for key in ("num_workers", "num_servers"):
         if getattr(c, key) < 1:
             raise ConfigError(f"cluster.{key}={getattr(c, key)} must be at least 1")
@@ -319,16 +373,9 @@ def _validate_cluster(cfg: Any) -> None:
 
 def _validate_placement(cfg: Any) -> None:
     """Model parallelism: the model must declare layer groups and the mapping must fit them."""
-    from tfkv import data, models
+    from tfkv import models
     from tfkv.parallel import placement
 
-    model, dataset = cfg.model.name, cfg.dataset.name
-    if (model in models.SEQUENCE) != (dataset in data.TEXT):
-        raise ConfigError(
-            f"model={model} and dataset={dataset} do not fit: language models "
-            f"({', '.join(sorted(models.SEQUENCE))}) need a text data set "
-            f"({', '.join(sorted(data.TEXT))}) and the other models image or vector data; "
-            "e.g. +experiment=lstm_ptb")
     m = cfg.micro_batches
     if m < 1:
         raise ConfigError(f"micro_batches={m} must be at least 1")
@@ -337,14 +384,15 @@ def _validate_placement(cfg: Any) -> None:
             raise ConfigError(f"micro_batches={m} pipelines a model split over devices; set placement "
                               "(e.g. placement=auto) or leave micro_batches=1 for data parallelism")
         return
-    if not models.has_groups(model):
+    name = models.name(cfg.model)
+    if models.layer_groups(cfg.model) is None:
         raise ConfigError(
-            f"placement: model {model} declares no layer groups, so it cannot be split over devices; "
-            f"model parallelism needs one that does ({', '.join(sorted(models.GROUPED))}) or placement=null")
+            f"placement: model {name} declares no layer groups, so it cannot be split over devices; "
+            "model parallelism needs a builder with group_names and build_groups (e.g. model=lstm_lm) or placement=null")
     if cfg.work_load_list is not None:
         raise ConfigError("work_load_list splits a batch between model copies (data parallelism); "
                           "with placement there is one copy, split by layers: drop one of the two")
     if m > cfg.batch_size:
         raise ConfigError(f"micro_batches={m} is more than batch_size={cfg.batch_size}; every "
                           "micro-batch needs at least one example")
-    placement.check(cfg.placement, models.group_names(cfg.model), list(cfg.devices), model)
+    placement.check(cfg.placement, models.group_names(cfg.model), list(cfg.devices), name)

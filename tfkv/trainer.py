@@ -57,6 +57,7 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
     from tfkv import checkpoint, data, models, optim, store as stores
     from tfkv.config import split_batch
     from tfkv.parallel import devices as devices_mod
+    from tfkv.parallel.criterion import Criterion
     from tfkv.parallel.data_parallel import DataParallel
 
     run_dir = Path(run_dir)
@@ -70,29 +71,28 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
         # Before any key exists; the store decides what compression means for it.
         store.set_gradient_compression({"type": cfg.kvstore.compression.type,
                                         "threshold": cfg.kvstore.compression.threshold})
-        ds = data.load(cfg.dataset, seed=cfg.seed)
-        steps = data.steps_per_epoch(ds, cfg.batch_size, store.num_workers)
+        source = data.Source(cfg.dataset, cfg.seed, cfg.batch_size, cfg.eval_batch_size, store.num_workers,
+                             store.rank, cfg.steps_per_epoch)
+        steps = source.steps
         optimizer = optim.from_config(cfg.optimizer, steps, cfg.epochs)
         resume_from = checkpoint.find_resume(cfg.resume, run_dir, search_root or Path.cwd(), overrides)
         ckpt = checkpoint.load(resume_from) if resume_from else None
 
-        # Positions per example: the sequence length for a language model, else 1. An example's
-        # loss is then the mean over its positions; the optimizer's rescale_grad makes the sum
-        # over examples a mean over the global batch, as for classification.
-        positions = int(np.prod(ds.y_train.shape[1:], dtype=np.int64))
-        loss_scale = 1.0 / positions if positions > 1 else None
+        positions = source.positions
+        criterion = Criterion.from_config(cfg.loss, cfg.metrics)
         sizes = split_batch(cfg.batch_size, cfg.work_load_list, len(tf_devices))
         try:
             if cfg.placement is not None:
-                dp = _model_parallel(cfg, ds, tf_devices, store, optimizer, loss_scale,
+                dp = _model_parallel(cfg, source, tf_devices, store, optimizer, criterion,
                                      ckpt.weights if ckpt else None)
             else:
                 dp = DataParallel(
-                    lambda: models.build(cfg.model, ds.input_shape, ds.num_classes),
+                    lambda: models.build(cfg.model, input_shape=source.input_shape, input_spec=source.input_spec,
+                                         num_classes=source.num_classes),
                     tf_devices, store, optimizer, sizes,
                     update_on_kvstore=cfg.kvstore.update_on_kvstore,
                     initial_weights=ckpt.weights if ckpt else None,
-                    loss_scale=loss_scale,
+                    criterion=criterion,
                 )
             if ckpt:
                 dp.load_optimizer(ckpt.optimizer, run_dir)
@@ -110,17 +110,16 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
         chief = store.rank == 0
         if cfg.placement is not None:
             log.info("%s split over %s (batch %d in %d micro-batches), kvstore=%s, %d worker(s), "
-                     "%d steps/epoch", cfg.model.name, ",".join(cfg.devices), cfg.batch_size,
+                     "%d steps/epoch", models.name(cfg.model), ",".join(cfg.devices), cfg.batch_size,
                      cfg.micro_batches, store.type, store.num_workers, steps)
         else:
             log.info("%s on %s (batch %s per device), kvstore=%s, %d worker(s), %d steps/epoch",
-                     cfg.model.name, ",".join(cfg.devices), sizes, store.type, store.num_workers, steps)
+                     models.name(cfg.model), ",".join(cfg.devices), sizes, store.type, store.num_workers, steps)
         writer = _written(lambda: tf.summary.create_file_writer(str(run_dir / "tensorboard")),
                           run_dir / "tensorboard") if chief else None
 
         for epoch in range(start, cfg.epochs + 1):
-            batches = data.train_dataset(ds, cfg.batch_size, epoch, cfg.seed, store.num_workers,
-                                         store.rank, cfg.dataset.augment)
+            batches = source.train(epoch)
             bar = tqdm(total=steps, desc=f"epoch {epoch}/{cfg.epochs}", unit="step", leave=False,
                        disable=None if (cfg.progress and chief) else True, mininterval=0.5)
             # The workers start the clock together: otherwise a worker's epoch would include
@@ -140,7 +139,7 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
             bar.close()
             train_loss, train_acc, seen = dp.take_metrics()
             dp.sync_non_trainable()
-            test_loss, test_acc = dp.evaluate(data.test_dataset(ds, cfg.eval_batch_size))
+            test_loss, test_acc = dp.evaluate(source.test())
             # per example -> per position (token): a no-op for classification
             train_loss, train_acc, test_loss, test_acc = (
                 v / positions for v in (train_loss, train_acc, test_loss, test_acc))
@@ -163,7 +162,7 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
             if positions > 1:
                 log.info("epoch %d/%d  train_perplexity %.2f  test_perplexity %.2f  (%s split)",
                          epoch, cfg.epochs, record["train_perplexity"], record["test_perplexity"],
-                         cfg.dataset.eval_split)
+                         cfg.dataset.get("eval_split", "test"))
             if chief:
                 with writer.as_default():
                     for name in ("train_loss", "train_accuracy", "test_loss", "test_accuracy",
@@ -188,22 +187,22 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
     return final
 
 
-def _model_parallel(cfg: Any, ds: Any, tf_devices: list[str], store: Any, optimizer: Any,
-                    loss_scale: float | None, initial_weights: Any) -> Any:
+def _model_parallel(cfg: Any, source: Any, tf_devices: list[str], store: Any, optimizer: Any,
+                    criterion: Any, initial_weights: Any) -> Any:
     """The model's layer groups on the devices `cfg.placement` names, the plan logged."""
     from tfkv import models
     from tfkv.parallel import placement
     from tfkv.parallel.model_parallel import ModelParallel
 
-    groups = models.build_groups(cfg.model, ds.input_shape, ds.num_classes)
-    specs = placement.assign(cfg.placement, groups, list(cfg.devices), cfg.model.name)
+    groups = models.build_groups(cfg.model, source.input_shape, source.num_classes)
+    specs = placement.assign(cfg.placement, groups, list(cfg.devices), models.name(cfg.model))
     mode = "placement=auto" if placement.is_auto(cfg.placement) else "placement from config"
     log.info("%s", placement.format_plan(placement.stages(groups, specs),
                                          f"model-parallel plan ({mode}, {cfg.micro_batches} micro-batches)"))
     by_spec = {placement.canonical(d): t for d, t in zip(cfg.devices, tf_devices)}
     return ModelParallel(groups, [by_spec[s] for s in specs], store, optimizer, cfg.batch_size,
                          micro_batches=cfg.micro_batches, update_on_kvstore=cfg.kvstore.update_on_kvstore,
-                         initial_weights=initial_weights, loss_scale=loss_scale)
+                         initial_weights=initial_weights, criterion=criterion)
 
 
 def _written(write: Callable[[], Any], where: Path) -> Any:

@@ -1,48 +1,25 @@
-"""Data sets by name and per-worker sharding. Importing this package does not import TensorFlow.
+"""Data: any factory named by `dataset._target_` (see `tfkv.data.source`), the built-in sets
+(digits, mnist, cifar10, ptb, embedded text, synthetic) and streaming readers, per-worker
+sharding. Importing this package does not import TensorFlow.
 
-`load(cfg)` returns an in-memory `DataSet`; `train_dataset`/`test_dataset` wrap it in tf.data
-pipelines (TensorFlow is imported there, on first call). Training data is split across workers
-the way MXNet's SplitSampler does it (`shard_range`) and reshuffled per (seed, epoch).
+`Source` is one run's data as the trainer sees it; in-memory sets are `DataSet`s that
+`train_dataset`/`test_dataset` wrap in tf.data pipelines (TensorFlow is imported there, on first
+call). Training data is split across workers the way MXNet's SplitSampler does it
+(`shard_range`) and reshuffled per (seed, epoch).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tfkv.data.base import DataSet, shard_range, steps_per_epoch
-from tfkv.errors import ConfigError
-from tfkv.registry import Registry
+from tfkv.data.source import Context, Source, Split
 
 if TYPE_CHECKING:
     import tensorflow as tf
 
-__all__ = ["DataSet", "names", "load", "shard_range", "steps_per_epoch", "train_dataset",
+__all__ = ["Context", "DataSet", "Source", "Split", "shard_range", "steps_per_epoch", "train_dataset",
            "test_dataset"]
-
-# name -> "module:function"; imported on use so that e.g. sklearn loads only for digits
-REGISTRY = Registry("data set", {
-    "cifar10": "tfkv.data.cifar10:load",
-    "digits": "tfkv.data.digits:load",
-    "mnist": "tfkv.data.mnist:load",
-    "synthetic": "tfkv.data.synthetic:load",
-    "ptb": "tfkv.data.ptb:load",
-    "embedded_text": "tfkv.data.ptb:load_embedded",
-})
-names = REGISTRY.names
-
-# Text sets for language models: x and y are (n, seq_len) token ids, y the next token of x.
-TEXT = {"ptb", "embedded_text"}
-
-
-def load(cfg: Any, seed: int = 0) -> DataSet:
-    """The data set `cfg.name` (a `tfkv.config.DatasetConfig`); `seed` only matters for synthetic."""
-    name = str(cfg.name)
-    if name not in REGISTRY:
-        raise ConfigError(
-            f"dataset.name={name!r} is not known; choose one of {', '.join(names())} "
-            "(e.g. dataset=digits)"
-        )
-    return REGISTRY.get(name)(cfg, seed)
 
 
 def train_dataset(ds: DataSet, batch_size: int, epoch: int, seed: int, num_parts: int = 1,

@@ -25,6 +25,7 @@ class DataSet:
     num_classes: int
     mean: tuple[float, ...]
     std: tuple[float, ...]
+    augment: bool = False  # random crop + flip of training images (16x16 and larger)
 
     @property
     def input_shape(self) -> tuple[int, ...]:

@@ -6,7 +6,6 @@ import os
 import shutil
 import tarfile
 import tempfile
-from typing import Any
 
 import numpy as np
 
@@ -121,10 +120,11 @@ def _ensure(root: str, download: bool) -> str:
     return directory
 
 
-def load(cfg: Any, seed: int = 0) -> DataSet:
-    """The 50k/10k CIFAR-10 split as (N, 32, 32, 3) uint8 images; `seed` is unused (fixed split)."""
-    root = os.path.abspath(os.path.expanduser(str(cfg.root)))
-    directory = _ensure(root, bool(cfg.download))
+def load(root: str = "data/cifar10", download: bool = True, augment: bool = True) -> DataSet:
+    """The 50k/10k CIFAR-10 split as (N, 32, 32, 3) uint8 images; `augment`: random crop + flip
+    of training images."""
+    root = os.path.abspath(os.path.expanduser(str(root)))
+    directory = _ensure(root, bool(download))
     train = [read_batch(os.path.join(directory, n)) for n in TRAIN_FILES]
     x_test, y_test = read_batch(os.path.join(directory, TEST_FILE))
     return DataSet(
@@ -136,4 +136,5 @@ def load(cfg: Any, seed: int = 0) -> DataSet:
         num_classes=10,
         mean=MEAN,
         std=STD,
+        augment=bool(augment),
     )

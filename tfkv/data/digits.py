@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from tfkv.data.base import DataSet
@@ -12,8 +10,8 @@ from tfkv.errors import ConfigError
 SPLIT_SEED = 0  # not the run seed: the test set must be the same for every run
 
 
-def load(cfg: Any, seed: int = 0) -> DataSet:
-    """1797 digits as (8, 8, 1) float32 in [0, 1]; `cfg.test_fraction` of them held out for testing.
+def load(test_fraction: float = 0.2) -> DataSet:
+    """1797 digits as (8, 8, 1) float32 in [0, 1]; `test_fraction` of them held out for testing.
 
     Normalisation statistics come from the training split, so no test information leaks in.
     """
@@ -21,7 +19,7 @@ def load(cfg: Any, seed: int = 0) -> DataSet:
 
     x, y = load_digits(return_X_y=True)
     n = len(x)
-    fraction = float(cfg.test_fraction)
+    fraction = float(test_fraction)
     n_test = int(round(n * fraction))
     if not 0 < n_test < n:
         raise ConfigError(

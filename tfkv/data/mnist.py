@@ -5,7 +5,6 @@ from __future__ import annotations
 import gzip
 import os
 import zlib
-from typing import Any
 
 import numpy as np
 
@@ -103,10 +102,10 @@ def _locate(root: str, download: bool) -> dict[str, str]:
     return paths  # type: ignore[return-value]
 
 
-def load(cfg: Any, seed: int = 0) -> DataSet:
+def load(root: str = "data/mnist", download: bool = True) -> DataSet:
     """The 60k/10k MNIST split as (N, 28, 28, 1) uint8 images; `seed` is unused (fixed split)."""
-    root = os.path.abspath(os.path.expanduser(str(cfg.root)))
-    paths = _locate(root, bool(cfg.download))
+    root = os.path.abspath(os.path.expanduser(str(root)))
+    paths = _locate(root, bool(download))
     arrays = {}
     for key, path in paths.items():
         arrays[key] = read_idx(path, IMAGES_MAGIC if key.startswith("x") else LABELS_MAGIC)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import re
 from collections import Counter
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -68,10 +68,10 @@ def batchify(ids: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
-def from_splits(name: str, texts: dict[str, list[str]], cfg: Any) -> DataSet:
+def from_splits(name: str, texts: dict[str, list[str]], seq_len: int, vocab_size: int, eval_split: str) -> DataSet:
     """A DataSet from PTB-format lines per split: x, y are (n, seq_len) int32 token ids."""
-    seq_len, cap = int(cfg.seq_len), int(cfg.vocab_size)
-    split = str(cfg.eval_split)
+    seq_len, cap = int(seq_len), int(vocab_size)
+    split = str(eval_split)
     if seq_len < 1:
         raise ConfigError(f"dataset.seq_len={seq_len} must be at least 1")
     if cap == 1 or cap < 0:
@@ -90,15 +90,17 @@ def from_splits(name: str, texts: dict[str, list[str]], cfg: Any) -> DataSet:
                    num_classes=len(vocab), mean=(0.0,), std=(1.0,))
 
 
-def load(cfg: Any, seed: int = 0) -> DataSet:
-    """`ptb.train.txt`, `ptb.valid.txt`, `ptb.test.txt` from `dataset.root` (never downloaded)."""
-    root = os.path.expanduser(str(cfg.root))
+def load(root: str = "data/ptb", seq_len: int = 20, vocab_size: int = 10000, eval_split: str = "test") -> DataSet:
+    """`ptb.train.txt`, `ptb.valid.txt`, `ptb.test.txt` from `root` (never downloaded), cut into
+    sequences of `seq_len` tokens (targets: the next token), the `vocab_size` most frequent words
+    kept (0: all), `eval_split` (valid or test) evaluated each epoch."""
+    root = os.path.expanduser(str(root))
     missing = [f for f in FILES.values() if not os.path.isfile(os.path.join(root, f))]
     if missing:
         raise DataError(
             f"ptb: missing {', '.join(missing)} in {os.path.abspath(root)}; put the PTB text files there "
             "(simple-examples/data/ from Mikolov's archive, one sentence per line) or train on the "
-            "embedded corpus with dataset.name=embedded_text")
+            "embedded corpus with dataset=embedded_text")
     texts = {}
     for split, fname in FILES.items():
         path = os.path.join(root, fname)
@@ -107,7 +109,7 @@ def load(cfg: Any, seed: int = 0) -> DataSet:
                 texts[split] = f.read().splitlines()
         except (OSError, UnicodeDecodeError) as e:
             raise DataError(f"ptb: cannot read {path} ({e}); it must be UTF-8 text in the PTB format") from e
-    return from_splits("ptb", texts, cfg)
+    return from_splits("ptb", texts, seq_len, vocab_size, eval_split)
 
 
 # -- the embedded corpus ----------------------------------------------------------------------
@@ -147,6 +149,6 @@ def split_sentences(lines: Sequence[str]) -> dict[str, list[str]]:
     return out
 
 
-def load_embedded(cfg: Any, seed: int = 0) -> DataSet:
+def load_embedded(seq_len: int = 20, vocab_size: int = 10000, eval_split: str = "test") -> DataSet:
     """The embedded English corpus, read like PTB (no files, no download)."""
-    return from_splits("embedded_text", split_sentences(embedded_sentences()), cfg)
+    return from_splits("embedded_text", split_sentences(embedded_sentences()), seq_len, vocab_size, eval_split)

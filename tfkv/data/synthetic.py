@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Sequence
 
 import numpy as np
 
@@ -10,13 +10,14 @@ from tfkv.data.base import DataSet
 from tfkv.errors import ConfigError
 
 
-def load(cfg: Any, seed: int = 0) -> DataSet:
+def load(seed: int = 0, num_train: int = 4096, num_test: int = 1024, shape: Sequence[int] = (32, 32, 3),
+         num_classes: int = 10) -> DataSet:
     """Gaussian inputs labelled by the argmax of a fixed random linear map (both drawn from `seed`).
 
     A linear model can reach 100% on it, so a falling loss shows that training works.
     """
-    shape = tuple(int(d) for d in cfg.shape)
-    num_classes, num_train, num_test = int(cfg.num_classes), int(cfg.num_train), int(cfg.num_test)
+    shape = tuple(int(d) for d in shape)
+    num_classes, num_train, num_test = int(num_classes), int(num_train), int(num_test)
     if not shape or min(shape) < 1:
         raise ConfigError(f"dataset.shape={list(shape)} must list positive sizes, e.g. [32,32,3]")
     if num_classes < 2:

@@ -1,52 +1,108 @@
-"""Keras model builders by name. Importing this package does not import TensorFlow."""
+"""Keras models: the built-in zoo, and what tfkv asks of any model builder.
+
+A model is any callable that returns a `keras.Model`, named by `model._target_`; the other keys
+of the `model` node are its keyword arguments, and it may ask for the data set's description by
+taking a parameter named `input_shape` (a tuple, or a dict name -> tuple for dict inputs),
+`input_spec` (the unbatched `tf.TensorSpec`s of x) or `num_classes`. `model.path` starts from
+a saved `.keras` model instead. The built-in zoo (tfkv.models.mlp.build, ...) is ordinary
+`_target_` entries in conf/model/.
+
+A builder that declares named layer groups for model parallelism (`placement=`) carries two
+attributes: `group_names(**kwargs)` (the groups from the config alone, no TensorFlow) and
+`build_groups(input_shape, num_classes, **kwargs)` -> [tfkv.parallel.placement.LayerGroup].
+Importing this package does not import TensorFlow.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Mapping
 
-from tfkv.registry import Registry
+from tfkv import target
+from tfkv.errors import ConfigError
 
-# Each builder: (cfg: ModelConfig, input_shape, num_classes) -> built keras.Model giving logits.
-REGISTRY = Registry("model", {
-    "mlp": "tfkv.models.mlp:build",
-    "lenet": "tfkv.models.lenet:build",
-    "vgg11": "tfkv.models.vgg:build_vgg11",
-    "resnet18": "tfkv.models.resnet:build_resnet18",
-    "lstm_lm": "tfkv.models.lstm_lm:build",
-})
-names = REGISTRY.names
-
-# Models that declare named layer groups for model parallelism (`placement=`): name -> module
-# with `group_names(cfg)` (no TensorFlow; the config layer checks placements with it) and
-# `build_groups(cfg, input_shape, num_classes)` -> [tfkv.parallel.placement.LayerGroup].
-GROUPED = {"lstm_lm": "tfkv.models.lstm_lm"}
-
-# Models whose logits have a time axis, (batch, seq_len, classes): they need a text data set.
-SEQUENCE = {"lstm_lm"}
+# What tfkv passes to a model builder that takes a parameter of that name.
+PROVIDED = ("input_shape", "input_spec", "num_classes")
+# Keys of the model node that tfkv reads itself.
+OWN_KEYS = ("path",)
 
 
-def build(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> Any:
-    """Build the model `cfg.name` (a `tfkv.config.ModelConfig`) for inputs of `input_shape`.
+def _plain(node: Any) -> dict[str, Any]:
+    from omegaconf import DictConfig, OmegaConf
 
-    Returns a built `keras.Model` whose output is unnormalised logits of shape (batch, num_classes), or
-    (batch, seq_len, num_classes) for the `SEQUENCE` models.
-    """
-    return REGISTRY.get(cfg.name)(cfg, tuple(input_shape), num_classes)
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
 
 
-def has_groups(name: str) -> bool:
-    return name in GROUPED
+def check(node: Mapping[str, Any]) -> Callable[..., Any] | None:
+    """Check the model node before anything starts: its callable imports and takes these keys.
+    Returns the builder (None for `model.path`)."""
+    node = _plain(node)
+    if node.get("path") is not None:
+        extra = sorted(k for k in node if k != "path")
+        if extra:
+            raise ConfigError(f"model.path loads a saved model; model.{extra[0]} has no meaning with it: remove it")
+        return None
+    return target.check(node, "model", PROVIDED, OWN_KEYS)
 
 
-def group_names(cfg: Any) -> list[str]:
-    """The layer groups of model `cfg.name`, in order, from the config alone (no TensorFlow)."""
-    import importlib
-
-    return importlib.import_module(GROUPED[cfg.name]).group_names(cfg)
+def arguments(node: Mapping[str, Any]) -> dict[str, Any]:
+    """The builder's keyword arguments from the node (tfkv's and Hydra's keys aside)."""
+    return {k: v for k, v in _plain(node).items() if k not in target.HYDRA_KEYS and k not in OWN_KEYS}
 
 
-def build_groups(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> list[Any]:
-    """The layer groups of model `cfg.name` (`tfkv.parallel.placement.LayerGroup`s), unbuilt."""
-    import importlib
+def build(node: Mapping[str, Any], **provided: Any) -> Any:
+    """The `keras.Model` the node describes; `provided`: input_shape, input_spec, num_classes
+    (num_classes None when the data set does not say)."""
+    node = _plain(node)
+    if node.get("path") is not None:
+        return _load(str(node["path"]))
+    fn = check(node)
+    if target.accepts(fn, "num_classes") and provided.get("num_classes") is None:
+        raise ConfigError("model: the builder takes num_classes but the data set does not say how many classes "
+                          "it has; set dataset.num_classes=N or model.num_classes=N")
+    model = target.call(node, "model", provided, OWN_KEYS)
+    import keras
 
-    return importlib.import_module(GROUPED[cfg.name]).build_groups(cfg, tuple(input_shape), num_classes)
+    if not isinstance(model, keras.Model):
+        raise ConfigError(f"model._target_={node['_target_']} returned a {type(model).__name__}, not a keras.Model; "
+                          "return the model (e.g. keras.Model(inputs, outputs))")
+    return model
+
+
+def _load(path: str) -> Any:
+    import os
+
+    import keras
+
+    full = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isfile(full):
+        raise ConfigError(f"model.path={path}: no such file ({full}); give a .keras file saved by model.save")
+    try:
+        return keras.models.load_model(full, compile=False)
+    except Exception as e:  # noqa: BLE001 - Keras says why in its first line
+        raise ConfigError(f"model.path={path} cannot be loaded: {str(e).splitlines()[0]}; "
+                          "give a .keras file saved by keras' model.save") from None
+
+
+def layer_groups(node: Mapping[str, Any]) -> Any:
+    """The builder's layer-group declaration (see the module docstring), or None."""
+    node = _plain(node)
+    if node.get("path") is not None:
+        return None
+    fn = target.locate(node["_target_"], "model._target_")
+    return fn if callable(getattr(fn, "group_names", None)) and callable(getattr(fn, "build_groups", None)) else None
+
+
+def group_names(node: Mapping[str, Any]) -> list[str]:
+    """The layer groups of the model, in order, from the config alone."""
+    return list(layer_groups(node).group_names(**arguments(node)))
+
+
+def build_groups(node: Mapping[str, Any], input_shape: tuple[int, ...], num_classes: int) -> list[Any]:
+    """The model's layer groups (`tfkv.parallel.placement.LayerGroup`s), unbuilt."""
+    return layer_groups(node).build_groups(tuple(input_shape), num_classes, **arguments(node))
+
+
+def name(node: Mapping[str, Any]) -> str:
+    """A short name for logs: the builder's module and function, or the saved model's file."""
+    node = _plain(node)
+    return str(node.get("path") or node.get("_target_", "model")).rsplit("/", 1)[-1]

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import keras
 
-from tfkv.models._common import image_size, logits
+from tfkv.models._checks import check_dropout, image_size
+from tfkv.models._common import logits
 
 
-def build(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> keras.Model:
+def build(input_shape: tuple[int, ...], num_classes: int, dropout: float = 0.0) -> keras.Model:
     """conv5x5(20) -> pool -> conv5x5(50) -> pool -> Dense(500) -> Dense(num_classes) logits.
 
     'same' padding (unlike the original 'valid') so that 8x8 digits still fit two 2x2 pools.
     """
+    check_dropout(dropout)
     # Two 2x2 pools: a 3x3 input would pool down to zero pixels.
     image_size("lenet", input_shape, 4, "2 pooling stages", "model=mlp")
     inputs = keras.Input(shape=tuple(input_shape), name="input")
@@ -23,6 +23,6 @@ def build(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> keras.Mod
     x = keras.layers.MaxPooling2D(2, name="pool2")(x)
     x = keras.layers.Flatten(name="flatten")(x)
     x = keras.layers.Dense(500, activation="relu", name="dense1")(x)
-    if cfg.dropout > 0:
-        x = keras.layers.Dropout(float(cfg.dropout), name="dropout1")(x)
+    if dropout > 0:
+        x = keras.layers.Dropout(float(dropout), name="dropout1")(x)
     return keras.Model(inputs, logits(x, num_classes), name="lenet")

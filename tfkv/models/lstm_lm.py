@@ -17,15 +17,17 @@ Importing this module does not import TensorFlow: the config layer asks it for g
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from tfkv.errors import ConfigError
+from tfkv.models._checks import check_dropout
 from tfkv.parallel.placement import LayerGroup
 
 
-def group_names(cfg: Any) -> list[str]:
-    """The layer groups of a model with `len(cfg.hidden)` LSTM layers, in order."""
-    return ["embed", *(f"lstm{i}" for i in range(1, len(cfg.hidden) + 1)), "decoder"]
+def group_names(hidden: Sequence[int] = (200, 200), **_: Any) -> list[str]:
+    """The layer groups of a model with `len(hidden)` LSTM layers, in order (from the model's
+    config alone: the config layer checks a placement with it before anything is built)."""
+    return ["embed", *(f"lstm{i}" for i in range(1, len(hidden) + 1)), "decoder"]
 
 
 def _seq_len(input_shape: tuple[int, ...]) -> int:
@@ -36,7 +38,8 @@ def _seq_len(input_shape: tuple[int, ...]) -> int:
     return int(input_shape[0])
 
 
-def build_groups(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> list[LayerGroup]:
+def build_groups(input_shape: tuple[int, ...], num_classes: int, hidden: Sequence[int] = (200, 200),
+                 embed_dim: int = 0, dropout: float = 0.0) -> list[LayerGroup]:
     """The model's layer groups with their cost estimates (forward FLOPs and parameters per example).
 
     Costs: an LSTM layer does 4 gates x (input + hidden) x hidden multiply-adds per step, 2 FLOPs
@@ -46,11 +49,14 @@ def build_groups(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> li
     import keras
 
     steps, vocab = _seq_len(input_shape), int(num_classes)
-    hidden = [int(h) for h in cfg.hidden]
+    hidden = [int(h) for h in hidden]
     if not hidden or min(hidden) < 1:
         raise ConfigError(f"model.hidden={hidden} must list one positive size per LSTM layer, e.g. [200,200]")
-    embed_dim = int(cfg.embed_dim) or hidden[0]
-    rate = float(cfg.dropout)
+    if embed_dim < 0:
+        raise ConfigError(f"model.embed_dim={embed_dim} must be 0 (the first LSTM's size) or more")
+    check_dropout(dropout)
+    embed_dim = int(embed_dim) or hidden[0]
+    rate = float(dropout)
 
     def dropout(name: str) -> list[Any]:
         return [keras.layers.Dropout(rate, name=name)] if rate > 0 else []
@@ -98,10 +104,16 @@ def _embedding_class() -> Any:
     return _EMBEDDING
 
 
-def build(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> Any:
+def build(input_shape: tuple[int, ...], num_classes: int, hidden: Sequence[int] = (200, 200), embed_dim: int = 0,
+          dropout: float = 0.0) -> Any:
     """All groups chained into one built `keras.Model` named lstm_lm (for data parallelism)."""
     import keras
 
-    groups = build_groups(cfg, input_shape, num_classes)
+    groups = build_groups(input_shape, num_classes, hidden, embed_dim, dropout)
     layers = [layer for g in groups for layer in g.make()]
     return keras.Sequential([keras.Input(shape=groups[0].input_shape, dtype="int32"), *layers], name="lstm_lm")
+
+
+# Model parallelism: the builder declares its layer groups (tfkv.models.layer_groups reads these).
+build.group_names = group_names  # type: ignore[attr-defined]
+build.build_groups = build_groups  # type: ignore[attr-defined]

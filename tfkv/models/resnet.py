@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
 
 import keras
 
-from tfkv.models._common import image_size, logits
+from tfkv.models._checks import check_width, image_size
+from tfkv.models._common import logits
 
-# (channel multiple of cfg.width, stride of the first block) per stage; two blocks each.
+# (channel multiple of width, stride of the first block) per stage; two blocks each.
 _STAGES = ((1, 1), (2, 2), (4, 2), (8, 2))
 _BLOCKS_PER_STAGE = 2
 
@@ -33,7 +33,7 @@ def _basic_block(x: keras.KerasTensor, filters: int, stride: int, name: str) -> 
     return keras.layers.ReLU(name=f"{name}_relu2")(y)
 
 
-def build_resnet18(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> keras.Model:
+def build_resnet18(input_shape: tuple[int, ...], num_classes: int, width: int = 64) -> keras.Model:
     """conv3x3 stem -> 4 stages x 2 BasicBlocks (w, 2w, 4w, 8w) -> global average pool -> Dense.
 
     Layers are named conv1/bn1 (stem), stage{s}_block{b}_conv{1,2}/_bn{1,2}, and
@@ -43,7 +43,7 @@ def build_resnet18(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> 
     # Below 8x8 the last stage would see only 'same'-padding zeros after the stride-2 convs.
     image_size("resnet18", input_shape, 2**downsamples, f"{downsamples} stride-2 stages",
                "model=mlp or lenet, or a 32x32 data set")
-    width = int(cfg.width)
+    width = check_width(width)
     inputs = keras.Input(shape=tuple(input_shape), name="input")
     x = keras.layers.Conv2D(width, 3, padding="same", use_bias=False, name="conv1")(inputs)
     x = keras.layers.BatchNormalization(name="bn1")(x)

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
 
 import keras
 
-from tfkv.models._common import image_size, logits
+from tfkv.models._checks import check_dropout, check_width, image_size
+from tfkv.models._common import logits
 
-# Channel multiples of cfg.width; "M" is a 2x2 max-pool.
+# Channel multiples of width; "M" is a 2x2 max-pool.
 _VGG11 = (1, "M", 2, "M", 4, 4, "M", 8, 8, "M", 8, 8, "M")
 
 
-def build_vgg11(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> keras.Model:
+def build_vgg11(input_shape: tuple[int, ...], num_classes: int, width: int = 64, batch_norm: bool = True,
+                dropout: float = 0.0) -> keras.Model:
     """Eight conv3x3 (+BN) + ReLU layers in five pooled blocks, then Flatten -> Dense logits.
 
     Layers are named block{b}_conv{c} / _bn{c} / _relu{c} and pool{b}, so a checkpoint path reads
@@ -21,7 +22,8 @@ def build_vgg11(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> ker
     pools = _VGG11.count("M")
     image_size("vgg11", input_shape, 2**pools, f"{pools} pooling stages",
                "model=mlp or lenet, or a 32x32 data set")
-    width = int(cfg.width)
+    width = check_width(width)
+    check_dropout(dropout)
     inputs = keras.Input(shape=tuple(input_shape), name="input")
     x = inputs
     block, conv = 1, 1
@@ -32,13 +34,13 @@ def build_vgg11(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> ker
             continue
         name = f"block{block}_"
         # A bias before BatchNorm is cancelled by its mean subtraction, so leave it out.
-        x = keras.layers.Conv2D(item * width, 3, padding="same", use_bias=not cfg.batch_norm,
+        x = keras.layers.Conv2D(item * width, 3, padding="same", use_bias=not batch_norm,
                                 name=f"{name}conv{conv}")(x)
-        if cfg.batch_norm:
+        if batch_norm:
             x = keras.layers.BatchNormalization(name=f"{name}bn{conv}")(x)
         x = keras.layers.ReLU(name=f"{name}relu{conv}")(x)
         conv += 1
     x = keras.layers.Flatten(name="flatten")(x)
-    if cfg.dropout > 0:
-        x = keras.layers.Dropout(float(cfg.dropout), name="dropout")(x)
+    if dropout > 0:
+        x = keras.layers.Dropout(float(dropout), name="dropout")(x)
     return keras.Model(inputs, logits(x, num_classes), name="vgg11")
