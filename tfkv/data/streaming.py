@@ -1,0 +1,121 @@
+"""What the built-in streaming readers (TFRecord, image folder, CSV, npy/npz) share: picking a
+split's files, the (seed, epoch) streams, each worker's share of the records, the batch count
+they `assert_cardinality`, and the one-line errors for files that are not there.
+
+Every reader shards by record index *before* decoding anything: worker `rank` of `num_workers`
+takes records rank, rank + num_workers, ... of the epoch's order, which every worker computes
+alike from (seed, epoch). So the shards of one epoch are disjoint and cover the set, and a
+worker holds at most a shuffle buffer and a few batches, never the whole set.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from tfkv.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("train", "test")
+# Salts keep a reader's independent random streams apart (file order vs record buffer).
+FILE_ORDER, RECORDS = 1, 2
+
+
+def check_context(split: str, batch_size: int, rank: int, num_workers: int) -> None:
+    """The injected parameters make sense (a direct caller may pass anything)."""
+    if split not in SPLITS:
+        raise ConfigError(f"split={split!r} must be one of {', '.join(SPLITS)}")
+    if batch_size < 1:
+        raise ConfigError(f"batch_size={batch_size} must be at least 1")
+    if num_workers < 1 or not 0 <= rank < num_workers:
+        raise ConfigError(f"rank={rank} must be in [0, num_workers={num_workers})")
+
+
+def for_split(value: Any, split: str, key: str) -> Any:
+    """`value` itself, or `value[split]` when it is a {train: ..., test: ...} mapping.
+
+    One value for both splits evaluates on the training data: allowed (a quick look at a
+    set with no held-out part), but logged, since it is rarely what a run should report.
+    """
+    if isinstance(value, Mapping):
+        if split not in value:
+            raise ConfigError(f"dataset.{key} has no {split!r} entry (it has {', '.join(map(str, value))}); "
+                              f"add dataset.{key}.{split}")
+        return value[split]
+    if split == "test":
+        log.warning("dataset.%s is one value for both splits: the test split evaluates the training "
+                    "data; give dataset.%s={train: ..., test: ...} for a held-out set", key, key)
+    return value
+
+
+def match_files(patterns: str | Sequence[str], key: str) -> list[str]:
+    """The sorted files matching a glob (or several), local or any file system TensorFlow reads."""
+    import tensorflow as tf
+
+    patterns = [patterns] if isinstance(patterns, (str, os.PathLike)) else list(patterns)
+    files: list[str] = []
+    for pattern in patterns:
+        found = sorted(tf.io.gfile.glob(os.fspath(pattern)))
+        if not found:
+            raise ConfigError(f"dataset.{key}={os.fspath(pattern)!r} matches no file; give a glob of "
+                              "existing files (relative paths start at the run's working directory)")
+        files += found
+    return files
+
+
+def stream_seed(seed: int, epoch: int, salt: int) -> int:
+    """A 31-bit seed for one random stream of (seed, epoch), the same on every worker."""
+    return int(np.random.default_rng([seed, epoch, salt]).integers(2**31 - 1))
+
+
+def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    """0..n-1 in this epoch's order: a permutation by (seed, epoch), or as stored."""
+    if not shuffle:
+        return np.arange(n)
+    return np.random.default_rng([seed, epoch, FILE_ORDER]).permutation(n)
+
+
+def shard_count(n: int, num_workers: int, rank: int) -> int:
+    """Records worker `rank` gets of `n` when the records are dealt round robin."""
+    return len(range(rank, n, num_workers))
+
+
+def batch_count(records: int, batch_size: int, train: bool) -> int:
+    """Batches of a shard: full ones only for training (every worker steps alike), else all."""
+    return records // batch_size if train else -(-records // batch_size)
+
+
+def cached_by_stat(cache: dict, path: str, compute: Callable[[], Any], *extra: Any) -> Any:
+    """`compute()` for `path` (and `extra` settings), remembered for as long as the file keeps its
+    size and modification time."""
+    import tensorflow as tf
+
+    stat = tf.io.gfile.stat(path)
+    key = (path, stat.length, stat.mtime_nsec, *extra)
+    if key not in cache:
+        cache[key] = compute()
+    return cache[key]
+
+
+
+def deal(records: Any, total: int, convert: Callable[..., Any], train: bool, seed: int, epoch: int,
+         batch_size: int, rank: int, num_workers: int, shuffle_buffer: int) -> Any:
+    """This worker's batches of a stream of `total` raw records that every worker reads in the same
+    order: its round-robin share, kept raw until then (the others' records cost no decoding),
+    shuffled through a bounded buffer by (seed, epoch) for training, batched, and `convert`ed a
+    batch at a time in a parallel map, with the exact batch count asserted."""
+    import tensorflow as tf
+
+    records = records.shard(num_workers, rank)
+    if train:
+        records = records.shuffle(shuffle_buffer, seed=stream_seed(seed, epoch, RECORDS),
+                                  reshuffle_each_iteration=False)
+    batches = batch_count(shard_count(total, num_workers, rank), batch_size, train)
+    return (records.batch(batch_size, drop_remainder=train)
+            .map(convert, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+            .apply(tf.data.experimental.assert_cardinality(batches))
+            .prefetch(tf.data.AUTOTUNE))
