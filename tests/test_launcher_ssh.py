@@ -429,7 +429,7 @@ FORWARDED = {"TFKV_TEST_VAR": "t", "DMLC_TEST_VAR": "d", "PS_TEST_VAR": "p", "MX
              "OMP_NUM_THREADS": "1", "KMP_AFFINITY": "granularity=fine", "LD_LIBRARY_PATH": "/nonexistent/lib",
              "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": "/nonexistent/py"}
 NOT_FORWARDED = {"TFKV_ROLE": "server", "TFKV_RANK_HINT": "7", "TFKV_SCHEDULER_HOST": "nowhere.invalid",
-                 "TFKV_NUM_WORKER": "9", "TFKV_CURVE_KEYFILE": "/nonexistent/key"}
+                 "TFKV_NUM_WORKER": "9", "TFKV_CURVE_KEYFILE": "/nonexistent/key", "TFKV_CONFIG": "another job's"}
 
 
 @pytest.mark.slow

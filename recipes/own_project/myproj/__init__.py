@@ -1,0 +1,1 @@
+"""An example user project for tfkv: its own model and its own data, next to its own conf/."""
