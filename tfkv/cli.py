@@ -62,14 +62,20 @@ def user_error(e: BaseException) -> str | None:
     from tfkv.store.security import SecurityError
 
     if isinstance(e, (TfkvError, ClusterEnvError, ClusterError, SecurityError)):
-        return str(e)
+        text = str(e)
+        if text.startswith("in user code:"):
+            # raised while TensorFlow traced a step (a loss that does not fit the model's output):
+            # TensorFlow prefixes the trace, the message is its last line, after the type's name
+            last = [line.strip() for line in text.splitlines() if line.strip()][-1]
+            text = last.split(": ", 1)[1] if last.startswith(f"{type(e).__name__}: ") else last
+        return text
     if isinstance(e, OSError) and e.errno in DISK_ERRNOS:
         where = f" writing {e.filename}" if e.filename else ""
         return f"{e.strerror}{where}; free space there or choose another hydra.run.dir"
     return None
 
 
-def _job(cfg: Any) -> dict[str, Any]:
+def _job(cfg: Any) -> float:
     global _run_dir
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
@@ -88,12 +94,23 @@ def _job(cfg: Any) -> dict[str, Any]:
     from tfkv.trainer import train
 
     final = train(cfg, run_dir, list(hc.overrides.task), search_root=Path(hc.runtime.cwd))
-    log.info("done: test_accuracy %.4f after %d epochs; run directory %s",
-             final["test_accuracy"], final["epoch"], run_dir)
-    return {k: v for k, v in final.items() if k != "history"}
+    return _done(cfg, final, run_dir)
 
 
-def _launch(cfg: Any, run_dir: Path, overrides: list[str], cwd: Path) -> dict[str, Any]:
+def _done(cfg: Any, final: dict[str, Any], run_dir: Path) -> float:
+    """The run's `objective` (what a sweeper optimises), logged with where the run's files are."""
+    from tfkv.errors import ConfigError
+
+    if cfg.objective not in final:
+        reported = ", ".join(k for k, v in final.items() if isinstance(v, (int, float)) and k != "epoch")
+        raise ConfigError(f"objective={cfg.objective} is not a metric of this run; it reports {reported}: "
+                          "choose one of those, e.g. objective=test_loss")
+    value = float(final[cfg.objective])
+    log.info("done: %s %.4f after %d epochs; run directory %s", cfg.objective, value, final.get("epoch", 0), run_dir)
+    return value
+
+
+def _launch(cfg: Any, run_dir: Path, overrides: list[str], cwd: Path) -> float:
     """Start the whole parameter-server job; its workers write into this run directory.
 
     Every worker runs this process's config as recorded in config_resolved.yaml (tfkv.worker),
@@ -124,10 +141,7 @@ def _launch(cfg: Any, run_dir: Path, overrides: list[str], cwd: Path) -> dict[st
         sys.exit(result.returncode)
     if result.failure:
         raise ClusterFailed(f"the {cfg.kvstore.type} job failed: {result.failure}; logs in {run_dir}")
-    final = json.loads((run_dir / "metrics.json").read_text())
-    log.info("done: test_accuracy %.4f after %d epochs; run directory %s",
-             final["test_accuracy"], final["epoch"], run_dir)
-    return {k: v for k, v in final.items() if k != "history"}
+    return _done(cfg, json.loads((run_dir / "metrics.json").read_text()), run_dir)
 
 
 def _command_line(hc: Any, overrides: list[str]) -> list[str]:
@@ -163,6 +177,10 @@ def _one_line(exc: BaseException) -> str:
             text += f"; to add it, write {m.group(1)}"
     elif "is not a ListConfig" in str(exc.__cause__):  # devices=cpu:0
         text += "; write a list in brackets, e.g. devices=[cpu:0]"
+    elif "is not in struct" in str(exc.__cause__) and _option_keys(str(exc)):
+        # optimizer=adam optimizer.momentum=0.9: the key belongs to another option of the group
+        text += f"; {_option_keys(str(exc))}"
+        return text
     elif isinstance(exc, OverrideParseException):
         text += ("; write lists as key=[a,b] and quote a value holding spaces or special characters "
                  "for both the shell and Hydra, e.g. 'key=\"a value\"'")
@@ -174,6 +192,45 @@ def _one_line(exc: BaseException) -> str:
         if close:
             text += f" (did you mean {close[0]!r}?)"
     return text + "; see tfkv-run --help"
+
+
+def _option_keys(message: str) -> str | None:
+    """For `Could not override 'G.K'` where G is an option group: the keys the chosen option has,
+    read from the config composed without the overrides of G's keys."""
+    m = re.search(r"override '(\w+)\.([\w.]+)'", message)
+    if not m or m.group(1) not in ("optimizer", "cluster", "model", "dataset", "kvstore"):
+        return None
+    group = m.group(1)
+    try:
+        from hydra import compose, initialize_config_dir
+
+        from tfkv import config, models, target
+        from tfkv.data import source
+
+        args = [a for a in sys.argv[1:] if "=" in a and not a.startswith("-")
+                and not a.lstrip("+~").startswith(f"{group}.")]
+        dirs = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--config-dir=")]
+        searchpath = [f"hydra.searchpath=[{','.join('file://' + os.path.abspath(d) for d in dirs)}]"] if dirs else []
+        with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
+            node = compose("config", overrides=[*args, *searchpath])[group]
+        if group in ("model", "dataset"):
+            import inspect
+
+            fn = target.locate(node["_target_"], f"{group}._target_")
+            provided = models.PROVIDED if group == "model" else source.PROVIDED
+            keys = [n for n in inspect.signature(fn).parameters if n not in provided]
+            option = node["_target_"]
+        else:
+            schema = {"optimizer": lambda: config.OPTIMIZER_SCHEMAS[node.name],
+                      "cluster": lambda: config.cluster_schema(node.launcher),
+                      "kvstore": lambda: config.KVStoreConfig}[group]()
+            keys = [f.name for f in dataclasses.fields(schema)]
+            option = node.get("name") or node.get("launcher") or node.get("type")
+    except Exception:  # noqa: BLE001 - only a better message; the plain one stands without it
+        return None
+    close = difflib.get_close_matches(m.group(2).split(".")[0], keys, n=1)
+    mean = f"did you mean {group}.{close[0]}? " if close else ""
+    return f"{mean}{group} {option} has the settings: {', '.join(keys)}"
 
 
 def _from_hydra_itself(exc: BaseException) -> bool:

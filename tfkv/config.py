@@ -136,9 +136,9 @@ class Config:
     model: Any = MISSING
     # Any data factory (_target_ + its keyword arguments); see tfkv.data.source
     dataset: Any = MISSING
-    # A Keras loss name, a _target_ node, or {output name: loss}; and a list of Keras metrics
-    loss: Any = field(default_factory=lambda: {"_target_": "keras.losses.SparseCategoricalCrossentropy",
-                                               "from_logits": True})
+    # A Keras loss name, a _target_ node, or {output name: loss}; null: sparse categorical
+    # crossentropy on logits (what the built-in classifiers output). Then a list of Keras metrics.
+    loss: Any = None
     metrics: Any = field(default_factory=lambda: ["accuracy"])
     objective: str = "test_accuracy"  # the metric tfkv-run returns (to a sweeper)
     optimizer: Any = MISSING  # one of OPTIMIZER_SCHEMAS, by optimizer.name
@@ -217,6 +217,7 @@ def validate(cfg: Any) -> None:
     cfg.cluster = typed(cfg.cluster, cluster_schema(launcher), "cluster", launcher)
     models.check(cfg.model)
     source.check(cfg.dataset)
+    _validate_objective(cfg)
     kind = cfg.kvstore.type
     if kind not in store.names():  # MXNet's spelling of a type, or one of its types tfkv lacks: name ours
         try:
@@ -293,6 +294,29 @@ def _validate_keys(node: Any, schema: type, prefix: str, option: str = "") -> No
         child = node[key]
         if dataclasses.is_dataclass(fields[key]) and isinstance(child, DictConfig):
             _validate_keys(child, fields[key], f"{prefix}{key}.", option)
+
+
+# What every run reports beside the loss and metrics (see tfkv.trainer).
+ALWAYS_REPORTED = ("samples_per_sec", "train_perplexity", "test_perplexity")
+
+
+def _validate_objective(cfg: Any) -> None:
+    """The loss and metrics build (names known, `_target_`s import), and `objective` is one of the
+    values the run will report, so a sweep does not learn it only after the first trial trains."""
+    from tfkv.parallel.criterion import Criterion
+
+    criterion = Criterion.from_config(cfg.loss, cfg.metrics)
+    names = ["loss", *(name for name, _, _ in criterion.new_metrics([None]))] if not criterion.per_output else ["loss"]
+    reported = [f"{phase}_{n}" for phase in ("train", "test") for n in names] + list(ALWAYS_REPORTED)
+    objective = str(cfg.objective)
+    # a model with dict outputs reports <phase>_<output>_<metric> too: known once the data is
+    per_output = any(objective.startswith(f"{phase}_") and objective.endswith(f"_{n}")
+                     for phase in ("train", "test") for n in names)
+    if objective not in reported and not per_output:
+        close = difflib.get_close_matches(objective, reported, n=1)
+        mean = f"did you mean {close[0]}? " if close else ""
+        raise ConfigError(f"objective={objective} is not a value this run reports; {mean}it reports "
+                          f"{', '.join(reported[:-2])} (and perplexities for language models)")
 
 
 def _option_name(node: Any, group: str, key: str) -> str:
