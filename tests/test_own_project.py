@@ -9,7 +9,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,12 +16,12 @@ import pytest
 import yaml
 from cluster_hosts import loopback_host, ssh_site  # noqa: F401 - fixtures
 from conftest import REPO, TAG, tagged_pids, tfkv_run
+from test_launcher_ssh import _run_remote_command
 
 from tfkv import worker
 from tfkv.errors import ConfigError
 from tfkv.launcher import job, mpi, record, yarn
 from tfkv.launcher.plan import CONFIG, forwarded_env
-from tfkv.launcher.ssh import remote_command
 
 PY = sys.executable
 QUICK = ("epochs=1", "progress=false")
@@ -72,18 +71,9 @@ def test_the_workers_config_passes_every_backend_unchanged(tmp_path):
     assert worker.decode(x.split("=", 1)[1])[0] == ODD
     # ssh: the remote shell command, run by a real shell as sshd runs it.
     ssh_job = _plan(tmp_path, "ssh", sync_dst_dir=str(tmp_path / "dst"))
-    p = ssh_job.plan[-1]
-    p.argv = [PY, "-c", "import json, os; from tfkv.worker import decode; "
-                        f"print(json.dumps(decode(os.environ['{CONFIG}'])[0]))"]
-    # stdin stays open as the ssh channel does: its end would end the role.
-    proc = subprocess.Popen(["sh", "-c", remote_command(p, str(tmp_path), PY)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        out = proc.stdout.read()
-        proc.wait(timeout=60)
-    finally:
-        proc.kill()
-        proc.stdin.close()
+    _, out = _run_remote_command([PY, "-c", "import json, os; from tfkv.worker import decode; "
+                                            f"print(json.dumps(decode(os.environ['{CONFIG}'])[0]))"],
+                                 ssh_job.plan[-1].env, tmp_path)
     assert [json.loads(line) for line in out.split("\n") if line.startswith("{")] == [ODD], out
 
 
