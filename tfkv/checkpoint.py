@@ -149,7 +149,9 @@ YES = ("true", "1", "yes", "on")
 
 
 def _same_command(overrides: list[str]) -> list[str]:
-    return sorted(o for o in overrides if not o.lstrip("+~").startswith(("resume=", "hydra.")))
+    """The overrides that make two commands the same run: `eval_only=true resume=true` evaluates
+    the last checkpoint of the command it is added to."""
+    return sorted(o for o in overrides if not o.lstrip("+~").startswith(("resume=", "eval_only=", "hydra.")))
 
 
 def find_resume(resume: Any, run_dir: Path, search_root: Path, overrides: list[str]) -> Path | None:

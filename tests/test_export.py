@@ -1,0 +1,137 @@
+"""What a run leaves for use outside tfkv: model.keras that loads where tfkv cannot be imported,
+the SavedModel for serving, and eval_only evaluating a checkpoint without training."""
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import tfkv_run
+
+# The child hides tfkv: -I drops PYTHONPATH, the current directory and the user's site, and a
+# finder placed before every other (the editable install's included) refuses any tfkv module.
+_NO_TFKV = textwrap.dedent("""
+    import importlib.abc, os, sys
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+
+    class NoTfkv(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] == "tfkv":
+                raise ModuleNotFoundError(f"No module named {name!r} (hidden by the test)")
+
+    sys.meta_path.insert(0, NoTfkv())
+    try:
+        import tfkv
+    except ModuleNotFoundError:
+        pass
+    else:
+        raise SystemExit("tfkv is still importable")
+""")
+
+
+def _outputs_without_tfkv(model_file: Path, x: np.ndarray, tmp_path: Path) -> np.ndarray:
+    """The outputs of `keras.models.load_model(model_file)` on `x`, computed in a process where
+    tfkv cannot be imported."""
+    np.save(tmp_path / "x.npy", x)
+    code = _NO_TFKV + textwrap.dedent(f"""
+        import numpy as np, keras
+        model = keras.models.load_model({str(model_file)!r})
+        np.save({str(tmp_path / "y.npy")!r}, np.asarray(model(np.load({str(tmp_path / "x.npy")!r}))))
+    """)
+    proc = subprocess.run([sys.executable, "-I", "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return np.load(tmp_path / "y.npy")
+
+
+def test_lstm_model_with_tfkv_embedding_saves_as_plain_keras(tmp_path):
+    """The LSTM model's Embedding is tfkv's own class: the saved model has Keras' in its place,
+    loads without tfkv and computes the same outputs."""
+    from tfkv import export
+    from tfkv.models import lstm_lm
+
+    model = lstm_lm.build((6,), 40, hidden=[8, 8], embed_dim=5)
+    assert any(type(layer).__module__.startswith("tfkv") for layer in model.layers)
+    x = np.random.default_rng(0).integers(0, 40, size=(4, 6)).astype("int32")
+    path = export.save(model, tmp_path)
+    assert path == tmp_path / "model.keras" and not list(tmp_path.glob(".tmp*"))
+    np.testing.assert_allclose(_outputs_without_tfkv(path, x, tmp_path), np.asarray(model(x)), rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_a_model_of_keras_classes_only_is_saved_as_it_is():
+    import keras
+
+    from tfkv import export
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    assert export.portable(model) is model
+
+
+def _run(tmp_path: Path, *args: str) -> Path:
+    tfkv_run("epochs=1", "progress=false", "hydra.run.dir=outputs/a/train", *args, cwd=tmp_path)
+    return tmp_path / "outputs" / "a" / "train"
+
+
+def _trained_outputs(run: Path, x: np.ndarray) -> np.ndarray:
+    """The trained model's outputs: the MLP rebuilt with the weights of the run's last checkpoint."""
+    from tfkv import checkpoint
+    from tfkv.models import mlp
+
+    model = mlp.build(input_shape=x.shape[1:], num_classes=10, hidden=[256, 128])
+    model.set_weights(checkpoint.load(checkpoint.latest(run)).weights)
+    return np.asarray(model(x))
+
+
+def _digits_batch() -> np.ndarray:
+    from sklearn.datasets import load_digits
+
+    return (load_digits().images[:32] / 16.0).astype("float32")[..., None]  # as tfkv.data.digits: (8, 8, 1)
+
+
+@pytest.mark.slow
+def test_every_run_leaves_model_keras_and_a_saved_model_when_asked(tmp_path):
+    import tensorflow as tf
+
+    run = _run(tmp_path, "export.saved_model=true")
+    x = _digits_batch()
+    expected = _trained_outputs(run, x)
+    np.testing.assert_allclose(_outputs_without_tfkv(run / "model.keras", x, tmp_path), expected,
+                               rtol=1e-5, atol=1e-6)
+    served = tf.saved_model.load(str(run / "saved_model")).serve(tf.constant(x))
+    np.testing.assert_allclose(np.asarray(served), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_eval_only_reproduces_the_final_test_metrics_of_the_run_it_resumes(tmp_path):
+    run = _run(tmp_path)
+    assert (run / "model.keras").is_file() and not (run / "saved_model").exists()
+    trained = json.loads((run / "metrics.json").read_text())
+    proc = tfkv_run("epochs=1", "progress=false", "+eval_only=true", f"resume={run}",
+                    "hydra.run.dir=outputs/a/eval", cwd=tmp_path)
+    evaluated = json.loads((tmp_path / "outputs" / "a" / "eval" / "metrics.json").read_text())
+    assert evaluated["epoch"] == 1 and evaluated["checkpoint"] == str(run / "checkpoints" / "epoch-0001")
+    for key in ("test_loss", "test_accuracy"):
+        assert evaluated[key] == pytest.approx(trained[key], abs=1e-6), key
+    log = proc.stdout + proc.stderr
+    assert "eval_only: checkpoint" in log and "epoch 1/1" not in log  # evaluated, not trained
+    assert not (tmp_path / "outputs" / "a" / "eval" / "checkpoints").exists()
+    assert (tmp_path / "outputs" / "a" / "eval" / "model.keras").is_file()
+    # resume=true: the newest checkpoint of the same command, eval_only aside
+    tfkv_run("epochs=1", "progress=false", "eval_only=true", "resume=true", "hydra.run.dir=outputs/a/eval2",
+             cwd=tmp_path)
+    again = json.loads((tmp_path / "outputs" / "a" / "eval2" / "metrics.json").read_text())
+    assert again["checkpoint"] == evaluated["checkpoint"]
+
+
+@pytest.mark.parametrize("args", [["+eval_only=true"], ["eval_only=true", "resume=false"]])
+def test_eval_only_without_resume_is_one_line(tmp_path, args):
+    proc = tfkv_run(*args, cwd=tmp_path, check=False)
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("tfkv-run:")]
+    assert len(lines) == 1 and "eval_only=true evaluates a checkpoint" in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not list(tmp_path.glob("outputs/*/*/tensorboard"))  # refused before anything started

@@ -1,0 +1,114 @@
+"""What a run leaves for use outside tfkv, and evaluating a checkpoint without training.
+
+`model.keras` in the run directory is the trained model saved by Keras itself, loadable with
+`keras.models.load_model` where tfkv is not installed. A layer of one of tfkv's own classes (the
+LSTM model's Embedding, whose gradient is dense for the stores) is saved as the Keras class it
+extends, from the same config with the same weights: it computes the same outputs. Layers of the
+user's own classes stay theirs: loading those needs the user's package, as Keras requires for
+any custom layer. `export.saved_model=true` also writes `saved_model/` (Keras' `model.export`),
+a TensorFlow SavedModel whose `serve` endpoint takes a batch of inputs, for TF Serving.
+
+The chief worker writes both after the last epoch (not at each checkpoint: the checkpoint holds
+the same weights, and `eval_only=true resume=<checkpoint>` exports any of them). An eval_only run
+evaluates the checkpoint on the test split with the training's own evaluation, writes
+metrics.json and exports the checkpoint's model into its own run directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from tfkv.errors import ConfigError
+
+MODEL_FILE = "model.keras"
+SAVED_MODEL_DIR = "saved_model"
+
+log = logging.getLogger("tfkv")
+
+
+def _keras_class(cls: type) -> type:
+    """The nearest class of `cls`'s ancestry that is not tfkv's own (`cls` when it is not)."""
+    return next(c for c in cls.__mro__ if not c.__module__.split(".")[0] == "tfkv")
+
+
+def portable(model: Any) -> Any:
+    """`model`, or a copy with the same weights whose layers are all of classes outside tfkv."""
+    import keras
+
+    if all(_keras_class(type(layer)) is type(layer) for layer in model._flatten_layers()):
+        return model  # also a subclassed model, which clone_model cannot clone
+    copy = keras.models.clone_model(
+        model, recursive=True,
+        clone_function=lambda layer: _keras_class(type(layer)).from_config(layer.get_config()))
+    copy.set_weights(model.get_weights())
+    return copy
+
+
+def save(model: Any, run_dir: Path, saved_model: bool = False) -> Path:
+    """`run_dir`/model.keras (and saved_model/ when asked), each written under a temporary name
+    and renamed, so a crash never leaves half a model where a user would load it."""
+    from tfkv.trainer import _written
+
+    run_dir = Path(run_dir)
+    model = portable(model)
+    target = run_dir / MODEL_FILE
+    tmp = run_dir / f".tmp-{MODEL_FILE}"  # Keras wants the .keras suffix
+
+    def write_keras() -> None:
+        try:
+            model.save(tmp)
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    _written(write_keras, target)
+    if saved_model:
+        folder, tmp_dir = run_dir / SAVED_MODEL_DIR, run_dir / f".tmp-{SAVED_MODEL_DIR}"
+
+        def write_saved_model() -> None:
+            try:
+                model.export(str(tmp_dir), verbose=False)
+                shutil.rmtree(folder, ignore_errors=True)
+                os.replace(tmp_dir, folder)
+            finally:
+                shutil.rmtree(tmp_dir, ignore_errors=True)
+
+        _written(write_saved_model, folder)
+    return target
+
+
+def write(cfg: Any, source: Any, weights: Sequence[np.ndarray], run_dir: Path) -> Path:
+    """Build the model `cfg.model` describes, give it `weights` (every variable, in `model.weights`
+    order, as a checkpoint holds them) and save it into `run_dir`. Data and model parallelism both
+    end here: a layer-group builder's `build` chains the groups with the weights in this order."""
+    from tfkv import models
+
+    model = models.build(cfg.model, input_shape=source.input_shape, input_spec=source.input_spec,
+                         num_classes=source.num_classes)
+    model.set_weights(list(weights))
+    path = save(model, run_dir, bool(cfg.export.saved_model))
+    log.info("model saved: %s%s", path, f" and {run_dir / SAVED_MODEL_DIR}" if cfg.export.saved_model else "")
+    return path
+
+
+def evaluate(cfg: Any, source: Any, parallel: Any, ckpt: Any, run_dir: Path) -> dict[str, Any]:
+    """eval_only: the checkpoint's weights (already in `parallel`) on the test split, with the
+    training's own evaluation; metrics.json and the model in `run_dir`; returns the metrics."""
+    from tfkv.trainer import _write_metrics
+
+    if ckpt is None:  # resume=true found no earlier run of this command (find_resume warned)
+        raise ConfigError("eval_only=true: no checkpoint to evaluate; give resume=<run directory or "
+                          "checkpoint directory>")
+    metrics = {"epoch": ckpt.epoch, "checkpoint": str(ckpt.path),
+               **{f"test_{k}": float(v) for k, v in parallel.evaluate(source.test()).items()}}
+    _write_metrics(run_dir, metrics)
+    log.info("eval_only: checkpoint %s (epoch %d) on the test split: %s", ckpt.path, ckpt.epoch,
+             "  ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith("test_")))
+    write(cfg, source, parallel.get_weights(), run_dir)
+    return metrics
