@@ -59,8 +59,8 @@ def _plan(tmp_path: Path, launcher: str, **kw) -> job.base.Job:
 def test_the_workers_config_passes_every_backend_unchanged(tmp_path):
     """The encoded config needs no quoting anywhere (YARN refuses ", $, ` and \\ in a variable),
     and decodes to exactly what was encoded after ssh's shell, mpirun's -x and YARN's -shell_env."""
-    value = worker.encode(ODD, {"version": 1})
-    assert re.fullmatch(r"[A-Za-z0-9_=-]+", value) and worker.decode(value) == (ODD, {"version": 1})
+    value = worker.encode(ODD, {"env_set": {"A": "b c"}})
+    assert re.fullmatch(r"[A-Za-z0-9_=-]+", value) and worker.decode(value) == (ODD, {"env_set": {"A": "b c"}})
     # YARN: submitted as -shell_env NAME=value, accepted (no ConfigError) and intact.
     subs = yarn.submissions(_plan(tmp_path, "yarn"), "ds.jar")
     shell_env = [a for _, argv in subs for a in argv if a.startswith(f"{CONFIG}=")]

@@ -132,7 +132,7 @@ def _launch(cfg: Any, run_dir: Path, overrides: list[str], cwd: Path) -> float:
     resume_from = checkpoint.find_resume(cfg.resume, run_dir, cwd, overrides)
     cfg.resume = job.remote_path(opts, cwd, resume_from) if resume_from else False
     hc = HydraConfig.get()
-    env = worker.record(cfg, run_dir, hc.job_logging)
+    env = worker.record(cfg, run_dir, hc)
     python = sys.executable if c.launcher == "local" else c.python
     result = job.launch(opts, [python, "-m", "tfkv.worker"], cwd, run_dir, _command_line(hc, overrides),
                         sys.stdout, env)

@@ -7,7 +7,8 @@ same config in its environment (TFKV_CONFIG). A worker never composes a config o
 `--config-dir`, `hydra.searchpath`, interpolations and whatever else the launcher saw reach it
 as their result, on every backend and host.
 
-TFKV_CONFIG is the config (and Hydra's job_logging) as JSON, zlib-compressed and base64url-encoded:
+TFKV_CONFIG is the config (with Hydra's job_logging and job.env_set, which Hydra applied to the
+launcher's own job) as JSON, zlib-compressed and base64url-encoded:
 only letters, digits, `-`, `_` and `=`, so it passes unchanged through every backend's way of
 setting a variable (ssh's command line, `mpirun -x`, srun and qsub's inherited environment,
 YARN's `-shell_env`, which refuses quotes), and is small (a few hundred bytes to a few KiB).
@@ -41,10 +42,11 @@ def digest(config: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def encode(config: dict[str, Any], job_logging: dict[str, Any] | None) -> str:
+def encode(config: dict[str, Any], hydra: dict[str, Any] | None = None) -> str:
+    """`config` and the parts of Hydra's config a worker applies (job_logging, env_set)."""
     from tfkv.errors import ConfigError
 
-    text = json.dumps({"config": config, "job_logging": job_logging}, separators=(",", ":"))
+    text = json.dumps({"config": config, "hydra": hydra or {}}, separators=(",", ":"))
     value = base64.urlsafe_b64encode(zlib.compress(text.encode(), 9)).decode()
     if len(value) > MAX_ENCODED:
         raise ConfigError(f"the composed config is {len(value) // 1024} KiB compressed, more than a worker's "
@@ -53,19 +55,23 @@ def encode(config: dict[str, Any], job_logging: dict[str, Any] | None) -> str:
     return value
 
 
-def decode(value: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
+def decode(value: str) -> tuple[dict[str, Any], dict[str, Any]]:
     payload = json.loads(zlib.decompress(base64.urlsafe_b64decode(value.encode())))
-    return payload["config"], payload["job_logging"]
+    return payload["config"], payload["hydra"]
 
 
-def record(cfg: Any, run_dir: Path, job_logging: Any = None) -> dict[str, str]:
+def record(cfg: Any, run_dir: Path, hydra: Any = None) -> dict[str, str]:
     """Write `cfg` (validated, with every launcher-side decision made) as the run directory's
-    config_resolved.yaml; return the environment that gives the workers exactly that config."""
+    config_resolved.yaml; return the environment that gives the workers exactly that config.
+    `hydra`: the launcher's Hydra config, whose job_logging and job.env_set the workers apply."""
     from omegaconf import OmegaConf
 
     config = OmegaConf.to_container(cfg, resolve=True)
-    logging_cfg = OmegaConf.to_container(job_logging, resolve=True) if job_logging is not None else None
-    value = encode(config, logging_cfg)
+    parts = {}
+    if hydra is not None:
+        parts = {"job_logging": OmegaConf.to_container(hydra.job_logging, resolve=True),
+                 "env_set": OmegaConf.to_container(hydra.job.env_set, resolve=True)}
+    value = encode(config, parts)
     (Path(run_dir) / RECORD).write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
     return {CONFIG: value}
 
@@ -91,7 +97,8 @@ def run(environ: dict[str, str] | os._Environ = os.environ) -> dict[str, Any]:
 
         raise ConfigError(f"python -m tfkv.worker runs a worker of a job that tfkv-run launched ({CONFIG} or "
                           f"{RUN_DIR} is unset); start the job with tfkv-run kvstore=dist_sync cluster=local")
-    config, job_logging = decode(value)
+    config, hydra = decode(value)
+    environ.update({k: str(v) for k, v in (hydra.get("env_set") or {}).items()})
     # The project's own package (model and data factories named by _target_) imports from the
     # working directory: the launcher's, or its rsynced copy on a remote host. `python -m` puts
     # it on sys.path too, but not under PYTHONSAFEPATH, and only as a relative ''.
@@ -100,7 +107,7 @@ def run(environ: dict[str, str] | os._Environ = os.environ) -> dict[str, Any]:
         sys.path.insert(0, project)
     run_dir_path = Path(run_dir)
     run_dir_path.mkdir(parents=True, exist_ok=True)
-    _setup_logging(job_logging, run_dir_path / f"worker{environ.get('TFKV_RANK_HINT', '')}.log")
+    _setup_logging(hydra.get("job_logging"), run_dir_path / f"worker{environ.get('TFKV_RANK_HINT', '')}.log")
     log.info("config sha256 %s (the launcher's %s)", digest(config), RECORD)
 
     from omegaconf import OmegaConf
@@ -109,9 +116,11 @@ def run(environ: dict[str, str] | os._Environ = os.environ) -> dict[str, Any]:
 
     cfg = OmegaConf.create(config)
     OmegaConf.set_struct(cfg, True)  # a key the trainer misspells is an error, as under Hydra
+    from tfkv.cli import _done
+
+    # resume is the launcher's decision already (a checkpoint's path, or false): no search here
     final = train(cfg, run_dir_path, [], search_root=Path(project))
-    log.info("done: test_accuracy %.4f after %d epochs; run directory %s",
-             final["test_accuracy"], final["epoch"], run_dir_path)
+    _done(cfg, final, run_dir_path)
     return final
 
 
