@@ -153,7 +153,10 @@ class Config:
     seed: int = 0
     deterministic: bool = False  # tf.config.experimental.enable_op_determinism()
     resume: Any = False  # false | true (last checkpoint of the same command) | a run dir
-    eval_only: bool = False  # evaluate the `resume` checkpoint on the test split, no training
+    # evaluate the `resume` checkpoint on the test split, no training (tfkv.export). null means
+    # false: Hydra's `+key=value` adds a key only where it is absent or null, and the issue's
+    # spelling is `+eval_only=true` (eval_only=true works too)
+    eval_only: Optional[bool] = None
     export: ExportConfig = field(default_factory=ExportConfig)
     progress: bool = True  # progress bar on a terminal
     log_every: int = 20  # steps between progress-bar and TensorBoard step updates
@@ -165,7 +168,13 @@ class Config:
 
 
 def register() -> None:
-    ConfigStore.instance().store(name="tfkv_schema", node=Config)
+    store = ConfigStore.instance()
+    store.store(name="tfkv_schema", node=Config)
+    # Each option's schema, which its yaml (conf/optimizer/adam.yaml, ...) extends in its defaults
+    # list: every setting the option has can be overridden without `+`, others are refused by Hydra.
+    for group, schemas in (("optimizer", OPTIMIZER_SCHEMAS), ("cluster", CLUSTER_SCHEMAS)):
+        for option, schema in schemas.items():
+            store.store(group=f"schema/{group}", name=option, node=schema)
 
 
 register()  # importing this module is what makes `tfkv_schema` known to Hydra
@@ -197,7 +206,7 @@ def validate(cfg: Any) -> None:
     """Reject what the schema's types cannot: unknown names, keys the chosen option does not have,
     bad devices, a bad workload split, a model or data factory that does not take its settings.
     Each option node (optimizer, cluster) is replaced by its typed form, defaults filled in."""
-    from tfkv import models, store, optim
+    from tfkv import checkpoint, models, store, optim
     from tfkv.data import source
 
     def known(kind: str, value: str, names: list[str], group: str) -> None:
@@ -208,6 +217,12 @@ def validate(cfg: Any) -> None:
             )
 
     _validate_keys(cfg, Config, "")
+    from omegaconf import OmegaConf
+
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:  # `???` in an option (dataset=tfrecord without files): the option says what it needs
+        raise ConfigError(f"{missing[0]} is required by the chosen option and has no value; set {missing[0]}=..."
+                          + (f" (also missing: {', '.join(missing[1:])})" if len(missing) > 1 else ""))
     optimizer_name = _option_name(cfg.optimizer, "optimizer", "name")
     known("optimizer.name", optimizer_name, optim.names(), "optimizer")
     cfg.optimizer = typed(cfg.optimizer, OPTIMIZER_SCHEMAS[optimizer_name], "optimizer", optimizer_name)
@@ -273,6 +288,9 @@ def validate(cfg: Any) -> None:
     resume = cfg.resume
     if not isinstance(resume, (bool, str)):
         raise ConfigError(f"resume={resume!r} must be true, false or a run directory")
+    if cfg.eval_only and (resume is False or str(resume).lower() in checkpoint.NO):
+        raise ConfigError("eval_only=true evaluates a checkpoint, but resume is false; name it with "
+                          "resume=<run directory or checkpoint directory> (or resume=true: this command's last)")
 
 
 def _validate_keys(node: Any, schema: type, prefix: str, option: str = "") -> None:
@@ -306,7 +324,8 @@ def _validate_objective(cfg: Any) -> None:
     from tfkv.parallel.criterion import Criterion
 
     criterion = Criterion.from_config(cfg.loss, cfg.metrics)
-    names = ["loss", *(name for name, _, _ in criterion.new_metrics([None]))] if not criterion.per_output else ["loss"]
+    # metric_names, not new_metrics: a Keras metric object would start TensorFlow before devices.setup
+    names = ["loss", *criterion.metric_names([None])] if not criterion.per_output else ["loss"]
     reported = [f"{phase}_{n}" for phase in ("train", "test") for n in names] + list(ALWAYS_REPORTED)
     objective = str(cfg.objective)
     # a model with dict outputs reports <phase>_<output>_<metric> too: known once the data is
