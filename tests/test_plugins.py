@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import tfkv_run
+
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = "tfkv-plugin-example"
 
@@ -63,7 +65,8 @@ def test_plugins_become_names_and_config_options_without_importing_tensorflow(pl
     assert out["canonical"] == "twin" and out["compresses"] is False
     nodes = out["nodes"]
     assert nodes["kvstore"]["twin.yaml"] == {"type": "twin"}
-    assert nodes["cluster"]["twin.yaml"] == {"launcher": "twin"}
+    assert nodes["cluster"]["twin.yaml"]["launcher"] == "twin"
+    assert nodes["cluster"]["twin.yaml"]["num_workers"] == 2  # every launcher's settings, to override
     # the builder's keyword defaults that are plain values; not what tfkv passes (input_shape,
     # num_classes) nor a default that is an object (init=keras.initializers...)
     assert nodes["model"]["tinynet.yaml"] == {"_target_": "tfkv_plugin_example.nets.build", "width": 16,
@@ -82,6 +85,7 @@ def test_plugins_become_names_and_config_options_without_importing_tensorflow(pl
     assert len(lines) == 2 and "Traceback" not in out["stderr"], lines
 
 
+@pytest.mark.slow  # imports TensorFlow
 def test_a_plugin_store_is_created_by_name_and_a_broken_one_is_one_line(plugin_env):
     out = run_python("""
         import json
@@ -112,18 +116,25 @@ def test_plugin_config_options_compose_with_hydra(plugin_env):
     out = run_python("""
         import json
         from hydra import compose, initialize_config_dir
+        from omegaconf import OmegaConf
         from tfkv import config, plugins
         from tfkv.cli import conf_dir
         plugins.load()
         with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
             a = compose("config", overrides=["kvstore=twin"])
-            b = compose("config", overrides=["kvstore=dist_sync", "cluster=twin", "cluster.num_workers=3"])
+            b = compose("config", overrides=["kvstore=dist_sync", "cluster=twin", "cluster.num_workers=3",
+                                             "cluster.port=5000"])
             c = compose("config", overrides=["kvstore=local"])
-        print(json.dumps({"a": a.kvstore.type, "b": [b.kvstore.type, b.cluster.launcher, b.cluster.num_workers],
-                          "c": c.kvstore.type}))
+            d = compose("config", overrides=["model=tinynet", "model.width=8", "dataset=blobs", "dataset.n=300"])
+        print(json.dumps({"a": a.kvstore.type, "c": c.kvstore.type,
+                          "b": [b.kvstore.type, b.cluster.launcher, b.cluster.num_workers, b.cluster.port],
+                          "d": [OmegaConf.to_container(d.model), OmegaConf.to_container(d.dataset)]}))
     """, plugin_env)
-    assert out["a"] == "twin" and out["b"] == ["dist_sync", "twin", 3]
+    assert out["a"] == "twin" and out["b"] == ["dist_sync", "twin", 3, 5000]
     assert out["c"] == "local"  # tfkv's own option, not the plug-in that claims the name
+    model, dataset = out["d"]  # the plug-ins' keyword defaults are overridden without +
+    assert model == {"_target_": "tfkv_plugin_example.nets.build", "width": 8, "dropout": 0.0, "activation": "relu"}
+    assert dataset["_target_"] == "tfkv_plugin_example.data.make" and dataset["n"] == 300
 
 
 @pytest.mark.slow
@@ -138,3 +149,44 @@ def test_a_plugin_launcher_runs_a_job(plugin_env, tmp_path):
     assert "twin launcher: starting the job" in (tmp_path / "rec" / "launch" / "job.log").read_text()
     for i in range(2):
         assert json.loads((tmp_path / f"out{i}.json").read_text())["final"] == [100.0 - 4 * 3] * 4
+
+
+def run_dir(cwd: Path) -> Path:
+    (found,) = cwd.glob("outputs/*/*/metrics.json")
+    return found.parent
+
+
+def test_tfkv_run_names_a_broken_plugin_and_refuses_it_in_one_line(plugin_env, tmp_path):
+    proc = tfkv_run("dataset=gone", "--cfg", "job", cwd=tmp_path, env=plugin_env, check=False)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 3 and "Traceback" not in proc.stderr, proc.stderr  # the two warnings, the error
+    assert any("gone = tfkv_plugin_example.missing:make" in line for line in lines[:2])
+    assert lines[2].startswith("tfkv-run: ") and "dataset/gone" in lines[2] and "blobs" in lines[2]
+
+
+@pytest.mark.slow
+def test_tfkv_run_trains_a_plugin_model_on_a_plugin_store(plugin_env, tmp_path):
+    proc = tfkv_run("model=tinynet", "model.width=8", "kvstore=twin", "epochs=1", cwd=tmp_path, env=plugin_env)
+    assert "tinynet: width 8, dropout 0.0" in proc.stdout
+    run = run_dir(tmp_path)
+    assert "kvstore=twin" in (run / "tfkv.log").read_text()
+    assert json.loads((run / "metrics.json").read_text())["test_accuracy"] > 0.3  # digits: 10 classes
+    # the plug-in that cannot be imported is one line when chosen, naming it
+    proc = tfkv_run("kvstore=shaky", "epochs=1", cwd=tmp_path, env=plugin_env, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"shaky = tfkv_plugin_example.shaky:Store ([tfkv.stores] of package {PACKAGE}), which fails to " \
+           "import" in proc.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_tfkv_run_trains_a_plugin_data_set_with_a_plugin_launcher(plugin_env, tmp_path):
+    """cluster=twin starts the job; its workers build the plug-in model on the plug-in data."""
+    tfkv_run("kvstore=dist_sync", "cluster=twin", "cluster.num_workers=2",
+             f"+cluster.python={sys.executable}",  # a key of the launcher's own schema, not every launcher's
+             "model=tinynet", "dataset=blobs", "dataset.n=400", "epochs=1", cwd=tmp_path, env=plugin_env,
+             timeout=300)
+    run = run_dir(tmp_path)
+    log = (run / "launch" / "job.log").read_text()
+    assert "twin launcher: starting the job" in log and "tinynet: width 16" in log
+    assert json.loads((run / "metrics.json").read_text())["test_accuracy"] > 0.5  # 3 well-separated blobs

@@ -20,6 +20,7 @@ line when it is chosen.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import importlib.metadata
 import importlib.util
@@ -36,13 +37,6 @@ log = logging.getLogger("tfkv")
 # Hydra config group -> the entry-point group its plug-ins are declared in.
 GROUPS = {"kvstore": "tfkv.stores", "cluster": "tfkv.launchers", "model": "tfkv.models",
           "dataset": "tfkv.datasets"}
-
-# Parameters tfkv itself passes to a model builder or a data factory (see the README): not
-# config keys, so not in a plug-in's config node.
-INJECTED = {
-    "model": {"input_shape", "input_spec", "num_classes"},
-    "dataset": {"split", "seed", "epoch", "batch_size", "rank", "num_workers"},
-}
 
 # A config option's name: what Hydra's override grammar takes unquoted and a file name can hold.
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
@@ -107,16 +101,18 @@ def load() -> None:
     _loaded = True
     from hydra.core.config_store import ConfigStore
 
+    from tfkv.config import ClusterConfig
     from tfkv.launcher.base import REGISTRY as LAUNCHERS
     from tfkv.store import REGISTRY as STORES
 
     options: dict[str, list[tuple[importlib.metadata.EntryPoint, dict[str, Any]]]] = {
         "kvstore": [(ep, {"type": name}) for name, ep in STORES.plugins().items()],
-        "cluster": [(ep, {"launcher": name}) for name, ep in LAUNCHERS.plugins().items()],
+        # every launcher's settings (a plug-in's `config` schema may add more: tfkv.config)
+        "cluster": [(ep, dataclasses.asdict(ClusterConfig(launcher=name))) for name, ep in LAUNCHERS.plugins().items()],
     }
     for group in ("model", "dataset"):
         options[group] = [(ep, node) for ep in entry_points(GROUPS[group])
-                          if (node := _target_node(ep, INJECTED[group])) is not None]
+                          if (node := _target_node(ep, _provided(group))) is not None]
     store = ConfigStore.instance()
     for group, found in options.items():
         own = _own_options(group)
@@ -125,6 +121,15 @@ def load() -> None:
                 warn(ep, f"{group}={ep.name} is tfkv's own option; tfkv's is used, the plug-in is ignored")
             else:
                 store.store(group=group, name=ep.name, node=node)
+
+
+def _provided(group: str) -> set[str]:
+    """The parameters tfkv itself passes to a model builder or a data factory: not config keys."""
+    if group == "model":
+        from tfkv.models import PROVIDED
+    else:
+        from tfkv.data.source import PROVIDED
+    return set(PROVIDED)
 
 
 def _own_options(group: str) -> set[str]:
