@@ -34,13 +34,16 @@ def test_every_experiment_composes_and_validates(experiment):
     cfg = _compose(f"+experiment={experiment}")
     config.validate(cfg)
     model = experiment.replace("cifar_", "").replace("mnist_", "").replace("digits_", "")
-    assert cfg.model.name in {"lstm_ptb": "lstm_lm"}.get(experiment, model)
+    model = {"lstm_ptb": "lstm_lm"}.get(experiment, model)
+    assert cfg.model._target_ == _compose(f"model={model}").model._target_
 
 
 def test_defaults_are_the_embedded_job():
     cfg = _compose()
     config.validate(cfg)
-    assert (cfg.model.name, cfg.dataset.name, cfg.kvstore.type, list(cfg.devices)) == ("mlp", "digits", "local", ["cpu:0"])
+    assert (cfg.model._target_, cfg.dataset._target_, cfg.kvstore.type, list(cfg.devices)) == (
+        "tfkv.models.mlp.build", "tfkv.data.digits.load", "local", ["cpu:0"])
+    assert (cfg.optimizer.name, cfg.cluster.launcher) == ("sgd", "none")
 
 
 def test_schema_rejects_typos_and_wrong_types():
@@ -54,7 +57,17 @@ def test_schema_rejects_typos_and_wrong_types():
 
 @pytest.mark.parametrize("overrides,message", [
     (["kvstore.type=dist_nope"], "kvstore.type='dist_nope' is not known"),
-    (["model.name=alexnet"], "model.name='alexnet' is not known"),
+    (["model._target_=tfkv.models.alexnet.build"],
+     "model._target_='tfkv.models.alexnet.build': cannot import 'tfkv.models.alexnet'"),
+    (["model._target_=tfkv.models.mlp.biuld"], "module 'tfkv.models.mlp' has no 'biuld' (did you mean tfkv.models.mlp.build?)"),
+    (["model._target_=tfkv.models.PROVIDED"], "is a tuple, not a callable"),
+    (["model._target_=nopkg_tfkv_test.nets.build"], "cannot import 'nopkg_tfkv_test.nets'"),
+    (["dataset._target_=nopkg_tfkv_test.data.make"], "dataset._target_='nopkg_tfkv_test.data.make': cannot import"),
+    (["+model.num_classes=3"], "model.num_classes is provided by tfkv"),
+    (["+dataset.split=train"], "dataset.split is provided by tfkv"),
+    (["+dataset.test_frac=0.5"], "dataset.test_frac is not an argument of tfkv.data.digits.load; "
+                                 "did you mean dataset.test_fraction?"),
+    (["optimizer.name=rmsprop"], "optimizer.name='rmsprop' is not known"),
     (["devices=[tpu:0]"], "'tpu:0' is not a device"),
     (["devices=[cpu:0,cpu:0]"], "names a device twice"),
     (["devices=[]"], "devices is empty"),
@@ -63,11 +76,18 @@ def test_schema_rejects_typos_and_wrong_types():
     (["devices=[cpu:0,cpu:1]", "work_load_list=[100,1]", "batch_size=8"], "[8, 0] examples per device"),
     (["epochs=0"], "epochs=0 must be at least 1"),
     (["seed=4294967296"], "seed=4294967296 must be between 0 and 4294967295"),
-    (["model.dropout=2"], "model.dropout=2.0 must be at least 0 and below 1"),
-    (["model.hidden=[64,0]"], "model.hidden=[64, 0] must list layer sizes of at least 1"),
-    (["model.width=0"], "model.width=0 must be at least 1"),
-    (["+experiment=lstm_ptb", "model.embed_dim=-1"], "model.embed_dim=-1 must be 0"),
-    (["+model.hiden=[3]"], "model.hiden is not a setting tfkv knows (did you mean model.hidden?)"),
+    (["+model.hiden=[3]"], "model.hiden is not an argument of tfkv.models.mlp.build; did you mean model.hidden?"),
+    # a key the chosen option does not have (another option's, or a typo added with +)
+    (["optimizer=adam", "+optimizer.momentum=0.9"],
+     "optimizer.momentum is not a setting of optimizer=adam; its settings: beta1, beta2, clip_gradient, epsilon, lr"),
+    (["+optimizer.lrr=0.5"], "optimizer.lrr is not a setting of optimizer=sgd (did you mean optimizer.lr?); "
+                             "its settings: clip_gradient, lr, momentum"),
+    (["model=mlp", "+model.width=8"], "model.width is not an argument of tfkv.models.mlp.build; "
+                                      "its arguments: dropout, hidden"),
+    (["+cluster.num_servers=4"], "cluster.num_servers is not a setting of cluster=none; its settings: launcher"),
+    (["kvstore=dist_sync", "cluster=local", "+cluster.hostfile=hosts"],
+     "cluster.hostfile is not a setting of cluster=local"),
+    (["+epoch=3"], "epoch is not a setting tfkv knows (did you mean epochs?)"),
     (["optimizer.schedule.name=linear"], "optimizer.schedule.name='linear' is not known"),
     (["kvstore.compression.type=1bit"], "kvstore.compression.type='1bit' is not known"),
     (["kvstore.compression.type=2bit"], "kvstore=local sends neither: use kvstore=device or kvstore=dist_sync"),
@@ -86,6 +106,19 @@ def test_validation_gives_one_line(overrides, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+def test_options_are_typed_with_their_own_defaults():
+    """Each option's node is its own schema's: adam has betas and no momentum, ssh a sync_dst_dir."""
+    cfg = _compose("optimizer=adam")
+    config.validate(cfg)
+    assert (cfg.optimizer.beta1, cfg.optimizer.epsilon, "momentum" in cfg.optimizer) == (0.9, 1e-8, False)
+    cfg = _compose("kvstore=dist_sync", "cluster=ssh", "cluster.sync_dst_dir=/tmp/x")
+    config.validate(cfg)
+    assert (cfg.cluster.sync_dst_dir, cfg.cluster.python, cfg.cluster.heartbeat_timeout > 0) == ("/tmp/x", "python3", True)
+    cfg = _compose()
+    config.validate(cfg)
+    assert set(cfg.cluster) == {"launcher"}
+
+
 def test_compression_validates_for_dist_types():
     config.validate(_compose("kvstore=dist_sync", "cluster=local", "kvstore.compression.type=2bit",
                              "kvstore.compression.threshold=0.25"))
@@ -100,9 +133,23 @@ def test_mxnet_spellings_of_kvstore_types_compose():
         config.validate(cfg)
 
 
-def test_validation_does_not_import_tensorflow():
-    code = ("import sys; from tfkv import cli, config; from hydra import compose, initialize_config_dir\n"
+def test_validation_leaves_tensorflow_unstarted():
+    """Validation imports what the config names (model and loss `_target_`s may import Keras), but
+    never starts TensorFlow: the trainer splits the CPU into logical devices after it. A mistake in
+    tfkv's own keys is found before anything imports TensorFlow at all."""
+    code = ("import sys; from tfkv import cli, config; from tfkv.errors import ConfigError\n"
+            "from hydra import compose, initialize_config_dir\n"
             f"with initialize_config_dir(config_dir={CONF!r}, version_base='1.3'):\n"
+            "    for bad in ('+epoch=3', '+optimizer.lrr=0.5', '+cluster.num_servers=4'):\n"
+            "        try:\n"
+            "            config.validate(compose('config', overrides=[bad]))\n"
+            "        except ConfigError:\n"
+            "            pass\n"
+            "        else:\n"
+            "            raise AssertionError(bad + ' was accepted')\n"
+            "    assert 'tensorflow' not in sys.modules, 'a key mistake imported TensorFlow'\n"
             "    config.validate(compose('config', overrides=['+experiment=cifar_resnet18']))\n"
-            "assert 'tensorflow' not in sys.modules, 'validation imported TensorFlow'")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+            "from tfkv.parallel import devices; import tensorflow as tf\n"
+            "devices.setup(['cpu:0'])\n"
+            "assert len(tf.config.list_logical_devices('CPU')) == 8, 'validation started TensorFlow'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=180)

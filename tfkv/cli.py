@@ -177,7 +177,8 @@ def _one_line(exc: BaseException) -> str:
             text += f"; to add it, write {m.group(1)}"
     elif "is not a ListConfig" in str(exc.__cause__):  # devices=cpu:0
         text += "; write a list in brackets, e.g. devices=[cpu:0]"
-    elif "is not in struct" in str(exc.__cause__) and _option_keys(str(exc)):
+    elif re.search(r"is not in struct|not in '\w+'", str(exc.__cause__)) and _option_keys(str(exc)):
+        # (not in 'AdamConfig': the option's schema, conf/optimizer/adam.yaml's defaults)
         # optimizer=adam optimizer.momentum=0.9: the key belongs to another option of the group
         text += f"; {_option_keys(str(exc))}"
         return text

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-import keras
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import keras
 
 from tfkv.models._checks import check_dropout, image_size
 from tfkv.models._common import logits
@@ -13,6 +16,7 @@ def build(input_shape: tuple[int, ...], num_classes: int, dropout: float = 0.0) 
 
     'same' padding (unlike the original 'valid') so that 8x8 digits still fit two 2x2 pools.
     """
+    import keras  # here, not at import: config validation locates builders without TensorFlow
     check_dropout(dropout)
     # Two 2x2 pools: a 3x3 input would pool down to zero pixels.
     image_size("lenet", input_shape, 4, "2 pooling stages", "model=mlp")

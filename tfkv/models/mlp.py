@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-import keras
+if TYPE_CHECKING:
+    import keras
 
 from tfkv.errors import ConfigError
 from tfkv.models._checks import check_dropout
@@ -14,6 +15,7 @@ from tfkv.models._common import logits
 def build(input_shape: tuple[int, ...], num_classes: int, hidden: Sequence[int] = (256, 128),
           dropout: float = 0.0) -> keras.Model:
     """Flatten -> [Dense(h, relu) (+ Dropout)] for h in hidden -> Dense(num_classes) logits."""
+    import keras  # here, not at import: config validation locates builders without TensorFlow
     check_dropout(dropout)
     if any(int(h) < 1 for h in hidden):
         raise ConfigError(f"model.hidden={list(hidden)} must list layer sizes of at least 1, e.g. [256,128]")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 
-import keras
+if TYPE_CHECKING:
+    import keras
 
 from tfkv.models._checks import check_width, image_size
 from tfkv.models._common import logits
@@ -16,6 +18,7 @@ _BLOCKS_PER_STAGE = 2
 def _conv_bn(x: keras.KerasTensor, filters: int, kernel: int, stride: int, name: str,
              suffix: str = "") -> keras.KerasTensor:
     # No bias: BatchNorm's mean subtraction would cancel it.
+    import keras  # here, not at import: config validation locates builders without TensorFlow
     x = keras.layers.Conv2D(filters, kernel, strides=stride, padding="same", use_bias=False,
                             name=f"{name}conv{suffix}")(x)
     return keras.layers.BatchNormalization(name=f"{name}bn{suffix}")(x)
@@ -23,6 +26,7 @@ def _conv_bn(x: keras.KerasTensor, filters: int, kernel: int, stride: int, name:
 
 def _basic_block(x: keras.KerasTensor, filters: int, stride: int, name: str) -> keras.KerasTensor:
     """Two conv3x3+BN with an identity shortcut, or a 1x1 conv+BN one when the shape changes."""
+    import keras
     shortcut = x
     if stride != 1 or x.shape[-1] != filters:
         shortcut = _conv_bn(x, filters, 1, stride, f"{name}_shortcut_")
@@ -39,6 +43,7 @@ def build_resnet18(input_shape: tuple[int, ...], num_classes: int, width: int = 
     Layers are named conv1/bn1 (stem), stage{s}_block{b}_conv{1,2}/_bn{1,2}, and
     stage{s}_block{b}_shortcut_conv/_bn for projections, then 'avgpool' and 'fc'.
     """
+    import keras
     downsamples = sum(1 for _, stride in _STAGES if stride == 2)
     # Below 8x8 the last stage would see only 'same'-padding zeros after the stride-2 convs.
     image_size("resnet18", input_shape, 2**downsamples, f"{downsamples} stride-2 stages",

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 
-import keras
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import keras
 
 from tfkv.models._checks import check_dropout, check_width, image_size
 from tfkv.models._common import logits
@@ -19,6 +22,7 @@ def build_vgg11(input_shape: tuple[int, ...], num_classes: int, width: int = 64,
     Layers are named block{b}_conv{c} / _bn{c} / _relu{c} and pool{b}, so a checkpoint path reads
     e.g. 'block3_conv2/kernel'.
     """
+    import keras  # here, not at import: config validation locates builders without TensorFlow
     pools = _VGG11.count("M")
     image_size("vgg11", input_shape, 2**pools, f"{pools} pooling stages",
                "model=mlp or lenet, or a 32x32 data set")
