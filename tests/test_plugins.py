@@ -73,6 +73,9 @@ def test_plugins_become_names_and_config_options_without_importing_tensorflow(pl
                                               "dropout": 0.0, "activation": "relu"}
     assert nodes["dataset"]["blobs.yaml"] == {"_target_": "tfkv_plugin_example.data.make", "n": 600,
                                               "features": 8, "classes": 3, "spread": 0.5}
+    # a callable that is no plain def in its module's source: its signature, once imported
+    assert nodes["dataset"]["blobs_again.yaml"] == {**nodes["dataset"]["blobs.yaml"],
+                                                    "_target_": "tfkv_plugin_example.make_blobs"}
     assert "local.yaml" not in nodes["kvstore"] and "gone.yaml" not in nodes["dataset"]
     # reading the names ran no plug-in's module: nets.py imports keras at its top
     assert not out["tensorflow"] and not out["keras"]
