@@ -101,7 +101,8 @@ def test_every_run_leaves_model_keras_and_a_saved_model_when_asked(tmp_path):
     expected = _trained_outputs(run, x)
     np.testing.assert_allclose(_outputs_without_tfkv(run / "model.keras", x, tmp_path), expected,
                                rtol=1e-5, atol=1e-6)
-    served = tf.saved_model.load(str(run / "saved_model")).serve(tf.constant(x))
+    loaded = tf.saved_model.load(str(run / "saved_model"))  # held: serve's variables live in it
+    served = loaded.serve(tf.constant(x))
     np.testing.assert_allclose(np.asarray(served), expected, rtol=1e-5, atol=1e-6)
 
 

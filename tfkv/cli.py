@@ -89,7 +89,7 @@ def _job(cfg: Any) -> float:
     in_job = ClusterEnv.role_of() is not None
     if not in_job:
         (run_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        if config_schema.is_distributed(cfg.kvstore.type):
+        if config_schema.is_distributed(cfg.kvstore.type) and not cfg.eval_only:  # eval_only: here, alone
             return _launch(cfg, run_dir, list(hc.overrides.task), Path(hc.runtime.cwd))
     from tfkv.trainer import train
 

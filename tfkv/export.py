@@ -72,11 +72,15 @@ def save(model: Any, run_dir: Path, saved_model: bool = False) -> Path:
         folder, tmp_dir = run_dir / SAVED_MODEL_DIR, run_dir / f".tmp-{SAVED_MODEL_DIR}"
 
         def write_saved_model() -> None:
+            tf_log = logging.getLogger("tensorflow")
+            level = tf_log.level
+            tf_log.setLevel(logging.WARNING)  # its "Assets written to" names the temporary folder
             try:
                 model.export(str(tmp_dir), verbose=False)
                 shutil.rmtree(folder, ignore_errors=True)
                 os.replace(tmp_dir, folder)
             finally:
+                tf_log.setLevel(level)
                 shutil.rmtree(tmp_dir, ignore_errors=True)
 
         _written(write_saved_model, folder)
