@@ -65,8 +65,9 @@ def test_plugins_become_names_and_config_options_without_importing_tensorflow(pl
     assert out["canonical"] == "twin" and out["compresses"] is False
     nodes = out["nodes"]
     assert nodes["kvstore"]["twin.yaml"] == {"type": "twin"}
+    # the settings schema the launcher class declares (config = RemoteCluster), filled in
     assert nodes["cluster"]["twin.yaml"]["launcher"] == "twin"
-    assert nodes["cluster"]["twin.yaml"]["num_workers"] == 2  # every launcher's settings, to override
+    assert nodes["cluster"]["twin.yaml"]["num_workers"] == 2 and nodes["cluster"]["twin.yaml"]["python"] == "python3"
     # the builder's keyword defaults that are plain values; not what tfkv passes (input_shape,
     # num_classes) nor a default that is an object (init=keras.initializers...)
     assert nodes["model"]["tinynet.yaml"] == {"_target_": "tfkv_plugin_example.nets.build", "width": 16,
@@ -117,7 +118,7 @@ def test_a_plugin_store_is_created_by_name_and_a_broken_one_is_one_line(plugin_e
 
 def test_plugin_config_options_compose_with_hydra(plugin_env):
     out = run_python("""
-        import json
+        import json, sys
         from hydra import compose, initialize_config_dir
         from omegaconf import OmegaConf
         from tfkv import config, plugins
@@ -126,14 +127,15 @@ def test_plugin_config_options_compose_with_hydra(plugin_env):
         with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
             a = compose("config", overrides=["kvstore=twin"])
             b = compose("config", overrides=["kvstore=dist_sync", "cluster=twin", "cluster.num_workers=3",
-                                             "cluster.port=5000"])
+                                             "cluster.port=5000", f"cluster.python={sys.executable}"])
             c = compose("config", overrides=["kvstore=local"])
             d = compose("config", overrides=["model=tinynet", "model.width=8", "dataset=blobs", "dataset.n=300"])
         print(json.dumps({"a": a.kvstore.type, "c": c.kvstore.type,
-                          "b": [b.kvstore.type, b.cluster.launcher, b.cluster.num_workers, b.cluster.port],
+                          "b": [b.kvstore.type, b.cluster.launcher, b.cluster.num_workers, b.cluster.port,
+                                b.cluster.python],
                           "d": [OmegaConf.to_container(d.model), OmegaConf.to_container(d.dataset)]}))
     """, plugin_env)
-    assert out["a"] == "twin" and out["b"] == ["dist_sync", "twin", 3, 5000]
+    assert out["a"] == "twin" and out["b"] == ["dist_sync", "twin", 3, 5000, sys.executable]
     assert out["c"] == "local"  # tfkv's own option, not the plug-in that claims the name
     model, dataset = out["d"]  # the plug-ins' keyword defaults are overridden without +
     assert model == {"_target_": "tfkv_plugin_example.nets.build", "width": 8, "dropout": 0.0, "activation": "relu"}
@@ -186,7 +188,7 @@ def test_tfkv_run_trains_a_plugin_model_on_a_plugin_store(plugin_env, tmp_path):
 def test_tfkv_run_trains_a_plugin_data_set_with_a_plugin_launcher(plugin_env, tmp_path):
     """cluster=twin starts the job; its workers build the plug-in model on the plug-in data."""
     tfkv_run("kvstore=dist_sync", "cluster=twin", "cluster.num_workers=2",
-             f"+cluster.python={sys.executable}",  # a key of the launcher's own schema, not every launcher's
+             f"cluster.python={sys.executable}",  # a setting of the launcher's own schema, not every launcher's
              "model=tinynet", "dataset=blobs", "dataset.n=400", "epochs=1", cwd=tmp_path, env=plugin_env,
              timeout=300)
     run = run_dir(tmp_path)

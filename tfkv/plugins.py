@@ -3,13 +3,14 @@ distribution declares under the entry-point groups `tfkv.stores`, `tfkv.launcher
 `tfkv.models` and `tfkv.datasets`.
 
 A store or launcher plug-in joins its registry (`tfkv.store.REGISTRY`, `tfkv.launcher.base.REGISTRY`),
-which reads the entry points the first time a name is not its own; its class is imported when it
-is created. `load()` makes every plug-in a config option of its Hydra group: `kvstore=<name>`,
-`cluster=<name>`, and `model=<name>` / `dataset=<name>` whose node is the callable's `_target_`
-with its keyword defaults that are plain config values, so `model=<name> model.width=8` works as
-it does for tfkv's own options. Those defaults are read from the module's source, not by running
-it, so listing plug-ins never imports TensorFlow (a callable that is not a plain `def` or class in
-its module is imported to read its signature).
+which reads the entry points the first time a name is not its own; a store class is imported when
+it is created. `load()` makes every plug-in a config option of its Hydra group: `kvstore=<name>`;
+`cluster=<name>`, typed by the settings schema the launcher class declares (`config`); and
+`model=<name>` / `dataset=<name>` whose node is the callable's `_target_` with its keyword
+defaults that are plain config values, so `model=<name> model.width=8` works as it does for
+tfkv's own options. Those defaults are read from the module's source, not by running it, so
+listing plug-ins never imports TensorFlow (a callable that is not a plain `def` or class in its
+module is imported to read its signature).
 
 A broken plug-in (a module that cannot be found or read, a name tfkv or another plug-in already
 has) is one warning naming its package and entry point, and the other configs still run; tfkv's
@@ -20,7 +21,6 @@ line when it is chosen.
 from __future__ import annotations
 
 import ast
-import dataclasses
 import functools
 import importlib.metadata
 import importlib.util
@@ -101,14 +101,13 @@ def load() -> None:
     _loaded = True
     from hydra.core.config_store import ConfigStore
 
-    from tfkv.config import ClusterConfig
     from tfkv.launcher.base import REGISTRY as LAUNCHERS
     from tfkv.store import REGISTRY as STORES
 
-    options: dict[str, list[tuple[importlib.metadata.EntryPoint, dict[str, Any]]]] = {
+    options: dict[str, list[tuple[importlib.metadata.EntryPoint, Any]]] = {
         "kvstore": [(ep, {"type": name}) for name, ep in STORES.plugins().items()],
-        # every launcher's settings (a plug-in's `config` schema may add more: tfkv.config)
-        "cluster": [(ep, dataclasses.asdict(ClusterConfig(launcher=name))) for name, ep in LAUNCHERS.plugins().items()],
+        "cluster": [(ep, node) for name, ep in LAUNCHERS.plugins().items()
+                    if (node := _cluster_node(ep, name)) is not None],
     }
     for group in ("model", "dataset"):
         options[group] = [(ep, node) for ep in entry_points(GROUPS[group])
@@ -121,6 +120,27 @@ def load() -> None:
                 warn(ep, f"{group}={ep.name} is tfkv's own option; tfkv's is used, the plug-in is ignored")
             else:
                 store.store(group=group, name=ep.name, node=node)
+
+
+def _cluster_node(ep: importlib.metadata.EntryPoint, name: str) -> Any:
+    """A plug-in launcher's option: the settings schema its class declares (`config`, else every
+    launcher's), typed as tfkv's own options are, so each of its settings is overridden without
+    `+` and any other key is refused. The class is imported for it: launchers are light."""
+    from omegaconf import OmegaConf
+
+    from tfkv.config import cluster_schema
+
+    try:
+        node = OmegaConf.structured(cluster_schema(name))
+        node.launcher = name
+    except ConfigError as e:  # the plug-in's module fails to import
+        warn(ep, f"{e}; the plug-in is ignored")
+        return None
+    except Exception as e:  # a `config` that is no schema with a `launcher` setting
+        warn(ep, f"its config schema does not work ({_one_line(e)}): make it a dataclass derived from "
+                 "tfkv.config.ClusterConfig; the plug-in is ignored")
+        return None
+    return node
 
 
 def _provided(group: str) -> set[str]:
