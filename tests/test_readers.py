@@ -301,3 +301,64 @@ def test_npy_memory_stays_flat_while_the_map_is_read(tmp_path):
     assert seen == 7 * (rows // 4096) * 4096
     assert _rss_mib() - before < 100, "the mapped pages stayed resident"
     os.remove(tmp_path / "x.npy")
+
+
+# -- through tfkv-run -----------------------------------------------------------------------------
+
+def _separable(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """4 features; the class is the sign of the first: learnable in one short epoch."""
+    x = np.random.default_rng(seed).normal(size=(n, 4)).astype(np.float32)
+    return x, (x[:, 0] > 0).astype(np.int64)
+
+
+def _tfrecord_run(tmp_path):
+    for split, seed in (("train", 0), ("test", 1)):
+        x, y = _separable(512 if split == "train" else 128, seed)
+        tfrecord.write(tmp_path / f"{split}.tfrecord", {"x": x, "y": y})
+    return ["dataset=tfrecord", f"dataset.files={{train: {tmp_path}/train.tfrecord, test: {tmp_path}/test.tfrecord}}",
+            "dataset.features={x: {shape: [4]}, y: {dtype: int64}}", "dataset.label=y", "dataset.num_classes=2"]
+
+
+def _csv_run(tmp_path):
+    for split, seed in (("train", 0), ("test", 1)):
+        x, y = _separable(512 if split == "train" else 128, seed)
+        csv_reader.write(tmp_path / f"{split}.csv", {**{c: x[:, i] for i, c in enumerate("abcd")}, "y": y})
+    return ["dataset=csv", f"dataset.files={{train: {tmp_path}/train.csv, test: {tmp_path}/test.csv}}",
+            "dataset.label=y", "dataset.num_classes=2"]
+
+
+def _npy_run(tmp_path):
+    for split, seed in (("train", 0), ("test", 1)):
+        x, y = _separable(512 if split == "train" else 128, seed)
+        np.save(tmp_path / f"x_{split}.npy", x)
+        np.save(tmp_path / f"y_{split}.npy", y)
+    return ["dataset=npy", f"dataset.x={{train: {tmp_path}/x_train.npy, test: {tmp_path}/x_test.npy}}",
+            f"dataset.y={{train: {tmp_path}/y_train.npy, test: {tmp_path}/y_test.npy}}", "dataset.num_classes=2"]
+
+
+def _images_run(tmp_path):
+    rng = np.random.default_rng(0)
+    for i in range(320):  # dark and bright images
+        bright = i % 2
+        (tmp_path / "img" / f"c{bright}").mkdir(parents=True, exist_ok=True)
+        pixels = rng.integers(0, 100, (8, 8, 1)) + 150 * bright
+        tf.io.write_file(str(tmp_path / "img" / f"c{bright}" / f"{i}.png"), tf.io.encode_png(pixels.astype(np.uint8)))
+    return ["dataset=image_folder", f"dataset.directory={tmp_path}/img", "dataset.image_size=[8,8]",
+            "dataset.color_mode=grayscale", "dataset.validation_split=0.2"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make", [_tfrecord_run, _csv_run, _npy_run, _images_run],
+                         ids=["tfrecord", "csv", "npy", "image_folder"])
+def test_tfkv_run_trains_from_the_reader(tmp_path, make):
+    import json
+
+    from conftest import tfkv_run
+
+    args = make(tmp_path)
+    tfkv_run(*args, "epochs=1", "batch_size=16", "eval_batch_size=50", "model.hidden=[16]",
+             cwd=tmp_path)
+    (path,) = tmp_path.glob("outputs/*/*/metrics.json")
+    metrics = json.loads(path.read_text())
+    assert metrics["epoch"] == 1
+    assert metrics["test_accuracy"] >= 0.8, metrics  # learnt from the files: chance is 0.5
