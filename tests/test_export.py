@@ -136,3 +136,21 @@ def test_eval_only_without_resume_is_one_line(tmp_path, args):
     assert len(lines) == 1 and "eval_only=true evaluates a checkpoint" in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr
     assert not list(tmp_path.glob("outputs/*/*/tensorboard"))  # refused before anything started
+
+
+@pytest.mark.slow
+def test_eval_only_of_a_dist_sync_command_evaluates_in_one_process(tmp_path):
+    """The command of a dist_sync job plus eval_only: no job starts; the checkpoint (its optimizer
+    state the servers' own) is evaluated here and gives the job's final test metrics."""
+    job = ["kvstore=dist_sync", "cluster=local", "cluster.num_workers=2", "cluster.num_servers=1", "epochs=1",
+           "progress=false"]
+    tfkv_run(*job, "hydra.run.dir=outputs/a/train", cwd=tmp_path, timeout=240)
+    run = tmp_path / "outputs" / "a" / "train"
+    assert (run / "model.keras").is_file() and (run / "launch").is_dir()
+    trained = json.loads((run / "metrics.json").read_text())
+    tfkv_run(*job, "+eval_only=true", "resume=true", "hydra.run.dir=outputs/a/eval", cwd=tmp_path)
+    ev = tmp_path / "outputs" / "a" / "eval"
+    evaluated = json.loads((ev / "metrics.json").read_text())
+    assert evaluated["checkpoint"] == str(run / "checkpoints" / "epoch-0001")
+    assert evaluated["test_accuracy"] == pytest.approx(trained["test_accuracy"], abs=1e-6)
+    assert not (ev / "launch").exists()  # no job was launched
