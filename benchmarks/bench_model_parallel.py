@@ -40,7 +40,7 @@ def contender(groups, specs, tf_by_spec, batch, micro, x, y, seq_len):
     keras.utils.set_random_seed(0)
     sgd = optim.SGD(schedule=optim.Schedule(lr=0.1), momentum=0.9)
     mp = ModelParallel(groups, [tf_by_spec[s] for s in specs], store.create("local"), sgd, batch,
-                       micro_batches=micro, loss_scale=1.0 / seq_len)  # rescale_grad: 1 / batch
+                       micro_batches=micro)  # a token's loss: the mean over the sequence
     return lambda: mp.step(x, y)
 
 

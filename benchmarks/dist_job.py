@@ -105,7 +105,7 @@ def weights_checksum(weights) -> list[float]:
 def report(dp: Any, steps: int, elapsed: float, global_batch: int) -> dict[str, Any]:
     """What a worker says of its timed loop: steps, seconds, global batch, last loss, model size
     and a checksum of its weights (workers of one job must agree on it)."""
-    loss, _, _ = dp.take_metrics()
+    loss = dp.take_metrics()[0]["loss"]
     return {"steps": steps, "seconds": elapsed, "batch": global_batch, "loss": loss,
             "params": int(dp.replicas[0].count_params()), "checksum": weights_checksum(dp.get_weights())}
 

@@ -47,9 +47,10 @@ def main() -> None:
         for x, y in tfkv.data.train_dataset(digits, args.batch_size, epoch, seed=0,
                                             num_parts=store.num_workers, part_index=store.rank):
             net.step(x, y)
-        loss, acc, _ = net.take_metrics()
-        _, test_acc = net.evaluate(tfkv.data.test_dataset(digits, 500))
-        print(f"Epoch {epoch}: loss {loss:.4f} train_acc {acc:.4f} Test_acc {test_acc:.4f} ({steps} steps)")
+        train, _ = net.take_metrics()
+        test = net.evaluate(tfkv.data.test_dataset(digits, 500))
+        print(f"Epoch {epoch}: loss {train['loss']:.4f} train_acc {train['accuracy']:.4f} "
+              f"Test_acc {test['accuracy']:.4f} ({steps} steps)")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ def test_default_job_trains_and_leaves_its_record(tmp_path):
     assert (run / "config_resolved.yaml").is_file() and (run / ".hydra" / "config.yaml").is_file()
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["epoch-0001", "epoch-0002", "epoch-0003"]
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
-    assert (run / "tfkv.log").read_text().count("  test_acc ") == 3  # one line per epoch
+    assert (run / "tfkv.log").read_text().count("  test_accuracy ") == 3  # one line per epoch
 
 
 @pytest.mark.parametrize("args,message", [

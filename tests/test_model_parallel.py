@@ -23,7 +23,6 @@ import tensorflow as tf
 from conftest import tfkv_run
 
 from tfkv import data, models, optim, store
-from tfkv.config import DatasetConfig, ModelConfig
 from tfkv.data import ptb
 from tfkv.errors import ConfigError, DataError
 from tfkv.parallel import placement
@@ -31,9 +30,9 @@ from tfkv.parallel.data_parallel import DataParallel
 from tfkv.parallel.model_parallel import ModelParallel
 
 T, V, B = 6, 40, 16  # sequence length, vocabulary, batch
-CFG = ModelConfig(name="lstm_lm", hidden=[16, 12], embed_dim=8)
+LSTM = "tfkv.models.lstm_lm.build"
+CFG = {"_target_": LSTM, "hidden": [16, 12], "embed_dim": 8}
 SGD = optim.SGD(schedule=optim.Schedule(lr=0.5), momentum=0.9)
-SCALE = 1.0 / T  # the mean over an example's tokens, as the trainer sets it (rescale_grad: 1 / batch)
 
 
 def _batch(seed=0, batch=B):
@@ -46,7 +45,7 @@ def _model_parallel(devices, micro_batches, cfg=CFG, batch=B, opt=SGD):
     keras.utils.set_random_seed(3)
     groups = models.build_groups(cfg, (T,), V)
     return ModelParallel(groups, devices, store.create("local"), opt, batch,
-                         micro_batches=micro_batches, loss_scale=SCALE)
+                         micro_batches=micro_batches)
 
 
 def _assert_close(got, want):
@@ -58,12 +57,12 @@ def _assert_close(got, want):
 # -- placement: every variable and op of a group on its device ------------------------------------
 
 def test_groups_variables_and_ops_live_on_their_devices(tf_devices):
-    cfg = ModelConfig(name="lstm_lm", hidden=[16, 12], embed_dim=8, dropout=0.1)  # dropout: seed state too
+    cfg = {**CFG, "dropout": 0.1}  # dropout: seed state too
     groups = models.build_groups(cfg, (T,), V)
     specs = placement.assign({"embed": "cpu:0", "lstm1": "cpu:1", "lstm2": "cpu:2", "decoder": "cpu:3"},
                              groups, ["cpu:0", "cpu:1", "cpu:2", "cpu:3"], "lstm_lm")
     devices = [tf_devices[int(s.split(":")[1])] for s in specs]
-    mp = ModelParallel(groups, devices, store.create("local"), SGD, B, micro_batches=4, loss_scale=SCALE)
+    mp = ModelParallel(groups, devices, store.create("local"), SGD, B, micro_batches=4)
     short = lambda d: d.split("/")[-1].upper().replace("DEVICE:", "")  # noqa: E731
     for model, d in zip(mp.models, devices):
         assert model.variables, model.name
@@ -72,6 +71,7 @@ def test_groups_variables_and_ops_live_on_their_devices(tf_devices):
         for var in state:
             assert short(var.device) in {short(d) for d in devices}
     x, y = _batch()
+    mp.metrics.prepare(y)  # what step() does before the compiled call: the metric objects
     graph = mp._step.get_concrete_function(x, y).graph
     seen = {g.name: 0 for g in groups}
     for op in graph.get_operations():
@@ -96,7 +96,7 @@ def test_pipelined_gradients_equal_the_unsplit_model(case, tf_devices):
     x, y = _batch(1, batch)
     got = mp.gradients(x, y)
     with tf.device(tf_devices[0]):
-        full = models.build(CFG, (T,), V)
+        full = models.build(CFG, input_shape=(T,), num_classes=V)
         full.set_weights(mp.get_weights())
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(y, full(x, training=True)))
@@ -117,8 +117,8 @@ def test_training_matches_data_parallelism_and_one_device(tf_devices):
 
     def data_parallel(devices):
         kv = store.create("local", devices=devices)
-        return DataParallel(lambda: models.build(CFG, (T,), V), devices, kv, SGD, [B // len(devices)] * len(devices),
-                            loss_scale=SCALE, initial_weights=start)
+        return DataParallel(lambda: models.build(CFG, input_shape=(T,), num_classes=V), devices, kv, SGD, [B // len(devices)] * len(devices),
+                            initial_weights=start)
 
     one, two = data_parallel(tf_devices[:1]), data_parallel(tf_devices[:2])
     for x, y in batches:
@@ -127,9 +127,10 @@ def test_training_matches_data_parallelism_and_one_device(tf_devices):
     _assert_close(mp.get_weights(), one.get_weights())
     _assert_close(two.get_weights(), one.get_weights())
     assert any(not np.allclose(a, b) for a, b in zip(start, mp.get_weights()))
-    loss, acc, seen = mp.take_metrics()
-    assert seen == 5 * B and 0 < loss / T < 2 * math.log(V) and 0 <= acc / T <= 1
-    assert mp.evaluate([_batch(9)])[0] > 0
+    values, seen = mp.take_metrics()
+    assert seen == 5 * B and 0 < values["loss"] < 2 * math.log(V) and 0 <= values["accuracy"] <= 1
+    assert values["perplexity"] == pytest.approx(math.exp(values["loss"]))
+    assert mp.evaluate([_batch(9)])["loss"] > 0
 
 
 def test_weights_and_optimizer_state_restore_exactly(tf_devices):
@@ -145,7 +146,7 @@ def test_weights_and_optimizer_state_restore_exactly(tf_devices):
     for x, y in batches[:2]:
         first.step(x, y)
     resumed = ModelParallel(models.build_groups(CFG, (T,), V), devices, store.create("local"), adam, B,
-                            micro_batches=2, loss_scale=SCALE, initial_weights=first.get_weights())
+                            micro_batches=2, initial_weights=first.get_weights())
     resumed.load_optimizer_states(first.optimizer_states())
     for x, y in batches[2:]:
         resumed.step(x, y)
@@ -184,7 +185,7 @@ def test_partition_minimises_the_bottleneck():
 
 
 def test_auto_plan_balances_the_lstm_and_prints_costs():
-    cfg = ModelConfig(name="lstm_lm", hidden=[200, 200, 200, 200], embed_dim=200)
+    cfg = {"_target_": LSTM, "hidden": [200, 200, 200, 200], "embed_dim": 200}
     groups = models.build_groups(cfg, (35,), 1000)
     assert [g.name for g in groups] == ["embed", "lstm1", "lstm2", "lstm3", "lstm4", "decoder"]
     lstm, decoder = groups[1].flops, groups[-1].flops
@@ -212,7 +213,7 @@ def test_auto_plan_balances_the_lstm_and_prints_costs():
 ])
 def test_bad_placements_are_one_line(value, devices, message):
     with pytest.raises(ConfigError) as e:
-        placement.check(value, models.group_names(ModelConfig(name="lstm_lm", hidden=[8, 8])), devices, "lstm_lm")
+        placement.check(value, models.group_names({"_target_": LSTM, "hidden": [8, 8]}), devices, "lstm_lm")
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
@@ -227,13 +228,13 @@ def _write_ptb(root, train=PTB_TRAIN, valid=(" the cat sat ",), test=(" the mat 
         (root / f"ptb.{name}.txt").write_text("".join(line + "\n" for line in lines))
 
 
-def _ptb_cfg(root, **kw):
-    return DatasetConfig(name="ptb", root=str(root), **{"seq_len": 4, "vocab_size": 0, **kw})
+def _ptb(root, **kw):
+    return ptb.load(root=str(root), **{"seq_len": 4, "vocab_size": 0, **kw})
 
 
 def test_ptb_files_are_read_as_the_reference_reader_does(tmp_path):
     _write_ptb(tmp_path)
-    ds = data.load(_ptb_cfg(tmp_path))
+    ds = _ptb(tmp_path)
     tokens = ptb.read_tokens(PTB_TRAIN)
     assert tokens[:6] == ["aer", "banknote", "berlitz", "calloway", "<unk>", "<eos>"]
     assert tokens.count("<eos>") == 3 and len(tokens) == 19
@@ -249,13 +250,13 @@ def test_ptb_files_are_read_as_the_reference_reader_does(tmp_path):
     assert [vocab[i] for i in ds.y_train[1]] == ["<eos>", "the", "cat", "sat"]
     test_tokens = ["the", "mat", "sat", "on", "the", "dog", "<eos>"]
     assert [vocab[i] for i in ds.x_test[0]] == test_tokens[:4] and ds.x_test.shape == (1, 4)
-    valid = data.load(_ptb_cfg(tmp_path, eval_split="valid", seq_len=2))  # the, cat, sat, <eos>
+    valid = _ptb(tmp_path, eval_split="valid", seq_len=2)  # the, cat, sat, <eos>
     assert [vocab[i] for i in valid.x_test[0]] == ["the", "cat"] and valid.x_test.shape == (1, 2)
 
 
 def test_vocabulary_cap_maps_rare_words_to_unk(tmp_path):
     _write_ptb(tmp_path)
-    ds = data.load(_ptb_cfg(tmp_path, vocab_size=4))
+    ds = _ptb(tmp_path, vocab_size=4)
     assert ds.num_classes == 4
     vocab = ptb.build_vocab(ptb.read_tokens(PTB_TRAIN), 4)
     assert vocab == ["<eos>", "the", "sat", "<unk>"]
@@ -265,15 +266,14 @@ def test_vocabulary_cap_maps_rare_words_to_unk(tmp_path):
 def test_missing_ptb_files_are_one_line(tmp_path):
     (tmp_path / "ptb.train.txt").write_text(" a b c \n")
     with pytest.raises(DataError) as e:
-        data.load(_ptb_cfg(tmp_path))
+        _ptb(tmp_path)
     msg = str(e.value)
     assert "ptb.valid.txt, ptb.test.txt" in msg and str(tmp_path) in msg and "ptb.train.txt" not in msg
     assert "dataset.name=embedded_text" in msg and "\n" not in msg
 
 
 def test_embedded_corpus_is_real_english_and_fixed():
-    cfg = DatasetConfig(name="embedded_text", seq_len=20, vocab_size=10000)
-    a, b = data.load(cfg), data.load(cfg)
+    a, b = (ptb.load_embedded(seq_len=20, vocab_size=10000) for _ in range(2))
     np.testing.assert_array_equal(a.x_train, b.x_train)
     assert a.x_train.shape[0] * 20 > 20_000 and a.x_test.shape[0] > 50
     splits = ptb.split_sentences(ptb.embedded_sentences())

@@ -3,15 +3,15 @@
 The trainer asks the store only for what the MXNet API offers (rank, num_workers, optimizer
 state), so every KVStore type, local or distributed, runs through it unchanged. `placement`
 picks model parallelism (`tfkv.parallel.model_parallel`) instead of data parallelism; both
-have the same interface. For language models (labels with a time axis) losses and accuracies
-are per token and each epoch also reports perplexity, exp(mean token loss).
+have the same interface. Every value the criterion reports (`loss`, each metric, per-output
+losses, `perplexity` for sequence labels with a crossentropy loss: see `tfkv.parallel.metrics`)
+goes to the progress line, TensorBoard and metrics.json as `train_<name>` / `test_<name>`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -29,23 +29,17 @@ def _summary(history: list[dict[str, Any]]) -> dict[str, Any]:
     steady = history[1:] or history
     samples = sum(h["samples"] for h in steady)
     seconds = sum(h["train_seconds"] for h in steady)
-    summary = {
+    return {
         "epoch": last["epoch"],
-        "test_accuracy": last["test_accuracy"],
-        "test_loss": last["test_loss"],
-        "train_loss": last["train_loss"],
-        "train_accuracy": last["train_accuracy"],
+        **{k: last[k] for k in _metric_keys(last)},
         "samples_per_sec": samples / seconds if seconds else 0.0,
         "history": history,
     }
-    for key in ("train_perplexity", "test_perplexity"):
-        if key in last:
-            summary[key] = last[key]
-    return summary
 
 
-def _perplexity(mean_token_loss: float) -> float:
-    return math.exp(min(mean_token_loss, 700.0))  # exp overflows a float past ~709
+def _metric_keys(record: dict[str, Any]) -> list[str]:
+    """The train_<name> / test_<name> values of an epoch's record (not its bookkeeping)."""
+    return [k for k in record if k.startswith(("train_", "test_")) and k != "train_seconds"]
 
 
 def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | None = None) -> dict[str, Any]:
@@ -54,8 +48,8 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
     import tensorflow as tf
     from tqdm import tqdm
 
-    from tfkv import checkpoint, data, models, optim, store as stores
-    from tfkv.config import split_batch
+    from tfkv import checkpoint, data, export, models, optim, store as stores
+    from tfkv.config import is_distributed, split_batch
     from tfkv.parallel import devices as devices_mod
     from tfkv.parallel.criterion import Criterion
     from tfkv.parallel.data_parallel import DataParallel
@@ -66,7 +60,10 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
     if cfg.deterministic:
         tf.config.experimental.enable_op_determinism()
 
-    store = stores.create(cfg.kvstore.type, devices=tf_devices)
+    # eval_only of a dist_* config runs here alone, with no job: it pushes nothing (device: a
+    # store of this process that takes the job's compression settings)
+    store = stores.create("device" if cfg.eval_only and is_distributed(cfg.kvstore.type) else cfg.kvstore.type,
+                          devices=tf_devices)
     try:
         # Before any key exists; the store decides what compression means for it.
         store.set_gradient_compression({"type": cfg.kvstore.compression.type,
@@ -78,7 +75,6 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
         resume_from = checkpoint.find_resume(cfg.resume, run_dir, search_root or Path.cwd(), overrides)
         ckpt = checkpoint.load(resume_from) if resume_from else None
 
-        positions = source.positions
         criterion = Criterion.from_config(cfg.loss, cfg.metrics)
         sizes = split_batch(cfg.batch_size, cfg.work_load_list, len(tf_devices))
         try:
@@ -94,7 +90,7 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
                     initial_weights=ckpt.weights if ckpt else None,
                     criterion=criterion,
                 )
-            if ckpt:
+            if ckpt and not cfg.eval_only:  # evaluation needs no optimizer state (a dist_* one fits no other store)
                 dp.load_optimizer(ckpt.optimizer, run_dir)
         except (ValueError, KeyError) as e:
             if not ckpt:
@@ -103,6 +99,10 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
             raise ConfigError(f"resume: checkpoint {ckpt.path} does not fit this model and optimizer "
                               f"({str(e).splitlines()[0]}); resume a run of the same model settings, "
                               "or start afresh with resume=false") from None
+        if cfg.eval_only:
+            final = export.evaluate(cfg, source, dp, ckpt, run_dir)
+            store.close()
+            return final
         history: list[dict[str, Any]] = list(ckpt.history) if ckpt else []
         start = ckpt.epoch + 1 if ckpt else 1
         if ckpt:
@@ -129,46 +129,37 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
             for i, (x, y) in enumerate(batches, 1):
                 dp.step(x, y)
                 if i % cfg.log_every == 0 or i == steps:
-                    loss = dp.peek_loss()
+                    running = dp.peek_metrics()
                     bar.update(i - bar.n)
-                    bar.set_postfix(loss=f"{loss:.4f}")
+                    bar.set_postfix({k: f"{v:.4f}" for k, v in running.items()})
                     if writer is not None:
                         with writer.as_default():
-                            tf.summary.scalar("train/step_loss", loss, step=(epoch - 1) * steps + i)
+                            for name, value in running.items():
+                                tf.summary.scalar(f"train/step_{name}", value, step=(epoch - 1) * steps + i)
             seconds = time.perf_counter() - t0
             bar.close()
-            train_loss, train_acc, seen = dp.take_metrics()
+            train, seen = dp.take_metrics()
+            # BatchNorm statistics: this worker's copies averaged; worker 0's are evaluated and saved.
             dp.sync_non_trainable()
-            test_loss, test_acc = dp.evaluate(source.test())
-            # per example -> per position (token): a no-op for classification
-            train_loss, train_acc, test_loss, test_acc = (
-                v / positions for v in (train_loss, train_acc, test_loss, test_acc))
+            test = dp.evaluate(source.test())
             # Workers of a synchronous job move in step: the job's rate is this worker's times
             # the number of workers.
             record = {
-                "epoch": epoch, "train_loss": train_loss, "train_accuracy": train_acc,
-                "test_loss": test_loss, "test_accuracy": test_acc,
+                "epoch": epoch,
+                **{f"train_{k}": v for k, v in train.items()},
+                **{f"test_{k}": v for k, v in test.items()},
                 "samples_per_sec": seen * store.num_workers / seconds,
                 "worker_samples_per_sec": seen / seconds,
                 "samples": seen * store.num_workers, "train_seconds": seconds,
             }
-            if positions > 1:
-                record["train_perplexity"] = _perplexity(train_loss)
-                record["test_perplexity"] = _perplexity(test_loss)
             history.append(record)
-            log.info("epoch %d/%d  train_loss %.4f  train_acc %.4f  test_loss %.4f  test_acc %.4f  "
-                     "%.0f samples/s  %.1fs", epoch, cfg.epochs, train_loss, train_acc, test_loss,
-                     test_acc, record["samples_per_sec"], seconds)
-            if positions > 1:
-                log.info("epoch %d/%d  train_perplexity %.2f  test_perplexity %.2f  (%s split)",
-                         epoch, cfg.epochs, record["train_perplexity"], record["test_perplexity"],
-                         cfg.dataset.get("eval_split", "test"))
+            log.info("epoch %d/%d  %s  %.0f samples/s  %.1fs", epoch, cfg.epochs,
+                     "  ".join(f"{k} {record[k]:.4f}" for k in _metric_keys(record)),
+                     record["samples_per_sec"], seconds)
             if chief:
                 with writer.as_default():
-                    for name in ("train_loss", "train_accuracy", "test_loss", "test_accuracy",
-                                 "samples_per_sec", "train_perplexity", "test_perplexity"):
-                        if name in record:
-                            tf.summary.scalar(f"epoch/{name}", record[name], step=epoch)
+                    for name in (*_metric_keys(record), "samples_per_sec"):
+                        tf.summary.scalar(f"epoch/{name}", record[name], step=epoch)
                 _written(writer.flush, run_dir / "tensorboard")
                 checkpoint.save(run_dir, epoch, dp.get_weights(), dp.weight_names(),
                                 dp.save_optimizer, history)
@@ -184,6 +175,8 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
         store.abort(f"{type(e).__name__}: {e}")
         raise
     store.close()
+    if chief:  # the trained model (model.keras, saved_model/), once no worker waits for this one
+        export.write(cfg, source, dp.get_weights(), run_dir)
     return final
 
 

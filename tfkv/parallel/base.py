@@ -4,7 +4,8 @@ that goes through a KVStore.
 A subclass builds its copies of the model, its updaters (when the workers update their own
 weights) and two compiled calls, `_set_weights(values)` and `_apply(grads)`; `_finish_step`
 takes the store's replies as they arrive and hands them, in key order, to the one that applies.
-Metrics are kept inside the compiled step (`tfkv.parallel.metrics`) and read back on request.
+The loss and metrics are the criterion's (`tfkv.parallel.criterion`); their running values are
+kept inside the compiled step, one `tfkv.parallel.metrics.Tally` per phase, read back on request.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import Any, Callable
 import numpy as np
 
 from tfkv import optim
-from tfkv.parallel.metrics import RunningMetrics, evaluate
+from tfkv.parallel.criterion import Criterion
+from tfkv.parallel.metrics import Tally, evaluate
 from tfkv.store.base import KVStore
 from tfkv.store.tf_updater import TFUpdater
 
@@ -27,12 +29,14 @@ class Parallel:
     store: KVStore
     keys: list[int]
     update_on_kvstore: bool
-    _eval: Callable[[Any, Any], tuple[Any, Any]]  # compiled: summed loss and hits of one batch
+    _eval: Callable[[Any, Any], None]  # compiled: add one batch to the test tally
     _set_weights: Callable[[list[Any]], None]  # compiled: write pulled weights into every copy
     _apply: Callable[[list[Any]], None]  # compiled: update every copy with pulled summed gradients
 
-    def __init__(self) -> None:
-        self.metrics = RunningMetrics()
+    def __init__(self, criterion: Criterion | None) -> None:
+        self.criterion = criterion or Criterion()
+        self.metrics = Tally(self.criterion)  # training
+        self.test_metrics = Tally(self.criterion)  # evaluation
         self._updaters: list[TFUpdater] = []  # when the workers update: one per copy of the weights
 
     def _rescaled(self, optimizer: optim.Optimizer, batch: int) -> optim.Optimizer:
@@ -57,17 +61,19 @@ class Parallel:
 
     # -- metrics, evaluation, optimizer state --------------------------------------------------
 
-    def take_metrics(self) -> tuple[float, float, int]:
-        """(loss per example, correct positions per example, examples) since the last call, and
-        reset. For sequence labels divide the first two by the sequence length."""
+    def take_metrics(self) -> tuple[dict[str, float], int]:
+        """({name: value} of the training batches since the last call, examples), and reset.
+        Names: `loss` (per example: the mean over its positions, plus regularisation), each
+        metric's, `<output>_loss` for dict outputs, `perplexity` for sequence labels."""
         return self.metrics.take()
 
-    def peek_loss(self) -> float:
-        return self.metrics.peek_loss()
+    def peek_metrics(self) -> dict[str, float]:
+        """What `take_metrics` would give now, without resetting (for a progress line)."""
+        return self.metrics.peek()[0]
 
-    def evaluate(self, batches: Any) -> tuple[float, float]:
-        """(loss, correct positions) per example over an iterable of (x, y) batches."""
-        return evaluate(self._eval, batches)
+    def evaluate(self, batches: Any) -> dict[str, float]:
+        """{name: value} (the names `take_metrics` gives) over an iterable of (x, y) batches."""
+        return evaluate(self.test_metrics, self._eval, batches)
 
     def optimizer_states(self) -> dict[str, np.ndarray]:
         if self.update_on_kvstore:

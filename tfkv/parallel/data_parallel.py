@@ -18,6 +18,16 @@ halves of the step.
 it; push, the part of compute spent pushing; pull, waiting for replies; assign) for benchmarks.
 With one device on one machine there is nothing to sum, and, as MXNet does, the store is left
 out: the device updates its weights itself, with the same rule and the same numbers.
+
+Inputs and labels may be dicts (a model with several inputs or outputs): every tensor of x and
+y is cut along its first axis, the same rows for each device. The loss and metrics are the
+criterion's (`tfkv.parallel.criterion`), the model's regularisation losses included.
+
+State that gradients do not move (BatchNorm's moving statistics) is not pushed. The copies
+inside one worker each update their own on their slice, and `sync_non_trainable` (the trainer
+calls it at each epoch's end, before evaluating) sets them all to their average. Across the
+workers of a `dist_*` job nothing is exchanged: each worker keeps its own statistics, and
+worker 0's are the ones its evaluation reports and its checkpoint and export hold.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ import tensorflow as tf
 
 from tfkv import optim
 from tfkv.parallel.base import Parallel
-from tfkv.parallel.metrics import loss_and_hits
+from tfkv.parallel.criterion import Criterion, regularization
 from tfkv.store.base import KVStore
 from tfkv.store.tf_updater import TFUpdater
 
@@ -46,25 +56,27 @@ class DataParallel(Parallel):
         batch_sizes: Sequence[int],
         update_on_kvstore: bool = True,
         initial_weights: Sequence[np.ndarray] | None = None,
-        loss_scale: float | None = None,
+        criterion: Criterion | None = None,
     ):
-        """`devices` are TensorFlow device names; `batch_sizes[i]` examples go to device i.
+        """`devices` are TensorFlow device names; `batch_sizes[i]` examples go to device i;
+        `criterion`: the loss and metrics (default: sparse categorical crossentropy on logits,
+        accuracy).
 
-        As in MXNet, what is pushed is the gradient of the loss summed over the examples (times
-        `loss_scale`, default 1; the trainer gives 1/sequence length for per-token losses), and the
-        optimizer's `rescale_grad` turns the sum into a mean: unset, it becomes 1 / the examples of
-        one update (every worker's for `dist_sync`), as MXNet's Module sets it. So k devices
-        compute what one does, whatever the split, and 2-bit thresholds apply to MXNet's scale.
+        As in MXNet, what is pushed is the gradient of the loss summed over the examples (an
+        example's loss is the mean over its positions, e.g. tokens), plus the examples' count
+        times the regularisation, and the optimizer's `rescale_grad` turns the sum into a mean:
+        unset, it becomes 1 / the examples of one update (every worker's for `dist_sync`), as
+        MXNet's Module sets it. So k devices compute what one does, whatever the split, and
+        2-bit thresholds apply to MXNet's scale.
         """
         if len(batch_sizes) != len(devices):
             raise ValueError(f"{len(batch_sizes)} batch sizes for {len(devices)} devices")
-        super().__init__()
+        super().__init__(criterion)
         self.devices = list(devices)
         self.store = store
         self.batch_sizes = [int(n) for n in batch_sizes]
         self.uses_store = len(self.devices) > 1 or store.distributed
         self.update_on_kvstore = update_on_kvstore and self.uses_store
-        self.loss_scale = loss_scale or 1.0
         optimizer = self._rescaled(optimizer, sum(self.batch_sizes))
         self.replicas = []
         for d in self.devices:
@@ -110,6 +122,7 @@ class DataParallel(Parallel):
 
     def step(self, x: Any, y: Any) -> None:
         """Train on one batch (x, y) of sum(batch_sizes) examples."""
+        self.metrics.prepare(y)
         if self.store.traceable or not self.uses_store:
             self._step(x, y)
             return
@@ -164,18 +177,17 @@ class DataParallel(Parallel):
 
     def _forward_backward(self, x: Any, y: Any) -> list[list[Any]]:
         grads, offset = [], 0
-        loss_sum, correct = [], []
         for d, model, n in zip(self.devices, self.replicas, self.batch_sizes):
             with tf.device(d):
-                xs, ys = x[offset:offset + n], y[offset:offset + n]
+                xs, ys = (tf.nest.map_structure(lambda t: t[offset:offset + n], v) for v in (x, y))
                 with tf.GradientTape() as tape:
-                    losses, hits = loss_and_hits(ys, model(xs, training=True))
-                    loss = tf.reduce_sum(losses) * self.loss_scale
+                    pred = model(xs, training=True)
+                    losses = self.criterion.losses(ys, pred)
+                    reg = regularization(model)
+                    loss = tf.add_n([tf.reduce_sum(v) for v in losses.values()]) + n * reg
                 grads.append(tape.gradient(loss, model.trainable_variables))
-                loss_sum.append(tf.reduce_sum(losses))
-                correct.append(hits)
+                self.metrics.add(ys, pred, losses, n, reg)
             offset += n
-        self.metrics.add(loss_sum, correct, offset)
         return grads
 
     def _fused_step(self, x: Any, y: Any) -> None:
@@ -207,13 +219,16 @@ class DataParallel(Parallel):
 
     # -- metrics, evaluation, state ------------------------------------------------------------
 
-    def _eval_step(self, x: Any, y: Any) -> tuple[Any, Any]:
+    def _eval_step(self, x: Any, y: Any) -> None:
+        model = self.replicas[0]
         with tf.device(self.devices[0]):
-            losses, hits = loss_and_hits(y, self.replicas[0](x, training=False))
-            return tf.reduce_sum(tf.cast(losses, tf.float64)), hits
+            pred = model(x, training=False)
+            self.test_metrics.add(y, pred, self.criterion.losses(y, pred), tf.shape(tf.nest.flatten(y)[0])[0],
+                                  regularization(model))
 
     def sync_non_trainable(self) -> None:
-        """Average state that gradients do not move (BatchNorm statistics) across the copies."""
+        """Average state that gradients do not move (BatchNorm statistics) across this worker's
+        copies (not across workers: see the module docstring)."""
         self._sync_non_trainable(source=None)
 
     def _sync_non_trainable(self, source: int | None) -> None:

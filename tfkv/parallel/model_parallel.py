@@ -10,9 +10,11 @@ Pipelining, GPipe-style, in one tf.function: a batch is cut into `micro_batches`
 goes forward through the groups and then backward, and each group's gradients are summed over
 the pieces before one update. Group s's work on piece i depends only on group s-1's work on
 piece i, so TensorFlow's dataflow executor runs group s on piece i-1 while group s-1 already
-works on piece i; nothing orders ops that need not be ordered. The loss is every position's
-summed loss times `loss_scale` (default 1; the optimizer's rescale_grad makes it a mean, as in
-data parallelism), so the summed micro-batch gradients are the gradient of the unsplit batch.
+works on piece i; nothing orders ops that need not be ordered. The loss is the criterion's
+(`tfkv.parallel.criterion`), summed over examples (the optimizer's rescale_grad makes it a
+mean, as in data parallelism), so the summed micro-batch gradients are the gradient of the
+unsplit batch. Each group's regularisation losses (`model.losses`) are added once per batch,
+times its examples, on the group's own device.
 
 In a `dist_*` job each worker is model-parallel: after the compiled step every weight's gradient
 is pushed and asked back at once (`pushpull_async`, as DataParallel does for stores it cannot
@@ -33,7 +35,7 @@ import tensorflow as tf
 from tfkv import optim
 from tfkv.config import split_batch
 from tfkv.parallel.base import Parallel
-from tfkv.parallel.metrics import loss_and_hits
+from tfkv.parallel.criterion import Criterion, regularization
 from tfkv.parallel.placement import LayerGroup
 from tfkv.store.base import KVStore
 from tfkv.store.tf_updater import TFUpdater
@@ -50,15 +52,16 @@ class ModelParallel(Parallel):
         micro_batches: int = 1,
         update_on_kvstore: bool = True,
         initial_weights: Sequence[np.ndarray] | None = None,
-        loss_scale: float | None = None,
+        criterion: Criterion | None = None,
     ):
         """`devices[i]` is the TensorFlow device of `groups[i]`; batches hold `batch_size` examples,
-        cut into `micro_batches` pieces (sizes as `split_batch`: the remainder to the last)."""
+        cut into `micro_batches` pieces (sizes as `split_batch`: the remainder to the last);
+        `criterion`: the loss and metrics, as DataParallel's."""
         if len(devices) != len(groups):
             raise ValueError(f"{len(devices)} devices for {len(groups)} layer groups")
         if not 1 <= micro_batches <= batch_size:
             raise ValueError(f"micro_batches={micro_batches} must be in [1, batch_size={batch_size}]")
-        super().__init__()
+        super().__init__(criterion)
         self.devices = list(devices)
         self.group_names = [g.name for g in groups]
         self.store = store
@@ -66,7 +69,6 @@ class ModelParallel(Parallel):
         self.micro_sizes = split_batch(self.batch_size, None, int(micro_batches))
         self.uses_store = store.distributed
         self.update_on_kvstore = update_on_kvstore and self.uses_store
-        self.loss_scale = loss_scale or 1.0
         optimizer = self._rescaled(optimizer, self.batch_size)
 
         self.models = []
@@ -105,6 +107,7 @@ class ModelParallel(Parallel):
 
     def step(self, x: Any, y: Any) -> None:
         """Train on one batch (x, y) of `batch_size` examples."""
+        self.metrics.prepare(y)
         if not self.uses_store:
             self._step(x, y)
             return
@@ -116,20 +119,20 @@ class ModelParallel(Parallel):
     def gradients(self, x: Any, y: Any) -> list[np.ndarray]:
         """The summed micro-batch gradients of one batch, one per trainable variable; no update,
         no metrics (what `step` would apply)."""
+        self.metrics.prepare(y)
         return [np.asarray(g) for g in self._grads_only(x, y)]
 
     def _forward_backward(self, x: Any, y: Any, record: bool = True) -> list[Any]:
         last = len(self.models) - 1
         pieces = len(self.micro_sizes)
         with tf.device(self.devices[0]):
-            xs = tf.split(x, self.micro_sizes) if pieces > 1 else [x]
+            xs = _split(x, self.micro_sizes)
         with tf.device(self.devices[last]):
-            ys = tf.split(y, self.micro_sizes) if pieces > 1 else [y]
+            ys = _split(y, self.micro_sizes)
 
         # Forward: one tape per (piece, group), recorded on the group's device. Piece i at group s
         # waits only for piece i at group s-1, so consecutive pieces overlap across devices.
         tapes: list[list[tuple[Any, Any, Any]]] = []
-        loss_sums, corrects = [], []
         for i in range(pieces):
             h, row = xs[i], []
             for s, (model, d) in enumerate(zip(self.models, self.devices)):
@@ -139,12 +142,12 @@ class ModelParallel(Parallel):
                             tape.watch(h)
                         out = model(h, training=True)
                         if s == last:
-                            losses, hits = loss_and_hits(ys[i], out)
-                            out = tf.reduce_sum(losses) * self.loss_scale
+                            pred = out
+                            losses = self.criterion.losses(ys[i], pred)
+                            out = tf.add_n([tf.reduce_sum(v) for v in losses.values()])
                     row.append((tape, h, out))
                     if s == last and record:
-                        loss_sums.append(tf.reduce_sum(losses))
-                        corrects.append(hits)
+                        self.metrics.add(ys[i], pred, losses, self.micro_sizes[i])
                 h = out
             tapes.append(row)
 
@@ -162,13 +165,20 @@ class ModelParallel(Parallel):
                 per_group[s].append(grads[:len(variables)])  # dense: see models.lstm_lm's Embedding
                 upstream = grads[-1] if s > 0 else None
 
-        summed = []
-        for s, d in enumerate(self.devices):
+        summed, reg_total = [], []
+        for s, (model, d) in enumerate(zip(self.models, self.devices)):
             with tf.device(d):
+                if model.losses:  # regularisation: once per batch, times its examples
+                    with tf.GradientTape() as tape:
+                        reg = regularization(model)
+                        weighted = self.batch_size * reg
+                    per_group[s].append(tape.gradient(weighted, model.trainable_variables,
+                                                      unconnected_gradients=tf.UnconnectedGradients.ZERO))
+                    reg_total.append(reg)
                 for per_var in zip(*reversed(per_group[s])):  # pieces in order 0..m-1
                     summed.append(per_var[0] if len(per_var) == 1 else tf.add_n(list(per_var)))
-        if record:
-            self.metrics.add(loss_sums, corrects, tf.shape(x)[0])
+        if record and reg_total:
+            self.metrics.add_regularization(tf.add_n(reg_total), self.batch_size)
         return summed
 
     def _fused_step(self, x: Any, y: Any) -> None:
@@ -186,14 +196,14 @@ class ModelParallel(Parallel):
 
     # -- metrics, evaluation, state ------------------------------------------------------------
 
-    def _eval_step(self, x: Any, y: Any) -> tuple[Any, Any]:
+    def _eval_step(self, x: Any, y: Any) -> None:
         h = x
         for model, d in zip(self.models, self.devices):
             with tf.device(d):
                 h = model(h, training=False)
+        reg = tf.add_n([regularization(m) for m in self.models])
         with tf.device(self.devices[-1]):
-            losses, hits = loss_and_hits(y, h)
-            return tf.reduce_sum(tf.cast(losses, tf.float64)), hits
+            self.test_metrics.add(y, h, self.criterion.losses(y, h), tf.shape(tf.nest.flatten(y)[0])[0], reg)
 
     def sync_non_trainable(self) -> None:
         """Nothing to do: there is one copy of every variable."""
@@ -214,3 +224,11 @@ class ModelParallel(Parallel):
 
     def weight_names(self) -> list[str]:
         return [f"{i:04d}/{v.path}" for i, v in enumerate(v for m in self.models for v in m.weights)]
+
+
+def _split(t: Any, sizes: list[int]) -> list[Any]:
+    """`t` (a tensor or a dict of them) cut along its first axis into pieces of `sizes`."""
+    if len(sizes) == 1:
+        return [t]
+    parts = [tf.split(v, sizes) for v in tf.nest.flatten(t)]
+    return [tf.nest.pack_sequence_as(t, [p[i] for p in parts]) for i in range(len(sizes))]
