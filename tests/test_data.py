@@ -1,4 +1,6 @@
-"""tfkv.data: loaders on tiny files in the real on-disk formats, safe unpickling, sharding, pipelines.
+"""tfkv.data: loaders on tiny files in the real on-disk formats (through their conf/dataset entries),
+safe unpickling, sharding, pipelines, and `Source`: any factory's data sharded, batched and counted
+the same way on every worker.
 
 Nothing here touches the network: every test uses download=False or replaces `urlopen`.
 """
@@ -20,13 +22,28 @@ import pytest
 from omegaconf import OmegaConf
 
 import tfkv.data as data
-from tfkv.config import DatasetConfig
+from tfkv import cli
 from tfkv.data import cifar10, download, mnist, safe_pickle
 from tfkv.errors import ConfigError, DataError
 
+DATASET_CONF = os.path.join(cli.conf_dir(), "dataset")
 
-def cfg(name: str, root=".", **kw):
-    return OmegaConf.structured(DatasetConfig(name=name, root=str(root), download=False, **kw))
+
+def cfg(name: str, root=None, **kw):
+    """conf/dataset/<name>.yaml with `kw` (and root, download=False where it has them) overriding it."""
+    node = OmegaConf.load(os.path.join(DATASET_CONF, f"{name}.yaml"))
+    if "root" in node:
+        kw = {"root": str(root if root is not None else "."), **kw}
+    if "download" in node:
+        kw = {"download": False, **kw}
+    return OmegaConf.merge(node, kw)
+
+
+def load(node, seed: int = 0) -> data.DataSet:
+    """The in-memory DataSet a built-in entry gives, as the trainer gets it (through Source)."""
+    source = data.Source(node, seed, batch_size=1, eval_batch_size=1)
+    assert source.memory is not None
+    return source.memory
 
 
 @pytest.fixture(autouse=True)
@@ -70,7 +87,7 @@ def write_mnist(directory, n_train=5, n_test=3, gzip_name="train-images-idx3-uby
 @pytest.mark.parametrize("subdir", ["", "mnist"])
 def test_mnist_round_trip(tmp_path, subdir):
     arrays = write_mnist(tmp_path / subdir)
-    ds = data.load(cfg("mnist", tmp_path))
+    ds = load(cfg("mnist", tmp_path))
     assert ds.name == "mnist" and ds.num_classes == 10
     assert ds.x_train.shape == (5, 28, 28, 1) and ds.x_train.dtype == np.uint8
     assert ds.x_test.shape == (3, 28, 28, 1) and ds.input_shape == (28, 28, 1)
@@ -87,7 +104,7 @@ def test_mnist_truncated_file(tmp_path):
     path = tmp_path / "t10k-images-idx3-ubyte"
     path.write_bytes(path.read_bytes()[:-10])
     with pytest.raises(DataError, match="t10k-images-idx3-ubyte") as e:
-        data.load(cfg("mnist", tmp_path))
+        load(cfg("mnist", tmp_path))
     assert "truncated" in str(e.value) and "\n" not in str(e.value)
 
 
@@ -96,7 +113,7 @@ def test_mnist_truncated_gzip(tmp_path):
     path = tmp_path / "train-images-idx3-ubyte.gz"
     path.write_bytes(path.read_bytes()[:40])
     with pytest.raises(DataError, match="train-images-idx3-ubyte.gz"):
-        data.load(cfg("mnist", tmp_path))
+        load(cfg("mnist", tmp_path))
 
 
 def test_mnist_wrong_magic(tmp_path):
@@ -104,12 +121,12 @@ def test_mnist_wrong_magic(tmp_path):
     # a labels file where the images should be: valid IDX, wrong kind
     (tmp_path / "t10k-images-idx3-ubyte").write_bytes(idx_bytes(np.zeros(3, np.uint8)))
     with pytest.raises(DataError, match=r"t10k-images-idx3-ubyte.*magic 0x00000801"):
-        data.load(cfg("mnist", tmp_path))
+        load(cfg("mnist", tmp_path))
 
 
 def test_mnist_missing_offline(tmp_path):
     with pytest.raises(DataError) as e:
-        data.load(cfg("mnist", tmp_path))
+        load(cfg("mnist", tmp_path))
     message = str(e.value)
     assert str(tmp_path) in message and "\n" not in message
     for name in mnist.FILES.values():
@@ -118,10 +135,9 @@ def test_mnist_missing_offline(tmp_path):
 
 
 def test_mnist_download_failure_is_one_line(tmp_path):
-    config = cfg("mnist", tmp_path)
-    config.download = True
+    config = cfg("mnist", tmp_path, download=True)
     with pytest.raises(DataError, match="download failed") as e:
-        data.load(config)
+        load(config)
     assert str(tmp_path) in str(e.value) and "\n" not in str(e.value)
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".part-")]  # no temp file left
 
@@ -139,9 +155,8 @@ def test_mnist_download_writes_files(tmp_path, monkeypatch):
 
     monkeypatch.setattr(download, "urlopen", fake_urlopen)
     root = tmp_path / "root"
-    config = cfg("mnist", root)
-    config.download = True
-    ds = data.load(config)
+    config = cfg("mnist", root, download=True)
+    ds = load(config)
     assert all(url.startswith(mnist.MIRRORS[0]) for url in requested) and len(requested) == 4
     assert sorted(os.listdir(root)) == sorted(n + ".gz" for n in mnist.FILES.values())
     np.testing.assert_array_equal(ds.y_test, arrays["t10k-labels-idx1-ubyte"])
@@ -171,7 +186,7 @@ def write_cifar(root, n=4):
 
 def test_cifar10_round_trip(tmp_path):
     written = write_cifar(tmp_path)
-    ds = data.load(cfg("cifar10", tmp_path))
+    ds = load(cfg("cifar10", tmp_path))
     assert ds.x_train.shape == (20, 32, 32, 3) and ds.x_train.dtype == np.uint8
     assert ds.x_test.shape == (4, 32, 32, 3) and ds.num_classes == 10
     assert ds.y_train.dtype == np.int32
@@ -213,7 +228,7 @@ def test_cifar10_reads_python2_pickles(tmp_path):
     pixels = rng.integers(0, 256, (4, 3072), dtype=np.uint8)
     labels = [3, 1, 4, 1]
     (tmp_path / cifar10.DIRNAME / "data_batch_1").write_bytes(py2_batch_bytes(pixels, labels))
-    ds = data.load(cfg("cifar10", tmp_path))
+    ds = load(cfg("cifar10", tmp_path))
     np.testing.assert_array_equal(ds.x_train[:4].transpose(0, 3, 1, 2).reshape(4, 3072), pixels)
     np.testing.assert_array_equal(ds.y_train[:4], labels)
 
@@ -234,7 +249,7 @@ def test_malicious_pickle_is_refused(tmp_path):
     write_cifar(tmp_path)
     (tmp_path / cifar10.DIRNAME / "data_batch_3").write_bytes(payload)
     with pytest.raises(DataError, match="data_batch_3") as e:
-        data.load(cfg("cifar10", tmp_path))
+        load(cfg("cifar10", tmp_path))
     assert "\n" not in str(e.value)
     assert not marker.exists()
 
@@ -261,12 +276,12 @@ def test_cifar10_wrong_layout(tmp_path):
     with open(tmp_path / cifar10.DIRNAME / "test_batch", "wb") as f:
         pickle.dump({b"data": np.zeros((2, 10), np.uint8), b"labels": [0, 1]}, f, protocol=2)
     with pytest.raises(DataError, match="test_batch.*not a CIFAR-10 batch"):
-        data.load(cfg("cifar10", tmp_path))
+        load(cfg("cifar10", tmp_path))
 
 
 def test_cifar10_missing_offline(tmp_path):
     with pytest.raises(DataError) as e:
-        data.load(cfg("cifar10", tmp_path))
+        load(cfg("cifar10", tmp_path))
     message = str(e.value)
     assert "\n" not in message
     for part in (str(tmp_path), "cifar-10-batches-py", "data_batch_1..5", "test_batch", cifar10.URL):
@@ -274,10 +289,9 @@ def test_cifar10_missing_offline(tmp_path):
 
 
 def test_cifar10_download_failure_is_one_line(tmp_path):
-    config = cfg("cifar10", tmp_path)
-    config.download = True
+    config = cfg("cifar10", tmp_path, download=True)
     with pytest.raises(DataError, match="download failed") as e:
-        data.load(config)
+        load(config)
     assert str(tmp_path) in str(e.value) and cifar10.URL in str(e.value)
     assert "\n" not in str(e.value)
 
@@ -296,7 +310,7 @@ def test_cifar10_extracts_local_archive(tmp_path, monkeypatch):
     archive = root / cifar10.ARCHIVE
     _tarball(archive, tmp_path / "src" / cifar10.DIRNAME)
     monkeypatch.setattr(cifar10, "MD5", download.file_md5(str(archive)))
-    ds = data.load(cfg("cifar10", root))
+    ds = load(cfg("cifar10", root))
     np.testing.assert_array_equal(ds.y_test, written["test_batch"][b"labels"])
     assert not [p for p in os.listdir(root) if p.startswith(".cifar10-extract")]
 
@@ -305,7 +319,7 @@ def test_cifar10_archive_md5_mismatch(tmp_path):
     write_cifar(tmp_path / "src")
     _tarball(tmp_path / cifar10.ARCHIVE, tmp_path / "src" / cifar10.DIRNAME)
     with pytest.raises(DataError, match="md5"):
-        data.load(cfg("cifar10", tmp_path))
+        load(cfg("cifar10", tmp_path))
 
 
 def test_cifar10_archive_path_traversal_refused(tmp_path, monkeypatch):
@@ -318,23 +332,29 @@ def test_cifar10_archive_path_traversal_refused(tmp_path, monkeypatch):
     _tarball(archive, tmp_path / "src" / cifar10.DIRNAME, extra=escape)
     monkeypatch.setattr(cifar10, "MD5", download.file_md5(str(archive)))
     with pytest.raises(DataError, match="cannot extract"):
-        data.load(cfg("cifar10", root))
+        load(cfg("cifar10", root))
     assert not (tmp_path / "escaped").exists()
 
 
 # ---------------------------------------------------------------------------------------------
-# digits, synthetic, registry
+# digits, synthetic, the conf entries
 
 
-def test_names_and_unknown():
-    assert data.names() == ["cifar10", "digits", "embedded_text", "mnist", "ptb", "synthetic"]
-    with pytest.raises(ConfigError, match="cifar10, digits, embedded_text, mnist, ptb, synthetic"):
-        data.load(cfg("imagenet"))
+def test_builtin_sets_are_target_entries_and_an_unknown_one_is_one_line():
+    names = sorted(p[:-5] for p in os.listdir(DATASET_CONF) if p.endswith(".yaml"))
+    assert {"cifar10", "digits", "embedded_text", "mnist", "ptb", "synthetic"} <= set(names)
+    for name in ("cifar10", "digits", "embedded_text", "mnist", "ptb", "synthetic"):
+        node = cfg(name)
+        assert node._target_.startswith("tfkv.data.") and callable(data.source.check(node))
+    with pytest.raises(ConfigError) as e:
+        load({"_target_": "tfkv.data.imagenet.load"})
+    assert "dataset._target_='tfkv.data.imagenet.load': cannot import 'tfkv.data.imagenet'" in str(e.value)
+    assert "\n" not in str(e.value)
 
 
 def test_digits_split_is_fixed():
-    a = data.load(cfg("digits", test_fraction=0.25), seed=0)
-    b = data.load(DatasetConfig(name="digits", test_fraction=0.25), seed=123)
+    a = load(cfg("digits", test_fraction=0.25), seed=0)
+    b = load({"_target_": "tfkv.data.digits.load", "test_fraction": 0.25}, seed=123)
     assert a.x_train.shape[1:] == (8, 8, 1) and a.x_train.dtype == np.float32
     assert len(a.x_test) == round(1797 * 0.25) and len(a.x_train) + len(a.x_test) == 1797
     assert 0.0 <= a.x_train.min() and a.x_train.max() <= 1.0
@@ -342,12 +362,12 @@ def test_digits_split_is_fixed():
     np.testing.assert_array_equal(a.y_test, b.y_test)
     assert a.mean[0] == pytest.approx(float(a.x_train.mean()))
     with pytest.raises(ConfigError, match="test_fraction"):
-        data.load(cfg("digits", test_fraction=0.0))
+        load(cfg("digits", test_fraction=0.0))
 
 
 def test_synthetic_is_seeded_and_learnable():
     config = cfg("synthetic", num_train=300, num_test=50, shape=[4, 4, 2], num_classes=3)
-    a, b, c = data.load(config, seed=1), data.load(config, seed=1), data.load(config, seed=2)
+    a, b, c = load(config, seed=1), load(config, seed=1), load(config, seed=2)
     assert a.x_train.shape == (300, 4, 4, 2) and a.x_test.shape == (50, 4, 4, 2)
     assert a.x_train.dtype == np.float32 and a.y_train.dtype == np.int32 and a.num_classes == 3
     np.testing.assert_array_equal(a.x_train, b.x_train)
@@ -362,8 +382,9 @@ def test_synthetic_is_seeded_and_learnable():
 
 
 def test_import_does_not_load_tensorflow():
-    code = ("import sys, tfkv.data as d; from tfkv.config import DatasetConfig; "
-            "d.load(DatasetConfig(name='synthetic', num_train=8, num_test=8)); "
+    code = ("import sys, tfkv.data as d; "
+            "s = d.Source({'_target_': 'tfkv.data.synthetic.load', 'num_train': 8, 'num_test': 8}, 0, 4, 4); "
+            "assert s.steps == 2 and s.num_classes == 10; "
             "assert 'tensorflow' not in sys.modules, 'tensorflow imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(
         os.path.abspath(__file__))))
@@ -521,12 +542,131 @@ def test_token_ids_stay_integers_through_the_pipeline():
     above 2**24), while image pixels become float32."""
     from tfkv.data import ptb
 
-    cfg = OmegaConf.structured(DatasetConfig(name="embedded_text", seq_len=5, vocab_size=0))
     ds = ptb.from_splits("tiny", {"train": ["a b c d e f g h i j k l"] * 4, "valid": ["a b c d e f g"],
-                                  "test": ["a b c d e f g"]}, cfg)
+                                  "test": ["a b c d e f g"]}, seq_len=5, vocab_size=0, eval_split="test")
     x, y = next(iter(data.train_dataset(ds, 2, epoch=0, seed=0)))
     assert x.dtype.name == "int32" and y.dtype.name == "int32"
     stored = {tuple(row) for row in ds.x_train.tolist()}
     assert all(tuple(row) in stored for row in x.numpy().tolist())  # the stored ids, unchanged
     xt, _ = next(iter(data.test_dataset(ds, 2)))
     assert xt.dtype.name == "int32"
+
+
+# ---------------------------------------------------------------------------------------------
+# Source: any factory, sharded, batched and counted the same way on every worker
+
+CALLS: list[dict] = []
+
+
+def arrays(n: int = 40, split: str = "train"):
+    """A factory returning numpy arrays: tfkv shards, shuffles per (seed, epoch) and batches them."""
+    CALLS.append({"split": split})
+    offset = 0 if split == "train" else 1000
+    x = (np.arange(n, dtype=np.float32) + offset)[:, None]
+    return x, (np.arange(n) % 3).astype(np.int32)
+
+
+def stream(n: int = 42, classes: int = 5):
+    """A tf.data factory that neither shards nor batches (nor says its cardinality)."""
+    import tensorflow as tf
+
+    ids = tf.data.Dataset.range(n).filter(lambda i: i >= 0)  # a filter hides the cardinality
+    return ids.map(lambda i: (tf.cast(i, tf.float32)[None], tf.cast(i % classes, tf.int32)))
+
+
+def sharded(split: str, rank: int, num_workers: int, batch_size: int, epoch: int, seed: int):
+    """A factory that shards and batches itself: rank r holds 10 + r examples."""
+    import tensorflow as tf
+
+    CALLS.append({"split": split, "rank": rank, "num_workers": num_workers, "epoch": epoch, "seed": seed,
+                  "batch_size": batch_size})
+    n = 10 + rank
+    x = tf.data.Dataset.from_tensor_slices(np.full((n, 1), rank * 100 + epoch, np.float32))
+    y = tf.data.Dataset.from_tensor_slices(np.zeros(n, np.int32))
+    return tfkv_split(tf.data.Dataset.zip((x, y)).batch(batch_size, drop_remainder=split == "train"), 7)
+
+
+def tfkv_split(d, num_classes):
+    return data.Split(d, num_classes=num_classes)
+
+
+def not_data():
+    return {"x": [1, 2, 3]}
+
+
+def triples():
+    import tensorflow as tf
+
+    return tf.data.Dataset.from_tensor_slices((np.zeros(4), np.zeros(4), np.zeros(4)))
+
+
+def forever():
+    import tensorflow as tf
+
+    return tf.data.Dataset.from_tensor_slices((np.zeros((4, 1)), np.zeros(4))).repeat()
+
+
+def _ids(batches) -> list[int]:
+    return [int(v) for x, _ in batches for v in x.numpy().reshape(-1)]
+
+
+def test_arrays_are_sharded_shuffled_per_epoch_and_counted_alike(tf_devices):
+    node = {"_target_": "test_data.arrays", "n": 41}
+    workers = [data.Source(node, seed=3, batch_size=4, eval_batch_size=16, num_workers=3, rank=r) for r in range(3)]
+    assert {s.steps for s in workers} == {13 // 4}  # 41 // 3 = 13 per worker, full batches of 4
+    assert workers[0].num_classes == 3 and workers[0].input_shape == (1,)
+    epoch1 = [_ids(s.train(1)) for s in workers]
+    assert all(len(ids) == 3 * 4 for ids in epoch1)
+    assert not set(epoch1[0]) & set(epoch1[1]) and not set(epoch1[1]) & set(epoch1[2])  # disjoint shards
+    again = data.Source(node, seed=3, batch_size=4, eval_batch_size=16, num_workers=3, rank=1)
+    assert _ids(again.train(1)) == epoch1[1] != _ids(again.train(2))  # seeded by (seed, epoch)
+    test = _ids(workers[2].test())
+    assert test == [1000 + i for i in range(41)]  # every worker evaluates the whole test split, in order
+
+
+def test_a_stream_is_sharded_by_tfkv_and_every_worker_runs_the_fewest_steps(tf_devices):
+    node = {"_target_": "test_data.stream", "num_classes": 5}  # num_classes: described, not an argument
+    workers = [data.Source(node, 0, batch_size=4, eval_batch_size=100, num_workers=4, rank=r) for r in range(4)]
+    assert {s.steps for s in workers} == {42 // 4 // 4}  # shard(4, r) holds 11 or 10: 2 full batches
+    assert workers[0].num_classes == 5
+    ids = [_ids(s.train(1)) for s in workers]
+    assert ids[1] == [1, 5, 9, 13, 17, 21, 25, 29]  # tf.data's shard(4, 1), in the stream's order
+    assert sorted(sum(ids, [])) == sorted(set(sum(ids, [])))
+    assert _ids(workers[3].test()) == list(range(42))
+
+
+def test_a_factory_that_shards_and_batches_itself_is_asked_by_name(tf_devices):
+    CALLS.clear()
+    node = {"_target_": "test_data.sharded"}
+    workers = [data.Source(node, 9, batch_size=4, eval_batch_size=5, num_workers=2, rank=r) for r in range(2)]
+    assert {s.steps for s in workers} == {10 // 4}  # min over ranks of 10 and 11 examples
+    assert workers[1].num_classes == 7 and workers[1].input_shape == (1,)  # unbatched, from its batches
+    assert _ids(workers[1].train(2)) == [102] * 8  # rank 1's own shard, epoch 2, steps batches
+    last = CALLS[-1]
+    assert (last["split"], last["rank"], last["num_workers"], last["epoch"], last["seed"], last["batch_size"]) == \
+        ("train", 1, 2, 2, 9, 4)
+    CALLS.clear()
+    assert len(_ids(workers[1].test())) == 10
+    assert [(c["split"], c["rank"], c["num_workers"], c["epoch"], c["batch_size"]) for c in CALLS] == \
+        [("test", 0, 1, 1, 5)]  # the whole test split: rank 0 of 1
+
+
+@pytest.mark.parametrize("node, error, words", [
+    ({"_target_": "test_data.not_data"}, DataError, ["dataset._target_=test_data.not_data returned a dict"]),
+    ({"_target_": "test_data.triples"}, DataError, ["elements are tuples of 3, not (x, y) pairs"]),
+    ({"_target_": "test_data.forever"}, DataError, ["is infinite", "steps_per_epoch"]),
+    ({"_target_": "test_data.arrays", "size": 3}, ConfigError, ["dataset.size is not an argument of test_data.arrays",
+                                                                "its arguments: n"]),
+    ({"_target_": "test_data.arrays", "rank": 1}, ConfigError, ["dataset.rank is provided by tfkv"]),
+    ({"_target_": "test_data.arays"}, ConfigError, ["has no 'arays'", "did you mean test_data.arrays?"]),
+    ({"_target_": "nopkg_tfkv_test.make"}, ConfigError, ["cannot import 'nopkg_tfkv_test'"]),
+    ({"_target_": "test_data.arrays", "n": 5}, DataError, ["a shard of 5 training examples is smaller than batch_size=8"]),
+    ({"_target_": "test_data.stream", "n": 5}, DataError, ["holds no full batch of batch_size=8"]),
+])
+def test_a_factory_that_does_not_fit_is_one_line(tf_devices, node, error, words):
+    with pytest.raises(error) as e:
+        data.source.check(node)  # what validation finds before anything starts
+        data.Source(node, 0, batch_size=8, eval_batch_size=8)
+    for word in words:
+        assert word in str(e.value), str(e.value)
+    assert "\n" not in str(e.value)
