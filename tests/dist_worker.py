@@ -60,7 +60,6 @@ def train(kv, out):
     import keras
     import tensorflow as tf
 
-    from tfkv.config import ModelConfig
     from tfkv.models import build
     from tfkv.parallel import devices
     from tfkv.parallel.data_parallel import DataParallel
@@ -69,7 +68,8 @@ def train(kv, out):
     devs = devices.setup([f"cpu:{i}" for i in range(ndev)])
     keras.utils.set_random_seed(7)
     opt = optim.SGD(schedule=optim.Schedule(lr=0.1), momentum=0.9, wd=1e-3)
-    dp = DataParallel(lambda: build(ModelConfig(name="mlp", hidden=[32, 16]), (8, 8, 1), 10), devs, kv, opt,
+    mlp = {"_target_": "tfkv.models.mlp.build", "hidden": [32, 16]}
+    dp = DataParallel(lambda: build(mlp, input_shape=(8, 8, 1), num_classes=10), devs, kv, opt,
                       [batch // ndev] * ndev, update_on_kvstore=update_on_kvstore)
     rng = np.random.default_rng(42)
     for _ in range(6):
@@ -374,6 +374,49 @@ def busy_server(kv, out):
 SCENARIOS["busy_server"] = busy_server
 
 
+def criterion_kinds(kv, out):
+    """The dict-input, two-output model with BatchNorm and L2 (test_criterion.two_headed) on 2
+    devices, 12 steps on this worker's own batch, in this job's store (TEST_KVSTORE) and then
+    in one more job per entry of TFKV_TEST_MORE ("kind=port,..."), each a store of its own: one
+    process (one TensorFlow start) for every dist_* type. Per type: the loss on the batch before
+    and after, both copies' weights after the epoch-end BatchNorm averaging."""
+    import keras
+
+    from test_criterion import TWO_HEADED_LOSS, TWO_HEADED_METRICS, two_headed, two_headed_data
+    from tfkv.parallel import devices
+    from tfkv.parallel.criterion import Criterion
+    from tfkv.parallel.data_parallel import DataParallel
+    from tfkv.store.cluster_env import ClusterEnv
+
+    devs = devices.setup(["cpu:0", "cpu:1"])
+    jobs = [(os.environ.get("TEST_KVSTORE", "dist_sync"), lambda: kv)]
+    for entry in filter(None, os.environ.get("TFKV_TEST_MORE", "").split(",")):
+        kind, port = entry.split("=")
+        env = ClusterEnv.from_env({**os.environ, "DMLC_PS_ROOT_PORT": port})
+        jobs.append((kind, lambda kind=kind, env=env: tfkv.store.create(kind, env=env)))
+    results = {}
+    for kind, make in jobs:
+        store = make()
+        keras.utils.set_random_seed(7)
+        dp = DataParallel(two_headed, devs, store, optim.SGD(schedule=optim.Schedule(lr=0.05), momentum=0.9),
+                          [16, 16], criterion=Criterion(TWO_HEADED_LOSS, TWO_HEADED_METRICS))
+        x, y = two_headed_data(store.rank)
+        before = dp.evaluate([(x, y)])
+        for _ in range(12):
+            dp.step(x, y)
+        dp.sync_non_trainable()
+        results[kind] = {"rank": store.rank, "before": before, "after": dp.evaluate([(x, y)]),
+                         "train": dp.take_metrics()[0]}
+        for i, replica in enumerate(dp.replicas):
+            np.savez(f"{out.name}.{kind}.{i}.npz", *[v.numpy() for v in replica.trainable_variables])
+            np.savez(f"{out.name}.{kind}.{i}.state.npz", *[v.numpy() for v in replica.non_trainable_variables])
+        store.close()
+    json.dump(results, out)
+
+
+SCENARIOS["criterion_kinds"] = criterion_kinds
+
+
 if __name__ == "__main__":
     scenario, path = sys.argv[1], sys.argv[2]
     kind = os.environ.get("TEST_KVSTORE", "dist_sync")
@@ -386,3 +429,4 @@ if __name__ == "__main__":
         SCENARIOS[scenario](store, f)
     if scenario != "ends_without_close":
         store.close()
+

@@ -262,3 +262,49 @@ def test_checking_the_config_leaves_tensorflow_unstarted(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[:2] == ["['accuracy', 'mae', 'auc']", "2"], out.stdout
+
+
+# -- every dist_* type, real scheduler, servers and workers -----------------------------------------
+
+DIST_KINDS = ["dist_sync", "dist_async", "dist_sync_device", "dist_async_device"]
+
+
+@pytest.mark.slow
+def test_every_dist_type_trains_the_two_headed_model(cluster):
+    """Four jobs (scheduler + 1 server each) and two worker processes that train the dict-input,
+    two-output model with BatchNorm and L2 in each job in turn (one TensorFlow start per worker
+    for all four types). In each: the loss on the worker's batch falls, both copies inside a
+    worker hold the same weights and (averaged) BatchNorm statistics; in the synchronous types
+    both workers hold the same weights, while each keeps its own BatchNorm statistics."""
+    import json
+
+    jobs = [cluster(num_servers=1, num_workers=2, TFKV_SECURE="0", TFKV_START_TIMEOUT="400") for _ in DIST_KINDS]
+    for job in jobs:
+        job.start_servers()
+    more = ",".join(f"{kind}={job.env['DMLC_PS_ROOT_PORT']}" for kind, job in zip(DIST_KINDS[1:], jobs[1:]))
+    outs = jobs[0].start_workers("criterion_kinds", TEST_KVSTORE=DIST_KINDS[0], TFKV_TEST_MORE=more)
+    for job in jobs:
+        codes = job.wait(timeout=400)
+        assert set(codes.values()) == {0}, f"{codes}\n{jobs[0].outputs()}\n{job.outputs()}"
+    results = [json.loads(p.read_text()) for p in outs]
+
+    def arrays(out, kind, copy, state=False):
+        with np.load(f"{out}.{kind}.{copy}{'.state' if state else ''}.npz") as f:
+            return [f[f"arr_{i}"] for i in range(len(f.files))]
+
+    for kind in DIST_KINDS:
+        for r, out in zip(results, outs):
+            before, after = r[kind]["before"], r[kind]["after"]
+            assert set(after) == {"loss", "digit_loss", "size_loss", "digit_accuracy", "size_mae"}
+            assert after["loss"] < 0.8 * before["loss"], (kind, before, after)
+            for a, b in zip(arrays(out, kind, 0), arrays(out, kind, 1)):
+                np.testing.assert_array_equal(a, b)
+            states = [arrays(out, kind, c, state=True) for c in (0, 1)]
+            assert states[0], "BatchNorm statistics are non-trainable variables"
+            for a, b in zip(*states):
+                np.testing.assert_array_equal(a, b)  # averaged over this worker's copies
+        if "async" not in kind:
+            for a, b in zip(arrays(outs[0], kind, 0), arrays(outs[1], kind, 0)):
+                np.testing.assert_array_equal(a, b)
+            assert any(not np.allclose(a, b) for a, b in zip(arrays(outs[0], kind, 0, state=True),
+                                                           arrays(outs[1], kind, 0, state=True)))
