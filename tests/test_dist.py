@@ -14,7 +14,6 @@ import pytest
 import tensorflow as tf
 
 from tfkv import optim, store
-from tfkv.config import ModelConfig
 from tfkv.models import build
 from tfkv.parallel.data_parallel import DataParallel
 
@@ -131,7 +130,8 @@ def test_dist_sync_matches_local_at_the_global_batch(cluster, tf_devices, kind, 
 
     keras.utils.set_random_seed(7)
     opt = optim.SGD(schedule=optim.Schedule(lr=0.1), momentum=0.9, wd=1e-3)
-    dp = DataParallel(lambda: build(ModelConfig(name="mlp", hidden=[32, 16]), (8, 8, 1), 10),
+    mlp = {"_target_": "tfkv.models.mlp.build", "hidden": [32, 16]}
+    dp = DataParallel(lambda: build(mlp, input_shape=(8, 8, 1), num_classes=10),
                       tf_devices[:2], store.create("local", devices=tf_devices[:2]), opt, [b, b])
     rng = np.random.default_rng(42)
     for _ in range(6):
