@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 SPLITS = ("train", "test")
 # Salts keep a reader's independent random streams apart (file order vs record buffer).
 FILE_ORDER, RECORDS = 1, 2
+_WARNED: set[str] = set()
 
 
 def check_context(split: str, batch_size: int, rank: int, num_workers: int) -> None:
@@ -46,7 +47,8 @@ def for_split(value: Any, split: str, key: str) -> Any:
             raise ConfigError(f"dataset.{key} has no {split!r} entry (it has {', '.join(map(str, value))}); "
                               f"add dataset.{key}.{split}")
         return value[split]
-    if split == "test":
+    if split == "test" and key not in _WARNED:  # once: the test split is made again every epoch
+        _WARNED.add(key)
         log.warning("dataset.%s is one value for both splits: the test split evaluates the training "
                     "data; give dataset.%s={train: ..., test: ...} for a held-out set", key, key)
     return value
