@@ -92,6 +92,9 @@ def test_accuracy_maps_from_the_loss_as_keras_compile_does():
     assert name == "root_mean_squared_error"
     names = [n for n, _, _ in Criterion("mse", ["mae", "mse"]).new_metrics(["a", "b"])]
     assert names == ["a_mae", "a_mse", "b_mae", "b_mse"]
+    # what config validation checks `objective` against, before any data is read
+    assert Criterion("mse", ["mae"]).value_names() == ["loss", "mae"]
+    assert Criterion({"a": "mse", "b": "mae"}, {"a": ["mae"]}).value_names() == ["loss", "a_loss", "b_loss", "a_mae"]
 
 
 @pytest.mark.parametrize("loss, metrics, message", [
@@ -194,6 +197,12 @@ def two_headed_data(seed, n=BATCH):
     y = {"digit": tf.constant(quadrants.argmax(1).astype(np.int32)),
          "size": tf.constant(meta.mean(1, keepdims=True))}
     return x, y
+
+
+def two_headed_dataset(split: str) -> tf.data.Dataset:
+    """`two_headed_data` as a data factory for tfkv-run (`dataset._target_`)."""
+    x, y = two_headed_data(0 if split == "train" else 1, 256 if split == "train" else 64)
+    return tf.data.Dataset.from_tensor_slices((x, y))
 
 
 @pytest.mark.parametrize("kind", ["local", "device"])
@@ -308,3 +317,37 @@ def test_every_dist_type_trains_the_two_headed_model(cluster):
                 np.testing.assert_array_equal(a, b)
             assert any(not np.allclose(a, b) for a, b in zip(arrays(outs[0], kind, 0, state=True),
                                                            arrays(outs[1], kind, 0, state=True)))
+
+
+def test_tfkv_run_reports_every_metric_of_a_two_headed_model(tmp_path):
+    """Through tfkv-run on the device store: per-output losses and metrics in metrics.json
+    (every epoch), the log line and TensorBoard, and the objective chosen among them."""
+    import json
+    import os
+    from pathlib import Path
+
+    from conftest import tfkv_run
+
+    for group in ("model", "dataset"):
+        (tmp_path / "conf" / group).mkdir(parents=True)
+        (tmp_path / "conf" / group / "two_headed.yaml").write_text(
+            f"_target_: test_criterion.two_headed{'_dataset' if group == 'dataset' else ''}\n")
+    tests = str(Path(__file__).parent)
+    proc = tfkv_run("--config-dir", "conf", "model=two_headed", "dataset=two_headed", "kvstore=device",
+                    "devices=[cpu:0,cpu:1]", "epochs=2", "batch_size=32", "progress=false",
+                    "loss={digit: {_target_: keras.losses.SparseCategoricalCrossentropy, from_logits: true}, "
+                    "size: mse}", "~metrics", "+metrics={digit: [accuracy], size: [mae]}", "objective=test_size_mae",
+                    "optimizer=adam", "optimizer.lr=0.01", cwd=tmp_path,
+                    env={"PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))})
+    (path,) = tmp_path.glob("outputs/*/*/metrics.json")
+    m = json.loads(path.read_text())
+    names = {"loss", "digit_loss", "size_loss", "digit_accuracy", "size_mae"}
+    assert {f"{p}_{n}" for p in ("train", "test") for n in names} <= set(m), sorted(m)
+    assert len(m["history"]) == 2 and m["history"][1]["train_loss"] < m["history"][0]["train_loss"]
+    assert "test_size_mae" in (path.parent / "tfkv.log").read_text()
+    assert f"test_size_mae {m['test_size_mae']:.4f}" in proc.stdout + proc.stderr
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(path.parent / "tensorboard")).Reload()
+    tags = set(events.Tags()["tensors"]) | set(events.Tags()["scalars"])
+    assert {"epoch/test_size_mae", "epoch/train_digit_accuracy", "train/step_size_mae"} <= tags, tags

@@ -324,8 +324,7 @@ def _validate_objective(cfg: Any) -> None:
     from tfkv.parallel.criterion import Criterion
 
     criterion = Criterion.from_config(cfg.loss, cfg.metrics)
-    # metric_names, not new_metrics: a Keras metric object would start TensorFlow before devices.setup
-    names = ["loss", *criterion.metric_names([None])] if not criterion.per_output else ["loss"]
+    names = criterion.value_names()  # without Keras metric objects, which would start TensorFlow
     reported = [f"{phase}_{n}" for phase in ("train", "test") for n in names] + list(ALWAYS_REPORTED)
     objective = str(cfg.objective)
     # a model with dict outputs reports <phase>_<output>_<metric> too: known once the data is

@@ -135,6 +135,15 @@ class Criterion:
 
     # -- metrics -----------------------------------------------------------------------------------
 
+    def value_names(self) -> list[str]:
+        """What the run will report, as far as the config tells (no TensorFlow state): `loss`,
+        and for the outputs the loss or metrics name, `<output>_loss`; every metric's name. With
+        one loss and one metrics list the outputs are known only from the labels: then the
+        names are those of a single output (a dict-output model adds `<output>_` to them)."""
+        outputs = (list(self._losses) if self.per_output else
+                   [n for n in self._metric_specs if n is not None] or [None])
+        return ["loss", *(f"{o}_loss" for o in outputs if o is not None), *self.metric_names(outputs)]
+
     def metric_names(self, outputs: Sequence[str | None]) -> list[str]:
         """The names the metrics report for outputs `outputs` ([None]: one output), without
         building them: no TensorFlow state, so config validation may ask before devices exist."""
