@@ -327,6 +327,9 @@ def _validate_objective(cfg: Any) -> None:
     names = criterion.value_names()  # without Keras metric objects, which would start TensorFlow
     reported = [f"{phase}_{n}" for phase in ("train", "test") for n in names] + list(ALWAYS_REPORTED)
     objective = str(cfg.objective)
+    if cfg.get("eval_only") and not objective.startswith("test_"):
+        raise ConfigError(f"objective={objective}: eval_only reports only test values; choose one, e.g. "
+                          "objective=test_loss")
     # a model with dict outputs reports <phase>_<output>_<metric> too: known once the data is
     per_output = any(objective.startswith(f"{phase}_") and objective.endswith(f"_{n}")
                      for phase in ("train", "test") for n in names)
