@@ -139,30 +139,59 @@ def test_one_step_is_the_gradient_of_mean_loss_plus_regularisation(kind, update_
                       [24, 8], update_on_kvstore=update_on_kvstore,
                       criterion=Criterion({"_target_": "keras.losses.SparseCategoricalCrossentropy",
                                            "from_logits": True}, []))
-    rng = np.random.default_rng(3)
-    x = tf.constant(rng.normal(size=(BATCH, 8)).astype(np.float32))
-    y = tf.constant(rng.integers(0, 3, BATCH).astype(np.int32))
-    start = dp.get_weights()
-
+    x, y = _step_batch()
     model = _regularised()
-    model.set_weights(start)
-    with tf.GradientTape() as tape:
-        data = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, model(x, training=True))
-        reg = tf.add_n(model.losses)
-        total = data + reg
-    grads = tape.gradient(total, model.trainable_variables)
-    want = [w - lr * g.numpy() for w, g in zip(start, grads)]
-    with tf.GradientTape() as tape:
-        data_only = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, model(x, training=True))
-    unregularised = [w - lr * g.numpy() for w, g in zip(start, tape.gradient(data_only, model.trainable_variables))]
-
+    model.set_weights(dp.get_weights())
+    want, total = _keras_step(model, x, y, lr)
     dp.step(x, y)
     for got, w in zip(dp.get_weights(), want):
         np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-6)
     values, _ = dp.take_metrics()
-    assert values["loss"] == pytest.approx(float(total), rel=1e-5)  # Keras's loss: data + regularisation
-    # The regulariser is a real term of this step: leaving it out (or counting it twice) shows.
-    assert max(float(np.abs(u - w).max()) for u, w in zip(unregularised, want)) > 1e-3
+    assert values["loss"] == pytest.approx(total, rel=1e-5)  # Keras's loss: data + regularisation
+
+
+def _step_batch():
+    rng = np.random.default_rng(3)
+    return (tf.constant(rng.normal(size=(BATCH, 8)).astype(np.float32)),
+            tf.constant(rng.integers(0, 3, BATCH).astype(np.int32)))
+
+
+def _keras_step(model, x, y, lr):
+    """The weights after one SGD step on Keras's mean loss plus regularisation, and that loss;
+    checks that the regulariser moves this step (leaving it out, or counting it twice, shows)."""
+    start = model.get_weights()
+    ce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    with tf.GradientTape(persistent=True) as tape:
+        data = ce(y, model(x, training=True))
+        total = data + tf.add_n(model.losses)
+    with_reg = [w - lr * g.numpy() for w, g in zip(start, tape.gradient(total, model.trainable_variables))]
+    without = [w - lr * g.numpy() for w, g in zip(start, tape.gradient(data, model.trainable_variables))]
+    assert max(float(np.abs(a - b).max()) for a, b in zip(with_reg, without)) > 1e-3
+    return with_reg, float(total)
+
+
+def test_model_parallel_adds_each_groups_regularisation_once(tf_devices):
+    """Two layer groups on two devices, 4 micro-batches: one step is Keras's gradient of the mean
+    loss plus both groups' regularisers, and the reported loss includes them."""
+    from tfkv.parallel.model_parallel import ModelParallel
+    from tfkv.parallel.placement import LayerGroup
+
+    l2 = keras.regularizers.L2(0.05)
+    groups = [LayerGroup("a", lambda: [keras.layers.Dense(16, activation="tanh", kernel_regularizer=l2)], (8,), 0, 0),
+              LayerGroup("b", lambda: [keras.layers.Dense(3, kernel_regularizer=l2)], (16,), 0, 0)]
+    keras.utils.set_random_seed(5)
+    lr = 0.5
+    mp = ModelParallel(groups, tf_devices[:2], store.create("local"), optim.SGD(schedule=optim.Schedule(lr=lr)),
+                       BATCH, micro_batches=4)
+    start = mp.get_weights()
+    x, y = _step_batch()
+    model = keras.Sequential([keras.Input((8,)), *groups[0].make(), *groups[1].make()])
+    model.set_weights(start)
+    want, total = _keras_step(model, x, y, lr)
+    mp.step(x, y)
+    for got, w in zip(mp.get_weights(), want):
+        np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-6)
+    assert mp.take_metrics()[0]["loss"] == pytest.approx(total, rel=1e-5)
 
 
 # -- dict inputs, two outputs, BatchNorm, L2 --------------------------------------------------------

@@ -172,8 +172,10 @@ class ModelParallel(Parallel):
                     with tf.GradientTape() as tape:
                         reg = regularization(model)
                         weighted = self.batch_size * reg
-                    per_group[s].append(tape.gradient(weighted, model.trainable_variables,
-                                                      unconnected_gradients=tf.UnconnectedGradients.ZERO))
+                    grads = tape.gradient(weighted, model.trainable_variables)
+                    # a weight without a regulariser (a bias) has no gradient here
+                    per_group[s].append([tf.zeros_like(v) if g is None else g
+                                         for v, g in zip(model.trainable_variables, grads)])
                     reg_total.append(reg)
                 for per_var in zip(*reversed(per_group[s])):  # pieces in order 0..m-1
                     summed.append(per_var[0] if len(per_var) == 1 else tf.add_n(list(per_var)))
