@@ -42,7 +42,7 @@ def test_default_job_trains_and_leaves_its_record(tmp_path):
     (["dataset=mnist", "dataset.download=false", "dataset.root=nowhere"], "nowhere"),
     (["seed=-1"], "seed=-1 must be between 0 and 4294967295"),
     (["+epoch=3"], "epoch is not a setting tfkv knows (did you mean epochs?)"),  # + got past the schema
-    (["model=resnet19"], "available: lenet, lstm_lm, mlp, resnet18, vgg11 (did you mean 'resnet18'?)"),
+    (["model=resnet19"], "available: lenet, lstm_lm, mlp, resnet18, saved, vgg11 (did you mean 'resnet18'?)"),
     (["experiment=mnist_lenet"], "to add it, write +experiment=mnist_lenet"),
     (["-m", "epochs=1", "--cfg", "job"], "Only one of --run, --multirun, --cfg"),
     (["devices=[cpu:0"], "write lists as key=[a,b]"),
@@ -54,6 +54,50 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path, args, message):
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("tfkv-run:")]
     assert len(lines) == 1 and message in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+USER_MODULE = """
+import keras
+
+
+def not_a_model(input_shape, num_classes):
+    return "a model"
+
+
+def fine(input_shape, num_classes, units=4):
+    inputs = keras.Input(shape=input_shape)
+    return keras.Model(inputs, keras.layers.Dense(num_classes)(keras.layers.Flatten()(inputs)))
+"""
+
+
+@pytest.mark.parametrize("args,words", [
+    # a key the chosen option does not have: another option's, a typo, with or without +
+    (["optimizer=adam", "optimizer.momentum=0.9"], ["optimizer.momentum", "adam", "beta1, beta2, epsilon"]),
+    (["+optimizer.lrr=0.5"], ["optimizer.lrr", "did you mean optimizer.lr?", "momentum"]),
+    (["optimizer.lrr=0.5"], ["optimizer.lrr", "did you mean optimizer.lr?", "momentum"]),
+    (["model=mlp", "model.width=8"], ["model.width", "hidden, dropout"]),
+    (["model=mlp", "+model.width=8"], ["model.width is not an argument of tfkv.models.mlp.build", "dropout, hidden"]),
+    (["cluster.num_servers=4"], ["cluster.num_servers", "cluster none has the settings: launcher"]),
+    (["+cluster.num_servers=4"], ["cluster.num_servers is not a setting of cluster=none; its settings: launcher"]),
+    # a _target_ that cannot be imported, an unknown argument of one, a factory returning the wrong type
+    (["model._target_=nopkg_tfkv_test.nets.build"], ["model._target_='nopkg_tfkv_test.nets.build'", "cannot import"]),
+    (["model._target_=userpkg_cli.fine", "~model.hidden", "~model.dropout", "+model.unit=3"],
+     ["model.unit is not an argument of userpkg_cli.fine", "did you mean model.units?"]),
+    (["model._target_=userpkg_cli.not_a_model", "~model.hidden", "~model.dropout"],
+     ["model._target_=userpkg_cli.not_a_model returned a str, not a keras.Model"]),
+    # the built-in zoo's own argument checks
+    (["model.dropout=2"], ["model.dropout=2 must be at least 0 and below 1"]),
+    (["model=lenet", "model.dropout=1.5"], ["model.dropout=1.5 must be at least 0 and below 1"]),
+])
+def test_what_the_option_does_not_take_is_one_line_before_training(tmp_path, args, words):
+    (tmp_path / "userpkg_cli.py").write_text(USER_MODULE)  # the user's module, beside where tfkv-run starts
+    proc = tfkv_run(*args, "epochs=1", "progress=false", cwd=tmp_path, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("tfkv-run:")]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    for word in words:
+        assert word in lines[0], lines[0]
+    assert "epoch 1/1" not in proc.stdout + proc.stderr and not list(tmp_path.glob("outputs/*/*/checkpoints/*"))
 
 
 def test_sweep_runs_every_job_in_its_own_directory(tmp_path):
@@ -124,10 +168,11 @@ def test_resume_from_an_explicit_run_directory(tmp_path):
 
 def test_home_in_a_path_is_expanded_as_the_shell_does(tmp_path):
     """README's `dataset.root=~/data/mnist` (a lexer error in Hydra's grammar) works as typed."""
-    proc = tfkv_run("--cfg", "job", "dataset.root=~/data/mnist", "hydra.run.dir=~/runs/x", cwd=tmp_path,
-                    env={"HOME": str(tmp_path)})
+    proc = tfkv_run("--cfg", "job", "dataset=mnist", "dataset.root=~/data/mnist", "hydra.run.dir=~/runs/x",
+                    cwd=tmp_path, env={"HOME": str(tmp_path)})
     assert f"root: {tmp_path}/data/mnist" in proc.stdout, proc.stdout
-    quoted = tfkv_run("--cfg", "job", "dataset.root='~/data'", cwd=tmp_path, env={"HOME": str(tmp_path)})
+    quoted = tfkv_run("--cfg", "job", "dataset=mnist", "dataset.root='~/data'", cwd=tmp_path,
+                      env={"HOME": str(tmp_path)})
     assert "root: ~/data" in quoted.stdout  # quoted: as written; the data loaders expand it when reading
 
 

@@ -59,7 +59,8 @@ def test_schema_rejects_typos_and_wrong_types():
     (["kvstore.type=dist_nope"], "kvstore.type='dist_nope' is not known"),
     (["model._target_=tfkv.models.alexnet.build"],
      "model._target_='tfkv.models.alexnet.build': cannot import 'tfkv.models.alexnet'"),
-    (["model._target_=tfkv.models.mlp.biuld"], "module 'tfkv.models.mlp' has no 'biuld' (did you mean tfkv.models.mlp.build?)"),
+    (["model._target_=tfkv.models.mlp.biuld"],
+     "module 'tfkv.models.mlp' has no 'biuld' (did you mean tfkv.models.mlp.build?)"),
     (["model._target_=tfkv.models.PROVIDED"], "is a tuple, not a callable"),
     (["model._target_=nopkg_tfkv_test.nets.build"], "cannot import 'nopkg_tfkv_test.nets'"),
     (["dataset._target_=nopkg_tfkv_test.data.make"], "dataset._target_='nopkg_tfkv_test.data.make': cannot import"),
@@ -113,7 +114,8 @@ def test_options_are_typed_with_their_own_defaults():
     assert (cfg.optimizer.beta1, cfg.optimizer.epsilon, "momentum" in cfg.optimizer) == (0.9, 1e-8, False)
     cfg = _compose("kvstore=dist_sync", "cluster=ssh", "cluster.sync_dst_dir=/tmp/x")
     config.validate(cfg)
-    assert (cfg.cluster.sync_dst_dir, cfg.cluster.python, cfg.cluster.heartbeat_timeout > 0) == ("/tmp/x", "python3", True)
+    assert (cfg.cluster.sync_dst_dir, cfg.cluster.python, cfg.cluster.heartbeat_timeout > 0) == (
+        "/tmp/x", "python3", True)
     cfg = _compose()
     config.validate(cfg)
     assert set(cfg.cluster) == {"launcher"}

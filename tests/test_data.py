@@ -660,7 +660,8 @@ def test_a_factory_that_shards_and_batches_itself_is_asked_by_name(tf_devices):
     ({"_target_": "test_data.arrays", "rank": 1}, ConfigError, ["dataset.rank is provided by tfkv"]),
     ({"_target_": "test_data.arays"}, ConfigError, ["has no 'arays'", "did you mean test_data.arrays?"]),
     ({"_target_": "nopkg_tfkv_test.make"}, ConfigError, ["cannot import 'nopkg_tfkv_test'"]),
-    ({"_target_": "test_data.arrays", "n": 5}, DataError, ["a shard of 5 training examples is smaller than batch_size=8"]),
+    ({"_target_": "test_data.arrays", "n": 5}, DataError,
+     ["a shard of 5 training examples is smaller than batch_size=8"]),
     ({"_target_": "test_data.stream", "n": 5}, DataError, ["holds no full batch of batch_size=8"]),
 ])
 def test_a_factory_that_does_not_fit_is_one_line(tf_devices, node, error, words):
