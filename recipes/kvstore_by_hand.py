@@ -17,9 +17,9 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfkv.data  # noqa: E402
+import tfkv.data.digits  # noqa: E402
 import tfkv.store  # noqa: E402
 from tfkv import optim  # noqa: E402
-from tfkv.config import DatasetConfig  # noqa: E402
 from tfkv.parallel import devices as tfkv_devices  # noqa: E402
 
 
@@ -60,7 +60,7 @@ def main() -> None:
             kv.push(i, [g[i] for g in grads], priority=-i)
             kv.pull(i, out=[ps[i] for ps in params], priority=-i)
 
-    digits = tfkv.data.load(DatasetConfig(name="digits"))
+    digits = tfkv.data.digits.load()  # the built-in set in memory: both splits as arrays
     for epoch in range(1, args.epochs + 1):
         for x, y in tfkv.data.train_dataset(digits, 64, epoch, seed=0):
             train_batch(x, y)

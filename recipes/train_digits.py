@@ -1,7 +1,8 @@
 """Train an MLP on the embedded digits over several devices with the Python API, no Hydra.
 
-The same pieces `tfkv-run` uses: a KVStore, a data set sharded by the store's rank, and
-DataParallel splitting each batch across devices. Run:
+The same pieces `tfkv-run` uses: a KVStore, the data set's factory and the model's builder
+named as in conf/ (`_target_` nodes), the data sharded by the store's rank (tfkv.data.Source),
+and DataParallel splitting each batch across devices. Run:
 
     python recipes/train_digits.py --devices 4 --kvstore device
 """
@@ -17,7 +18,7 @@ import tfkv.data  # noqa: E402
 import tfkv.models  # noqa: E402
 import tfkv.store  # noqa: E402
 from tfkv import optim  # noqa: E402
-from tfkv.config import DatasetConfig, ModelConfig, split_batch  # noqa: E402
+from tfkv.config import split_batch  # noqa: E402
 from tfkv.parallel import devices as tfkv_devices  # noqa: E402
 from tfkv.parallel.data_parallel import DataParallel  # noqa: E402
 
@@ -37,20 +38,22 @@ def main() -> None:
     store = tfkv.store.create(args.kvstore, devices=devs)
     print(f"Total number of workers: {store.num_workers}; this worker's rank: {store.rank}")
 
-    digits = tfkv.data.load(DatasetConfig(name="digits"))
-    steps = tfkv.data.steps_per_epoch(digits, args.batch_size, store.num_workers)
+    # conf/dataset/digits.yaml and conf/model/mlp.yaml, as plain dicts
+    digits = tfkv.data.Source({"_target_": "tfkv.data.digits.load", "test_fraction": 0.2}, seed=0,
+                              batch_size=args.batch_size, eval_batch_size=500,
+                              num_workers=store.num_workers, rank=store.rank)
+    mlp = {"_target_": "tfkv.models.mlp.build", "hidden": [256, 128]}
     sgd = optim.SGD(schedule=optim.Schedule(lr=0.1), momentum=0.9, wd=1e-4)
-    net = DataParallel(lambda: tfkv.models.build(ModelConfig(name="mlp"), digits.input_shape, 10),
+    net = DataParallel(lambda: tfkv.models.build(mlp, input_shape=digits.input_shape, num_classes=digits.num_classes),
                        devs, store, sgd, split_batch(args.batch_size, None, len(devs)))
     for epoch in range(1, args.epochs + 1):
         # Each worker reads only its part of the data (SplitSampler), reshuffled every epoch.
-        for x, y in tfkv.data.train_dataset(digits, args.batch_size, epoch, seed=0,
-                                            num_parts=store.num_workers, part_index=store.rank):
+        for x, y in digits.train(epoch):
             net.step(x, y)
         train, _ = net.take_metrics()
-        test = net.evaluate(tfkv.data.test_dataset(digits, 500))
+        test = net.evaluate(digits.test())
         print(f"Epoch {epoch}: loss {train['loss']:.4f} train_acc {train['accuracy']:.4f} "
-              f"Test_acc {test['accuracy']:.4f} ({steps} steps)")
+              f"Test_acc {test['accuracy']:.4f} ({digits.steps} steps)")
 
 
 if __name__ == "__main__":
