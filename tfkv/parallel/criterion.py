@@ -13,10 +13,12 @@ The model's regularisation losses (`model.losses`, `regularization`) are added o
 update: n examples add n times their sum, so after the 1/global-batch rescale they count once.
 
 `metrics` is a list of Keras names or `_target_` nodes (Keras metric objects, or functions that
-are averaged over examples), applied to every output, or a mapping output name -> such a list. 'accuracy' / 'acc' map from the loss as keras compile maps them
-from shapes: sparse categorical crossentropy -> SparseCategoricalAccuracy, categorical ->
-CategoricalAccuracy, binary -> BinaryAccuracy (threshold 0 when the loss takes logits). A
-model with dict outputs reports `<output>_<metric>` and `<output>_loss` for each output.
+are averaged over examples), applied to every output, or a mapping output name -> such a list.
+'accuracy' / 'acc' map from the loss as keras compile maps them from shapes: sparse categorical
+crossentropy -> SparseCategoricalAccuracy, categorical -> CategoricalAccuracy, binary ->
+BinaryAccuracy (threshold 0 when the loss takes logits). A model with dict outputs reports
+`<output>_<metric>` and `<output>_loss` for each output. Nothing here creates TensorFlow state
+until `new_metrics` (config validation builds a Criterion before the CPU is split into devices).
 """
 
 from __future__ import annotations
@@ -55,8 +57,8 @@ class Criterion:
         self.metrics_per_output = isinstance(metrics, Mapping) and "_target_" not in metrics
         self._metric_specs = ({name: _listed(specs) for name, specs in metrics.items()}
                               if self.metrics_per_output else {None: _listed(metrics)})
-        stray = sorted(set(self._metric_specs) - set(self._losses)) if self.per_output and self.metrics_per_output else []
-        if stray:
+        stray = sorted(set(self._metric_specs) - set(self._losses)) if self.per_output else []
+        if self.metrics_per_output and stray:
             raise ConfigError(f"metrics.{stray[0]}: the loss names outputs {sorted(self._losses)}, not {stray[0]!r}; "
                               "key metrics by the same output names as the loss")
         # Bad names fail now, not at the first step (and without TensorFlow state).

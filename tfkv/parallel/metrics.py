@@ -90,7 +90,8 @@ class Tally:
 
 
 
-def evaluate(tally: Tally, eval_step: Callable[[Any, Any], None], batches: Iterable[tuple[Any, Any]]) -> dict[str, float]:
+def evaluate(tally: Tally, eval_step: Callable[[Any, Any], None],
+             batches: Iterable[tuple[Any, Any]]) -> dict[str, float]:
     """Every value of `tally` per example over (x, y) batches; `eval_step(x, y)` adds a batch."""
     tally.reset()
     for x, y in batches:
