@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -84,6 +85,15 @@ def test_the_record_names_the_config_file_and_nested_launchers_drop_it(tmp_path)
     assert {p["env"][CONFIG] for p in plan["processes"]} == {"<config_resolved.yaml>"}
     # A launcher started inside a worker must not hand this job's config to its own roles.
     assert forwarded_env({CONFIG: "x", "TFKV_KEEP": "y"}) == {"TFKV_KEEP": "y"}
+
+
+@pytest.mark.parametrize("value", [None, "not-a-config"])
+def test_a_worker_without_a_recorded_config_is_one_line(tmp_path, value):
+    env = {k: v for k, v in os.environ.items() if k != CONFIG}
+    env.update({"TFKV_RUN_DIR": str(tmp_path), **({CONFIG: value} if value else {})})
+    proc = subprocess.run([PY, "-m", "tfkv.worker"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "start the job with tfkv-run" in proc.stderr
 
 
 def test_a_config_too_large_for_an_environment_is_one_line():

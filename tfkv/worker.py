@@ -25,7 +25,7 @@ import os
 import sys
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, MutableMapping
 
 from tfkv.launcher.plan import CONFIG, RUN_DIR
 
@@ -56,8 +56,15 @@ def encode(config: dict[str, Any], hydra: dict[str, Any] | None = None) -> str:
 
 
 def decode(value: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    payload = json.loads(zlib.decompress(base64.urlsafe_b64decode(value.encode())))
-    return payload["config"], payload["hydra"]
+    """The config and Hydra's parts that `encode` made `value` of."""
+    from tfkv.errors import ConfigError
+
+    try:
+        payload = json.loads(zlib.decompress(base64.urlsafe_b64decode(value.encode())))
+        return payload["config"], payload["hydra"]
+    except (ValueError, TypeError, KeyError, zlib.error) as e:  # binascii.Error is a ValueError
+        raise ConfigError(f"{CONFIG} is not a config that tfkv-run recorded ({type(e).__name__}); start the "
+                          "job with tfkv-run, which sets it") from None
 
 
 def record(cfg: Any, run_dir: Path, hydra: Any = None) -> dict[str, str]:
@@ -88,7 +95,7 @@ def _setup_logging(job_logging: dict[str, Any] | None, path: Path) -> None:
     logging.config.dictConfig(job_logging)
 
 
-def run(environ: dict[str, str] | os._Environ = os.environ) -> dict[str, Any]:
+def run(environ: MutableMapping[str, str] = os.environ) -> dict[str, Any]:
     """Train as the recorded config says, in the job's run directory; the final metrics."""
     value = environ.pop(CONFIG, None)  # never passed on to what this worker starts
     run_dir = environ.get(RUN_DIR)
