@@ -169,6 +169,8 @@ def test_a_killed_dist_sync_job_resumes_to_the_same_weights(tmp_path):
     resumed = [p for p in crashed.glob("outputs/*/*") if (p / ".hydra").is_dir() and p != first][0]
     metrics = json.loads((resumed / "metrics.json").read_text())
     assert [h["epoch"] for h in metrics["history"]] == [1, 2, 3, 4]
+    # The launcher chose the checkpoint and recorded its path: the config every worker ran.
+    assert f"resume: {first / 'checkpoints' / 'epoch-000'}" in (resumed / "config_resolved.yaml").read_text()
     for a, b in zip(_weights(resumed), _weights(clean_run)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
