@@ -287,12 +287,15 @@ def test_batch_norm_statistics_are_averaged_over_one_workers_copies(kind, tf_dev
 def test_checking_the_config_leaves_tensorflow_unstarted(tmp_path):
     """tfkv-run checks loss and metrics before it splits the CPU into logical devices, which
     TensorFlow allows only before its first variable: building the criterion and naming its
-    metrics must not make one (a Keras metric object would)."""
+    metrics must not make one (a Keras metric object would). The default loss and metrics do
+    not even import TensorFlow (Keras names and `_target_`s must: Keras says what they are)."""
     import subprocess
     import sys
 
     script = (
-        "from tfkv.parallel.criterion import Criterion\n"
+        "import sys; from tfkv.parallel.criterion import Criterion\n"
+        "assert Criterion.from_config(None, ['accuracy']).value_names() == ['loss', 'accuracy']\n"
+        "assert 'tensorflow' not in sys.modules, 'the default loss and metrics imported TensorFlow'\n"
         "c = Criterion.from_config('binary_crossentropy', ['accuracy', 'mae', {'_target_': 'keras.metrics.AUC'}])\n"
         "print(c.metric_names([None]))\n"
         "from tfkv.parallel import devices\n"

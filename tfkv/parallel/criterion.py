@@ -46,14 +46,15 @@ class Criterion:
     def __init__(self, loss: Any = None, metrics: Sequence[Any] | None = ("accuracy",)) -> None:
         """`loss`: as the module docstring says; None is sparse categorical crossentropy on logits
         (what tfkv's built-in classifiers output). `metrics`: a list of names / nodes / objects."""
-        if loss is None:
-            loss = {"_target_": "keras.losses.SparseCategoricalCrossentropy", "from_logits": True}
         self.per_output = isinstance(loss, Mapping) and "_target_" not in loss
         items = dict(loss).items() if self.per_output else [(None, loss)]
         if self.per_output and not items:
             raise ConfigError("loss: the mapping names no output; give {output_name: loss, ...} or one loss")
+        # None: the default, built at its first use, so that checking a default config never
+        # imports TensorFlow (what it is, is known: see _kind)
         self._losses: dict[str | None, Any] = {
-            name: _loss(spec, "loss" if name is None else f"loss.{name}") for name, spec in items}
+            name: None if spec is None else _loss(spec, "loss" if name is None else f"loss.{name}")
+            for name, spec in items}
         self.metrics_per_output = isinstance(metrics, Mapping) and "_target_" not in metrics
         self._metric_specs = ({name: _listed(specs) for name, specs in metrics.items()}
                               if self.metrics_per_output else {None: _listed(metrics)})
@@ -108,7 +109,7 @@ class Criterion:
         out = {}
         for name in names:
             yt, yp = (y, pred) if name is None else (y[name], pred[name])
-            fn = self._losses[name if self.per_output else None]
+            fn = self._loss_fn(name if self.per_output else None)
             key = "loss" if not self.per_output else f"loss.{name}"
             try:
                 values = fn(yt, tf.cast(yp, tf.float32))
@@ -125,12 +126,26 @@ class Criterion:
             out[name] = values
         return out
 
+    def _loss_fn(self, output: str | None) -> Callable[[Any, Any], Any]:
+        if self._losses[output] is None:
+            self._losses[output] = _loss({"_target_": "keras.losses.SparseCategoricalCrossentropy",
+                                          "from_logits": True}, "loss")
+        return self._losses[output]
+
+    def _kind(self, output: str | None) -> tuple[str, bool]:
+        """The loss function's name and whether it takes logits."""
+        fn = self._losses[output]
+        if fn is None:  # the default
+            return "sparse_categorical_crossentropy", True
+        inner = getattr(fn, "fn", None)  # Keras's LossFunctionWrapper subclasses
+        return getattr(inner, "__name__", ""), bool(getattr(fn, "_fn_kwargs", {}).get("from_logits", False))
+
     def perplexity(self, y: Any) -> bool:
         """Whether exp(mean loss) is a perplexity: sequence labels (a time axis) of one output
         with a crossentropy loss."""
         if self.per_output or isinstance(y, Mapping):
             return False
-        fn = _fn_name(self._losses[None])
+        fn, _ = self._kind(None)
         rank = len(y.shape)
         return (fn == "sparse_categorical_crossentropy" and rank >= 2) or (fn == "categorical_crossentropy"
                                                                           and rank >= 3)
@@ -173,8 +188,6 @@ class Criterion:
 
     def _metric_name(self, spec: Any, output: str | None, key: str) -> str:
         """The name `spec` reports (as keras compile names it), after checking that it builds."""
-        import keras
-
         if isinstance(spec, str):
             if spec.lower() in ACCURACY:
                 self._accuracy(spec, output, key)
@@ -192,21 +205,22 @@ class Criterion:
             named, _ = target.parameters(fn)
             default = named["name"].default if "name" in named else None
             return default if isinstance(default, str) else _snake(getattr(fn, "__name__", "metric"))
-        if isinstance(spec, keras.metrics.Metric) or callable(spec):
+        if callable(spec):  # a Keras metric object, or a function
             return _name(spec)
         raise ConfigError(f"{key} gives a {type(spec).__name__}, not a Keras metric or a function "
                           "(y_true, y_pred) -> values")
 
     def _accuracy(self, spec: str, output: str | None, key: str) -> tuple[str, dict[str, Any]]:
         """'accuracy' for the output's loss: (Keras metric class name, its arguments)."""
-        fn = self._losses[output if self.per_output else None]
-        cls_name = _ACCURACY_FOR.get(_fn_name(fn))
+        output = output if self.per_output else None
+        fn_name, from_logits = self._kind(output)
+        cls_name = _ACCURACY_FOR.get(fn_name)
         if cls_name is None:
             raise ConfigError(f"{key}: {spec!r} needs a crossentropy loss to say which accuracy, and the loss "
-                              f"is {_name(fn)}; name the metric: binary_accuracy, categorical_accuracy or "
+                              f"is {_name(self._losses[output])}; name the metric: binary_accuracy, categorical_accuracy or "
                               "sparse_categorical_accuracy (or use mae, mse, ... for regression)")
         kwargs: dict[str, Any] = {"name": spec}
-        if cls_name == "BinaryAccuracy" and _from_logits(fn):
+        if cls_name == "BinaryAccuracy" and from_logits:
             kwargs["threshold"] = 0.0  # a logit above 0 is a probability above 0.5
         return cls_name, kwargs
 
@@ -304,15 +318,6 @@ def _snake(name: str) -> str:
     """Keras's default object name for a class: RootMeanSquaredError -> root_mean_squared_error."""
     name = re.sub(r"(.)([A-Z][a-z]+)", r"\1_\2", name)
     return re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name).lower()
-
-
-def _fn_name(fn: Any) -> str:
-    inner = getattr(fn, "fn", None)  # Keras's LossFunctionWrapper subclasses
-    return getattr(inner, "__name__", "") if inner is not None else ""
-
-
-def _from_logits(fn: Any) -> bool:
-    return bool(getattr(fn, "_fn_kwargs", {}).get("from_logits", False))
 
 
 def _name(fn: Any) -> str:
