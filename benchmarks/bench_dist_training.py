@@ -49,9 +49,9 @@ from dist_job import (CALIBRATION_STEPS, LR, MOMENTUM, WARMUP_STEPS, Failed, che
                       measure, report, run_plan, set_threads, synthetic, weights_checksum)
 
 MODELS = {
-    # name: (ModelConfig kwargs, input shape)
-    "lenet": ({"name": "lenet"}, (28, 28, 1)),
-    "mlp": ({"name": "mlp", "hidden": [2048, 2048]}, (28, 28, 1)),
+    # name: (model node, as conf/model/*.yaml, input shape)
+    "lenet": ({"_target_": "tfkv.models.lenet.build"}, (28, 28, 1)),
+    "mlp": ({"_target_": "tfkv.models.mlp.build", "hidden": [2048, 2048]}, (28, 28, 1)),
 }
 
 # -- inside a worker process ------------------------------------------------------------------
@@ -61,7 +61,6 @@ def run_tfkv(args: argparse.Namespace, kind: str) -> None:
     import keras
 
     from tfkv import optim, store
-    from tfkv.config import ModelConfig
     from tfkv.models import build
     from tfkv.parallel import devices
     from tfkv.parallel.data_parallel import DataParallel
@@ -79,7 +78,7 @@ def run_tfkv(args: argparse.Namespace, kind: str) -> None:
                 x, y = x[rank * args.batch:(rank + 1) * args.batch], y[rank * args.batch:(rank + 1) * args.batch]
             keras.utils.set_random_seed(0)
             sgd = optim.SGD(schedule=optim.Schedule(lr=LR), momentum=MOMENTUM)
-            dp = DataParallel(lambda: build(ModelConfig(**cfg), shape, 10), tf_devices, kv, sgd, [len(x)])
+            dp = DataParallel(lambda: build(cfg, input_shape=shape, num_classes=10), tf_devices, kv, sgd, [len(x)])
             n, elapsed = measure(lambda: dp.step(x, y), rank, args.seconds, args.sync_dir, f"{kind}-{name}")
             reports[name] = report(dp, n, elapsed, len(x) * workers)
         with open(os.path.join(args.out, f"{kind}-{rank}.json"), "w") as f:
@@ -95,7 +94,6 @@ def run_mwms(args: argparse.Namespace) -> None:
     import tensorflow as tf
     import keras
 
-    from tfkv.config import ModelConfig
     from tfkv.models import build
 
     set_threads(args.worker_threads)
@@ -111,7 +109,7 @@ def run_mwms(args: argparse.Namespace) -> None:
         global_batch = args.batch * workers
         keras.utils.set_random_seed(0)
         with strategy.scope():
-            model = build(ModelConfig(**cfg), shape, 10)
+            model = build(cfg, input_shape=shape, num_classes=10)
             opt = keras.optimizers.SGD(learning_rate=LR, momentum=MOMENTUM)
             opt.build(model.trainable_variables)
         loss_sum = tf.Variable(0.0, dtype=tf.float64, trainable=False)

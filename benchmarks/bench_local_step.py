@@ -21,16 +21,15 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tfkv import optim, store  # noqa: E402
-from tfkv.config import ModelConfig  # noqa: E402
 from tfkv.models import build  # noqa: E402
 from tfkv.parallel import devices  # noqa: E402
 from tfkv.parallel.data_parallel import DataParallel  # noqa: E402
 
 CASES = {
-    # name: (model config, input shape, batch)
-    "mlp-digits": (ModelConfig(name="mlp", hidden=[256, 128]), (8, 8, 1), 64),
-    "mlp-1M": (ModelConfig(name="mlp", hidden=[1024, 256]), (28, 28, 1), 128),
-    "lenet-mnist": (ModelConfig(name="lenet"), (28, 28, 1), 128),
+    # name: (model node, as conf/model/*.yaml, input shape, batch)
+    "mlp-digits": ({"_target_": "tfkv.models.mlp.build", "hidden": [256, 128]}, (8, 8, 1), 64),
+    "mlp-1M": ({"_target_": "tfkv.models.mlp.build", "hidden": [1024, 256]}, (28, 28, 1), 128),
+    "lenet-mnist": ({"_target_": "tfkv.models.lenet.build"}, (28, 28, 1), 128),
 }
 
 
@@ -86,7 +85,7 @@ def main() -> None:
         keras.utils.set_random_seed(0)
         x = tf.random.normal((batch, *shape))
         y = tf.random.uniform((batch,), 0, 10, dtype=tf.int32)
-        make = lambda: build(cfg, shape, 10)  # noqa: E731
+        make = lambda: build(cfg, input_shape=shape, num_classes=10)  # noqa: E731
         contenders = {
             "plain": plain_tf(make, x, y, 0.01),
             "x1": tfkv_step(make, x, y, 0.01, tf_devices[:1]),

@@ -31,7 +31,6 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tfkv import models, optim, store  # noqa: E402
-from tfkv.config import ModelConfig  # noqa: E402
 from tfkv.parallel import devices, placement  # noqa: E402
 from tfkv.parallel.model_parallel import ModelParallel  # noqa: E402
 
@@ -72,7 +71,7 @@ def main() -> None:
     if args.intra_op_threads:
         tf.config.threading.set_intra_op_parallelism_threads(args.intra_op_threads)
 
-    cfg = ModelConfig(name="lstm_lm", hidden=[int(h) for h in args.hidden.split(",")])
+    cfg = {"_target_": "tfkv.models.lstm_lm.build", "hidden": [int(h) for h in args.hidden.split(",")]}
     groups = models.build_groups(cfg, (args.seq_len,), args.vocab)
     specs4 = [f"cpu:{i}" for i in range(4)]
     tf_by_spec = dict(zip(specs4, devices.setup(specs4)))
@@ -88,7 +87,7 @@ def main() -> None:
         "4dev-auto-pipe": [placement.assign("auto", groups, specs4, "lstm_lm"), args.micro],
         "2dev-unbal-pipe": [["cpu:0"] + ["cpu:1"] * (len(groups) - 1), args.micro],
     }
-    print(f"LSTM LM: hidden {cfg.hidden}, vocab {args.vocab}, seq_len {args.seq_len}, batch {args.batch}, "
+    print(f"LSTM LM: hidden {cfg['hidden']}, vocab {args.vocab}, seq_len {args.seq_len}, batch {args.batch}, "
           f"pipelined = {args.micro} micro-batches; {args.trials} trials x {args.seconds}s, median; "
           f"intra-op threads {args.intra_op_threads or 'default'}, {os.cpu_count()} cores")
     for name in ("2dev-auto-pipe", "4dev-auto-pipe", "2dev-unbal-pipe"):

@@ -42,7 +42,7 @@ import numpy as np
 import zmq
 
 # ResNet18 (CIFAR variant, tfkv.models "resnet18", 32x32x3 -> 10) trainable variable shapes, in
-# model order: tfkv.models.build(ModelConfig(name="resnet18"), (32, 32, 3), 10).trainable_variables
+# model order: tfkv.models.resnet.build_resnet18((32, 32, 3), 10).trainable_variables
 RESNET18 = [(3, 3, 3, 64), (64,), (64,)]
 for _cin, _cout, _first in ((64, 64, False), (64, 128, True), (128, 256, True), (256, 512, True)):
     for _block in range(2):

@@ -35,9 +35,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 MODELS = {
-    # name: (ModelConfig kwargs, input shape)
-    "lenet": ({"name": "lenet"}, (28, 28, 1)),
-    "mlp": ({"name": "mlp", "hidden": [256, 128]}, (8, 8, 1)),
+    # name: (model node, as conf/model/*.yaml, input shape)
+    "lenet": ({"_target_": "tfkv.models.lenet.build"}, (28, 28, 1)),
+    "mlp": ({"_target_": "tfkv.models.mlp.build", "hidden": [256, 128]}, (8, 8, 1)),
 }
 LR, MOMENTUM = 0.01, 0.9
 WARMUP_STEPS, CALIBRATION_STEPS = 3, 3
@@ -160,7 +160,6 @@ def worker(args: argparse.Namespace) -> None:
     import keras
 
     from tfkv import optim, store
-    from tfkv.config import ModelConfig
     from tfkv.models import build
     from tfkv.parallel import devices
     from tfkv.parallel.data_parallel import DataParallel
@@ -179,7 +178,7 @@ def worker(args: argparse.Namespace) -> None:
         x, y = x[rank * args.batch:(rank + 1) * args.batch], y[rank * args.batch:(rank + 1) * args.batch]
         keras.utils.set_random_seed(0)
         sgd = optim.SGD(schedule=optim.Schedule(lr=LR), momentum=MOMENTUM)
-        dp = DataParallel(lambda: build(ModelConfig(**cfg), shape, 10), tf_devices, kv, sgd, [len(x)])
+        dp = DataParallel(lambda: build(cfg, input_shape=shape, num_classes=10), tf_devices, kv, sgd, [len(x)])
 
         def reset() -> None:
             dp.reset_timings()
