@@ -553,25 +553,9 @@ def test_token_ids_stay_integers_through_the_pipeline():
 
 
 # ---------------------------------------------------------------------------------------------
-# Source: any factory, sharded, batched and counted the same way on every worker
+# Source: what tests/test_source.py leaves out (the context of each split, the wrong kinds of result)
 
 CALLS: list[dict] = []
-
-
-def arrays(n: int = 40, split: str = "train"):
-    """A factory returning numpy arrays: tfkv shards, shuffles per (seed, epoch) and batches them."""
-    CALLS.append({"split": split})
-    offset = 0 if split == "train" else 1000
-    x = (np.arange(n, dtype=np.float32) + offset)[:, None]
-    return x, (np.arange(n) % 3).astype(np.int32)
-
-
-def stream(n: int = 42, classes: int = 5):
-    """A tf.data factory that neither shards nor batches (nor says its cardinality)."""
-    import tensorflow as tf
-
-    ids = tf.data.Dataset.range(n).filter(lambda i: i >= 0)  # a filter hides the cardinality
-    return ids.map(lambda i: (tf.cast(i, tf.float32)[None], tf.cast(i % classes, tf.int32)))
 
 
 def sharded(split: str, rank: int, num_workers: int, batch_size: int, epoch: int, seed: int):
@@ -583,21 +567,11 @@ def sharded(split: str, rank: int, num_workers: int, batch_size: int, epoch: int
     n = 10 + rank
     x = tf.data.Dataset.from_tensor_slices(np.full((n, 1), rank * 100 + epoch, np.float32))
     y = tf.data.Dataset.from_tensor_slices(np.zeros(n, np.int32))
-    return tfkv_split(tf.data.Dataset.zip((x, y)).batch(batch_size, drop_remainder=split == "train"), 7)
-
-
-def tfkv_split(d, num_classes):
-    return data.Split(d, num_classes=num_classes)
+    return tf.data.Dataset.zip((x, y)).batch(batch_size, drop_remainder=split == "train")
 
 
 def not_data():
     return {"x": [1, 2, 3]}
-
-
-def triples():
-    import tensorflow as tf
-
-    return tf.data.Dataset.from_tensor_slices((np.zeros(4), np.zeros(4), np.zeros(4)))
 
 
 def forever():
@@ -606,65 +580,27 @@ def forever():
     return tf.data.Dataset.from_tensor_slices((np.zeros((4, 1)), np.zeros(4))).repeat()
 
 
-def _ids(batches) -> list[int]:
-    return [int(v) for x, _ in batches for v in x.numpy().reshape(-1)]
-
-
-def test_arrays_are_sharded_shuffled_per_epoch_and_counted_alike(tf_devices):
-    node = {"_target_": "test_data.arrays", "n": 41}
-    workers = [data.Source(node, seed=3, batch_size=4, eval_batch_size=16, num_workers=3, rank=r) for r in range(3)]
-    assert {s.steps for s in workers} == {13 // 4}  # 41 // 3 = 13 per worker, full batches of 4
-    assert workers[0].num_classes == 3 and workers[0].input_shape == (1,)
-    epoch1 = [_ids(s.train(1)) for s in workers]
-    assert all(len(ids) == 3 * 4 for ids in epoch1)
-    assert not set(epoch1[0]) & set(epoch1[1]) and not set(epoch1[1]) & set(epoch1[2])  # disjoint shards
-    again = data.Source(node, seed=3, batch_size=4, eval_batch_size=16, num_workers=3, rank=1)
-    assert _ids(again.train(1)) == epoch1[1] != _ids(again.train(2))  # seeded by (seed, epoch)
-    test = _ids(workers[2].test())
-    assert test == [1000 + i for i in range(41)]  # every worker evaluates the whole test split, in order
-
-
-def test_a_stream_is_sharded_by_tfkv_and_every_worker_runs_the_fewest_steps(tf_devices):
-    node = {"_target_": "test_data.stream", "num_classes": 5}  # num_classes: described, not an argument
-    workers = [data.Source(node, 0, batch_size=4, eval_batch_size=100, num_workers=4, rank=r) for r in range(4)]
-    assert {s.steps for s in workers} == {42 // 4 // 4}  # shard(4, r) holds 11 or 10: 2 full batches
-    assert workers[0].num_classes == 5
-    ids = [_ids(s.train(1)) for s in workers]
-    assert ids[1] == [1, 5, 9, 13, 17, 21, 25, 29]  # tf.data's shard(4, 1), in the stream's order
-    assert sorted(sum(ids, [])) == sorted(set(sum(ids, [])))
-    assert _ids(workers[3].test()) == list(range(42))
-
-
-def test_a_factory_that_shards_and_batches_itself_is_asked_by_name(tf_devices):
+def test_each_split_is_asked_with_its_own_context(tf_devices):
     CALLS.clear()
-    node = {"_target_": "test_data.sharded"}
-    workers = [data.Source(node, 9, batch_size=4, eval_batch_size=5, num_workers=2, rank=r) for r in range(2)]
-    assert {s.steps for s in workers} == {10 // 4}  # min over ranks of 10 and 11 examples
-    assert workers[1].num_classes == 7 and workers[1].input_shape == (1,)  # unbatched, from its batches
-    assert _ids(workers[1].train(2)) == [102] * 8  # rank 1's own shard, epoch 2, steps batches
-    last = CALLS[-1]
-    assert (last["split"], last["rank"], last["num_workers"], last["epoch"], last["seed"], last["batch_size"]) == \
-        ("train", 1, 2, 2, 9, 4)
+    source = data.Source({"_target_": "test_data.sharded"}, 9, batch_size=4, eval_batch_size=5, num_workers=2, rank=1)
+    assert source.steps == 10 // 4  # the fewest full batches of any rank (rank 0: 10 examples)
+    assert [int(v) for x, _ in source.train(2) for v in x.numpy().ravel()] == [102] * 8  # its shard, epoch 2
+    assert {(c["split"], c["rank"], c["num_workers"], c["seed"], c["batch_size"]) for c in CALLS} == \
+        {("train", 0, 2, 9, 4), ("train", 1, 2, 9, 4)}
     CALLS.clear()
-    assert len(_ids(workers[1].test())) == 10
+    assert sum(len(x) for x, _ in source.test()) == 10
+    # the whole test split for every worker: rank 0 of 1, epoch 1, the evaluation batch size
     assert [(c["split"], c["rank"], c["num_workers"], c["epoch"], c["batch_size"]) for c in CALLS] == \
-        [("test", 0, 1, 1, 5)]  # the whole test split: rank 0 of 1
+        [("test", 0, 1, 1, 5)]
 
 
 @pytest.mark.parametrize("node, error, words", [
-    ({"_target_": "test_data.not_data"}, DataError, ["dataset._target_=test_data.not_data returned a dict"]),
-    ({"_target_": "test_data.triples"}, DataError, ["elements are tuples of 3, not (x, y) pairs"]),
+    ({"_target_": "test_data.not_data"}, DataError, ["dataset._target_=test_data.not_data returned a dict",
+                                                     "a tf.data.Dataset of (x, y) pairs"]),
     ({"_target_": "test_data.forever"}, DataError, ["is infinite", "steps_per_epoch"]),
-    ({"_target_": "test_data.arrays", "size": 3}, ConfigError, ["dataset.size is not an argument of test_data.arrays",
-                                                                "its arguments: n"]),
-    ({"_target_": "test_data.arrays", "rank": 1}, ConfigError, ["dataset.rank is provided by tfkv"]),
-    ({"_target_": "test_data.arays"}, ConfigError, ["has no 'arays'", "did you mean test_data.arrays?"]),
     ({"_target_": "nopkg_tfkv_test.make"}, ConfigError, ["cannot import 'nopkg_tfkv_test'"]),
-    ({"_target_": "test_data.arrays", "n": 5}, DataError,
-     ["a shard of 5 training examples is smaller than batch_size=8"]),
-    ({"_target_": "test_data.stream", "n": 5}, DataError, ["holds no full batch of batch_size=8"]),
 ])
-def test_a_factory_that_does_not_fit_is_one_line(tf_devices, node, error, words):
+def test_a_factory_returning_the_wrong_thing_is_one_line(tf_devices, node, error, words):
     with pytest.raises(error) as e:
         data.source.check(node)  # what validation finds before anything starts
         data.Source(node, 0, batch_size=8, eval_batch_size=8)
