@@ -91,11 +91,11 @@ def test_mxnet_names_and_arguments_create_the_optimizer():
 
 
 def test_config_rescale_and_clip_reach_the_rule():
-    from tfkv.config import OptimizerConfig
+    from tfkv.config import AdamConfig, SGDConfig  # each optimizer's own schema
 
-    opt = optim.from_config(OptimizerConfig(name="sgd", rescale_grad=0.5, clip_gradient=2.0), 10, 2)
+    opt = optim.from_config(SGDConfig(name="sgd", rescale_grad=0.5, clip_gradient=2.0), 10, 2)
     assert (opt.rescale_grad, opt.clip_gradient) == (0.5, 2.0)
-    assert optim.from_config(OptimizerConfig(name="adam"), 10, 2).rescale_grad is None
+    assert optim.from_config(AdamConfig(name="adam"), 10, 2).rescale_grad is None
 
 
 def test_adam_first_step_moves_by_lr():
