@@ -277,8 +277,9 @@ def _interrupted() -> str:
 def _hydra_app() -> Callable[[], Any]:
     import hydra
 
-    from tfkv import config  # noqa: F401  (importing it registers the schema with Hydra)
+    from tfkv import config, plugins  # noqa: F401  (importing config registers the schema with Hydra)
 
+    plugins.load()  # installed packages' models, data sets, stores and launchers as config options
     return hydra.main(version_base="1.3", config_path=conf_dir(), config_name="config")(_main)
 
 
