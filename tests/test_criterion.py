@@ -368,7 +368,7 @@ def test_tfkv_run_reports_every_metric_of_a_two_headed_model(tmp_path):
     proc = tfkv_run("--config-dir", "conf", "model=two_headed", "dataset=two_headed", "kvstore=device",
                     "devices=[cpu:0,cpu:1]", "epochs=2", "batch_size=32", "progress=false",
                     "loss={digit: {_target_: keras.losses.SparseCategoricalCrossentropy, from_logits: true}, "
-                    "size: mse}", "~metrics", "+metrics={digit: [accuracy], size: [mae]}", "objective=test_size_mae",
+                    "size: mse}", "metrics={digit: [accuracy], size: [mae]}", "objective=test_size_mae",
                     "optimizer=adam", "optimizer.lr=0.01", cwd=tmp_path,
                     env={"PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))})
     (path,) = tmp_path.glob("outputs/*/*/metrics.json")

@@ -137,9 +137,10 @@ class Config:
     # Any data factory (_target_ + its keyword arguments); see tfkv.data.source
     dataset: Any = MISSING
     # A Keras loss name, a _target_ node, or {output name: loss}; null: sparse categorical
-    # crossentropy on logits (what the built-in classifiers output). Then a list of Keras metrics.
+    # crossentropy on logits (what the built-in classifiers output). Then Keras metrics: a list,
+    # or {output name: list}.
     loss: Any = None
-    metrics: Any = field(default_factory=lambda: ["accuracy"])
+    metrics: Any = None  # null: accuracy when the loss is a crossentropy (as above), else none
     objective: str = "test_accuracy"  # the metric tfkv-run returns (to a sweeper)
     optimizer: Any = MISSING  # one of OPTIMIZER_SCHEMAS, by optimizer.name
     kvstore: KVStoreConfig = MISSING

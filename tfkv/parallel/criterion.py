@@ -55,6 +55,8 @@ class Criterion:
         self._losses: dict[str | None, Any] = {
             name: None if spec is None else _loss(spec, "loss" if name is None else f"loss.{name}")
             for name, spec in items}
+        if metrics is None:  # the config's default: accuracy where the loss says which one, else none
+            metrics = ["accuracy"] if all(_ACCURACY_FOR.get(self._kind(o)[0]) for o in self._losses) else []
         self.metrics_per_output = isinstance(metrics, Mapping) and "_target_" not in metrics
         self._metric_specs = ({name: _listed(specs) for name, specs in metrics.items()}
                               if self.metrics_per_output else {None: _listed(metrics)})
