@@ -133,7 +133,7 @@ def _launch(cfg: Any, run_dir: Path, overrides: list[str], cwd: Path) -> float:
     cfg.resume = job.remote_path(opts, cwd, resume_from) if resume_from else False
     hc = HydraConfig.get()
     env = worker.record(cfg, run_dir, hc)
-    python = sys.executable if c.launcher == "local" else c.python
+    python = sys.executable if c.launcher == "local" else c.get("python", "python3")
     result = job.launch(opts, [python, "-m", "tfkv.worker"], cwd, run_dir, _command_line(hc, overrides),
                         sys.stdout, env)
     if result.returncode > 128:  # stopped by Ctrl-C (130) or SIGTERM (143): exit as a single run does
