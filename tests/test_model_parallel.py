@@ -314,7 +314,7 @@ def test_lstm_ptb_on_two_devices_reports_perplexity(tmp_path):
 def test_lstm_ptb_on_four_devices_with_a_placement_from_config(tmp_path):
     _write_ptb(tmp_path / "ptb", train=PTB_TRAIN * 40, test=(" the mat sat on the dog ",) * 4)
     tfkv_run("+experiment=lstm_ptb", "devices=[cpu:0,cpu:1,cpu:2,cpu:3]", "epochs=2", "batch_size=8",
-             "placement={embed:cpu:0,lstm1:cpu:1,lstm2:cpu:2,decoder:cpu:3}", "dataset.name=ptb",
+             "placement={embed:cpu:0,lstm1:cpu:1,lstm2:cpu:2,decoder:cpu:3}", "dataset=ptb",
              f"dataset.root={tmp_path / 'ptb'}", *SMALL, cwd=tmp_path)
     m = _metrics(tmp_path)
     assert m["epoch"] == 2 and m["history"][1]["train_perplexity"] < m["history"][0]["train_perplexity"]
