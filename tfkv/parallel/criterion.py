@@ -130,8 +130,11 @@ class Criterion:
 
     def _loss_fn(self, output: str | None) -> Callable[[Any, Any], Any]:
         if self._losses[output] is None:
-            self._losses[output] = _loss({"_target_": "keras.losses.SparseCategoricalCrossentropy",
-                                          "from_logits": True}, "loss")
+            # built directly, not through _target_: this first runs while a step is traced, and
+            # AutoGraph would try (and warn) to convert importlib's functions
+            import keras
+
+            self._losses[output] = _loss(keras.losses.SparseCategoricalCrossentropy(from_logits=True), "loss")
         return self._losses[output]
 
     def _kind(self, output: str | None) -> tuple[str, bool]:
