@@ -1,7 +1,7 @@
 """A worker's peak RSS training from TFRecords as the set grows, and samples/s from TFRecords
 against the same data held in memory, same run; both through `tfkv-run`.
 
-For every size (100 MB and 2 GB of TFRecord files by default) the script writes CIFAR-shaped
+For every size (100 MB, 1 GB and 2 GB of TFRecord files by default) the script writes CIFAR-shaped
 records (32x32x3 uint8 pixels as raw bytes, an int64 label; files of at most 64 MB, and a
 test file of 2048 records), then runs `tfkv-run dataset=tfrecord` for one epoch over all of
 them (kvstore=local: the tfkv-run process is the worker) and records its peak resident set
@@ -16,7 +16,7 @@ epoch)), `--steps` steps per epoch; the figure is the second epoch's samples/s (
 traces the step). Trials alternate between the two and the median is reported, because this
 machine is shared and noisy.
 
-    python benchmarks/bench_data_rss.py [--sizes 100M,2G] [--dir /tmp] [--steps 100] [--trials 3]
+    python benchmarks/bench_data_rss.py [--sizes 100M,1G,2G] [--dir /tmp] [--steps 100] [--trials 3]
                                         [--batch 128]
 
 Targets (issue 13): RSS within 200 MiB from the smallest to the largest size; TFRecord / memory
@@ -126,7 +126,7 @@ def tfrecord_args(folder: str) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="100M,2G", help="TFRecord set sizes in bytes (K/M/G = 1e3/1e6/1e9)")
+    ap.add_argument("--sizes", default="100M,1G,2G", help="TFRecord set sizes in bytes (K/M/G = 1e3/1e6/1e9)")
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the files are written (then deleted)")
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--steps", type=int, default=100, help="steps per epoch of the rate test")
@@ -159,8 +159,10 @@ def main() -> None:
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
     growth = peaks[-1] - peaks[0]
+    steps = ", ".join(f"{b / 1e6:.0f} MB {q - p:+.0f}" for b, p, q in zip(sizes[1:], peaks, peaks[1:]))
     print(f"peak RSS growth {sizes[0] / 1e6:.0f} MB -> {sizes[-1] / 1e6:.0f} MB: {growth:+.0f} MiB "
-          f"(target within {RSS_TARGET_MIB} MiB)")
+          f"(target within {RSS_TARGET_MIB} MiB; by step: {steps})")
+    print("samples/s per trial: " + "; ".join(f"{k} {', '.join(f'{v:.0f}' for v in vs)}" for k, vs in rates.items()))
     tfr, mem = (statistics.median(rates[k]) for k in ("tfrecord", "memory"))
     print(f"samples/s (lenet, batch {args.batch}, {args.steps} steps, 2nd epoch, median of {args.trials}): "
           f"tfrecord {tfr:.0f}, memory {mem:.0f}, ratio = tfrecord / memory {tfr / mem:.3f} (target >= {RATE_TARGET})")
