@@ -16,7 +16,7 @@ epoch)), `--steps` steps per epoch; the figure is the second epoch's samples/s (
 traces the step). Trials alternate between the two and the median is reported, because this
 machine is shared and noisy.
 
-    python benchmarks/bench_data_rss.py [--sizes 100M,1G,2G] [--dir /tmp] [--steps 100] [--trials 3]
+    python benchmarks/bench_data_rss.py [--sizes 100M,1G,2G] [--dir /tmp] [--steps 100] [--trials 5]
                                         [--batch 128]
 
 Targets (issue 13): RSS within 200 MiB from the smallest to the largest size; TFRecord / memory
@@ -130,7 +130,7 @@ def main() -> None:
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the files are written (then deleted)")
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--steps", type=int, default=100, help="steps per epoch of the rate test")
-    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--trials", type=int, default=5)
     args = ap.parse_args()
 
     sizes = sorted(parse_size(s) for s in args.sizes.split(","))
