@@ -22,6 +22,18 @@ def pytest_configure(config):
     devices.setup(["cpu:0"])
 
 
+# Modules whose tests start machine-wide daemons or hosts: the Slurm and Grid Engine cells, and
+# network namespaces numbered by what is free when they start. Under pytest-xdist
+# (`--dist loadgroup`) they all run in one worker, one after another, never beside each other.
+SHARED_HOSTS = {"test_launcher_batch.py", "test_launcher_ssh.py", "test_security.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SHARED_HOSTS:
+            item.add_marker(pytest.mark.xdist_group("shared_hosts"))
+
+
 @pytest.fixture(scope="session")
 def tf_devices():
     """Eight logical CPU devices (what tfkv.parallel.devices.setup makes), as TensorFlow names."""
