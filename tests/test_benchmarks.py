@@ -17,7 +17,8 @@ CASES = [
     ("bench_compression_training.py", ["--seconds", "0.3", "--trials", "1", "--workers", "2", "--overlap-ab"],
      "pushed after backward"),
     ("bench_dist_training.py", ["--seconds", "0.3", "--trials", "1", "--models", "lenet"], "dist/MWMS"),
-    ("bench_model_parallel.py", ["--seconds", "0.2", "--trials", "1"], "pipelined / naive"),
+    ("bench_model_parallel.py", ["--seconds", "0.2", "--trials", "1", "--hidden", "32,32", "--vocab", "200",
+                                 "--batch", "16", "--seq-len", "5"], "pipelined / naive"),
 ]
 
 
