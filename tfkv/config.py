@@ -126,6 +126,31 @@ class ExportConfig:
     saved_model: bool = False  # also a SavedModel (model.export) for serving, beside model.keras
 
 
+@dataclass
+class SweepConfig:
+    """How a sweep (`tfkv-run -m`) treats this run as one of its trials."""
+
+    fail_fast: bool = False  # true: the first failed trial ends the sweep (Hydra's own behaviour)
+    # Set by the tfkv_optuna sweeper for each trial it asks (never by hand): the study the
+    # trial's worker 0 reports its per-epoch objective to, so that a pruner can stop it.
+    study: Optional[str] = None
+    storage: Optional[str] = None
+    trial: Optional[int] = None
+
+
+@dataclass
+class LoggerConfig:
+    """Where runs are logged beside TensorBoard (always written): `logger=mlflow`."""
+
+    name: str = "none"  # none | mlflow
+    tracking_uri: Optional[str] = None  # mlflow: null = a SQLite store, mlflow.db, where tfkv-run started
+    experiment: str = "tfkv"  # mlflow: the experiment the runs go to
+
+
+# logger=<name>: the loggers beside TensorBoard (tfkv.tracking)
+LOGGERS = ("none", "mlflow")
+
+
 def is_distributed(kvstore_type: str) -> bool:
     return kvstore_type.startswith("dist")
 
@@ -142,6 +167,7 @@ class Config:
     loss: Any = None
     metrics: Any = None  # null: accuracy when the loss is a crossentropy (as above), else none
     objective: str = "test_accuracy"  # the metric tfkv-run returns (to a sweeper)
+    direction: str = "maximize"  # maximize | minimize: which way `objective` is better
     optimizer: Any = MISSING  # one of OPTIMIZER_SCHEMAS, by optimizer.name
     kvstore: KVStoreConfig = MISSING
     cluster: Any = field(default_factory=lambda: {"launcher": "none"})  # one of CLUSTER_SCHEMAS
@@ -166,6 +192,8 @@ class Config:
     # mapping group -> device, e.g. {embed: gpu:0, lstm1: gpu:0, lstm2: gpu:1, decoder: gpu:1}.
     placement: Any = None
     micro_batches: int = 1  # with placement: pipeline each batch as this many micro-batches
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
 
 
 def register() -> None:
@@ -234,6 +262,10 @@ def validate(cfg: Any) -> None:
     models.check(cfg.model)
     source.check(cfg.dataset)
     _validate_objective(cfg)
+    if cfg.direction not in ("maximize", "minimize"):
+        raise ConfigError(f"direction={cfg.direction!r} is not a direction; write direction=maximize or "
+                          "direction=minimize (which way objective is better)")
+    known("logger", cfg.logger.name, list(LOGGERS), "logger")
     kind = cfg.kvstore.type
     if kind not in store.names():  # MXNet's spelling of a type, or one of its types tfkv lacks: name ours
         try:

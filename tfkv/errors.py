@@ -29,3 +29,8 @@ class OutputError(TfkvError):
 
 class ClusterFailed(TfkvError):
     """A role of a distributed job failed; the message names it."""
+
+
+class TrialPruned(TfkvError):
+    """A sweep's pruner stopped this trial early (worse than its peers at the same epoch): a
+    result of the sweep, not a failure."""

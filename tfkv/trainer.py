@@ -48,7 +48,7 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
     import tensorflow as tf
     from tqdm import tqdm
 
-    from tfkv import checkpoint, data, export, models, optim, store as stores
+    from tfkv import checkpoint, data, export, models, optim, store as stores, tracking
     from tfkv.config import is_distributed, split_batch
     from tfkv.parallel import devices as devices_mod
     from tfkv.parallel.criterion import Criterion
@@ -64,6 +64,7 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
     # store of this process that takes the job's compression settings)
     store = stores.create("device" if cfg.eval_only and is_distributed(cfg.kvstore.type) else cfg.kvstore.type,
                           devices=tf_devices)
+    trackers: list[Any] = []
     try:
         # Before any key exists; the store decides what compression means for it.
         store.set_gradient_compression({"type": cfg.kvstore.compression.type,
@@ -117,6 +118,7 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
                      models.name(cfg.model), ",".join(cfg.devices), sizes, store.type, store.num_workers, steps)
         writer = _written(lambda: tf.summary.create_file_writer(str(run_dir / "tensorboard")),
                           run_dir / "tensorboard") if chief else None
+        trackers = tracking.for_run(cfg, run_dir) if chief else []
 
         for epoch in range(start, cfg.epochs + 1):
             batches = source.train(epoch)
@@ -164,6 +166,8 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
                 checkpoint.save(run_dir, epoch, dp.get_weights(), dp.weight_names(),
                                 dp.save_optimizer, history)
                 _write_metrics(run_dir, _summary(history))
+            for tracker in trackers:  # after the record is on disk: a pruned trial keeps its epochs
+                tracker.epoch(epoch, record)
         if not history:
             raise RuntimeError(f"nothing to train: epochs={cfg.epochs} and the checkpoint is at "
                                f"epoch {start - 1}")
@@ -173,10 +177,21 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
         store.barrier()
     except BaseException as e:
         store.abort(f"{type(e).__name__}: {e}")
+        for tracker in trackers:
+            tracker.close(e)
         raise
     store.close()
-    if chief:  # the trained model (model.keras, saved_model/), once no worker waits for this one
-        export.write(cfg, source, dp.get_weights(), run_dir)
+    try:
+        if chief:  # the trained model (model.keras, saved_model/), once no worker waits for this one
+            export.write(cfg, source, dp.get_weights(), run_dir)
+        for tracker in trackers:
+            tracker.end(final, run_dir)
+    except BaseException as e:
+        for tracker in trackers:
+            tracker.close(e)
+        raise
+    for tracker in trackers:
+        tracker.close(None)
     return final
 
 

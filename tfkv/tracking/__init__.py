@@ -1,0 +1,42 @@
+"""What a run reports as it trains, beyond metrics.json: trackers the trainer calls on worker 0.
+
+Each tracker module has `build(cfg, run_dir) -> Tracker | None` (None: not wanted by this
+config) and is listed in BUILDERS. The trainer calls `epoch` after every epoch's record is
+written, `end` once the model is exported, and `close` always, with the exception that ended
+the run, if any. A tracker may stop the run from `epoch` by raising `tfkv.errors.TrialPruned`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any, Protocol
+
+# module:function of every tracker builder, in the order they are called
+BUILDERS = (
+    "tfkv.tracking.tensorboard:build",  # HParams summaries, learning rate (always)
+    "tfkv.tracking.mlflow_log:build",  # logger=mlflow
+    "tfkv.sweep.pruning:build",  # a trial of the tfkv_optuna sweeper: per-epoch values to its pruner
+)
+
+
+class Tracker(Protocol):
+    def epoch(self, epoch: int, record: dict[str, Any]) -> None:
+        """After epoch `epoch`: its record (train_*, test_*, samples_per_sec, lr, ...)."""
+
+    def end(self, final: dict[str, Any], run_dir: Path) -> None:
+        """The run's final metrics, once model.keras is in `run_dir`."""
+
+    def close(self, error: BaseException | None) -> None:
+        """Always last; `error` ended the run early (None: it finished)."""
+
+
+def for_run(cfg: Any, run_dir: Path) -> list[Tracker]:
+    """The trackers this run's config asks for."""
+    trackers = []
+    for spec in BUILDERS:
+        module, fn = spec.split(":")
+        tracker = getattr(importlib.import_module(module), fn)(cfg, Path(run_dir))
+        if tracker is not None:
+            trackers.append(tracker)
+    return trackers
