@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import errno
+import json
 import logging
 import os
 import re
@@ -44,7 +45,14 @@ def conf_dir() -> str:
 
 
 def _main(cfg: Any) -> Any:
-    """The Hydra task: one job."""
+    """The Hydra task: one job (a trial of its own where it is one job of a sweep)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from tfkv.store.cluster_env import ClusterEnv
+
+    if HydraConfig.get().mode == RunMode.MULTIRUN and ClusterEnv.role_of() is None:
+        return _trial(cfg)
     try:
         return _job(cfg)
     except Exception as e:  # exit here: past this point Hydra adds its own lines to the message
@@ -53,6 +61,90 @@ def _main(cfg: Any) -> Any:
             raise
         print(f"tfkv-run: {text}", file=sys.stderr)
         sys.exit(2)
+
+
+def _trial(cfg: Any) -> float:
+    """One job of a sweep: a result whatever happens. Its record (tfkv.sweep.trial) says ok,
+    failed (with the one-line reason; an unexpected error's traceback goes to the job's log) or
+    pruned; the sweeper gets the objective's value, or NaN for a failed or pruned trial (Optuna
+    marks NaN failed), and the sweep goes on. Ctrl-C still ends the whole sweep; with
+    sweep.fail_fast=true a failure does too (SweepStopped), once recorded."""
+    import math
+    import time
+
+    from hydra.core.hydra_config import HydraConfig
+
+    from tfkv.errors import TrialPruned
+    from tfkv.sweep import trial
+
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    record: dict[str, Any] = {
+        "num": int(hc.job.num), "overrides": list(hc.overrides.task), "status": "failed", "reason": None,
+        "objective": cfg.get("objective"), "direction": cfg.get("direction"), "value": None,
+        "metrics": {}, "started": time.time(), "ended": None, "duration_s": None,
+        "log": _log_file(run_dir, hc), "run_dir": str(run_dir)}
+    value = math.nan
+    try:
+        value = _job(cfg)
+        record["status"] = "ok"
+    except TrialPruned as e:
+        record.update(status="pruned", reason=str(e))
+    except (KeyboardInterrupt, SystemExit) as e:  # Ctrl-C or SIGTERM: recorded, then the sweep ends
+        record["reason"] = "interrupted" if isinstance(e, KeyboardInterrupt) else f"stopped (exit {e.code})"
+        raise
+    except Exception as e:
+        text = user_error(e)
+        if text is not None and trial.was_pruned(run_dir):  # a dist_* job whose worker 0 was pruned
+            record.update(status="pruned", reason=text)
+        else:
+            if text is None:  # a bug: its traceback belongs in the job's log, its first line here
+                _log_traceback(run_dir)
+                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                text = f"{type(e).__name__}: {first}" if first else type(e).__name__
+            record["reason"] = text
+    finally:
+        try:
+            metrics = json.loads((run_dir / "metrics.json").read_text())
+        except (OSError, ValueError):
+            metrics = {}
+        record["metrics"] = trial.final_metrics(metrics)
+        record["ended"] = time.time()
+        record["duration_s"] = round(record["ended"] - record["started"], 3)
+        record["value"] = value if record["status"] == "ok" else None
+        trial.write(run_dir, record)
+    if record["status"] == "ok":
+        return value
+    log.warning("trial #%d %s: %s (log %s)", record["num"], record["status"], record["reason"], record["log"])
+    if record["status"] == "failed" and cfg.get("sweep") is not None and cfg.sweep.fail_fast:
+        shown = " ".join(record["overrides"]) or "(no overrides)"
+        raise trial.SweepStopped(f"trial #{record['num']} ({shown}) failed: {record['reason']}; "
+                                 "sweep.fail_fast=true ends the sweep there")
+    return math.nan
+
+
+def _log_file(run_dir: Path, hc: Any) -> str:
+    """The job's log file: Hydra's file handler's, where job logging has one."""
+    import logging
+
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            return handler.baseFilename
+    return str(run_dir / f"{hc.job.name}.log")
+
+
+def _log_traceback(run_dir: Path) -> None:
+    """The traceback of the exception being handled, into the job's log file only: the sweep's
+    console gets the trial's one line; without a log file, the console gets it all."""
+    import logging
+
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "trial failed with an unexpected error",
+                            None, sys.exc_info())
+    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    for handler in files:
+        handler.handle(record)
+    if not files:
+        log.handle(record)
 
 
 def user_error(e: BaseException) -> str | None:
@@ -116,8 +208,6 @@ def _launch(cfg: Any, run_dir: Path, overrides: list[str], cwd: Path) -> float:
     Every worker runs this process's config as recorded in config_resolved.yaml (tfkv.worker),
     never one composed again from the overrides: --config-dir, hydra.searchpath and every
     decision made here (the checkpoint resume=true means) reach every host as they are."""
-    import json
-
     from hydra.core.hydra_config import HydraConfig
 
     from tfkv import checkpoint, worker
@@ -300,6 +390,22 @@ def _run() -> None:
 
     sys.argv += worker_overrides(sys.argv[1:], os.environ)  # a launched job's worker: its run directory
     app = _hydra_app()
+    from tfkv.sweep import summary
+
+    try:
+        _app(app)
+    finally:
+        summary.finish()  # a sweep that ended early (fail_fast, Ctrl-C): the table of what ran
+    failed, total = summary.failed()
+    if failed:  # a sweep: every trial ran, the table says which failed and why
+        print(f"tfkv-run: {failed} of {total} trials failed; see the table above", file=sys.stderr)
+        sys.exit(1)
+
+
+def _app(app: Callable[[], Any]) -> None:
+    """Hydra's app, its errors as one line each."""
+    from tfkv.sweep.trial import SweepStopped
+
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         app()
         return
@@ -309,6 +415,12 @@ def _run() -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let Hydra's errors reach us instead of printing them
     try:
         app()
+    except SweepStopped as e:  # sweep.fail_fast: the table of what ran, then why it stopped
+        from tfkv.sweep import summary
+
+        summary.finish()
+        print(f"tfkv-run: {e}", file=sys.stderr)
+        sys.exit(1)
     except (HydraException, OmegaConfBaseException) as e:
         print(f"tfkv-run: {_one_line(e)}", file=sys.stderr)
         sys.exit(2)

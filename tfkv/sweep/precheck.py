@@ -1,0 +1,91 @@
+"""Bad input of a sweep, found before its first trial starts: every config the sweep can produce
+is composed by Hydra's own config loader and checked by tfkv.config.validate, so an objective
+no metric has, a key that only some options have (`optimizer=sgd,adam optimizer.momentum=0.9`)
+or a bad value is one line naming the trial, not a failure discovered hours into the sweep.
+
+Each sweep override gives its values: a choice list, a range or a glob its own values, an
+interval (Optuna's search space, on the command line or in hydra.sweeper.params) its two
+bounds. Up to MAX_CONFIGS configs, every combination is checked; beyond that, enough that every
+value is checked at least once.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from typing import Any
+
+# Composing and validating one config takes a few tens of milliseconds.
+MAX_CONFIGS = 64
+
+
+def problem(config: Any) -> str | None:
+    """The first problem of the sweep whose master config (Hydra's, with `hydra`) this is, as one
+    line naming the trial's overrides; None when every config composes and validates."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf, open_dict, read_write
+    from omegaconf.errors import OmegaConfBaseException
+
+    from tfkv import cli, config as schema
+
+    loader = GlobalHydra.instance().config_loader()
+    params = OmegaConf.select(config, "hydra.sweeper.params") or {}
+    lines = [f"{k}={v}" for k, v in params.items()] + list(config.hydra.overrides.task)
+    try:
+        parsed = OverridesParser.create(config_loader=loader).parse_overrides(lines)
+        values = _values(parsed)
+    except (HydraException, OmegaConfBaseException) as e:
+        return cli._one_line(e)
+    for combo in combinations(values):
+        named = " ".join(o for o, (_, choices) in zip(combo, values.items()) if len(choices) > 1)
+        where = f"trial {named}: " if named else ""
+        try:
+            cfg = loader.load_sweep_config(config, list(combo))
+            task = copy.deepcopy(cfg)
+            with read_write(task), open_dict(task):
+                del task["hydra"]
+            schema.validate(task)
+        except (HydraException, OmegaConfBaseException) as e:
+            return where + cli._one_line(e)
+        except Exception as e:  # noqa: BLE001 - a user's mistake is one line; a bug keeps its traceback
+            text = cli.user_error(e)
+            if text is None:
+                raise
+            return where + text
+    return None
+
+
+def _values(overrides: list[Any]) -> dict[str, list[str]]:
+    """Each key's overrides to try, `key=value` strings, later ones replacing earlier ones as the
+    sweepers do (hydra.sweeper.params first, the command line after)."""
+    from hydra.core.override_parser.types import IntervalSweep
+
+    out: dict[str, list[str]] = {}
+    for o in overrides:
+        key = o.get_key_element()
+        if o.is_discrete_sweep():  # choice(...), a,b,c, range(...), glob(...)
+            out[key] = [f"{key}={v}" for v in o.sweep_string_iterator()]
+        elif o.is_interval_sweep():  # interval(a, b): its bounds stand for it
+            sweep = o.value()
+            assert isinstance(sweep, IntervalSweep)
+            ints = "int" in (sweep.tags or set()) or all(isinstance(x, int) for x in (sweep.start, sweep.end))
+            bounds = [int(x) if ints else x for x in (sweep.start, sweep.end)]
+            out[key] = [f"{key}={v}" for v in dict.fromkeys(bounds)]
+        else:
+            out[key] = [f"{key}={o.get_value_element_as_str()}"]
+    return out
+
+
+def combinations(values: dict[str, list[str]]) -> list[tuple[str, ...]]:
+    """Every combination when there are at most MAX_CONFIGS; otherwise one row per value of the
+    longest list, each list cycled, so that every value appears at least once."""
+    lists = list(values.values())
+    total = 1
+    for v in lists:
+        total *= len(v)
+    if total <= MAX_CONFIGS:
+        return list(itertools.product(*lists))
+    rows = max(len(v) for v in lists)
+    return [tuple(v[i % len(v)] for v in lists) for i in range(rows)]
