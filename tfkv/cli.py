@@ -253,6 +253,10 @@ def _one_line(exc: BaseException) -> str:
         if e is not None and str(e).strip():
             parts.append(str(e).strip().splitlines()[0].rstrip("."))
     text = ": ".join(dict.fromkeys(parts))
+    plugin = _plugin_package(str(getattr(exc, "missing_cfg_file", "") or ""))
+    if isinstance(exc, MissingConfigException) and plugin:
+        # hydra/launcher=ray: a Hydra plug-in that is not installed
+        return f"{text}: it is a Hydra plug-in that is not installed; pip install {plugin}"
     if isinstance(exc, MissingConfigException) and exc.options:
         # `model=resnet19`: Hydra's list of what there is, and the nearest name
         wanted = str(exc.missing_cfg_file).rsplit("/", 1)[-1]
@@ -283,6 +287,22 @@ def _one_line(exc: BaseException) -> str:
         if close:
             text += f" (did you mean {close[0]!r}?)"
     return text + "; see tfkv-run --help"
+
+
+# Hydra's launcher and sweeper plug-ins on PyPI, by the option name each registers.
+HYDRA_PLUGINS = {
+    "hydra/launcher": {"joblib": "hydra-joblib-launcher", "ray": "hydra-ray-launcher",
+                       "ray_aws": "hydra-ray-launcher", "rq": "hydra-rq-launcher",
+                       "submitit_local": "hydra-submitit-launcher", "submitit_slurm": "hydra-submitit-launcher"},
+    "hydra/sweeper": {"ax": "hydra-ax-sweeper", "optuna": "hydra-optuna-sweeper",
+                      "nevergrad": "hydra-nevergrad-sweeper"},
+}
+
+
+def _plugin_package(missing: str) -> str | None:
+    """The pip package of a missing `hydra/launcher/<name>` or `hydra/sweeper/<name>`, if known."""
+    group, _, name = missing.rpartition("/")
+    return HYDRA_PLUGINS.get(group, {}).get(name)
 
 
 def _option_keys(message: str) -> str | None:
@@ -373,8 +393,35 @@ def _hydra_app() -> Callable[[], Any]:
     return hydra.main(version_base="1.3", config_path=conf_dir(), config_name="config")(_main)
 
 
+def versions() -> str:
+    """`tfkv-run --version`: tfkv's version and those of what it runs on, read from the installed
+    packages' metadata (TensorFlow is not imported: this answers in a blink)."""
+    from importlib import metadata
+
+    def installed(*names: str) -> str:
+        for name in names:
+            try:
+                return metadata.version(name)
+            except metadata.PackageNotFoundError:
+                continue
+        return "not installed"
+
+    try:
+        import zmq
+
+        libzmq = zmq.zmq_version()
+    except ImportError:
+        libzmq = "not installed"
+    tf = installed("tensorflow", "tensorflow-cpu", "tensorflow-macos", "tf-nightly", "tensorflow-intel")
+    return (f"tfkv {installed('tfkv')}, TensorFlow {tf}, Hydra {installed('hydra-core')}, "
+            f"ZeroMQ {libzmq} (pyzmq {installed('pyzmq')})")
+
+
 def _run() -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if "--version" in sys.argv[1:]:  # Hydra's own --version names Hydra alone
+        print(f"tfkv-run {versions()}")
+        return
     from tfkv.store.cluster_env import ClusterEnv
 
     if ClusterEnv.role_of() in ("scheduler", "server"):

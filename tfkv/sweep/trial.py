@@ -17,8 +17,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tfkv.errors import TfkvError
-
 FILE = "trial.json"
 # Worker 0's pruning tracker writes this into the run directory before it raises TrialPruned, so
 # the process that launched a dist_* trial knows its job's failure was a pruning.
@@ -27,8 +25,11 @@ PRUNED_FILE = "pruned.json"
 STATUSES = ("ok", "failed", "pruned")
 
 
-class SweepStopped(TfkvError):
-    """A trial failed under sweep.fail_fast=true: the sweep ends after recording it."""
+class SweepStopped(BaseException):
+    """A trial failed under sweep.fail_fast=true: the sweep ends after recording it.
+
+    Not an Exception, as Ctrl-C is not: Hydra's run_job makes every Exception the job's result,
+    and the basic launcher runs the rest of its batch before the sweeper looks at any result."""
 
 
 def write(run_dir: Path | str, record: dict[str, Any]) -> Path:
