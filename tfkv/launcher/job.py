@@ -12,7 +12,8 @@ from typing import IO, Mapping, Sequence
 from tfkv.errors import ConfigError
 from tfkv.launcher import base, record, signals
 from tfkv.launcher.hosts import Host, read_hosts
-from tfkv.launcher.plan import RUN_DIR, free_port, make_plan
+from tfkv.launcher.plan import RUN_DIR, make_plan
+from tfkv.launcher.ports import free_port, release_port
 from tfkv.store import security
 
 log = logging.getLogger("tfkv")
@@ -108,6 +109,14 @@ def launch(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path, 
     variables for every role). The result's returncode is 128 + N when signal N (Ctrl-C,
     SIGTERM) stopped the job."""
     job = plan_job(opts, worker_argv, workdir, run_dir, env)
+    try:
+        return _launch(opts, job, run_dir, argv, out)
+    finally:
+        # the scheduler's port, leased to this process by plan_job: another job may have it now
+        release_port(int(job.plan[0].env["DMLC_PS_ROOT_PORT"]))
+
+
+def _launch(opts: Options, job: base.Job, run_dir: Path, argv: Sequence[str], out: IO[str]) -> base.Result:
     out.write(f"tfkv: {opts.launcher} job, {opts.num_servers} server(s), {opts.num_workers} worker(s) - "
               f"{describe(job)}\n")
     out.flush()

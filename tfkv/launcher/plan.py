@@ -7,9 +7,10 @@ hosts 4, 5, 1).
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
+
+from tfkv.launcher.ports import free_port  # noqa: F401 - where launchers and tests have taken it from
 
 # The job's run directory as the roles see it, in every role's environment: a worker that runs
 # tfkv-run writes there (see worker_overrides) instead of making a Hydra run directory of its own.
@@ -48,13 +49,6 @@ class Process:
     host: str
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on `host` right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def make_plan(num_workers: int, num_servers: int, worker_argv: list[str], node_argv: list[str],
