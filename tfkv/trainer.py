@@ -53,6 +53,7 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
     from tfkv.parallel import devices as devices_mod
     from tfkv.parallel.criterion import Criterion
     from tfkv.parallel.data_parallel import DataParallel
+    from tfkv.tracking.tensorboard import writer as summary_writer
 
     run_dir = Path(run_dir)
     tf_devices = devices_mod.setup(cfg.devices)
@@ -73,6 +74,7 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
                              store.rank, cfg.steps_per_epoch)
         steps = source.steps
         optimizer = optim.from_config(cfg.optimizer, steps, cfg.epochs)
+        lr_at = _lr_schedule(optimizer, store)
         resume_from = checkpoint.find_resume(cfg.resume, run_dir, search_root or Path.cwd(), overrides)
         ckpt = checkpoint.load(resume_from) if resume_from else None
 
@@ -116,8 +118,8 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
         else:
             log.info("%s on %s (batch %s per device), kvstore=%s, %d worker(s), %d steps/epoch",
                      models.name(cfg.model), ",".join(cfg.devices), sizes, store.type, store.num_workers, steps)
-        writer = _written(lambda: tf.summary.create_file_writer(str(run_dir / "tensorboard")),
-                          run_dir / "tensorboard") if chief else None
+        # one writer per run directory, shared with the HParams tracker (tfkv.tracking.tensorboard)
+        writer = _written(lambda: summary_writer(run_dir), run_dir / "tensorboard") if chief else None
         trackers = tracking.for_run(cfg, run_dir) if chief else []
 
         for epoch in range(start, cfg.epochs + 1):
@@ -133,7 +135,9 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
                 if i % cfg.log_every == 0 or i == steps:
                     running = dp.peek_metrics()
                     bar.update(i - bar.n)
-                    bar.set_postfix({k: f"{v:.4f}" for k, v in running.items()})
+                    rate = i * cfg.batch_size * store.num_workers / (time.perf_counter() - t0)
+                    bar.set_postfix({**{k: f"{v:.4f}" for k, v in running.items()},
+                                     "lr": f"{lr_at((epoch - 1) * steps + i):.3g}", "samples/s": f"{rate:.0f}"})
                     if writer is not None:
                         with writer.as_default():
                             for name, value in running.items():
@@ -153,6 +157,7 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
                 "samples_per_sec": seen * store.num_workers / seconds,
                 "worker_samples_per_sec": seen / seconds,
                 "samples": seen * store.num_workers, "train_seconds": seconds,
+                "lr": lr_at(epoch * steps),  # of the epoch's last update
             }
             history.append(record)
             log.info("epoch %d/%d  %s  %.0f samples/s  %.1fs", epoch, cfg.epochs,
@@ -160,7 +165,7 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
                      record["samples_per_sec"], seconds)
             if chief:
                 with writer.as_default():
-                    for name in (*_metric_keys(record), "samples_per_sec"):
+                    for name in (*_metric_keys(record), "samples_per_sec", "lr"):
                         tf.summary.scalar(f"epoch/{name}", record[name], step=epoch)
                 _written(writer.flush, run_dir / "tensorboard")
                 checkpoint.save(run_dir, epoch, dp.get_weights(), dp.weight_names(),
@@ -193,6 +198,17 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
     for tracker in trackers:
         tracker.close(None)
     return final
+
+
+def _lr_schedule(optimizer: Any, store: Any) -> Callable[[int], float]:
+    """The learning rate of this worker's `step`-th update (from 1) as the schedule gives it: what
+    MXNet reports as the optimizer's learning_rate (Adam's bias correction is not in it). A key's
+    update count is the job's: one per step where updates are summed or local, one per push of
+    every worker with dist_async (counted as if the workers kept pace)."""
+    from tfkv import optim
+
+    per_step = store.num_workers if "async" in store.type else 1
+    return lambda step: float(optimizer.schedule(np.float32((step - 1) * per_step), optim.NumpyOps))
 
 
 def _model_parallel(cfg: Any, source: Any, tf_devices: list[str], store: Any, optimizer: Any,
