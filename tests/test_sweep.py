@@ -143,3 +143,28 @@ def test_a_failed_distributed_trial_is_a_result(tmp_path):
     failed, ok = (json.loads((sweep / str(n) / "trial.json").read_text()) for n in range(2))
     assert failed["status"] == "failed" and "the dist_sync job failed" in failed["reason"], failed
     assert ok["status"] == "ok" and math.isfinite(ok["value"]), ok
+
+
+def test_precheck_checks_every_value_and_stays_bounded():
+    from tfkv.sweep import precheck
+
+    small = {"a": ["a=1", "a=2"], "b": ["b=x", "b=y"], "c": ["c=0"]}
+    assert len(precheck.combinations(small)) == 4  # few: every combination
+    big = {k: [f"{k}={i}" for i in range(n)] for k, n in (("a", 7), ("b", 5), ("c", 3))}
+    rows = precheck.combinations(big)
+    assert len(rows) == 7 <= precheck.MAX_CONFIGS  # many (105): each value once, not the product
+    for key, values in big.items():
+        assert {row[list(big).index(key)] for row in rows} == set(values)
+
+
+def test_the_trial_record_is_json_without_nan(tmp_path):
+    from tfkv.sweep import trial
+
+    assert trial.read(tmp_path) is None
+    trial.write(tmp_path, {"num": 0, "status": "failed", "value": float("nan"), "metrics": {"x": float("inf")}})
+    assert trial.read(tmp_path) == {"num": 0, "status": "failed", "value": None, "metrics": {"x": None}}
+    assert [p.name for p in tmp_path.iterdir()] == [trial.FILE]  # no temporary file left
+    with pytest.raises(ValueError):
+        trial.write(tmp_path, {"status": "done"})
+    assert trial.final_metrics({"epoch": 2, "test_loss": 0.5, "history": [{}], "bad": float("nan")}) == {
+        "epoch": 2, "test_loss": 0.5}

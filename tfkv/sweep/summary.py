@@ -37,14 +37,14 @@ class SweepTable(Callback):
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         from tfkv.sweep import precheck
 
+        # resolving the directory here fixes its ${now:} for the whole sweep (Hydra caches it)
+        _state.update(dir=Path(str(config.hydra.sweep.dir)), done=False, failed=0, total=0)
         # Hydra turns a callback's exception into a warning and goes on: bad input exits here,
         # in one line, before the sweep directory or any trial exists.
         problem = precheck.problem(config)
         if problem is not None:
             print(f"tfkv-run: {problem}", file=sys.stderr)
             sys.exit(2)
-        # resolving the directory here fixes its ${now:} for the whole sweep (Hydra caches it)
-        _state.update(dir=Path(str(config.hydra.sweep.dir)), done=False, failed=0, total=0)
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         finish()
@@ -65,7 +65,7 @@ def finish() -> None:
     print(table(records, best))
     write(sweep_dir, records, best)
     if best is not None:
-        print(f"best: trial #{best['num']} ({' '.join(best['overrides'])}) {best['objective']} "
+        print(f"best: trial #{best['num']} ({' '.join(_own(best, records)) or '-'}) {best['objective']} "
               f"{best['value']:.4f} ({best['direction']}); {best['run_dir']}")
     print(f"sweep table: {sweep_dir / 'sweep.csv'} and sweep.json")
 
@@ -120,6 +120,13 @@ def _metric_names(records: list[dict[str, Any]]) -> list[str]:
     return list(names)
 
 
+def _own(record: dict[str, Any], records: list[dict[str, Any]]) -> list[str]:
+    """The trial's overrides that not every trial shares: what tells it apart on the console
+    (sweep.csv and sweep.json have them all)."""
+    shared = set.intersection(*(set(r.get("overrides") or []) for r in records))
+    return [o for o in record.get("overrides") or [] if o not in shared]
+
+
 def _number(value: Any) -> str:
     if value is None:
         return "-"
@@ -133,13 +140,10 @@ def table(records: list[dict[str, Any]], best: dict[str, Any] | None = None) -> 
     objective = next((r["objective"] for r in records if r.get("objective")), "value")
     metrics = [m for m in _metric_names(records) if m != objective]
     head = ["#", "overrides", "status", objective, *metrics, "duration"]
-    # the overrides every trial shares say nothing about one row: sweep.csv has them all
-    shared = set.intersection(*(set(r.get("overrides") or []) for r in records))
     rows = []
     for r in records:
         mark = "*" if best is not None and r is best else ""
-        own = [o for o in r.get("overrides") or [] if o not in shared]
-        rows.append([f"{r.get('num', '?')}{mark}", " ".join(own) or "-", r["status"],
+        rows.append([f"{r.get('num', '?')}{mark}", " ".join(_own(r, records)) or "-", r["status"],
                      _number(r.get("value")), *[_number((r.get("metrics") or {}).get(m)) for m in metrics],
                      "-" if r.get("duration_s") is None else f"{r['duration_s']:.1f}s"])
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
