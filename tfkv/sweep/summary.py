@@ -123,6 +123,8 @@ def _metric_names(records: list[dict[str, Any]]) -> list[str]:
 def _own(record: dict[str, Any], records: list[dict[str, Any]]) -> list[str]:
     """The trial's overrides that not every trial shares: what tells it apart on the console
     (sweep.csv and sweep.json have them all)."""
+    if len(records) < 2:  # one trial: nothing to tell apart, all its overrides say what it is
+        return list(record.get("overrides") or [])
     shared = set.intersection(*(set(r.get("overrides") or []) for r in records))
     return [o for o in record.get("overrides") or [] if o not in shared]
 
