@@ -134,19 +134,26 @@ def test_failed_run_ends_its_session_failed(tmp_path):
     assert group["sessions"][0]["status"] == "STATUS_FAILURE"
 
 
-def _mlflow(uri: str):
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> str:
+    """One SQLite MLflow store for the module's tests (making its tables takes seconds); each
+    test logs to an experiment of its own."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/tracking.db"
+
+
+def _mlflow(uri: str, experiment: str = "tfkv"):
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
-    experiment = client.get_experiment_by_name("tfkv")
+    experiment = client.get_experiment_by_name(experiment)
     assert experiment is not None
     return client, client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"])
 
 
-def test_mlflow_logs_params_epochs_model_and_status(tmp_path):
-    uri = f"sqlite:///{tmp_path}/tracking.db"
-    final, run_dir = _train(tmp_path, "logger=mlflow", f"logger.tracking_uri={uri}", "optimizer.lr=0.05")
-    client, (run,) = _mlflow(uri)
+def test_mlflow_logs_params_epochs_model_and_status(tmp_path, store):
+    final, run_dir = _train(tmp_path, "logger=mlflow", f"logger.tracking_uri={store}", "logger.experiment=epochs",
+                            "optimizer.lr=0.05")
+    client, (run,) = _mlflow(store, "epochs")
     assert run.info.status == "FINISHED"
     params = run.data.params
     assert params["optimizer.lr"] == "0.05" and params["optimizer.name"] == "sgd"
@@ -159,32 +166,45 @@ def test_mlflow_logs_params_epochs_model_and_status(tmp_path):
     (artifact,) = [a for a in client.list_artifacts(run.info.run_id) if a.path == "model.keras"]
     assert artifact.file_size == (run_dir / "model.keras").stat().st_size
     # the artifacts beside the SQLite store, not in whatever directory the run started in
-    assert (tmp_path / "mlruns").is_dir() and not (Path.cwd() / "mlruns").exists()
+    assert (Path(store[len("sqlite:///"):]).parent / "mlruns").is_dir() and not (Path.cwd() / "mlruns").exists()
 
 
-def test_mlflow_run_ends_with_the_error(tmp_path):
+def test_mlflow_run_ends_with_the_error(tmp_path, store):
     """A failure ends the MLflow run FAILED with the error's line; a pruned trial or Ctrl-C, KILLED."""
     from tfkv.tracking import mlflow_log
 
-    uri = f"sqlite:///{tmp_path}/tracking.db"
-    cfg = _cfg("logger=mlflow", f"logger.tracking_uri={uri}")
+    cfg = _cfg("logger=mlflow", f"logger.tracking_uri={store}", "logger.experiment=errors")
     for error in (RuntimeError("a worker died"), KeyboardInterrupt(), TrialPruned("pruned at epoch 1")):
         tracker = mlflow_log.build(cfg, tmp_path)
         tracker.epoch(1, {"epoch": 1, "train_loss": 0.5, "test_accuracy": 0.75, "lr": 0.1, "samples": 128})
         tracker.close(error)
-    client, runs = _mlflow(uri)
+    client, runs = _mlflow(store, "errors")
     assert [r.info.status for r in runs] == ["FAILED", "KILLED", "KILLED"]
     assert runs[0].data.tags["tfkv.error"] == "RuntimeError: a worker died"
     assert all(r.data.metrics == {"train_loss": 0.5, "test_accuracy": 0.75, "lr": 0.1} for r in runs)
 
 
+@pytest.mark.parametrize("uri,reason", [("foo://bar", "unsupported URI 'foo://bar'"),
+                                        ("sqlite:////proc/tfkv/mlflow.db", "No such file or directory")])
+def test_mlflow_store_it_cannot_use_is_one_line(tmp_path, uri, reason):
+    from tfkv.tracking import mlflow_log
+
+    with pytest.raises(ConfigError, match=rf"^logger.tracking_uri={uri}: MLflow cannot use this store") as e:
+        mlflow_log.build(_cfg("logger=mlflow", f"logger.tracking_uri={uri}"), tmp_path)
+    assert reason in str(e.value) and "\n" not in str(e.value)
+
+
 def test_mlflow_not_installed_is_one_line(tmp_path, monkeypatch):
     from tfkv.tracking import mlflow_log
 
+    with initialize_config_dir(config_dir=cli.conf_dir(), version_base="1.3"):
+        cfg = compose("config", overrides=["logger=mlflow"])
     monkeypatch.setitem(sys.modules, "mlflow", None)  # what `import mlflow` finds when it is absent
-    with pytest.raises(ConfigError, match=r"^logger=mlflow needs MLflow.*pip install 'tfkv\[mlflow\]'") as e:
-        mlflow_log.build(_cfg("logger=mlflow"), tmp_path)
-    assert "\n" not in str(e.value)
+    # refused when the config is validated, before anything starts; and by worker 0's tracker
+    for attempt in (lambda: config.validate(cfg), lambda: mlflow_log.build(cfg, tmp_path)):
+        with pytest.raises(ConfigError, match=r"^logger=mlflow needs MLflow.*pip install 'tfkv\[mlflow\]'") as e:
+            attempt()
+        assert "\n" not in str(e.value)
 
 
 @pytest.mark.slow

@@ -266,6 +266,10 @@ def validate(cfg: Any) -> None:
         raise ConfigError(f"direction={cfg.direction!r} is not a direction; write direction=maximize or "
                           "direction=minimize (which way objective is better)")
     known("logger", cfg.logger.name, list(LOGGERS), "logger")
+    if cfg.logger.name == "mlflow":  # before anything starts, not at worker 0's first epoch
+        from tfkv.tracking import mlflow_log
+
+        mlflow_log.check_installed()
     kind = cfg.kvstore.type
     if kind not in store.names():  # MXNet's spelling of a type, or one of its types tfkv lacks: name ours
         try:

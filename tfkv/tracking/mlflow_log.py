@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib.util
 import json
 import logging
 import re
@@ -66,14 +67,14 @@ class MlflowRun:
     def __init__(self, mlflow: Any, cfg: Any, run_dir: Path):
         self.mlflow = mlflow
         uri = cfg.logger.tracking_uri or default_uri()
-        self.client = mlflow.tracking.MlflowClient(tracking_uri=uri)
         overrides = hydra_job.overrides(run_dir)
         try:
+            self.client = mlflow.tracking.MlflowClient(tracking_uri=uri)
             with _store_lock(uri):
                 experiment_id = self._experiment(cfg.logger.experiment, uri)
             run = self.client.create_run(experiment_id, run_name=" ".join(overrides)[:250] or Path(run_dir).name,
                                          tags={"tfkv.run_dir": str(run_dir), "tfkv.overrides": " ".join(overrides)})
-        except mlflow.exceptions.MlflowException as e:
+        except (mlflow.exceptions.MlflowException, OSError) as e:  # OSError: the SQLite file's directory
             raise ConfigError(f"logger.tracking_uri={uri}: MLflow cannot use this store ({_first_line(e)}); "
                               "give a writable sqlite:///<path> or a tracking server's http(s) URL") from None
         self.run_id = run.info.run_id
@@ -134,10 +135,22 @@ def _store_lock(uri: str) -> Iterator[None]:
     if db is None:
         yield
         return
-    db.parent.mkdir(parents=True, exist_ok=True)
     with open(db.parent / f".{db.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
+
+
+NOT_INSTALLED = "logger=mlflow needs MLflow, which is not installed here: pip install 'tfkv[mlflow]' (or choose logger=none)"
+
+
+def check_installed() -> None:
+    """ConfigError unless MLflow can be imported; without importing it (a second or more)."""
+    try:
+        spec = importlib.util.find_spec("mlflow")
+    except ValueError:  # sys.modules["mlflow"] is None: Python's mark for a module that cannot be imported
+        spec = None
+    if spec is None:
+        raise ConfigError(NOT_INSTALLED)
 
 
 def build(cfg: Any, run_dir: Path) -> MlflowRun | None:
@@ -147,6 +160,5 @@ def build(cfg: Any, run_dir: Path) -> MlflowRun | None:
         import mlflow
         import mlflow.tracking  # noqa: F401 - MlflowClient
     except ImportError:
-        raise ConfigError("logger=mlflow needs MLflow, which is not installed here: pip install 'tfkv[mlflow]' "
-                          "(or choose logger=none)") from None
+        raise ConfigError(NOT_INSTALLED) from None
     return MlflowRun(mlflow, cfg, run_dir)
