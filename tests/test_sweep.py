@@ -18,7 +18,11 @@ QUICK = ["epochs=1", "steps_per_epoch=2", "progress=false"]
 
 # The user's models, beside where tfkv-run starts: one with a bug, one that refuses its settings.
 USER_MODULE = '''
-from tfkv.errors import ConfigError
+import os
+from pathlib import Path
+
+from tfkv.errors import ConfigError, TrialPruned
+from tfkv.sweep import trial
 
 
 def buggy(**settings):
@@ -27,6 +31,13 @@ def buggy(**settings):
 
 def refuses(**settings):
     raise ConfigError("this model refuses: it needs model.width")
+
+
+def pruned(**settings):
+    # as the pruning tracker does on worker 0 of a distributed trial: the mark, then the signal
+    if os.environ.get("TFKV_RUN_DIR"):
+        Path(os.environ["TFKV_RUN_DIR"], trial.PRUNED_FILE).write_text("{}")
+    raise TrialPruned("pruned at epoch 1")
 '''
 
 
@@ -41,15 +52,16 @@ def _tfkv_lines(stderr: str) -> list[str]:
 
 def test_a_failed_trial_is_a_result_and_the_sweep_goes_on(tmp_path):
     (tmp_path / "sweepmodels.py").write_text(USER_MODULE)
-    proc = tfkv_run("-m", "model._target_=sweepmodels.refuses,tfkv.models.mlp.build,sweepmodels.buggy",
-                    *QUICK, cwd=tmp_path, check=False)
+    proc = tfkv_run("-m", "model._target_=sweepmodels.refuses,tfkv.models.mlp.build,sweepmodels.buggy,"
+                    "sweepmodels.pruned", *QUICK, cwd=tmp_path, check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out[-3000:]
     assert "Traceback" not in out
-    assert _tfkv_lines(proc.stderr)[-1] == "tfkv-run: 2 of 3 trials failed; see the table above"
+    assert _tfkv_lines(proc.stderr)[-1] == "tfkv-run: 2 of 4 trials failed; see the table above"
     sweep = _sweep_dir(tmp_path)
-    records = [json.loads((sweep / str(n) / "trial.json").read_text()) for n in range(3)]
-    assert [r["status"] for r in records] == ["failed", "ok", "failed"]
+    records = [json.loads((sweep / str(n) / "trial.json").read_text()) for n in range(4)]
+    assert [r["status"] for r in records] == ["failed", "ok", "failed", "pruned"]  # pruned is no failure
+    assert records[3]["reason"] == "pruned at epoch 1"
     assert records[0]["reason"] == "this model refuses: it needs model.width"
     assert records[2]["reason"] == "RuntimeError: boom in the user's model"
     # the bug's traceback is in that trial's log, not on the sweep's console
@@ -65,16 +77,16 @@ def test_a_failed_trial_is_a_result_and_the_sweep_goes_on(tmp_path):
     assert records[0]["value"] is None and records[0]["metrics"] == {}
     # the table: printed, and in the sweep directory
     table = [ln for ln in proc.stdout.splitlines() if re.match(r"^\d\*? ", ln)]
-    assert [ln.split()[2] for ln in table] == ["failed", "ok", "failed"], out
+    assert [ln.split()[2] for ln in table] == ["failed", "ok", "failed", "pruned"], out
     assert table[1].startswith("1*")
     assert "#2 failed: RuntimeError: boom in the user's model" in proc.stdout
     rows = list(csv.DictReader((sweep / "sweep.csv").open()))
-    assert [(r["num"], r["status"]) for r in rows] == [("0", "failed"), ("1", "ok"), ("2", "failed")]
+    assert [(r["num"], r["status"]) for r in rows] == [("0", "failed"), ("1", "ok"), ("2", "failed"), ("3", "pruned")]
     assert float(rows[1]["value"]) == pytest.approx(ok["value"]) and float(rows[1]["duration_s"]) > 0
     assert rows[0]["reason"] == records[0]["reason"] and rows[0]["value"] == ""
     assert float(rows[1]["test_loss"]) == pytest.approx(ok["metrics"]["test_loss"])
     summary = json.loads((sweep / "sweep.json").read_text())
-    assert summary["best"] == 1 and summary["failed"] == 2 and len(summary["trials"]) == 3
+    assert summary["best"] == 1 and summary["failed"] == 2 and summary["pruned"] == 1 and len(summary["trials"]) == 4
 
 
 def test_fail_fast_ends_the_sweep_at_the_first_failure(tmp_path):
@@ -134,14 +146,17 @@ def test_version_names_tensorflow_hydra_and_zeromq(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_failed_distributed_trial_is_a_result(tmp_path):
+def test_a_failed_or_pruned_distributed_trial_is_a_result(tmp_path):
     (tmp_path / "sweepmodels.py").write_text(USER_MODULE)
     proc = tfkv_run("-m", "kvstore=dist_sync", "cluster=local", "cluster.num_workers=1",
-                    "model._target_=sweepmodels.buggy,tfkv.models.mlp.build", *QUICK, cwd=tmp_path, check=False)
+                    "model._target_=sweepmodels.buggy,sweepmodels.pruned,tfkv.models.mlp.build", *QUICK,
+                    cwd=tmp_path, check=False)
     assert proc.returncode == 1, proc.stderr[-3000:]
     sweep = _sweep_dir(tmp_path)
-    failed, ok = (json.loads((sweep / str(n) / "trial.json").read_text()) for n in range(2))
+    failed, pruned, ok = (json.loads((sweep / str(n) / "trial.json").read_text()) for n in range(3))
     assert failed["status"] == "failed" and "the dist_sync job failed" in failed["reason"], failed
+    # worker 0's mark tells the launching process that its job's failure was a pruning
+    assert pruned["status"] == "pruned" and pruned["value"] is None, pruned
     assert ok["status"] == "ok" and math.isfinite(ok["value"]), ok
 
 
