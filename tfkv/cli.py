@@ -63,12 +63,14 @@ def _main(cfg: Any) -> Any:
         sys.exit(2)
 
 
-def _trial(cfg: Any) -> float:
+def _trial(cfg: Any) -> float | None:
     """One job of a sweep: a result whatever happens. Its record (tfkv.sweep.trial) says ok,
     failed (with the one-line reason; an unexpected error's traceback goes to the job's log) or
-    pruned; the sweeper gets the objective's value, or NaN for a failed or pruned trial (Optuna
-    marks NaN failed), and the sweep goes on. Ctrl-C still ends the whole sweep; with
-    sweep.fail_fast=true a failure does too (SweepStopped), once recorded."""
+    pruned; the sweeper gets the objective's value, or None where there is no finite one (failed,
+    pruned, diverged), and the sweep goes on: Hydra's Optuna sweeper (1.3.0) marks None failed,
+    while a NaN ends its sweep (it tells Optuna FAIL with the NaN attached, which Optuna
+    refuses). Ctrl-C still ends the whole sweep; with sweep.fail_fast=true a failure does too
+    (SweepStopped), once recorded."""
     import math
     import time
 
@@ -95,6 +97,8 @@ def _trial(cfg: Any) -> float:
         raise
     except Exception as e:
         text = user_error(e)
+        if text is None and _is_config_error(e):  # e.g. an interpolation that resolves only in the job
+            text = _one_line(e)
         if text is not None and trial.was_pruned(run_dir):  # a dist_* job whose worker 0 was pruned
             record.update(status="pruned", reason=text)
         else:
@@ -114,13 +118,20 @@ def _trial(cfg: Any) -> float:
         record["value"] = value if record["status"] == "ok" else None
         trial.write(run_dir, record)
     if record["status"] == "ok":
-        return value
+        return value if math.isfinite(value) else None
     log.warning("trial #%d %s: %s (log %s)", record["num"], record["status"], record["reason"], record["log"])
     if record["status"] == "failed" and cfg.get("sweep") is not None and cfg.sweep.fail_fast:
         shown = " ".join(record["overrides"]) or "(no overrides)"
         raise trial.SweepStopped(f"trial #{record['num']} ({shown}) failed: {record['reason']}; "
                                  "sweep.fail_fast=true ends the sweep there")
-    return math.nan
+    return None
+
+
+def _is_config_error(e: BaseException) -> bool:
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    return isinstance(e, (HydraException, OmegaConfBaseException))
 
 
 def _log_file(run_dir: Path, hc: Any) -> str:

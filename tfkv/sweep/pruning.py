@@ -1,10 +1,121 @@
-"""(being written this session)"""
+"""Per-epoch values to the Optuna study of a `hydra/sweeper=tfkv_optuna` trial, and its pruner's
+verdict: the tracker (tfkv.tracking) that stops a bad trial early.
+
+The sweeper gives each job `sweep.study`, `sweep.storage` and `sweep.trial` (the trial's number)
+and keeps the pruner's config node in the study (PRUNER_ATTR), since Optuna stores no pruner.
+Worker 0 reports `record[objective]` at step = epoch (Optuna's study holds the direction, so
+the value goes as it is); when the pruner says so it writes PRUNED_FILE in the run directory
+(the launching process of a dist_* trial learns from it that the job's failure was a pruning)
+and raises TrialPruned. Optuna is imported only in a trial.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
+import math
 from pathlib import Path
 from typing import Any
 
+from tfkv.errors import ConfigError, TrialPruned
 
-def build(cfg: Any, run_dir: Path) -> None:
-    return None
+log = logging.getLogger(__name__)
+
+# The study's user attribute with the pruner's config node (a `_target_` under optuna.pruners).
+PRUNER_ATTR = "tfkv_pruner"
+# Only Optuna's pruners are built from what the study's storage says: it may be a shared database.
+PRUNER_PREFIX = "optuna.pruners."
+
+
+def open_storage(url: str) -> Any:
+    """Optuna's storage at `url`, uncached: trials report from other processes, so every read
+    must see the database. SQLite waits for another process's write instead of failing."""
+    import optuna
+
+    if url.startswith("redis"):
+        return optuna.storages.RedisStorage(url)
+    engine = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
+    return optuna.storages.RDBStorage(url, engine_kwargs=engine)
+
+
+def build_pruner(node: Any) -> Any:
+    """The pruner a study's PRUNER_ATTR node describes (None: Optuna's NopPruner)."""
+    import optuna
+    from hydra.utils import instantiate
+
+    if node is None:
+        return optuna.pruners.NopPruner()
+    targets = _targets(node)
+    bad = [t for t in targets if not str(t).startswith(PRUNER_PREFIX)]
+    if bad or not targets:
+        raise ConfigError(f"the study's pruner {bad[0] if bad else node!r} is not one of Optuna's "
+                          f"({PRUNER_PREFIX}*); choose one with hydra/sweeper/pruner=median|percentile|"
+                          "hyperband|successive_halving|nop")
+    return instantiate(node)
+
+
+def _targets(node: Any) -> list[Any]:
+    if isinstance(node, dict):
+        return [v for k, v in node.items() if k == "_target_"] + [t for v in node.values() for t in _targets(v)]
+    if isinstance(node, list):
+        return [t for v in node for t in _targets(v)]
+    return []
+
+
+class Pruning:
+    """Worker 0's side of one trial: report each epoch, stop when the pruner says so."""
+
+    def __init__(self, cfg: Any, run_dir: Path, trial: Any) -> None:
+        self.objective = str(cfg.objective)
+        self.epochs = int(cfg.epochs)
+        self.run_dir = Path(run_dir)
+        self.trial = trial
+        self.pruner = type(trial.study.pruner).__name__
+        self.where = f"trial {cfg.sweep.trial} of study {cfg.sweep.study}"
+
+    def epoch(self, epoch: int, record: dict[str, Any]) -> None:
+        if self.objective not in record:
+            return  # objective is a value of the run's end only: nothing to compare per epoch
+        value = float(record[self.objective])
+        self.trial.report(value, step=epoch)
+        if epoch < self.epochs and self.trial.should_prune():
+            (self.run_dir / _pruned_file()).write_text(
+                json.dumps({"epoch": epoch, "value": value if math.isfinite(value) else None}))
+            raise TrialPruned(f"pruned at epoch {epoch}/{self.epochs} by the sweep's {self.pruner}: "
+                              f"{self.objective} {value:.4f} is worse than its peers' at that epoch "
+                              f"({self.where})")
+
+    def end(self, final: dict[str, Any], run_dir: Path) -> None:
+        pass  # the sweeper tells Optuna the trial's outcome from its record
+
+    def close(self, error: BaseException | None) -> None:
+        pass
+
+
+def _pruned_file() -> str:
+    from tfkv.sweep import trial
+
+    return trial.PRUNED_FILE
+
+
+def build(cfg: Any, run_dir: Path) -> Pruning | None:
+    """The tracker of a running tfkv_optuna trial (sweep.trial set), else None."""
+    sweep = cfg.get("sweep")
+    if sweep is None or sweep.get("trial") is None:
+        return None
+    import optuna
+
+    storage = open_storage(str(sweep.storage))
+    study = optuna.load_study(study_name=str(sweep.study), storage=storage)
+    if str(cfg.direction) != study.direction.name.lower():
+        raise ConfigError(f"direction={cfg.direction} but the sweep's study {sweep.study} is to "
+                          f"{study.direction.name.lower()}; set hydra.sweeper.direction to the same")
+    study.pruner = build_pruner(study.user_attrs.get(PRUNER_ATTR))
+    trial_id = storage.get_trial_id_from_study_id_trial_number(storage.get_study_id_from_name(str(sweep.study)),
+                                                               int(sweep.trial))
+    state = storage.get_trial(trial_id).state
+    if state.is_finished():  # this run repeats a trial of a finished sweep (its rerun.sh)
+        log.warning("trial %s of study %s is %s: this run reports nothing to it", sweep.trial, sweep.study,
+                    state.name)
+        return None
+    return Pruning(cfg, run_dir, optuna.trial.Trial(study, trial_id))

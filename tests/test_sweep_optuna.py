@@ -1,0 +1,158 @@
+"""Hyper-parameter search with the real Hydra Optuna sweepers: Hydra's own (`hydra/sweeper=optuna`)
+with tfkv-run's objective, and tfkv's (`hydra/sweeper=tfkv_optuna`) whose trials report every
+epoch to the study so that its pruner stops bad trials early."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, tfkv_run
+
+# Lean trials: CI's time is short (digits, a few epochs of a few steps each).
+LEAN = ["epochs=3", "steps_per_epoch=8", "progress=false"]
+
+
+def _sweep_dir(root: Path) -> Path:
+    (found,) = root.glob("multirun/*/*")
+    return found
+
+
+def _jobs(sweep: Path) -> list[Path]:
+    return sorted((p for p in sweep.iterdir() if (p / ".hydra").is_dir()), key=lambda p: int(p.name))
+
+
+def _study(sweep: Path, name: str | None = None):
+    import optuna
+
+    storage = f"sqlite:///{sweep / 'optuna.db'}"
+    if name is None:
+        (summary,) = optuna.get_all_study_summaries(storage)
+        name = summary.study_name
+    return optuna.load_study(study_name=name, storage=storage)
+
+
+@pytest.mark.slow
+def test_optuna_tpe_finds_a_config_as_good_as_a_hand_picked_run(tmp_path):
+    hand = tmp_path / "hand"
+    hand.mkdir()
+    tfkv_run(*LEAN, cwd=hand)
+    (run,) = hand.glob("outputs/*/*/metrics.json")
+    hand_picked = json.loads(run.read_text())["test_accuracy"]
+
+    tfkv_run("-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=6", "hydra.sweeper.direction=maximize",
+             "hydra.sweeper.sampler.seed=0", "optimizer=choice(sgd,adam)",
+             "optimizer.lr=tag(log,interval(0.001,0.3))", *LEAN, cwd=tmp_path)
+    sweep = _sweep_dir(tmp_path)
+    result = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    jobs = _jobs(sweep)
+    assert len(jobs) == 6
+    reached = {json.loads((j / "metrics.json").read_text())["test_accuracy"] for j in jobs}
+    assert result["best_value"] == pytest.approx(max(reached))  # the objective tfkv-run returned
+    assert set(result["best_params"]) == {"optimizer", "optimizer.lr"}
+    assert result["best_value"] >= hand_picked - 0.02, (result, hand_picked)
+
+
+@pytest.mark.slow
+def test_optuna_marks_failed_and_diverged_trials_failed_and_the_study_goes_on(tmp_path):
+    # batch_size=5000 is more than digits' training shard: the trial fails at run time; lr=1e9
+    # diverges: test_loss is NaN (Hydra's Optuna sweeper 1.3.0 ends its sweep on a NaN). The
+    # random sampler's seed 6 draws (5000, 0.1), (64, 0.1), (64, 1e9): failed, ok, diverged.
+    proc = tfkv_run("-m", "hydra/sweeper=optuna", "hydra/sweeper/sampler=random", "hydra.sweeper.sampler.seed=6",
+                    "hydra.sweeper.n_trials=3", "objective=test_loss",
+                    "hydra.sweeper.direction=minimize", "hydra.sweeper.study_name=s",
+                    "hydra.sweeper.storage=sqlite:///optuna.db", "batch_size=choice(5000,64)",
+                    "optimizer.lr=choice(0.1,1e9)", "epochs=1", "steps_per_epoch=4", "progress=false",
+                    cwd=tmp_path, check=False)
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 1, proc.stderr[-3000:]  # trials failed: the sweep's status says so
+    sweep = _sweep_dir(tmp_path)
+    result = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert result["best_params"] == {"batch_size": 64, "optimizer.lr": 0.1}
+    import optuna
+
+    study = optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path / 'optuna.db'}")
+    states = {(t.params["batch_size"], t.params["optimizer.lr"]): t.state.name for t in study.trials}
+    assert states == {(5000, 0.1): "FAIL", (64, 0.1): "COMPLETE", (64, 1e9): "FAIL"}
+
+
+def test_tfkv_optuna_composes_with_tfkv_s_direction_and_a_pruner():
+    """The sweeper's node: the study's direction is the config's, the pruner a config group."""
+    code = ("from hydra import compose, initialize_config_dir\n"
+            "from tfkv import cli, config\n"
+            "with initialize_config_dir(config_dir=cli.conf_dir(), version_base='1.3'):\n"
+            "    cfg = compose('config', overrides=['hydra/sweeper=tfkv_optuna', 'direction=minimize',\n"
+            "                  'hydra/sweeper/pruner=hyperband'], return_hydra_config=True)\n"
+            "s = cfg.hydra.sweeper\n"
+            "print(s._target_, s.direction, s.pruner._target_, s.sampler._target_, s.storage)\n"
+            "import sys; print('optuna' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["hydra_plugins.tfkv_sweep.tfkv_optuna.TfkvOptunaSweeper", "minimize",
+                                  "optuna.pruners.HyperbandPruner", "optuna.samplers.TPESampler", "None",
+                                  "False"]  # composing a sweep's config leaves Optuna unimported
+
+
+def test_pruning_tracker_stops_a_trial_worse_than_the_median(tmp_path):
+    """Worker 0's tracker against a real study in SQLite: it reports each epoch's objective and,
+    once the pruner says so, leaves pruned.json and raises TrialPruned."""
+    import optuna
+    from omegaconf import OmegaConf
+
+    from tfkv.errors import TrialPruned
+    from tfkv.sweep import pruning, trial
+
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    study = optuna.create_study(study_name="s", storage=storage, direction="maximize")
+    study.set_user_attr(pruning.PRUNER_ATTR, {"_target_": "optuna.pruners.MedianPruner",
+                                              "n_startup_trials": 2, "n_warmup_steps": 2})
+    for accuracy in (0.8, 0.9):  # two finished trials: the median at each epoch is 0.85
+        done = study.ask()
+        for epoch in (1, 2, 3):
+            done.report(accuracy, step=epoch)
+        study.tell(done, values=[accuracy])
+    asked = study.ask()
+
+    cfg = OmegaConf.create({"objective": "test_accuracy", "direction": "maximize", "epochs": 3,
+                            "sweep": {"study": "s", "storage": storage, "trial": asked.number}})
+    tracker = pruning.build(cfg, tmp_path)
+    tracker.epoch(1, {"test_accuracy": 0.1})  # step = epoch: none pruned before epoch n_warmup_steps
+    with pytest.raises(TrialPruned) as e:
+        tracker.epoch(2, {"test_accuracy": 0.1})
+    assert "\n" not in str(e.value) and "epoch 2" in str(e.value)
+    assert json.loads((tmp_path / trial.PRUNED_FILE).read_text()) == {"epoch": 2, "value": 0.1}
+    reported = optuna.load_study(study_name="s", storage=pruning.open_storage(storage)).trials[asked.number]
+    assert reported.intermediate_values == {1: 0.1, 2: 0.1}
+
+    cfg.sweep.trial = None  # not a trial of tfkv_optuna: no tracker
+    assert pruning.build(cfg, tmp_path) is None
+
+
+@pytest.mark.slow
+def test_tfkv_optuna_prunes_a_bad_trial_before_its_last_epoch(tmp_path):
+    # RandomSampler(seed=6) draws lr 0.1, 0.1, then 1e-05: the first two trials finish (no pruning
+    # before two have), the tiny-lr one falls far below their median at epoch 2.
+    proc = tfkv_run("-m", "hydra/sweeper=tfkv_optuna", "hydra/sweeper/sampler=random",
+                    "hydra.sweeper.sampler.seed=6", "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=1",
+                    "hydra.sweeper.pruner.n_startup_trials=2", "hydra.sweeper.pruner.n_warmup_steps=2",
+                    "optimizer.lr=choice(0.1,0.00001)", *LEAN, cwd=tmp_path)
+    sweep = _sweep_dir(tmp_path)
+    study = _study(sweep)
+    records = {int(j.name): json.loads((j / "trial.json").read_text()) for j in _jobs(sweep)}
+    pruned = [n for n, r in records.items() if r["status"] == "pruned"]
+    assert pruned == [2], records
+    for n in pruned:
+        history = json.loads((sweep / str(n) / "metrics.json").read_text())["history"]
+        assert len(history) == 2  # stopped after epoch 2 of 3: step = epoch, none pruned before n_warmup_steps
+        assert study.trials[n].state == study.trials[n].state.PRUNED
+        assert sorted(study.trials[n].intermediate_values) == [1, 2]
+    assert all(records[n]["status"] == "ok" for n in (0, 1))
+    assert [t.state.name for t in study.trials[:2]] == ["COMPLETE", "COMPLETE"]
+    assert study.direction.name == "MAXIMIZE"  # tfkv's direction (the default, maximize)
+    result = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert result["best_value"] == pytest.approx(records[result["best_trial"]]["value"])
+    assert result["trials"]["pruned"] == len(pruned)
+    assert "Traceback" not in proc.stderr
