@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -205,6 +206,25 @@ def test_mlflow_not_installed_is_one_line(tmp_path, monkeypatch):
         with pytest.raises(ConfigError, match=r"^logger=mlflow needs MLflow.*pip install 'tfkv\[mlflow\]'") as e:
             attempt()
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_trials_starting_together_share_a_new_store(tmp_path):
+    """Parallel trials (hydra/launcher=joblib) all log to the SQLite store that the first of them
+    creates: none fails making its tables or the experiment."""
+    script = ("import sys; from pathlib import Path; from omegaconf import OmegaConf; "
+              "from tfkv.tracking import mlflow_log; "
+              "cfg = OmegaConf.create({'logger': {'name': 'mlflow', 'tracking_uri': sys.argv[1], 'experiment': 'tfkv'}, "
+              "'trial': int(sys.argv[2])}); "
+              "mlflow_log.build(cfg, Path(sys.argv[2])).close(None)")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    procs = [subprocess.Popen([sys.executable, "-c", script, uri, str(n)], cwd=tmp_path, stderr=subprocess.PIPE,
+                              text=True) for n in range(2)]
+    for proc in procs:
+        assert proc.wait(timeout=120) == 0, proc.stderr.read()[-2000:]
+    client, runs = _mlflow(uri)
+    assert sorted(r.data.params["trial"] for r in runs) == ["0", "1"]
+    assert {r.info.status for r in runs} == {"FINISHED"}
 
 
 @pytest.mark.slow

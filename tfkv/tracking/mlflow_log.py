@@ -69,8 +69,8 @@ class MlflowRun:
         uri = cfg.logger.tracking_uri or default_uri()
         overrides = hydra_job.overrides(run_dir)
         try:
-            self.client = mlflow.tracking.MlflowClient(tracking_uri=uri)
-            with _store_lock(uri):
+            with _store_lock(uri):  # the client makes a new store's tables
+                self.client = mlflow.tracking.MlflowClient(tracking_uri=uri)
                 experiment_id = self._experiment(cfg.logger.experiment, uri)
             run = self.client.create_run(experiment_id, run_name=" ".join(overrides)[:250] or Path(run_dir).name,
                                          tags={"tfkv.run_dir": str(run_dir), "tfkv.overrides": " ".join(overrides)})
