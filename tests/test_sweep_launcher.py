@@ -9,6 +9,7 @@ the same moment get different ports; their CURVE keys are their own already.
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from cluster_hosts import netns_hosts, ssh_site  # noqa: F401 - fixtures
-from conftest import TAG, tagged_pids, tfkv_run
+from conftest import TAG, Launching, tagged_pids, tfkv_run
 
 from tfkv.launcher.plan import free_port
 
@@ -183,3 +184,99 @@ def test_four_one_host_trials_on_two_hosts_run_in_two_waves(netns_hosts, ssh_sit
     assert "[trial 3] " in proc.stdout and f"@{trials[3]['hosts'][0]}]" in proc.stdout  # its job's lines
     assert (sweep_dir / "sweep.csv").is_file()
     assert not _no_leftovers(tag[TAG]), "processes of the trials left behind"
+
+
+def _netns_pids(namespace: str) -> list[int]:
+    """Every process in that network namespace: all that runs on that host."""
+    inode = os.stat(f"/run/netns/{namespace}").st_ino
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and os.stat(f"/proc/{entry}/ns/net").st_ino == inode:
+                pids.append(int(entry))
+        except OSError:
+            continue
+    return pids
+
+
+def _revive(netns_hosts, ssh_site, i: int) -> None:
+    """Start host i's sshd again as the netns_hosts fixture started it, for the tests after this one."""
+    ns, name, n = netns_hosts.namespaces[i], netns_hosts.names[i], netns_hosts.bridge.removeprefix("tkbr")
+    subprocess.run(["nsenter", f"--net=/run/netns/{ns}", "unshare", "--uts", "--mount", "sh", "-c",
+                    f"hostname {name} && mount --bind {ssh_site.dir / f'hosts_{n}'} /etc/hosts && exec /usr/sbin/sshd "
+                    f"-f {ssh_site.dir / f'sshd_{ns}.config'} -E {ssh_site.dir / f'sshd_{ns}.log'}"],
+                   check=True, timeout=30)
+    ssh_site.wait_for(name)
+
+
+def _wait_for_text(path: Path, text: str, sweep: Launching) -> None:
+    while not (path.is_file() and text in path.read_text(errors="replace")):
+        if sweep.proc.poll() is not None or time.monotonic() > sweep.deadline:
+            sweep.kill()
+            raise AssertionError(f"{text!r} never showed in {path}:\n{sweep.out[-5000:]}")
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_a_dead_host_fails_its_trial_and_is_never_used_again(netns_hosts, ssh_site, tmp_path):
+    work = _hosts_work(tmp_path, netns_hosts.names)
+    sweep_dir, tag = tmp_path / "sweep", {TAG: f"sweep-{tmp_path.name}-{os.getpid()}"}
+    # Trial 1 (node2's, the second host) runs long enough to lose its host mid-job; the rest are short.
+    sweep = Launching(_cluster_sweep(work, sweep_dir, "epochs=1,40,1,1", "steps_per_epoch=2"), cwd=work,
+                      env={**os.environ, **tag, **ssh_site.env()}, timeout=400, program="tfkv-run")
+    try:
+        _wait_for_text(sweep_dir / "1" / "launch" / "job.log", "cluster complete", sweep)
+        for pid in _netns_pids(netns_hosts.namespaces[1]):  # node2 dies: its sshd, sessions and roles
+            os.kill(pid, signal.SIGKILL)
+        code, out = sweep.end(timeout=300)
+    finally:
+        sweep.kill()
+        _revive(netns_hosts, ssh_site, 1)
+    trials = _trials(sweep_dir, 4)
+    assert code == 1 and "tfkv-run: 1 of 4 trials failed" in out, out[-5000:]
+    assert [t["status"] for t in trials] == ["ok", "failed", "ok", "ok"], out[-5000:]
+    assert trials[1]["hosts"] == ["node2"] and "host node2 does not answer ssh" in trials[1]["reason"]
+    # After it, one host is left: the last two trials run there, one after the other.
+    assert [t["hosts"] for t in trials[2:]] == [["node1"], ["node1"]]
+    assert trials[3]["started"] >= trials[2]["ended"]
+    assert "host node2 dropped from the sweep" in out
+    assert not _no_leftovers(tag[TAG]), "processes of the trials left behind"
+
+
+def test_when_no_host_answers_the_trials_left_are_recorded_failed(tmp_path):
+    """The only host has no ssh server: the first trial fails on it, the probe drops it, and the
+    second trial, with no host to run on, is recorded failed with that reason."""
+    host = f"127.0.0.1:{free_port()}"  # free, and leased to this test: nothing listens there
+    work = _hosts_work(tmp_path, [host])
+    sweep_dir = tmp_path / "sweep"
+    proc = tfkv_run(*_cluster_sweep(work, sweep_dir, "seed=0,1"), cwd=work, check=False, timeout=120)
+    assert proc.returncode == 1 and "tfkv-run: 2 of 2 trials failed" in proc.stderr, proc.stderr[-3000:]
+    first, second = _trials(sweep_dir, 2)
+    assert first["status"] == second["status"] == "failed"
+    assert f"{host}: no ssh server answers there" in first["reason"], first["reason"]
+    assert second["reason"].startswith(f"no host of the sweep is left: {host} does not answer ssh: no ssh server"), \
+        second["reason"]
+    assert second["hosts"] == [] and not (sweep_dir / "1" / "tfkv.log").exists()  # it never started
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_running_trial_on_its_host_and_starts_no_other(netns_hosts, ssh_site, tmp_path):
+    work = _hosts_work(tmp_path, netns_hosts.names[:1])
+    sweep_dir, tag = tmp_path / "sweep", {TAG: f"sweep-{tmp_path.name}-{os.getpid()}"}
+    sweep = Launching(_cluster_sweep(work, sweep_dir, "epochs=40,1", "steps_per_epoch=2"), cwd=work,
+                      env={**os.environ, **tag, **ssh_site.env()}, timeout=300, program="tfkv-run")
+    try:
+        _wait_for_text(sweep_dir / "0" / "launch" / "job.log", "cluster complete", sweep)
+        assert tagged_pids(tag[TAG]), "the trial's job is not running"
+        t0 = time.monotonic()
+        sweep.proc.send_signal(signal.SIGINT)  # a terminal's Ctrl-C reaches tfkv-run's group: this process
+        code, out = sweep.end(timeout=90)
+        took = time.monotonic() - t0
+    finally:
+        sweep.kill()
+    assert code == 130 and "tfkv-run: interrupted" in out, out[-5000:]
+    assert took < 30, f"stopping took {took:.1f} s"
+    (first,) = _trials(sweep_dir, 1)
+    assert first["status"] == "failed" and first["hosts"] == ["node1"], first
+    assert not (sweep_dir / "1").exists()  # the second trial never started
+    assert not _no_leftovers(tag[TAG]), "processes of the trial left behind"

@@ -154,10 +154,12 @@ class TfkvLauncher(Launcher):
         except KeyboardInterrupt:
             self._stop(running, interrupted=True)
             raise
-        for t in pending:  # no host left
-            record = self._record_failed(t, "no host of the sweep is left: " + "; ".join(
-                f"{h} {why}" for h, why in self.dropped.items()))
-            results[t.idx] = self._job_return(t, record)
+        if pending:  # too few hosts left to run them
+            left = (f"only {len(self.hosts)} host(s) of the sweep answer, {self.hosts_per_trial} needed per trial"
+                    if self.hosts else "no host of the sweep is left")
+            why = f"{left}: " + "; ".join(f"{h} {reason}" for h, reason in self.dropped.items())
+            for t in pending:
+                results[t.idx] = self._job_return(t, self._record_failed(t, why))
         return [results[t.idx] for t in trials]
 
     def _free(self, running: list[_Trial]) -> list[Host]:
@@ -300,12 +302,12 @@ class TfkvLauncher(Launcher):
             try:
                 conn = ssh.connect(host)
             except Exception as e:  # noqa: BLE001 - every way of not answering is one line
-                return "does not answer ssh (" + ssh._connect_problem(host, e).split(": ", 1)[-1] + ")"
+                return "does not answer ssh: " + ssh._connect_problem(host, e).split(": ", 1)[-1]
             try:
                 r = conn.run("true", hide=True, warn=True, in_stream=False, timeout=ssh.CONNECT_TIMEOUT)
                 return None if r.exited == 0 else f"cannot run a command over ssh (exit {r.exited})"
             except Exception as e:  # noqa: BLE001
-                return f"does not answer ssh ({type(e).__name__}: {e})"
+                return f"does not answer ssh: {type(e).__name__}: {e}"
             finally:
                 conn.close()
 
@@ -317,6 +319,8 @@ class TfkvLauncher(Launcher):
     def _stop(running: list[_Trial], interrupted: bool) -> None:
         """Stop the running trials: SIGINT (Ctrl-C) or SIGTERM to each trial's process group, which
         tears its job down on its hosts; whatever still runs STOP_WAIT s later is killed."""
+        from tfkv.sweep import trial
+
         with signals.shielded():
             sig = signal.SIGINT if interrupted else signal.SIGTERM
             for t in running:
@@ -332,6 +336,9 @@ class TfkvLauncher(Launcher):
                     t.proc.wait()
                 if t.pump is not None:
                     t.pump.join(timeout=5)
+                record = trial.read(t.run_dir)  # what the trial recorded as it stopped
+                if record is not None:
+                    trial.write(t.run_dir, {**record, "hosts": [str(h) for h in t.hosts]})
 
 
 def _child() -> None:
