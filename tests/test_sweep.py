@@ -121,6 +121,8 @@ def test_a_successful_sweep_exits_0_and_names_the_best_trial_by_direction(tmp_pa
     (["optimizer.lr=0.1,-1"], ["trial optimizer.lr=-1:", "must be positive"]),
     (["hydra/sweeper=optuna", "optimizer.lr=interval(0.01,0.1)", "objective=bogus"],
      ["objective=bogus is not a value this run reports"]),
+    (["dataset.test_fraction=0.2,${oc.env:TFKV_TEST_UNSET}"],
+     ["trial dataset.test_fraction=${oc.env:TFKV_TEST_UNSET}:", "Environment variable 'TFKV_TEST_UNSET' not found"]),
     (["hydra/launcher=ray"], ["hydra/launcher/ray", "not installed", "pip install hydra-ray-launcher"]),
     (["hydra/sweeper=ax"], ["hydra/sweeper/ax", "pip install hydra-ax-sweeper"]),
 ])

@@ -75,6 +75,7 @@ def _trial(cfg: Any) -> float | None:
     import time
 
     from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
 
     from tfkv.errors import TrialPruned
     from tfkv.sweep import trial
@@ -82,7 +83,7 @@ def _trial(cfg: Any) -> float | None:
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
     record: dict[str, Any] = {
-        "num": int(hc.job.num), "overrides": list(hc.overrides.task), "status": "failed", "reason": None,
+        "num": int(hc.job.num), "overrides": OmegaConf.to_container(hc.overrides.task, resolve=False), "status": "failed", "reason": None,
         "objective": cfg.get("objective"), "direction": cfg.get("direction"), "value": None,
         "metrics": {}, "started": time.time(), "ended": None, "duration_s": None,
         "log": _log_file(run_dir, hc), "run_dir": str(run_dir)}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import re
 from typing import Any
 
 # Composing and validating one config takes about 0.1 s of CPU: at most ~2 s before a sweep.
@@ -31,21 +32,27 @@ def problem(config: Any) -> str | None:
     from tfkv import cli, config as schema
 
     loader = GlobalHydra.instance().config_loader()
-    params = OmegaConf.select(config, "hydra.sweeper.params") or {}
-    lines = [f"{k}={v}" for k, v in params.items()] + list(config.hydra.overrides.task)
+    # as written, not resolved: `key=${oc.env:X}` is checked below as its job resolves it
+    node = OmegaConf.select(config, "hydra.sweeper.params")
+    params = OmegaConf.to_container(node, resolve=False) if node is not None else {}
+    lines = [f"{k}={v}" for k, v in params.items()] + OmegaConf.to_container(config.hydra.overrides.task,
+                                                                               resolve=False)
     try:
         parsed = OverridesParser.create(config_loader=loader).parse_overrides(lines)
         values = _values(parsed)
     except (HydraException, OmegaConfBaseException) as e:
         return cli._one_line(e)
     for combo in combinations(values):
-        named = " ".join(o for o, (_, choices) in zip(combo, values.items()) if len(choices) > 1)
+        # Hydra escapes a sweep's values (`$\{oc.env\:X\}`): shown as the user wrote them
+        named = " ".join(re.sub(r"\\(.)", r"\1", o) for o, (_, choices) in zip(combo, values.items())
+                         if len(choices) > 1)
         where = f"trial {named}: " if named else ""
         try:
             cfg = loader.load_sweep_config(config, list(combo))
             task = copy.deepcopy(cfg)
             with read_write(task), open_dict(task):
                 del task["hydra"]
+            _resolve(cfg, task)
             schema.validate(task)
         except (HydraException, OmegaConfBaseException) as e:
             return where + cli._one_line(e)
@@ -55,6 +62,27 @@ def problem(config: Any) -> str | None:
                 raise
             return where + text
     return None
+
+
+def _resolve(cfg: Any, task: Any) -> None:
+    """Resolve every interpolation of the task config as its job will (`${oc.env:DATA}` with DATA
+    unset fails here), with ${hydra:...} reading this config's Hydra node as the launcher sets it."""
+    import os
+
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf, open_dict, read_write
+
+    with read_write(cfg.hydra), open_dict(cfg.hydra):
+        cfg.hydra.job.num = cfg.hydra.job.id = 0
+        cfg.hydra.runtime.output_dir = os.path.abspath(os.path.join(str(cfg.hydra.sweep.dir),
+                                                                    str(cfg.hydra.sweep.subdir)))
+    hydra_config = HydraConfig.instance()
+    before = hydra_config.cfg
+    hydra_config.set_config(cfg)
+    try:
+        OmegaConf.to_container(task, resolve=True)
+    finally:
+        hydra_config.cfg = before
 
 
 def _values(overrides: list[Any]) -> dict[str, list[str]]:
