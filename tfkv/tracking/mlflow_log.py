@@ -73,7 +73,7 @@ class MlflowRun:
                 self.client = mlflow.tracking.MlflowClient(tracking_uri=uri)
                 experiment_id = self._experiment(cfg.logger.experiment, uri)
             run = self.client.create_run(experiment_id, run_name=" ".join(overrides)[:250] or Path(run_dir).name,
-                                         tags={"tfkv.run_dir": str(run_dir), "tfkv.overrides": " ".join(overrides)})
+                                         tags={"tfkv.run_dir": str(run_dir), "tfkv.overrides": " ".join(overrides)[:MAX_PARAM]})
         except (mlflow.exceptions.MlflowException, OSError) as e:  # OSError: the SQLite file's directory
             raise ConfigError(f"logger.tracking_uri={uri}: MLflow cannot use this store ({_first_line(e)}); "
                               "give a writable sqlite:///<path> or a tracking server's http(s) URL") from None
