@@ -142,7 +142,8 @@ def test_version_names_tensorflow_hydra_and_zeromq(tmp_path):
 
     proc = tfkv_run("--version", cwd=tmp_path)
     line = proc.stdout.strip()
-    for part in (f"tfkv {metadata.version('tfkv')}", f"TensorFlow {tf.__version__}", f"Hydra {metadata.version('hydra-core')}",
+    for part in (f"tfkv {metadata.version('tfkv')}", f"TensorFlow {tf.__version__}",
+                 f"Hydra {metadata.version('hydra-core')}",
                  f"ZeroMQ {zmq.zmq_version()}", f"pyzmq {zmq.__version__}"):
         assert part in line, line
 

@@ -83,9 +83,9 @@ def _trial(cfg: Any) -> float | None:
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
     record: dict[str, Any] = {
-        "num": int(hc.job.num), "overrides": OmegaConf.to_container(hc.overrides.task, resolve=False), "status": "failed", "reason": None,
-        "objective": cfg.get("objective"), "direction": cfg.get("direction"), "value": None,
-        "metrics": {}, "started": time.time(), "ended": None, "duration_s": None,
+        "num": int(hc.job.num), "overrides": OmegaConf.to_container(hc.overrides.task, resolve=False),
+        "status": "failed", "reason": None, "objective": cfg.get("objective"), "direction": cfg.get("direction"),
+        "value": None, "metrics": {}, "started": time.time(), "ended": None, "duration_s": None,
         "log": _log_file(run_dir, hc), "run_dir": str(run_dir)}
     value = math.nan
     try:
@@ -104,7 +104,7 @@ def _trial(cfg: Any) -> float | None:
             record.update(status="pruned", reason=text)
         else:
             if text is None:  # a bug: its traceback belongs in the job's log, its first line here
-                _log_traceback(run_dir)
+                _log_traceback()
                 first = str(e).strip().splitlines()[0] if str(e).strip() else ""
                 text = f"{type(e).__name__}: {first}" if first else type(e).__name__
             record["reason"] = text
@@ -145,7 +145,7 @@ def _log_file(run_dir: Path, hc: Any) -> str:
     return str(run_dir / f"{hc.job.name}.log")
 
 
-def _log_traceback(run_dir: Path) -> None:
+def _log_traceback() -> None:
     """The traceback of the exception being handled, into the job's log file only: the sweep's
     console gets the trial's one line; without a log file, the console gets it all."""
     import logging
