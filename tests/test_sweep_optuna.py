@@ -123,7 +123,7 @@ def test_pruning_tracker_stops_a_trial_worse_than_the_median(tmp_path):
     with pytest.raises(TrialPruned) as e:
         tracker.epoch(2, {"test_accuracy": 0.1})
     assert "\n" not in str(e.value) and "epoch 2" in str(e.value)
-    assert json.loads((tmp_path / trial.PRUNED_FILE).read_text()) == {"epoch": 2, "value": 0.1}
+    assert json.loads((tmp_path / trial.PRUNED_FILE).read_text()) == {"epoch": 2, "value": 0.1, "reason": str(e.value)}
     reported = optuna.load_study(study_name="s", storage=pruning.open_storage(storage)).trials[asked.number]
     assert reported.intermediate_values == {1: 0.1, 2: 0.1}
 

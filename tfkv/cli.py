@@ -101,7 +101,9 @@ def _trial(cfg: Any) -> float | None:
         if text is None and _is_config_error(e):  # e.g. an interpolation that resolves only in the job
             text = _one_line(e)
         if text is not None and trial.was_pruned(run_dir):  # a dist_* job whose worker 0 was pruned
-            record.update(status="pruned", reason=text)
+            # its mark says why (pruning.py); the job's own line names only worker 0's exit status
+            reason = json.loads((run_dir / trial.PRUNED_FILE).read_text()).get("reason")
+            record.update(status="pruned", reason=reason or text)
         else:
             if text is None:  # a bug: its traceback belongs in the job's log, its first line here
                 _log_traceback()

@@ -79,11 +79,12 @@ class Pruning:
         value = float(record[self.objective])
         self.trial.report(value, step=epoch)
         if epoch < self.epochs and self.trial.should_prune():
-            (self.run_dir / _pruned_file()).write_text(
-                json.dumps({"epoch": epoch, "value": value if math.isfinite(value) else None}))
-            raise TrialPruned(f"pruned at epoch {epoch}/{self.epochs} by the sweep's {self.pruner}: "
-                              f"{self.objective} {value:.4f} is worse than its peers' at that epoch "
-                              f"({self.where})")
+            reason = (f"pruned at epoch {epoch}/{self.epochs} by the sweep's {self.pruner}: {self.objective} "
+                      f"{value:.4f} is worse than its peers' at that epoch ({self.where})")
+            # the reason too: a dist_* trial's launching process sees only worker 0's exit status
+            (self.run_dir / _pruned_file()).write_text(json.dumps(
+                {"epoch": epoch, "value": value if math.isfinite(value) else None, "reason": reason}))
+            raise TrialPruned(reason)
 
     def end(self, final: dict[str, Any], run_dir: Path) -> None:
         pass  # the sweeper tells Optuna the trial's outcome from its record
