@@ -25,7 +25,8 @@ def pytest_configure(config):
 # Modules whose tests start machine-wide daemons or hosts: the Slurm and Grid Engine cells, and
 # network namespaces numbered by what is free when they start. Under pytest-xdist
 # (`--dist loadgroup`) they all run in one worker, one after another, never beside each other.
-SHARED_HOSTS = {"test_launcher_batch.py", "test_launcher_ssh.py", "test_security.py", "test_sweep_launcher.py"}
+SHARED_HOSTS = {"test_launcher_batch.py", "test_launcher_ssh.py", "test_security.py", "test_sweep_launcher.py",
+                "test_sweep_slurm.py"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -7,8 +7,16 @@ the first node of the step, whose NodeAddr `scontrol` gives. The port is the lau
 (DMLC_PS_ROOT_PORT of the plan). Roles get the job's variables through the environment srun passes
 on (`--export=ALL`), including the launcher's TFKV_*/DMLC_*/... ones.
 
-Inside an allocation (SLURM_JOB_ID set: under salloc, or in a batch script) the launcher runs that
-srun itself and streams its output. Outside one it submits a batch script that runs the same srun
+Inside an allocation (SLURM_JOB_ID set: under salloc, in a batch script, or in a job step such as
+the one hydra-submitit-launcher runs each trial of a sweep in) the launcher runs that srun itself
+and streams its output. From inside a step (SLURM_STEP_ID set) the roles' step overlaps it
+(`--overlap`): the step running tfkv-run holds the allocation's CPUs, and without it the roles'
+step would wait for them forever; the variables that shaped that step's one task
+(--ntasks-per-node, --cpus-per-task) are not passed on to the roles' step. An allocation with
+fewer CPUs than the job has tasks (srun gives each task one) is refused in one line before
+anything starts.
+
+Outside an allocation the launcher submits a batch script that runs the same srun
 (`sbatch --wait`, so the launcher waits for the job and gets its exit code) and streams the job's
 output file back, which therefore has to be on a file system the launcher sees (the run directory's
 launch/slurm/, or /tmp when there is none).
@@ -23,6 +31,7 @@ Site-specific flags: TFKV_SRUN_ARGS and TFKV_SBATCH_ARGS (e.g. "-p gpu --time 1:
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -47,14 +56,71 @@ def _need(*names: str) -> None:
                               "or run on a Slurm login node")
 
 
+# What srun reads from the environment of a step to shape its tasks: inherited from the step that
+# runs tfkv-run (submitit's `srun python -m submitit...`, one task holding every CPU), they would
+# shape the roles' tasks too (srun warns it cannot honour --ntasks-per-node=1; Slurm >= 23.11
+# reads SLURM_CPUS_PER_TASK again and would ask tasks x CPUs of the whole allocation).
+STEP_SHAPE = ("SLURM_NTASKS_PER_NODE", "SLURM_CPUS_PER_TASK", "SRUN_CPUS_PER_TASK")
+
+
 def in_allocation(environ: dict[str, str] | None = None) -> bool:
     return bool((os.environ if environ is None else environ).get("SLURM_JOB_ID"))
+
+
+def in_step(environ: dict[str, str] | None = None) -> bool:
+    """Running as a task of a job step (srun), not in the allocation's batch script or salloc's shell."""
+    return bool((os.environ if environ is None else environ).get("SLURM_STEP_ID"))
+
+
+def allocation_cpus(environ: dict[str, str] | None = None) -> int | None:
+    """CPUs of this allocation on all its nodes, from SLURM_JOB_CPUS_PER_NODE ("8(x2),4": two nodes
+    with 8, one with 4); None when Slurm did not say."""
+    total = 0
+    for part in (os.environ if environ is None else environ).get("SLURM_JOB_CPUS_PER_NODE", "").split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if not m:
+            return None
+        total += int(m[1]) * int(m[2] or 1)
+    return total or None
+
+
+def job_label(environ: dict[str, str] | None = None) -> str:
+    """This allocation as squeue shows it: "7", or "7 (array task 6_0)" for a task of a job array
+    (hydra-submitit-launcher submits a sweep's trials as one)."""
+    environ = os.environ if environ is None else environ
+    label = environ.get("SLURM_JOB_ID", "?")
+    if environ.get("SLURM_ARRAY_JOB_ID") and environ.get("SLURM_ARRAY_TASK_ID"):
+        label += f" (array task {environ['SLURM_ARRAY_JOB_ID']}_{environ['SLURM_ARRAY_TASK_ID']})"
+    return label
+
+
+def check_allocation(job: Job, environ: dict[str, str] | None = None) -> None:
+    """Refuse, in one line, an allocation with fewer CPUs than the job has tasks: srun would fail
+    with 'More processors requested than permitted' (or, beside a step, wait for CPUs forever);
+    and a step that runs this launcher as several tasks (submitit with nodes or tasks_per_node
+    above 1 calls its function in each): every copy would start the whole job."""
+    environ = os.environ if environ is None else environ
+    copies = int(environ.get("SLURM_STEP_NUM_TASKS") or 1) if in_step(environ) else 1
+    if copies > 1:
+        raise ConfigError(
+            f"tfkv runs as {copies} tasks of step {environ['SLURM_STEP_ID']} of Slurm job {job_label(environ)}, and "
+            "each would start the whole job: run it as one task (with hydra/launcher=submitit_slurm: "
+            "hydra.launcher.nodes=1 hydra.launcher.tasks_per_node=1, the defaults)")
+    cpus, tasks = allocation_cpus(environ), len(job.plan)
+    if cpus is None or cpus >= tasks:
+        return
+    servers = sum(p.role == "server" for p in job.plan)
+    raise ConfigError(
+        f"the Slurm allocation of job {job_label(environ)} has {cpus} CPU(s), and the job's {tasks} tasks "
+        f"(scheduler, {servers} server(s), {tasks - 1 - servers} worker(s)) need one each: allocate {tasks}, "
+        f"e.g. salloc -n {tasks}, or with hydra/launcher=submitit_slurm hydra.launcher.cpus_per_task={tasks}")
 
 
 def srun_argv(job: Job, name: str, environ: dict[str, str] | None = None) -> list[str]:
     """The one srun that runs every role of the plan as a task of one step."""
     environ = os.environ if environ is None else environ
-    return ["srun", "-n", str(len(job.plan)), "--kill-on-bad-exit=1", "--export=ALL", "-J", name,
+    overlap = ["--overlap"] if in_step(environ) else []
+    return ["srun", "-n", str(len(job.plan)), *overlap, "--kill-on-bad-exit=1", "--export=ALL", "-J", name,
             "--chdir", str(job.workdir), *shlex.split(environ.get("TFKV_SRUN_ARGS", "")),
             *role.helper_argv(job.python, job.plan, rank_var="SLURM_PROCID", scheduler_host="slurm")]
 
@@ -78,7 +144,9 @@ class SlurmLauncher:
 
     def preflight(self, job: Job) -> dict[str, dict[str, str]]:
         _need("srun", "scontrol")
-        if not in_allocation():
+        if in_allocation():
+            check_allocation(job)
+        else:
             _need("sbatch", "squeue", "scancel")
         return {"localhost": local_versions()}
 
@@ -87,6 +155,9 @@ class SlurmLauncher:
         env = {**os.environ, **role.common_env(job.plan), "PYTHONUNBUFFERED": "1"}
         names = [p.name for p in job.plan]
         if in_allocation():
+            if in_step():
+                env = {k: v for k, v in env.items() if k not in STEP_SHAPE}
+            out.write(f"tfkv: the job's {len(job.plan)} tasks run as one srun step in Slurm job {job_label(env)}\n")
             return self._step(job, name, env, batch.Output(out, names))
         return self._batch(job, name, env, batch.Output(out, names, watch=r"Submitted batch job (\d+)"))
 
