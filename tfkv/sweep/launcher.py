@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Optional, Sequence
 
+from hydra import version
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
@@ -208,7 +209,8 @@ class TfkvLauncher(Launcher):
         # The payload goes to the child over this pipe only (never a socket, never a file another
         # user could write): a pickle, as joblib's and submitit's launchers hand a job to their
         # workers, because run_job needs the config's structured types (HydraConf) that YAML loses.
-        payload = pickle.dumps({"config": t.config, "task_function": self.task_function})
+        payload = pickle.dumps({"config": t.config, "task_function": self.task_function,
+                                "version_base": str(version.getbase())})
         t.proc = subprocess.Popen(
             [sys.executable, "-m", "tfkv.sweep.launcher"], cwd=str(self.config.hydra.runtime.cwd),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -252,7 +254,7 @@ class TfkvLauncher(Launcher):
                     log.warning("tfkv launcher: host %s dropped from the sweep: %s", host, why)
                 self.hosts = [h for h in self.hosts or [] if h not in dead]
                 record["reason"] = f"{record.get('reason')}; " + "; ".join(
-                    f"host {h} {why}" for h, why in dead.items())
+                    f"host {h} does not answer ssh, dropped from the sweep" for h in dead)
         trial.write(t.run_dir, record)
         if record.get("status") == "failed" and OmegaConf.select(t.config, "sweep.fail_fast"):
             self._stop(running, interrupted=False)
@@ -345,23 +347,24 @@ def _child() -> None:
     """`python -m tfkv.sweep.launcher`: one trial, its config and task function on stdin (from the
     TfkvLauncher that started this process), run as Hydra's basic launcher runs a job."""
     from hydra._internal.callbacks import Callbacks
+    from hydra import version
     from hydra.core.utils import run_job, setup_globals
 
     from tfkv.sweep.trial import SweepStopped
 
     payload = pickle.load(sys.stdin.buffer)  # our parent's pipe: see TfkvLauncher._start
     config, task_function = payload["config"], payload["task_function"]
+    version.setbase(payload["version_base"])  # the app's (hydra.main's): e.g. whether run_job chdirs
     setup_globals()
     # run_job reads only the callbacks of its context (on_job_start / on_job_end)
     context = HydraContext(config_loader=None, callbacks=Callbacks(config))  # type: ignore[arg-type]
-    ret = run_job(hydra_context=context, task_function=task_function, config=config,
-                  job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
+    try:
+        ret = run_job(hydra_context=context, task_function=task_function, config=config,
+                      job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
+    except SweepStopped:  # sweep.fail_fast: recorded in trial.json; the launcher ends the sweep
+        sys.exit(1)
     if ret.status == JobStatus.FAILED:
-        error = ret._return_value
-        if isinstance(error, SweepStopped):  # recorded in trial.json; the launcher ends the sweep
-            print(f"tfkv-run: {error}", file=sys.stderr)
-            sys.exit(1)
-        raise error
+        raise ret._return_value  # a bug in the task: its traceback, in the trial's output
 
 
 def main() -> None:
