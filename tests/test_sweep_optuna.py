@@ -156,3 +156,51 @@ def test_tfkv_optuna_prunes_a_bad_trial_before_its_last_epoch(tmp_path):
     assert result["best_value"] == pytest.approx(records[result["best_trial"]]["value"])
     assert result["trials"]["pruned"] == len(pruned)
     assert "Traceback" not in proc.stderr
+
+
+def _job_return(run_dir: Path, value, status: str | None, completed: bool = True):
+    from hydra.core.utils import JobReturn, JobStatus
+    from omegaconf import OmegaConf
+
+    from tfkv.sweep import trial
+
+    ret = JobReturn()
+    ret.hydra_cfg = OmegaConf.create({"hydra": {"runtime": {"output_dir": str(run_dir)}}})
+    ret.status = JobStatus.COMPLETED if completed else JobStatus.FAILED
+    ret._return_value = value
+    if status is not None:
+        trial.write(run_dir, {"status": status})
+    return ret
+
+
+def test_tfkv_optuna_tells_optuna_what_each_trial_record_says(tmp_path):
+    """COMPLETE with the value of an ok trial; PRUNED from the record; FAIL for a failed record,
+    a value that is not finite, a job that raised; a grid sampler's last trial told FAIL too."""
+    import optuna
+
+    from tfkv.sweep.optuna_sweeper import _outcome, _tell
+
+    S = optuna.trial.TrialState
+    cases = {"ok": (0.9, "ok", True), "pruned": (None, "pruned", True), "failed": (None, "failed", True),
+             "nan": (float("nan"), "ok", True), "raised": (RuntimeError("x"), None, False),
+             "no record": (0.5, None, True)}
+    told = {name: _outcome(_job_return(tmp_path / name, *case)) for name, case in cases.items()}
+    assert told == {"ok": (S.COMPLETE, 0.9), "pruned": (S.PRUNED, None), "failed": (S.FAIL, None),
+                    "nan": (S.FAIL, None), "raised": (S.FAIL, None), "no record": (S.COMPLETE, 0.5)}
+
+    # GridSampler stops its study after the grid's last trial, which raises outside optimize()
+    study = optuna.create_study(sampler=optuna.samplers.GridSampler({"x": [1]}))
+    last = study.ask()
+    last.suggest_categorical("x", [1])
+    _tell(study, last, S.FAIL, None)
+    assert study.trials[0].state == S.FAIL
+
+
+def test_a_sweeper_direction_against_the_config_s_is_one_line_before_any_trial(tmp_path):
+    proc = tfkv_run("-m", "hydra/sweeper=tfkv_optuna", "hydra.sweeper.direction=minimize",
+                    "optimizer.lr=interval(0.01,0.1)", cwd=tmp_path, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "tfkv-run: hydra.sweeper.direction=minimize but direction=maximize; leave hydra.sweeper.direction "
+        "out (it follows direction) or set both alike"]
+    assert not list(tmp_path.glob("multirun/*/*/0"))
