@@ -12,7 +12,7 @@ Each trial runs in a child process (`python -m tfkv.sweep.launcher`) that calls 
 with tfkv-run's task function, as Hydra's basic launcher does in its own process: the trial
 writes its run directory, its trial.json (tfkv.sweep.trial) and its log, and launches its job
 (ssh, mpi) on its hosts. The child's output comes back prefixed `[trial N]`. Its JobReturn here
-carries the trial's value from trial.json (NaN for a failed or pruned trial, as the task function
+carries the trial's value from trial.json (None for a failed or pruned trial, as the task function
 returns in-process), so the table and any sweeper (Optuna) read it as from any launcher.
 
 A failed trial's hosts are probed over ssh before they are used again: a host that does not
