@@ -62,7 +62,7 @@ def test_optuna_marks_failed_and_diverged_trials_failed_and_the_study_goes_on(tm
     # diverges: test_loss is NaN (Hydra's Optuna sweeper 1.3.0 ends its sweep on a NaN). The
     # random sampler's seed 6 draws (5000, 0.1), (64, 0.1), (64, 1e9): failed, ok, diverged.
     proc = tfkv_run("-m", "hydra/sweeper=optuna", "hydra/sweeper/sampler=random", "hydra.sweeper.sampler.seed=6",
-                    "hydra.sweeper.n_trials=3", "objective=test_loss",
+                    "hydra.sweeper.n_trials=3", "objective=test_loss", "direction=minimize",
                     "hydra.sweeper.direction=minimize", "hydra.sweeper.study_name=s",
                     "hydra.sweeper.storage=sqlite:///optuna.db", "batch_size=choice(5000,64)",
                     "optimizer.lr=choice(0.1,1e9)", "epochs=1", "steps_per_epoch=4", "progress=false",
