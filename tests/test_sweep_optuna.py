@@ -3,6 +3,7 @@ with tfkv-run's objective, and tfkv's (`hydra/sweeper=tfkv_optuna`) whose trials
 epoch to the study so that its pruner stops bad trials early."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -156,6 +157,8 @@ def test_tfkv_optuna_prunes_a_bad_trial_before_its_last_epoch(tmp_path):
     assert result["best_value"] == pytest.approx(records[result["best_trial"]]["value"])
     assert result["trials"]["pruned"] == len(pruned)
     assert "Traceback" not in proc.stderr
+    table = proc.stdout[re.search(r"^#\s+overrides", proc.stdout, re.M).start():]
+    assert "sweep.st" not in table and "sweep.trial" not in table  # bookkeeping, not what tells trials apart
 
 
 def _job_return(run_dir: Path, value, status: str | None, completed: bool = True):

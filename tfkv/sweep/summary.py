@@ -122,11 +122,14 @@ def _metric_names(records: list[dict[str, Any]]) -> list[str]:
 
 def _own(record: dict[str, Any], records: list[dict[str, Any]]) -> list[str]:
     """The trial's overrides that not every trial shares: what tells it apart on the console
-    (sweep.csv and sweep.json have them all)."""
+    (sweep.csv and sweep.json have them all). The tfkv_optuna sweeper's sweep.study/storage/trial
+    (where the job reports its epochs) tell no trial apart: left out."""
+    mine = [o for o in record.get("overrides") or [] if not o.startswith(("sweep.study=", "sweep.storage=",
+                                                                             "sweep.trial="))]
     if len(records) < 2:  # one trial: nothing to tell apart, all its overrides say what it is
-        return list(record.get("overrides") or [])
+        return mine
     shared = set.intersection(*(set(r.get("overrides") or []) for r in records))
-    return [o for o in record.get("overrides") or [] if o not in shared]
+    return [o for o in mine if o not in shared]
 
 
 def _number(value: Any) -> str:
