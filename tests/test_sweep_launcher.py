@@ -165,6 +165,18 @@ def test_more_hosts_per_trial_than_hosts_is_one_line_before_any_trial(tmp_path):
     assert not list((tmp_path / "sweep").glob("*/trial.json")) and not (tmp_path / "sweep" / "0").exists()
 
 
+def test_a_trial_that_is_no_distributed_job_on_hosts_is_one_line_before_any_trial(tmp_path):
+    work = _hosts_work(tmp_path, ["node1"])
+    proc = tfkv_run("-m", "hydra/launcher=tfkv", "hydra.launcher.hostfile=hosts", f"hydra.sweep.dir={tmp_path / 's'}",
+                    "kvstore=dist_sync", "cluster=local,ssh", cwd=work, check=False, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        "tfkv-run: hydra/launcher=tfkv runs each trial as a distributed job on hosts of its own, but trial #0 "
+        "(kvstore=dist_sync cluster=local) has kvstore=dist_sync cluster=local; use kvstore=dist_sync (or another "
+        "dist_* type) with cluster=ssh or cluster=mpi"]
+    assert not (tmp_path / "s" / "1").exists()
+
+
 @pytest.mark.slow
 def test_four_one_host_trials_on_two_hosts_run_in_two_waves(netns_hosts, ssh_site, tmp_path):
     work = _hosts_work(tmp_path, netns_hosts.names)
