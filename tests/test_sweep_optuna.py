@@ -207,3 +207,18 @@ def test_a_sweeper_direction_against_the_config_s_is_one_line_before_any_trial(t
         "tfkv-run: hydra.sweeper.direction=minimize but direction=maximize; leave hydra.sweeper.direction "
         "out (it follows direction) or set both alike"]
     assert not list(tmp_path.glob("multirun/*/*/0"))
+
+
+def test_without_the_optuna_plug_in_tfkv_runs_quietly_and_names_it_for_tfkv_optuna(tmp_path):
+    """tfkv installed without its sweep extra: no plug-in scanner warning on every run, and
+    hydra/sweeper=tfkv_optuna says which package to install, in one line."""
+    # as if no Hydra plug-in package were installed: hydra_plugins is tfkv's shims alone
+    code = ("import sys, hydra_plugins\n"
+            "hydra_plugins.__path__ = [p for p in hydra_plugins.__path__ if 'site-packages' not in p]\n"
+            "sys.argv = ['tfkv-run', '-m', 'hydra/sweeper=tfkv_optuna', 'optimizer.lr=0.1,0.2']\n"
+            "from tfkv import cli\n"
+            "cli.run()\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("tfkv-run: ") and line.endswith("pip install hydra-optuna-sweeper"), line

@@ -95,7 +95,8 @@ def _trial(cfg: Any) -> float | None:
         record.update(status="pruned", reason=str(e))
     except (KeyboardInterrupt, SystemExit) as e:  # Ctrl-C or SIGTERM: recorded, then the sweep ends
         record["reason"] = "interrupted" if isinstance(e, KeyboardInterrupt) else f"stopped (exit {e.code})"
-        raise
+        if not _batch_job_of_its_own():
+            raise
     except Exception as e:
         text = user_error(e)
         if text is None and _is_config_error(e):  # e.g. an interpolation that resolves only in the job
@@ -123,11 +124,21 @@ def _trial(cfg: Any) -> float | None:
     if record["status"] == "ok":
         return value if math.isfinite(value) else None
     log.warning("trial #%d %s: %s (log %s)", record["num"], record["status"], record["reason"], record["log"])
-    if record["status"] == "failed" and cfg.get("sweep") is not None and cfg.sweep.fail_fast:
+    if (record["status"] == "failed" and cfg.get("sweep") is not None and cfg.sweep.fail_fast
+            and not _batch_job_of_its_own()):
         shown = " ".join(record["overrides"]) or "(no overrides)"
         raise trial.SweepStopped(f"trial #{record['num']} ({shown}) failed: {record['reason']}; "
                                  "sweep.fail_fast=true ends the sweep there")
     return None
+
+
+def _batch_job_of_its_own() -> bool:
+    """The trial runs in a batch job of its own (hydra-submitit-launcher's, SUBMITIT_EXECUTOR set):
+    a signal there is the batch system ending this job (scancel, a time limit, a preemption), not
+    the user ending the sweep, and the sweep waits for the job's result file, which submitit writes
+    only when the task function returns or raises an Exception: the trial returns, recorded failed.
+    (All of that sweep's trials are submitted at once, so sweep.fail_fast cannot stop the others.)"""
+    return bool(os.environ.get("SUBMITIT_EXECUTOR"))
 
 
 def _is_config_error(e: BaseException) -> bool:
@@ -309,7 +320,7 @@ HYDRA_PLUGINS = {
                        "ray_aws": "hydra-ray-launcher", "rq": "hydra-rq-launcher",
                        "submitit_local": "hydra-submitit-launcher", "submitit_slurm": "hydra-submitit-launcher"},
     "hydra/sweeper": {"ax": "hydra-ax-sweeper", "optuna": "hydra-optuna-sweeper",
-                      "nevergrad": "hydra-nevergrad-sweeper"},
+                      "tfkv_optuna": "hydra-optuna-sweeper", "nevergrad": "hydra-nevergrad-sweeper"},
 }
 
 
