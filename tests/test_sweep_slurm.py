@@ -103,3 +103,37 @@ def test_each_trial_is_one_slurm_job_running_the_whole_job(slurm, tmp_path):  # 
     table = json.loads((sweep / "sweep.json").read_text())
     assert len(table["trials"]) == 3 and table["failed"] == 1
     assert not tagged_pids(tag)
+
+
+@pytest.mark.slow
+def test_a_trial_slurm_cancels_is_recorded_and_the_sweep_ends(slurm, tmp_path):  # noqa: F811
+    """scancel of a running trial (as a time limit or a preemption would end it): Slurm sends
+    SIGTERM, the trial stops its job, records itself failed and still hands submitit its result,
+    so the sweep ends (without accounting, submitit would otherwise wait for that file forever)."""
+    tag = f"sweep-scancel-{tmp_path.name}"
+    name = f"tfkv-cancel-{os.getpid()}-{tmp_path.name[-8:]}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update({TAG: tag, "SLURM_CONF": str(slurm.conf)})
+    args = ["tfkv-run", "-m", "hydra/launcher=submitit_slurm", "hydra.launcher.cpus_per_task=4",
+            f"hydra.launcher.name={name}", "kvstore=dist_sync", "cluster=slurm", f"cluster.python={sys.executable}",
+            "epochs=50", "progress=false", "optimizer.lr=0.1"]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # the trial's roles run in its allocation: cancel the job
+            logs = list(tmp_path.glob("multirun/*/*/0/launch/job.log"))
+            if logs and "[scheduler]" in logs[0].read_text():
+                break
+            time.sleep(0.2)
+        assert logs, "the trial never started its job"
+        subprocess.run(["scancel", "--name", name], env=env, capture_output=True, timeout=60, check=True)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        subprocess.run(["scancel", "--name", name], env=env, capture_output=True, timeout=60)
+    print(f"cancelled submitit trial: {time.monotonic() - t0:.1f} s")
+    assert proc.returncode == 1 and "tfkv-run: 1 of 1 trials failed" in out, out[-4000:]
+    record = json.loads((_sweep_dir(tmp_path) / "0" / "trial.json").read_text())
+    assert record["status"] == "failed" and record["reason"].startswith("stopped"), record
+    assert not tagged_pids(tag)
