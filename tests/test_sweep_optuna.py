@@ -26,6 +26,11 @@ def _jobs(sweep: Path) -> list[Path]:
     return sorted((p for p in sweep.iterdir() if (p / ".hydra").is_dir()), key=lambda p: int(p.name))
 
 
+def _python(code: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`code` in a fresh interpreter: what it imports and registers starts from nothing."""
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
 def _study(sweep: Path, name: str | None = None):
     import optuna
 
@@ -90,7 +95,7 @@ def test_tfkv_optuna_composes_with_tfkv_s_direction_and_a_pruner():
             "s = cfg.hydra.sweeper\n"
             "print(s._target_, s.direction, s.pruner._target_, s.sampler._target_, s.storage)\n"
             "import sys; print('optuna' in sys.modules)\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    out = _python(code, REPO)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["hydra_plugins.tfkv_sweep.tfkv_optuna.TfkvOptunaSweeper", "minimize",
                                   "optuna.pruners.HyperbandPruner", "optuna.samplers.TPESampler", "None",
@@ -218,7 +223,7 @@ def test_without_the_optuna_plug_in_tfkv_runs_quietly_and_names_it_for_tfkv_optu
             "sys.argv = ['tfkv-run', '-m', 'hydra/sweeper=tfkv_optuna', 'optimizer.lr=0.1,0.2']\n"
             "from tfkv import cli\n"
             "cli.run()\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    out = _python(code, tmp_path)
     assert out.returncode == 2, out.stderr[-2000:]
     (line,) = out.stderr.strip().splitlines()
     assert line.startswith("tfkv-run: ") and line.endswith("pip install hydra-optuna-sweeper"), line
