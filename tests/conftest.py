@@ -22,16 +22,17 @@ def pytest_configure(config):
     devices.setup(["cpu:0"])
 
 
-# Modules whose tests start machine-wide daemons or hosts: the Slurm and Grid Engine cells, and
-# network namespaces numbered by what is free when they start. Under pytest-xdist
-# (`--dist loadgroup`) they all run in one worker, one after another, never beside each other.
-SHARED_HOSTS = {"test_launcher_batch.py", "test_launcher_ssh.py", "test_security.py", "test_sweep_launcher.py",
-                "test_sweep_slurm.py"}
+# Tests that start machine-wide daemons or hosts: the Slurm and Grid Engine cells, and network
+# namespaces numbered by what is free when they start (whole modules, and any test that takes
+# the hosts' fixtures). Under pytest-xdist (`--dist loadgroup`) they all run in one worker, one
+# after another, never beside each other; the rest of a module runs in either worker.
+SHARED_HOSTS = {"test_launcher_batch.py", "test_launcher_ssh.py", "test_security.py", "test_sweep_slurm.py"}
+HOST_FIXTURES = {"ssh_site", "netns_hosts", "loopback_host", "slurm", "sge"}
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.path.name in SHARED_HOSTS:
+        if item.path.name in SHARED_HOSTS or HOST_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.xdist_group("shared_hosts"))
 
 
