@@ -32,11 +32,18 @@ class Tracker(Protocol):
 
 
 def for_run(cfg: Any, run_dir: Path) -> list[Tracker]:
-    """The trackers this run's config asks for."""
-    trackers = []
-    for spec in BUILDERS:
-        module, fn = spec.split(":")
-        tracker = getattr(importlib.import_module(module), fn)(cfg, Path(run_dir))
-        if tracker is not None:
-            trackers.append(tracker)
+    """The trackers this run's config asks for. When one cannot be built (an MLflow store that
+    refuses), those already built are closed with that error before it is raised, so that their
+    runs end failed instead of staying open."""
+    trackers: list[Tracker] = []
+    try:
+        for spec in BUILDERS:
+            module, fn = spec.split(":")
+            tracker = getattr(importlib.import_module(module), fn)(cfg, Path(run_dir))
+            if tracker is not None:
+                trackers.append(tracker)
+    except BaseException as e:
+        for tracker in trackers:
+            tracker.close(e)
+        raise
     return trackers
