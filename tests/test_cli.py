@@ -102,7 +102,7 @@ def test_what_the_option_does_not_take_is_one_line_before_training(tmp_path, arg
 
 def test_sweep_runs_every_job_in_its_own_directory(tmp_path):
     tfkv_run("-m", "optimizer.lr=0.1,0.05", "kvstore=local,device", "devices=[cpu:0,cpu:1]",
-             "epochs=1", cwd=tmp_path)
+             "epochs=1", "steps_per_epoch=2", "progress=false", cwd=tmp_path)
     runs = _run_dirs(tmp_path, "multirun")
     assert len(runs) == 4
     seen = set()

@@ -68,15 +68,6 @@ def test_ctrl_c_ends_a_distributed_run_as_it_ends_a_single_one(tmp_path, sig, sa
     assert not tagged_pids(env[TAG])
 
 
-@pytest.mark.slow
-def test_sweep_runs_each_job_as_a_cluster(tmp_path):
-    tfkv_run("-m", "kvstore=dist_sync,dist_async", "cluster=local", "epochs=1", "progress=false", cwd=tmp_path)
-    runs = sorted(tmp_path.glob("multirun/*/*/*/metrics.json"))
-    assert len(runs) == 2
-    kinds = {json.loads(p.read_text())["epoch"] for p in runs}
-    assert kinds == {1}
-
-
 @pytest.mark.parametrize("args,message", [
     (["kvstore=dist_sync"], "needs a parameter-server cluster: add cluster=local"),
     (["cluster=local"], "kvstore=local is a single-machine store"),

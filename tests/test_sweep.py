@@ -161,6 +161,9 @@ def test_a_failed_or_pruned_distributed_trial_is_a_result(tmp_path):
     # worker 0's mark tells the launching process that its job's failure was a pruning
     assert pruned["status"] == "pruned" and pruned["value"] is None, pruned
     assert ok["status"] == "ok" and math.isfinite(ok["value"]), ok
+    # each trial was a whole job of its own (its plan in its own directory); the ok one trained
+    assert all((sweep / str(n) / "launch" / "plan.json").is_file() for n in range(3))
+    assert json.loads((sweep / "2" / "metrics.json").read_text())["epoch"] == 1
 
 
 def test_precheck_checks_every_value_and_stays_bounded():
