@@ -119,8 +119,19 @@ def need_root(what: str) -> None:
 TAG = "TFKV_TEST_TAG"
 
 
-def tagged_pids(tag: str) -> list[int]:
-    """PIDs of live processes whose environment carries this test's tag."""
+def tagged_pids(tag: str, wait: float = 0) -> list[int]:
+    """PIDs of live processes whose environment carries this test's tag; with `wait`, polled for up
+    to that many seconds until there are none (processes a launcher has just SIGKILLed are gone
+    only once the kernel has run them, which takes a moment on a loaded machine: an orphan stays)."""
+    deadline = time.monotonic() + wait
+    found = _tagged(tag)
+    while found and time.monotonic() < deadline:
+        time.sleep(0.1)
+        found = _tagged(tag)
+    return found
+
+
+def _tagged(tag: str) -> list[int]:
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():

@@ -4,7 +4,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 from conftest import TAG, Launching, tagged_pids, tfkv_run
@@ -28,7 +27,7 @@ def test_one_command_runs_the_whole_job(tmp_path):
     run = metrics_path.parent
     assert (run / "worker0.log").is_file() and (run / "worker1.log").is_file()
     assert "2 worker(s)" in (run / "worker1.log").read_text()
-    assert not tagged_pids(env[TAG])
+    assert not tagged_pids(env[TAG], wait=15)
 
 
 @pytest.mark.slow
@@ -40,7 +39,7 @@ def test_a_failing_worker_fails_the_job_and_leaves_nothing(tmp_path):
     last = [ln for ln in proc.stderr.splitlines() if ln.startswith("tfkv-run:")]
     assert len(last) == 1 and "the dist_sync job failed: worker" in last[0], proc.stderr
     assert "mnist: missing" in proc.stdout
-    assert not tagged_pids(env[TAG])
+    assert not tagged_pids(env[TAG], wait=15)
 
 
 @pytest.mark.slow
@@ -61,11 +60,8 @@ def test_ctrl_c_ends_a_distributed_run_as_it_ends_a_single_one(tmp_path, sig, sa
     assert rc == status and len(failures) == 1 and said in failures[0], out[-3000:]
     assert "Traceback" not in out, out[-3000:]
     # The launcher has sent SIGKILL to every role's group and reaped what it started; under a
-    # loaded machine (two test processes on two cores) the kernel may take a moment to end them.
-    deadline = time.monotonic() + 15
-    while tagged_pids(env[TAG]) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not tagged_pids(env[TAG])
+    # loaded machine the kernel may take a moment to end them (tagged_pids' wait).
+    assert not tagged_pids(env[TAG], wait=15)
 
 
 @pytest.mark.parametrize("args,message", [
@@ -104,4 +100,4 @@ def test_tfkv_launch_of_tfkv_run_leaves_one_run_directory(tmp_path):
     assert (run / "worker0.log").is_file() and (run / "worker1.log").is_file()
     assert (run / "launch" / "plan.json").is_file()
     assert not list(tmp_path.glob("multirun"))
-    assert not tagged_pids(env[TAG])
+    assert not tagged_pids(env[TAG], wait=15)

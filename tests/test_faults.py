@@ -160,7 +160,7 @@ def test_a_killed_dist_sync_job_resumes_to_the_same_weights(tmp_path):
     deadline = time.time() + 15
     while tagged_pids(env[TAG]) and time.time() < deadline:
         time.sleep(0.1)
-    assert not tagged_pids(env[TAG])
+    assert not tagged_pids(env[TAG], wait=15)
     (first,) = [p for p in crashed.glob("outputs/*/*") if (p / ".hydra").is_dir()]
     assert not (first / "checkpoints" / "epoch-0004").exists()
 
@@ -187,7 +187,7 @@ def test_the_digits_recipe_ends_cleanly_under_tfkv_launch_without_close(tmp_path
                            "--epochs", "1"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr
     assert proc.stdout.count("Epoch 1:") == 2
-    assert not tagged_pids(env[TAG])
+    assert not tagged_pids(env[TAG], wait=15)
 
 
 @pytest.mark.slow
@@ -242,7 +242,7 @@ def test_a_stopped_role_is_the_one_blamed(tmp_path, victim):
     assert time.time() - t0 < 15, f"the job took {time.time() - t0:.1f} s to stop\n{out}"
     assert rc == 1, out
     assert f"tfkv-launch: the job failed: {victim} stopped answering" in out, out[-3000:]
-    assert not tagged_pids(env[TAG])
+    assert not tagged_pids(env[TAG], wait=15)
 
 
 SLOW_TO_EXIT = """\
@@ -274,4 +274,4 @@ def test_a_role_slow_to_exit_after_its_failure_is_blamed_for_it_not_for_a_hang(t
     out = p.stdout + p.stderr
     assert p.returncode == 1, out
     assert "the job failed: worker 1 exited with status 1" in out, out[-3000:]
-    assert not tagged_pids(env[TAG])
+    assert not tagged_pids(env[TAG], wait=15)

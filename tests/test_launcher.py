@@ -82,7 +82,7 @@ def test_local_launch_runs_a_job_and_leaves_its_record(tmp_path):
     assert json.loads((rec / "versions.json").read_text())["localhost"]["tfkv"]
     assert "[server 1]" in (rec / "job.log").read_text()
     assert "tfkv-launch -n 2 -s 2" in (rec / "rerun.sh").read_text()
-    assert not tagged_pids(env[TAG])
+    assert not tagged_pids(env[TAG], wait=15)
 
 
 def test_a_role_that_fails_while_earlier_ones_run_fails_the_job_at_once(tmp_path):
@@ -132,7 +132,7 @@ def test_more_signals_during_the_teardown_change_nothing(tmp_path, first, said, 
     rc, out = launching.end(timeout=30)
     assert rc == status and f"tfkv-launch: the job failed: {said}; record in rec" in out, out
     assert "Traceback" not in out and out.count("the job failed") == 1, out
-    assert not tagged_pids(env[TAG])
+    assert not tagged_pids(env[TAG], wait=15)
 
 
 @pytest.mark.parametrize("value", ["127.0.0.1", "127.0.0.1:", ":9000", "127.0.0.1:http", "127.0.0.1:70000"])
@@ -184,7 +184,7 @@ def test_a_launcher_that_cannot_set_the_parent_death_signal_says_so_once(tmp_pat
     said = [ln for ln in out.splitlines() if "PR_SET_PDEATHSIG" in ln]
     assert len(said) == 1 and "Operation not permitted" in said[0], out
     assert "the roles it started keep running" in said[0]
-    assert not tagged_pids(env[TAG])
+    assert not tagged_pids(env[TAG], wait=15)
 
 
 def test_a_servers_advertised_address_reaches_no_role_from_the_launcher():

@@ -297,7 +297,7 @@ def test_preflight_one_line_per_bad_host_and_nothing_starts(loopback_host, ssh_s
     assert "add your key to badkey's authorized_keys or set IdentityFile in" in lines[0]
     assert lines[1].startswith("nosuchhost.invalid: unknown host")
     assert "[scheduler" not in proc.stdout and not (run / "launch" / "plan.json").exists()  # nothing started
-    assert not tagged_pids(env[TAG])
+    assert not tagged_pids(env[TAG], wait=15)
 
 
 @pytest.mark.slow

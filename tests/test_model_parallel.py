@@ -345,7 +345,7 @@ def test_each_dist_sync_worker_is_model_parallel(tmp_path):
     assert out.count("model-parallel plan") == 2 and "2 worker(s)" in out
     m = _metrics(tmp_path)
     assert m["epoch"] == 1 and 1 < m["test_perplexity"] < 10000
-    assert not tagged_pids(env[TAG])
+    assert not tagged_pids(env[TAG], wait=15)
 
 
 def test_placement_is_checked_before_tensorflow_starts():

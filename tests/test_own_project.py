@@ -127,7 +127,7 @@ def test_own_project_dist_sync_on_this_machine(tmp_path):
     rerun = (metrics.parent / "launch" / "rerun.sh").read_text()
     assert f"--config-dir={work / 'conf'}" in rerun and "+experiment=mine" in rerun
     assert json.loads(metrics.read_text())["test_accuracy"] > 0.5  # 4 classes: chance is 0.25
-    assert not tagged_pids(env[TAG])
+    assert not tagged_pids(env[TAG], wait=15)
 
 
 @pytest.mark.slow
@@ -148,4 +148,4 @@ def test_own_project_dist_sync_over_ssh(loopback_host, ssh_site, tmp_path):
     (metrics,) = work.glob("outputs/*/*/metrics.json")  # copied back from worker 0's host, with the logs
     _ran_the_recorded_config(metrics.parent)
     assert json.loads(metrics.read_text())["epoch"] == 1
-    assert not tagged_pids(env[TAG])
+    assert not tagged_pids(env[TAG], wait=15)

@@ -102,7 +102,7 @@ def test_each_trial_is_one_slurm_job_running_the_whole_job(slurm, tmp_path):  # 
     assert "\n" not in failed["reason"]
     table = json.loads((sweep / "sweep.json").read_text())
     assert len(table["trials"]) == 3 and table["failed"] == 1
-    assert not tagged_pids(tag)
+    assert not tagged_pids(tag, wait=15)
 
 
 @pytest.mark.slow
@@ -136,4 +136,4 @@ def test_a_trial_slurm_cancels_is_recorded_and_the_sweep_ends(slurm, tmp_path): 
     assert proc.returncode == 1 and "tfkv-run: 1 of 1 trials failed" in out, out[-4000:]
     record = json.loads((_sweep_dir(tmp_path) / "0" / "trial.json").read_text())
     assert record["status"] == "failed" and record["reason"].startswith("stopped"), record
-    assert not tagged_pids(tag)
+    assert not tagged_pids(tag, wait=15)
