@@ -19,6 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from tfkv.errors import ConfigError, OutputError
+from tfkv.tracking import metric_keys
 
 log = logging.getLogger("tfkv")
 
@@ -31,15 +32,10 @@ def _summary(history: list[dict[str, Any]]) -> dict[str, Any]:
     seconds = sum(h["train_seconds"] for h in steady)
     return {
         "epoch": last["epoch"],
-        **{k: last[k] for k in _metric_keys(last)},
+        **{k: last[k] for k in metric_keys(last)},
         "samples_per_sec": samples / seconds if seconds else 0.0,
         "history": history,
     }
-
-
-def _metric_keys(record: dict[str, Any]) -> list[str]:
-    """The train_<name> / test_<name> values of an epoch's record (not its bookkeeping)."""
-    return [k for k in record if k.startswith(("train_", "test_")) and k != "train_seconds"]
 
 
 def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | None = None) -> dict[str, Any]:
@@ -161,11 +157,11 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
             }
             history.append(record)
             log.info("epoch %d/%d  %s  %.0f samples/s  %.1fs", epoch, cfg.epochs,
-                     "  ".join(f"{k} {record[k]:.4f}" for k in _metric_keys(record)),
+                     "  ".join(f"{k} {record[k]:.4f}" for k in metric_keys(record)),
                      record["samples_per_sec"], seconds)
             if chief:
                 with writer.as_default():
-                    for name in (*_metric_keys(record), "samples_per_sec", "lr"):
+                    for name in tracking.curves(record):
                         tf.summary.scalar(f"epoch/{name}", record[name], step=epoch)
                 _written(writer.flush, run_dir / "tensorboard")
                 checkpoint.save(run_dir, epoch, dp.get_weights(), dp.weight_names(),
@@ -182,8 +178,7 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
         store.barrier()
     except BaseException as e:
         store.abort(f"{type(e).__name__}: {e}")
-        for tracker in trackers:
-            tracker.close(e)
+        tracking.close(trackers, e)
         raise
     store.close()
     try:
@@ -192,11 +187,9 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
         for tracker in trackers:
             tracker.end(final, run_dir)
     except BaseException as e:
-        for tracker in trackers:
-            tracker.close(e)
+        tracking.close(trackers, e)
         raise
-    for tracker in trackers:
-        tracker.close(None)
+    tracking.close(trackers, None)
     return final
 
 
@@ -207,7 +200,7 @@ def _lr_schedule(optimizer: Any, store: Any) -> Callable[[int], float]:
     every worker with dist_async (counted as if the workers kept pace)."""
     from tfkv import optim
 
-    per_step = store.num_workers if "async" in store.type else 1
+    per_step = 1 if store.sync else store.num_workers
     return lambda step: float(optimizer.schedule(np.float32((step - 1) * per_step), optim.NumpyOps))
 
 

@@ -20,6 +20,20 @@ BUILDERS = (
 )
 
 
+# What an epoch's record has besides its train_*/test_* values that is worth a curve.
+CURVE_EXTRAS = ("samples_per_sec", "lr")
+
+
+def metric_keys(record: dict[str, Any]) -> list[str]:
+    """The train_<name> / test_<name> values of an epoch's record (not its bookkeeping)."""
+    return [k for k in record if k.startswith(("train_", "test_")) and k != "train_seconds"]
+
+
+def curves(record: dict[str, Any]) -> list[str]:
+    """The values of an epoch's record that go to TensorBoard and MLflow as curves over epochs."""
+    return [*metric_keys(record), *(k for k in CURVE_EXTRAS if k in record)]
+
+
 class Tracker(Protocol):
     def epoch(self, epoch: int, record: dict[str, Any]) -> None:
         """After epoch `epoch`: its record (train_*, test_*, samples_per_sec, lr, ...)."""
@@ -43,7 +57,12 @@ def for_run(cfg: Any, run_dir: Path) -> list[Tracker]:
             if tracker is not None:
                 trackers.append(tracker)
     except BaseException as e:
-        for tracker in trackers:
-            tracker.close(e)
+        close(trackers, e)
         raise
     return trackers
+
+
+def close(trackers: list[Tracker], error: BaseException | None) -> None:
+    """Every tracker's last call: how the run ended (`error`, or None when it finished)."""
+    for tracker in trackers:
+        tracker.close(error)

@@ -23,13 +23,11 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from tfkv.errors import ConfigError, TrialPruned
-from tfkv.tracking import hydra_job
+from tfkv.tracking import curves, hydra_job
 
 log = logging.getLogger("tfkv")
 
 MAX_PARAM = 6000  # MLflow refuses a longer param value
-# what an epoch's record has besides train_*/test_* that is worth a curve
-EPOCH_METRICS = ("samples_per_sec", "lr")
 
 
 def default_uri() -> str:
@@ -54,11 +52,6 @@ def params(cfg: Any) -> dict[str, str]:
 
     walk(OmegaConf.to_container(cfg, resolve=True), "")
     return flat
-
-
-def epoch_metrics(record: dict[str, Any]) -> dict[str, float]:
-    return {k: float(v) for k, v in record.items()
-            if (k.startswith(("train_", "test_")) and k != "train_seconds") or k in EPOCH_METRICS}
 
 
 class MlflowRun:
@@ -99,7 +92,7 @@ class MlflowRun:
 
     def epoch(self, epoch: int, record: dict[str, Any]) -> None:
         now = int(time.time() * 1000)
-        metrics = [self.mlflow.entities.Metric(k, v, now, epoch) for k, v in epoch_metrics(record).items()]
+        metrics = [self.mlflow.entities.Metric(k, float(record[k]), now, epoch) for k in curves(record)]
         self.client.log_batch(self.run_id, metrics=metrics)
 
     def end(self, final: dict[str, Any], run_dir: Path) -> None:
