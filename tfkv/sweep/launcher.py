@@ -267,11 +267,9 @@ class TfkvLauncher(Launcher):
         from tfkv.sweep import trial
 
         now = time.time()
-        record = {"num": t.idx, "overrides": t.overrides, "status": "failed", "reason": reason,
-                  "objective": OmegaConf.select(t.config, "objective"),
-                  "direction": OmegaConf.select(t.config, "direction"), "value": None, "metrics": {},
-                  "started": now, "ended": now, "duration_s": 0.0, "log": None, "run_dir": str(t.run_dir),
-                  "hosts": [str(h) for h in t.hosts]}
+        record = trial.failed(t.idx, t.overrides, t.run_dir, reason, objective=OmegaConf.select(t.config, "objective"),
+                              direction=OmegaConf.select(t.config, "direction"), started=now, ended=now,
+                              duration_s=0.0, hosts=[str(h) for h in t.hosts])
         trial.write(t.run_dir, record)
         return record
 

@@ -175,8 +175,10 @@ class TfkvOptunaSweeper(OptunaSweeper):
 
     def _trial_overrides(self, study: str, number: int) -> list[str]:
         """What makes a job a trial its worker 0 reports to (config.SweepConfig)."""
-        return [f"sweep.study={_quoted(study)}", f"sweep.storage={_quoted(self.storage_url)}",
-                f"sweep.trial={number}"]
+        from tfkv.sweep import pruning
+
+        values = (_quoted(study), _quoted(self.storage_url), number)
+        return [f"{key}={value}" for key, value in zip(pruning.TRIAL_KEYS, values)]
 
     def _write_results(self, study: Any) -> None:
         """optimization_results.yaml, as Hydra's Optuna sweeper writes it, with the trial counts."""

@@ -18,9 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from tfkv.errors import ConfigError, TrialPruned
+from tfkv.sweep import trial as trial_record
 
 log = logging.getLogger(__name__)
 
+# The overrides the sweeper gives each job it asks for (config.SweepConfig): where to report.
+TRIAL_KEYS = ("sweep.study", "sweep.storage", "sweep.trial")
 # The study's user attribute with the pruner's config node (a `_target_` under optuna.pruners).
 PRUNER_ATTR = "tfkv_pruner"
 # Only Optuna's pruners are built from what the study's storage says: it may be a shared database.
@@ -32,10 +35,24 @@ def open_storage(url: str) -> Any:
     must see the database. SQLite waits for another process's write instead of failing."""
     import optuna
 
+    _check_rdb(url)
     if url.startswith("redis"):
         return optuna.storages.RedisStorage(url)
     engine = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
     return optuna.storages.RDBStorage(url, engine_kwargs=engine)
+
+
+def _check_rdb(url: str) -> None:
+    """Optuna 2 (what hydra-optuna-sweeper 1.x allows) cannot use a database through SQLAlchemy 2
+    (an AssertionError deep in SQLAlchemy): one line saying what to install instead."""
+    from importlib import metadata
+
+    if url.startswith("redis"):
+        return
+    optuna, sqlalchemy = (metadata.version(p) for p in ("optuna", "sqlalchemy"))
+    if int(optuna.split(".")[0]) < 3 and int(sqlalchemy.split(".")[0]) >= 2:
+        raise ConfigError(f"Optuna {optuna} cannot keep a study in {url.split(':')[0]} with SQLAlchemy {sqlalchemy}; "
+                          "pip install 'tfkv[sweep]' (it pins SQLAlchemy<2 for Optuna 2)")
 
 
 def build_pruner(node: Any) -> Any:
@@ -82,7 +99,7 @@ class Pruning:
             reason = (f"pruned at epoch {epoch}/{self.epochs} by the sweep's {self.pruner}: {self.objective} "
                       f"{value:.4f} is worse than its peers' at that epoch ({self.where})")
             # the reason too: a dist_* trial's launching process sees only worker 0's exit status
-            (self.run_dir / _pruned_file()).write_text(json.dumps(
+            (self.run_dir / trial_record.PRUNED_FILE).write_text(json.dumps(
                 {"epoch": epoch, "value": value if math.isfinite(value) else None, "reason": reason}))
             raise TrialPruned(reason)
 
@@ -91,12 +108,6 @@ class Pruning:
 
     def close(self, error: BaseException | None) -> None:
         pass
-
-
-def _pruned_file() -> str:
-    from tfkv.sweep import trial
-
-    return trial.PRUNED_FILE
 
 
 def build(cfg: Any, run_dir: Path) -> Pruning | None:

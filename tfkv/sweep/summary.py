@@ -98,9 +98,7 @@ def _unrecorded(run_dir: Path, hydra_yaml: Path) -> dict[str, Any]:
         num, overrides = int(hc.job.num), list(hc.overrides.task)
     except Exception:  # noqa: BLE001 - a half-written file: the row still says the job left nothing
         num, overrides = None, []
-    return {"num": num, "overrides": overrides, "status": "failed", "objective": None, "direction": None,
-            "reason": "the job ended without recording its trial (killed? see its log)", "value": None,
-            "metrics": {}, "duration_s": None, "log": None, "run_dir": str(run_dir)}
+    return trial.failed(num, overrides, run_dir, "the job ended without recording its trial (killed? see its log)")
 
 
 def best_trial(records: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -124,8 +122,9 @@ def _own(record: dict[str, Any], records: list[dict[str, Any]]) -> list[str]:
     """The trial's overrides that not every trial shares: what tells it apart on the console
     (sweep.csv and sweep.json have them all). The tfkv_optuna sweeper's sweep.study/storage/trial
     (where the job reports its epochs) tell no trial apart: left out."""
-    mine = [o for o in record.get("overrides") or [] if not o.startswith(("sweep.study=", "sweep.storage=",
-                                                                             "sweep.trial="))]
+    from tfkv.sweep.pruning import TRIAL_KEYS
+
+    mine = [o for o in record.get("overrides") or [] if not o.startswith(tuple(f"{k}=" for k in TRIAL_KEYS))]
     if len(records) < 2:  # one trial: nothing to tell apart, all its overrides say what it is
         return mine
     shared = set.intersection(*(set(r.get("overrides") or []) for r in records))

@@ -33,11 +33,9 @@ def run(cfg: Any, job: Callable[[Any], float], explain: Callable[[BaseException]
 
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
-    record: dict[str, Any] = {
-        "num": int(hc.job.num), "overrides": OmegaConf.to_container(hc.overrides.task, resolve=False),
-        "status": "failed", "reason": None, "objective": cfg.get("objective"), "direction": cfg.get("direction"),
-        "value": None, "metrics": {}, "started": time.time(), "ended": None, "duration_s": None,
-        "log": _log_file(run_dir, hc), "run_dir": str(run_dir)}
+    record = trial.failed(int(hc.job.num), OmegaConf.to_container(hc.overrides.task, resolve=False), run_dir,
+                          None, objective=cfg.get("objective"), direction=cfg.get("direction"),
+                          log=_log_file(run_dir, hc), started=time.time())
     value = math.nan
     try:
         value = job(cfg)

@@ -50,6 +50,17 @@ def write(run_dir: Path | str, record: dict[str, Any]) -> Path:
     return target
 
 
+def failed(num: int | None, overrides: list[str], run_dir: Path | str, reason: str | None, *,
+           objective: str | None = None, direction: str | None = None, log: str | None = None,
+           **more: Any) -> dict[str, Any]:
+    """A record with every field, status failed: a trial that failed before its job could say
+    more, or (tfkv.sweep.task) one about to run, whose outcome replaces these values. `more`:
+    fields to set as well (started, hosts, ...)."""
+    return {"num": num, "overrides": list(overrides), "status": "failed", "reason": reason,
+            "objective": objective, "direction": direction, "value": None, "metrics": {},
+            "started": None, "ended": None, "duration_s": None, "log": log, "run_dir": str(run_dir), **more}
+
+
 def read(run_dir: Path | str) -> dict[str, Any] | None:
     """The trial record of this run directory, or None where the job wrote none (yet)."""
     try:
