@@ -18,7 +18,7 @@ import numpy as np
 
 
 def run(secure: bool, sizes_mib: list[float], seconds: float) -> dict[float, float]:
-    from tfkv.launcher.plan import free_port
+    from tfkv.launcher.ports import free_port
     from tfkv.store import security
 
     env = {**os.environ, "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(free_port()),

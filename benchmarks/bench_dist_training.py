@@ -194,7 +194,7 @@ def job_local(args, tmp: str) -> None:
 
 
 def job_mwms(args, tmp: str) -> None:
-    from tfkv.launcher.plan import free_port
+    from tfkv.launcher.ports import free_port
 
     ports = [free_port(), free_port()]
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
@@ -203,7 +203,8 @@ def job_mwms(args, tmp: str) -> None:
 
 
 def job_dist_sync(args, tmp: str, model: str) -> None:
-    from tfkv.launcher.plan import free_port, make_plan
+    from tfkv.launcher.plan import make_plan
+    from tfkv.launcher.ports import free_port
 
     plan = make_plan(2, 1, worker_argv(args, "dist_sync", tmp, models=model),
                      [sys.executable, "-m", "tfkv.store.node"], ["127.0.0.1"], "127.0.0.1", free_port())

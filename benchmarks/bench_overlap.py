@@ -67,7 +67,7 @@ def echo(port_queue: mp.Queue) -> None:
 
 
 def start_cluster() -> tuple[list[subprocess.Popen], dict[str, str]]:
-    from tfkv.launcher.plan import free_port
+    from tfkv.launcher.ports import free_port
 
     env = {**os.environ, "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(free_port()),
            "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": "1"}

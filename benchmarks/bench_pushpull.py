@@ -137,7 +137,8 @@ def tfkv_worker(args: argparse.Namespace) -> None:
 def run_tfkv(num_servers: int, num_workers: int, sizes: list[int], seconds: float,
              timeout: float) -> dict[int, float]:
     """GB/s per size of one tfkv job (summed over the workers)."""
-    from tfkv.launcher.plan import free_port, make_plan
+    from tfkv.launcher.plan import make_plan
+    from tfkv.launcher.ports import free_port
 
     with tempfile.TemporaryDirectory(prefix="bench_pushpull_") as tmp:
         outs = [os.path.join(tmp, f"worker{i}.json") for i in range(num_workers)]

@@ -199,7 +199,8 @@ def run_job(workers: int, model: str, batch: int, seconds: float, tmp: str, tag:
             compression: str = "none", threshold: float = 0.5, overlap: str = "graph", threads: int = 0) -> dict:
     """Run one job; returns {samples_s, push_bytes (per step, per worker), timings (worker means),
     steps, params, loss}. Raises Failed (with the job's log tail) on any failure or hang."""
-    from tfkv.launcher.plan import free_port, make_plan
+    from tfkv.launcher.plan import make_plan
+    from tfkv.launcher.ports import free_port
 
     argv = [sys.executable, os.path.abspath(__file__), "--out", tmp, "--sync-dir", tmp, "--tag", tag,
             "--model", model, "--batch", str(batch), "--seconds", str(seconds), "--compression", compression,

@@ -146,7 +146,7 @@ class LoopbackHost:
 
 @pytest.fixture(scope="session")
 def loopback_host(ssh_site: SSHSite):
-    from tfkv.launcher.plan import free_port
+    from tfkv.launcher.ports import free_port
 
     port = free_port("127.0.0.1")
     config = ssh_site.sshd_config("loopback", "127.0.0.1", port)

@@ -153,7 +153,7 @@ class Cluster:
     the test passes TFKV_SECURE="0". Output of each process goes to a file in the test's directory."""
 
     def __init__(self, tmp_path: Path, num_servers: int, num_workers: int, env: dict | None = None):
-        from tfkv.launcher.plan import free_port
+        from tfkv.launcher.ports import free_port
         from tfkv.store import security
 
         self.dir = tmp_path

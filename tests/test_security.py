@@ -18,7 +18,7 @@ import pytest
 import zmq
 
 from conftest import REPO, TAG, tagged_pids
-from tfkv.launcher.plan import free_port
+from tfkv.launcher.ports import free_port
 from tfkv.store import protocol as P
 from tfkv.store import security
 

@@ -21,7 +21,7 @@ import pytest
 from cluster_hosts import netns_hosts, ssh_site  # noqa: F401 - fixtures
 from conftest import TAG, Launching, tagged_pids, tfkv_run
 
-from tfkv.launcher.plan import free_port
+from tfkv.launcher.ports import free_port
 
 
 def _ephemeral() -> range:
@@ -57,7 +57,7 @@ def test_a_chosen_port_is_no_ephemeral_port_and_no_other_process_gets_it_until_r
     # from the ephemeral range: a port chosen there could be gone before the scheduler binds it.
     assert mine not in _ephemeral()
     # Another process choosing 300 ports at once while this one holds its own never gets it.
-    code = ("import json; from tfkv.launcher.plan import free_port; "
+    code = ("import json; from tfkv.launcher.ports import free_port; "
             "print(json.dumps([free_port() for _ in range(300)]))")
     theirs = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                        check=True, timeout=60).stdout)

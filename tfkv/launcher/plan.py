@@ -10,8 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from tfkv.launcher.ports import free_port  # noqa: F401 - where launchers and tests have taken it from
-
 # The job's run directory as the roles see it, in every role's environment: a worker that runs
 # tfkv-run writes there (see worker_overrides) instead of making a Hydra run directory of its own.
 RUN_DIR = "TFKV_RUN_DIR"
