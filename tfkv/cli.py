@@ -185,7 +185,10 @@ def _one_line(exc: BaseException) -> str:
     plugin = _plugin_package(str(getattr(exc, "missing_cfg_file", "") or ""))
     if isinstance(exc, MissingConfigException) and plugin:
         # hydra/launcher=ray: a Hydra plug-in that is not installed
-        return f"{text}: it is a Hydra plug-in that is not installed; pip install {plugin}"
+        extra = _extra_with(plugin)
+        # tfkv's extra pins what the plug-in needs with tfkv (optuna 2's SQLite storage: SQLAlchemy<2)
+        also = f"pip install 'tfkv[{extra}]', which has it with the versions tfkv is tested with, or " if extra else ""
+        return f"{text}: it is a Hydra plug-in that is not installed; {also}pip install {plugin}"
     if isinstance(exc, MissingConfigException) and exc.options:
         # `model=resnet19`: Hydra's list of what there is, and the nearest name
         wanted = str(exc.missing_cfg_file).rsplit("/", 1)[-1]
@@ -226,6 +229,21 @@ HYDRA_PLUGINS = {
     "hydra/sweeper": {"ax": "hydra-ax-sweeper", "optuna": "hydra-optuna-sweeper",
                       "tfkv_optuna": "hydra-optuna-sweeper", "nevergrad": "hydra-nevergrad-sweeper"},
 }
+
+
+def _extra_with(package: str) -> str | None:
+    """The extra of the installed tfkv that requires `package` (`sweep`), from tfkv's metadata."""
+    from importlib import metadata
+
+    try:
+        requires = metadata.requires("tfkv") or []
+    except metadata.PackageNotFoundError:
+        return None
+    for req in requires:
+        m = re.match(r"([A-Za-z0-9_.\-]+).*;\s*extra\s*==\s*[\"']([\w-]+)[\"']", req)
+        if m and m.group(1).lower() == package.lower():
+            return m.group(2)
+    return None
 
 
 def _plugin_package(missing: str) -> str | None:
