@@ -30,6 +30,7 @@ SHARED_HOSTS = {"test_launcher_batch.py", "test_launcher_ssh.py", "test_security
 HOST_FIXTURES = {"ssh_site", "netns_hosts", "loopback_host", "slurm", "sge"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns the marker into the node's group
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in SHARED_HOSTS or HOST_FIXTURES & set(getattr(item, "fixturenames", ())):
