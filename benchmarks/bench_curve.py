@@ -2,7 +2,7 @@
 
     python3 benchmarks/bench_curve.py [--sizes-mib 1 16] [--seconds 5]
 
-Starts a scheduler and a server (python -m tfkv.store.node) on loopback for each mode; a child
+Starts a scheduler and a server (python -m tfkv.ps.node) on loopback for each mode; a child
 process per mode is the worker. GB/s counts the bytes pushed plus the bytes pulled; the ratio is
 CURVE's against plain TCP in the same run.
 """
@@ -19,16 +19,16 @@ import numpy as np
 
 def run(secure: bool, sizes_mib: list[float], seconds: float) -> dict[float, float]:
     from tfkv.launcher.ports import free_port
-    from tfkv.store import security
+    from tfkv.ps import security
 
     env = {**os.environ, "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(free_port()),
            "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
     env.update(security.keys_env(security.new_keys()) if secure else {"TFKV_SECURE": "0"})
-    procs = [subprocess.Popen([sys.executable, "-m", "tfkv.store.node"], env={**env, "DMLC_ROLE": role},
+    procs = [subprocess.Popen([sys.executable, "-m", "tfkv.ps.node"], env={**env, "DMLC_ROLE": role},
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for role in ("scheduler", "server")]
     os.environ.clear()
     os.environ.update({**env, "DMLC_ROLE": "worker"})
-    from tfkv.store.cluster_env import ClusterEnv
+    from tfkv.ps.cluster_env import ClusterEnv
     from tfkv.store.dist import DistStore
 
     kv = DistStore(env=ClusterEnv.from_env())

@@ -207,7 +207,7 @@ def job_dist_sync(args, tmp: str, model: str) -> None:
     from tfkv.launcher.ports import free_port
 
     plan = make_plan(2, 1, worker_argv(args, "dist_sync", tmp, models=model),
-                     [sys.executable, "-m", "tfkv.store.node"], ["127.0.0.1"], "127.0.0.1", free_port())
+                     [sys.executable, "-m", "tfkv.ps.node"], ["127.0.0.1"], "127.0.0.1", free_port())
     run_plan(plan, args.job_timeout, f"dist_sync {model}")
 
 

@@ -1,7 +1,7 @@
 """Push+pull of a model-shaped set of keys (ResNet18's parameters): blocking per key, overlapped,
 overlapped with chunking, and with 2-bit compression, against raw pyzmq moving the same bytes.
 
-One scheduler and one server (`python -m tfkv.store.node`) run as processes; the worker is this
+One scheduler and one server (`python -m tfkv.ps.node`) run as processes; the worker is this
 process (a `DistStore` built from an explicit ClusterEnv). One iteration pushes every key and
 pulls every key back, as a training step does (dist_sync, no optimizer: the server sums):
 
@@ -71,7 +71,7 @@ def start_cluster() -> tuple[list[subprocess.Popen], dict[str, str]]:
 
     env = {**os.environ, "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(free_port()),
            "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": "1"}
-    procs = [subprocess.Popen([sys.executable, "-m", "tfkv.store.node"], env={**env, "DMLC_ROLE": role})
+    procs = [subprocess.Popen([sys.executable, "-m", "tfkv.ps.node"], env={**env, "DMLC_ROLE": role})
              for role in ("scheduler", "server")]
     return procs, env
 
@@ -85,7 +85,7 @@ def main() -> None:
     args = ap.parse_args()
     chunk = parse_size(args.chunk)
 
-    from tfkv.store.cluster_env import ClusterEnv
+    from tfkv.ps.cluster_env import ClusterEnv
     from tfkv.store.dist import DistStore
 
     shapes = RESNET18

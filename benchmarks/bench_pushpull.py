@@ -144,7 +144,7 @@ def run_tfkv(num_servers: int, num_workers: int, sizes: list[int], seconds: floa
         outs = [os.path.join(tmp, f"worker{i}.json") for i in range(num_workers)]
         worker = [sys.executable, os.path.abspath(__file__), "--worker", "--seconds", str(seconds),
                   "--sizes", ",".join(str(s) for s in sizes), "--out"]
-        plan = make_plan(num_workers, num_servers, worker, [sys.executable, "-m", "tfkv.store.node"],
+        plan = make_plan(num_workers, num_servers, worker, [sys.executable, "-m", "tfkv.ps.node"],
                          ["127.0.0.1"], "127.0.0.1", free_port())
         for p in plan:
             if p.role == "worker":

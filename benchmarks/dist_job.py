@@ -205,7 +205,7 @@ def run_job(workers: int, model: str, batch: int, seconds: float, tmp: str, tag:
     argv = [sys.executable, os.path.abspath(__file__), "--out", tmp, "--sync-dir", tmp, "--tag", tag,
             "--model", model, "--batch", str(batch), "--seconds", str(seconds), "--compression", compression,
             "--threshold", str(threshold), "--overlap", overlap, "--threads", str(threads)]
-    plan = make_plan(workers, 1, argv, [sys.executable, "-m", "tfkv.store.node"], ["127.0.0.1"], "127.0.0.1",
+    plan = make_plan(workers, 1, argv, [sys.executable, "-m", "tfkv.ps.node"], ["127.0.0.1"], "127.0.0.1",
                      free_port())
     run_plan(plan, timeout, tag)
 

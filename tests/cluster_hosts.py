@@ -27,12 +27,16 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 from conftest import need_root
+
+from tfkv.launcher.plan import Process
+from tfkv.launcher.ssh import remote_command
 
 SSHD = "/usr/sbin/sshd"  # sshd re-executes itself, so it must be started by absolute path
 
@@ -232,3 +236,22 @@ def netns_hosts(ssh_site: SSHSite):
             _run("ip", "link", "del", f"tk{n}v{i}")
             _run("ip", "netns", "del", ns)
         _run("ip", "link", "del", bridge)
+
+
+def start_remote_command(argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen:
+    """What sshd does with the command: hand it to a shell in a new session, stdin the channel."""
+    p = Process("worker 0", "worker", 0, "here", argv, env)
+    return subprocess.Popen(["sh", "-c", remote_command(p, str(cwd), sys.executable)], stdout=subprocess.PIPE,
+                            stdin=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def run_remote_command(argv: list[str], env: dict[str, str], cwd: Path) -> tuple[subprocess.Popen, str]:
+    """Run it to its end with the channel open (closing stdin would end the job); its output."""
+    proc = start_remote_command(argv, env, cwd)
+    try:
+        out = proc.stdout.read()
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+        proc.stdin.close()
+    return proc, out

@@ -155,7 +155,7 @@ class Cluster:
 
     def __init__(self, tmp_path: Path, num_servers: int, num_workers: int, env: dict | None = None):
         from tfkv.launcher.ports import free_port
-        from tfkv.store import security
+        from tfkv.ps import security
 
         self.dir = tmp_path
         self.tag = f"{tmp_path.name}-{os.getpid()}"
@@ -177,7 +177,7 @@ class Cluster:
         return proc
 
     def start_servers(self, argv: list[str] | None = None) -> None:
-        argv = argv or [sys.executable, "-m", "tfkv.store.node"]
+        argv = argv or [sys.executable, "-m", "tfkv.ps.node"]
         self.start("scheduler", "scheduler", argv)
         for i in range(self.num_servers):
             self.start(f"server {i}", "server", argv, TFKV_RANK_HINT=str(i))
@@ -230,3 +230,24 @@ def cluster(tmp_path):
     for c in made:
         c.kill_all()
     assert not any(leftovers.values()), f"processes left behind: {leftovers}"
+
+
+def expected(steps: int, nkeys: int, workers: int) -> list[list[float]]:
+    """int_sgd's final values: 1000 minus every push, each counted once (lr=1)."""
+    out = []
+    for k in range(nkeys):
+        v = 1000.0 - sum((r + 1) * (s % 5 + 1) + k % 3 for r in range(workers) for s in range(steps))
+        out.append([v, v])
+    return out
+
+
+def role_pid(tag, role, rank):
+    """The pid of the process of a tfkv-launch job running `role` `rank` (from its environment)."""
+    for pid in tagged_pids(tag):
+        try:
+            env = dict(v.split("=", 1) for v in open(f"/proc/{pid}/environ").read().split("\0") if "=" in v)
+        except OSError:
+            continue
+        if env.get("DMLC_ROLE") == role and env.get("TFKV_RANK_HINT") == str(rank):
+            return pid
+    raise AssertionError(f"no {role} {rank} among {tagged_pids(tag)}")

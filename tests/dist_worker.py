@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -15,7 +16,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tfkv.store  # noqa: E402
 from tfkv import optim  # noqa: E402
-from tfkv.store import protocol as P  # noqa: E402
+from tfkv.ps import protocol as P  # noqa: E402
 
 
 def semantics(kv, out):
@@ -382,11 +383,12 @@ def criterion_kinds(kv, out):
     and after, both copies' weights after the epoch-end BatchNorm averaging."""
     import keras
 
+    sys.path.insert(0, str(Path(__file__).parent / "parallel"))  # the tests mirror the package
     from test_criterion import TWO_HEADED_LOSS, TWO_HEADED_METRICS, two_headed, two_headed_data
     from tfkv.parallel import devices
     from tfkv.parallel.criterion import Criterion
     from tfkv.parallel.data_parallel import DataParallel
-    from tfkv.store.cluster_env import ClusterEnv
+    from tfkv.ps.cluster_env import ClusterEnv
 
     devs = devices.setup(["cpu:0", "cpu:1"])
     jobs = [(os.environ.get("TEST_KVSTORE", "dist_sync"), lambda: kv)]

@@ -21,7 +21,7 @@ import numpy as np
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from tfkv import optim  # noqa: E402
-from tfkv.store import protocol as P  # noqa: E402
+from tfkv.ps import protocol as P  # noqa: E402
 
 T = P.Type
 
@@ -225,8 +225,8 @@ def worker(out_path, steps, nkeys, size):
 
 
 def server(out_path):
-    from tfkv.store.cluster_env import ClusterEnv
-    from tfkv.store.server import Server
+    from tfkv.ps.cluster_env import ClusterEnv
+    from tfkv.ps.server import Server
 
     srv = Server(ClusterEnv.from_env())
     sent = fuzz_scheduler(srv.link)

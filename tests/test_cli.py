@@ -194,7 +194,7 @@ def test_a_bad_key_file_is_one_line_for_every_role(tmp_path, role, keyfile):
         import subprocess as sp
         import sys
 
-        sp.run([sys.executable, "-m", "tfkv.store.security", str(path)], check=True, capture_output=True)
+        sp.run([sys.executable, "-m", "tfkv.ps.security", str(path)], check=True, capture_output=True)
         path.chmod(0o644)
     env = {"DMLC_ROLE": role, "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "9", "DMLC_NUM_SERVER": "1",
            "DMLC_NUM_WORKER": "1", "TFKV_CURVE_KEYFILE": str(path)}

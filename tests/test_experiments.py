@@ -5,7 +5,7 @@ import json
 
 import pytest
 from conftest import tfkv_run
-from test_data import write_cifar, write_mnist
+from formats import write_cifar, write_mnist
 
 
 def _metrics(root):

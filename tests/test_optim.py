@@ -138,7 +138,7 @@ def test_optimizer_travels_as_json():
 def test_server_updater_follows_the_rule(opt):
     """The servers' numpy updater (in place for SGD) gives the rule's numbers and never writes
     into the weight it was given (it may still be in flight in a zero-copy send)."""
-    from tfkv.store.np_updater import NumpyUpdater
+    from tfkv.ps.updater import NumpyUpdater
 
     rng = np.random.default_rng(3)
     w0 = rng.normal(size=50).astype(np.float32)

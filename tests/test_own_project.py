@@ -17,7 +17,7 @@ import pytest
 import yaml
 from cluster_hosts import loopback_host, ssh_site  # noqa: F401 - fixtures
 from conftest import REPO, TAG, tagged_pids, tfkv_run
-from test_launcher_ssh import _run_remote_command
+from cluster_hosts import run_remote_command
 
 from tfkv import worker
 from tfkv.errors import ConfigError
@@ -72,7 +72,7 @@ def test_the_workers_config_passes_every_backend_unchanged(tmp_path):
     assert worker.decode(x.split("=", 1)[1])[0] == ODD
     # ssh: the remote shell command, run by a real shell as sshd runs it.
     ssh_job = _plan(tmp_path, "ssh", sync_dst_dir=str(tmp_path / "dst"))
-    _, out = _run_remote_command([PY, "-c", "import json, os; from tfkv.worker import decode; "
+    _, out = run_remote_command([PY, "-c", "import json, os; from tfkv.worker import decode; "
                                             f"print(json.dumps(decode(os.environ['{CONFIG}'])[0]))"],
                                  ssh_job.plan[-1].env, tmp_path)
     assert [json.loads(line) for line in out.split("\n") if line.startswith("{")] == [ODD], out

@@ -49,7 +49,7 @@ def _main(cfg: Any) -> Any:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from tfkv.store.cluster_env import ClusterEnv
+    from tfkv.ps.cluster_env import ClusterEnv
 
     if HydraConfig.get().mode == RunMode.MULTIRUN and ClusterEnv.role_of() is None:
         from tfkv.sweep import task
@@ -78,9 +78,9 @@ def _explain(e: BaseException) -> str | None:
 
 def user_error(e: BaseException) -> str | None:
     """The one line for an error the user fixes outside tfkv's code, or None for a bug."""
-    from tfkv.store.cluster_env import ClusterEnvError
-    from tfkv.store.scheduler_link import ClusterError
-    from tfkv.store.security import SecurityError
+    from tfkv.ps.cluster_env import ClusterEnvError
+    from tfkv.ps.scheduler_link import ClusterError
+    from tfkv.ps.security import SecurityError
 
     if isinstance(e, (TfkvError, ClusterEnvError, ClusterError, SecurityError)):
         text = str(e)
@@ -102,7 +102,7 @@ def _job(cfg: Any) -> float:
     from omegaconf import OmegaConf
 
     from tfkv import config as config_schema
-    from tfkv.store.cluster_env import ClusterEnv
+    from tfkv.ps.cluster_env import ClusterEnv
 
     config_schema.validate(cfg)
     hc = HydraConfig.get()
@@ -369,10 +369,10 @@ def _run() -> None:
     if "--version" in sys.argv[1:]:  # Hydra's own --version names Hydra alone
         print(f"tfkv-run {versions()}")
         return
-    from tfkv.store.cluster_env import ClusterEnv
+    from tfkv.ps.cluster_env import ClusterEnv
 
     if ClusterEnv.role_of() in ("scheduler", "server"):
-        from tfkv.store import node
+        from tfkv.ps import node
 
         node.main()  # serves until the job ends, then exits
     # The user's own package (model._target_: myproj.nets.build) imports from the directory

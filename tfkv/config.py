@@ -19,7 +19,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from tfkv.errors import ConfigError
-from tfkv.store import compression
+from tfkv.ps import compression
 
 
 @dataclass

@@ -18,7 +18,7 @@ from typing import Any, Optional, Protocol, Union, get_args, get_origin, get_typ
 
 import numpy as np
 
-from tfkv.store import schema
+from tfkv.ps import schema
 
 
 class Ops(Protocol):

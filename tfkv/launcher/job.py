@@ -14,7 +14,7 @@ from tfkv.launcher import base, record, signals
 from tfkv.launcher.hosts import Host, read_hosts
 from tfkv.launcher.plan import RUN_DIR, make_plan
 from tfkv.launcher.ports import free_port, release_port
-from tfkv.store import security
+from tfkv.ps import security
 
 log = logging.getLogger("tfkv")
 
@@ -79,7 +79,7 @@ def plan_job(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path
         extra[security.SECURE] = "0"
     # Only ssh and mpi place roles on the hosts file's hosts; Slurm, SGE and YARN choose the nodes.
     placed = bool(opts.hostfile) and opts.launcher in ("ssh", "mpi")
-    plan = make_plan(opts.num_workers, opts.num_servers, worker_argv, [python, "-m", "tfkv.store.node"],
+    plan = make_plan(opts.num_workers, opts.num_servers, worker_argv, [python, "-m", "tfkv.ps.node"],
                      [h.name for h in hosts], scheduler_host, port, extra, show_host=placed)
     return base.Job(plan=plan, hosts=hosts if opts.hostfile else [], workdir=workdir,
                     sync_dst_dir=opts.sync_dst_dir, run_dir=run_dir, python=python,

@@ -3,7 +3,7 @@
 mpirun, srun and qsub start N copies of one command and tell each copy its rank
 (OMPI_COMM_WORLD_RANK, SLURM_PROCID, SGE_TASK_ID). This helper turns that rank into a role of
 the plan: it sets DMLC_ROLE, TFKV_RANK_HINT and the rest of the process's environment, starts
-the role's command (`python -m tfkv.store.node` or the worker's command) and prefixes every line
+the role's command (`python -m tfkv.ps.node` or the worker's command) and prefixes every line
 of its output with the role's name, so the job's output reads as `tfkv-launch --launcher local`'s.
 When the role ends it prints one line, `[worker 1] tfkv-role: worker 1 exited with status 1`,
 from which the launcher learns which role failed first.
@@ -141,7 +141,7 @@ def _pick(args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
             servers, workers = int(env["DMLC_NUM_SERVER"]), int(env["DMLC_NUM_WORKER"])
         except (KeyError, ValueError):
             raise RoleError("DMLC_NUM_SERVER and DMLC_NUM_WORKER must be set to numbers") from None
-        plan = make_plan(workers, servers, args.argv, [sys.executable, "-m", "tfkv.store.node"], ["-"],
+        plan = make_plan(workers, servers, args.argv, [sys.executable, "-m", "tfkv.ps.node"], ["-"],
                          env.get("DMLC_PS_ROOT_URI", ""), int(env.get("DMLC_PS_ROOT_PORT") or 0))
         spec = table(plan)
         spec["env"] = {}  # the environment already holds the job's variables

@@ -57,7 +57,7 @@ from tfkv.launcher.hosts import Host
 from tfkv.launcher.process import done_waiting, first_cause
 from tfkv.launcher.plan import Process, forwarded_env
 from tfkv.launcher.record import EXCLUDE
-from tfkv.store.security import SECRET_NAMES
+from tfkv.ps.security import SECRET_NAMES
 
 if TYPE_CHECKING:
     import paramiko

@@ -9,7 +9,7 @@ applications, one per group of processes that run the same command:
     yarn jar $HADOOP_HOME/share/hadoop/yarn/hadoop-yarn-applications-distributedshell-*.jar \\
         -jar <the same jar> -appname tfkv-...-servers -num_containers S \\
         -container_memory 2048 -container_vcores 1 -timeout 2147483647 \\
-        -shell_command 'python3 -m tfkv.store.node' -shell_env DMLC_ROLE=server -shell_env ...
+        -shell_command 'python3 -m tfkv.ps.node' -shell_env DMLC_ROLE=server -shell_env ...
 
 Every container of an application runs the same command and the distributed shell gives them no
 index, so a group shares one command; workers whose commands differ ("{rank}" in the command)

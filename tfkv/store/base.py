@@ -155,7 +155,7 @@ class KVStore(ABC):
         threshold applies to what is pushed: gradient sums over a batch, as in MXNet (see
         tfkv.optim's rescale_grad). `local` sums in host memory and accepts only {"type": "none"},
         as MXNet's refuses compression."""
-        from tfkv.store import compression
+        from tfkv.ps import compression
 
         if compression.parse(compression_params) is not None:
             raise ValueError(f"gradient compression applies to what devices send to be summed (kvstore=device) or "

@@ -14,7 +14,7 @@ before pulling); `arrivals` hands out each key as its last part arrives. DataPar
 (hence the lock: the sockets are used from a TensorFlow thread). A part of more than
 TFKV_CHUNK_BYTES is cut into chunks, each its own key on its server, so one big tensor does not
 hold up the others; the chunks of a pulled key are copied into one array as they arrive. With
-`set_gradient_compression` pushes are 2-bit compressed (`tfkv.store.compression`) with one
+`set_gradient_compression` pushes are 2-bit compressed (`tfkv.ps.compression`) with one
 residual per key chunk kept on the worker.
 
 Creating a store in a process whose role is `server` or `scheduler` runs that role and exits,
@@ -40,12 +40,12 @@ import numpy as np
 import zmq
 
 from tfkv import optim
-from tfkv.store import compression
-from tfkv.store import protocol as P
-from tfkv.store import security
+from tfkv.ps import compression
+from tfkv.ps import protocol as P
+from tfkv.ps import security
 from tfkv.store.base import Key, KVStore, gpu_p2p, in_place, pairs
-from tfkv.store.cluster_env import ClusterEnv
-from tfkv.store.scheduler_link import SchedulerLink
+from tfkv.ps.cluster_env import ClusterEnv
+from tfkv.ps.scheduler_link import SchedulerLink
 
 log = logging.getLogger("tfkv.ps")
 
@@ -135,7 +135,7 @@ class DistStore(KVStore):
     def __init__(self, devices: Sequence[str] | None = None, env: ClusterEnv | None = None):
         env = env or ClusterEnv.from_env()
         if env.role != "worker":
-            from tfkv.store.node import run_role
+            from tfkv.ps.node import run_role
 
             sys.exit(run_role(env))
         self.env = env

@@ -15,7 +15,8 @@ from typing import Any, Hashable, Mapping, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tfkv.store import compression, tf_compression
+from tfkv.store import tf_compression
+from tfkv.ps import compression
 from tfkv.store.base import Key, KVStore, Updater, gpu_p2p, pairs
 from tfkv.store.tf_updater import TFUpdater
 

@@ -1,6 +1,6 @@
 """2-bit gradient compression as TensorFlow ops, for the `device` store's in-graph reduction.
 
-The scheme and the word layout are `tfkv.store.compression`'s (MXNet's): each element of
+The scheme and the word layout are `tfkv.ps.compression`'s (MXNet's): each element of
 (gradient + residual) becomes +t, -t or 0, what was not sent stays in the residual, codes 1 (+t)
 and 2 (-t) take 2 bits, 16 per uint32 word, element i in bits 2*(i % 16) of word i // 16. `pack`
 runs on the device that computed the gradient (its residual lives there); only the words travel

@@ -16,13 +16,12 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster_hosts import loopback_host, netns_hosts, ssh_site  # noqa: F401 - fixtures
+from cluster_hosts import loopback_host, netns_hosts, run_remote_command, ssh_site, start_remote_command  # noqa: F401
 from conftest import REPO, TAG, tagged_pids, tfkv_run
 
 from tfkv.errors import ConfigError
 from tfkv.launcher import job as launch_job
-from tfkv.launcher.plan import Process
-from tfkv.launcher.ssh import MARK, SSHLauncher, remote_command
+from tfkv.launcher.ssh import MARK, SSHLauncher
 
 PY = sys.executable  # the "remote" hosts share this machine's Python, where tfkv is installed
 
@@ -72,28 +71,9 @@ def test_hosts_file_placement_five_hosts_three_workers(tmp_path):
     assert job.remote_run_dir == "/tmp/job/outputs/run"  # the workers write under the synced tree
 
 
-def _start_remote_command(argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen:
-    """What sshd does with the command: hand it to a shell in a new session, stdin the channel."""
-    p = Process("worker 0", "worker", 0, "here", argv, env)
-    return subprocess.Popen(["sh", "-c", remote_command(p, str(cwd), PY)], stdout=subprocess.PIPE,
-                            stdin=subprocess.PIPE, text=True, start_new_session=True)
-
-
-def _run_remote_command(argv: list[str], env: dict[str, str], cwd: Path) -> tuple[subprocess.Popen, str]:
-    """Run it to its end with the channel open (closing stdin would end the job); its output."""
-    proc = _start_remote_command(argv, env, cwd)
-    try:
-        out = proc.stdout.read()
-        proc.wait(timeout=30)
-    finally:
-        proc.kill()
-        proc.stdin.close()
-    return proc, out
-
-
 def test_remote_command_quotes_env_and_argv_and_reports_the_group(tmp_path):
     odd = "a 'b' \"c\" $HOME `x` ;|&"
-    proc, out = _run_remote_command(
+    proc, out = run_remote_command(
         [PY, "-c", "import os, sys; print(os.environ['ODD'], sys.argv[1], os.getcwd())", odd], {"ODD": odd}, tmp_path)
     lines = out.split("\n")  # not splitlines(): it also splits at the marker's \x1e
     assert lines[0].startswith(MARK + "pgid ") and int(lines[0].split()[-1]) == proc.pid  # its own group
@@ -102,14 +82,14 @@ def test_remote_command_quotes_env_and_argv_and_reports_the_group(tmp_path):
 
 
 def test_remote_command_names_the_signal_that_killed_the_role(tmp_path):
-    proc, out = _run_remote_command(["sh", "-c", "printf 'no newline'; kill -9 $$"], {}, tmp_path)
+    proc, out = run_remote_command(["sh", "-c", "printf 'no newline'; kill -9 $$"], {}, tmp_path)
     assert out.split("\n")[-2] == f"no newline{MARK}exit -9"
     assert proc.returncode == 128 + 9
 
 
 def test_remote_command_kills_its_group_when_the_channel_closes(tmp_path):
     tag = _tag(tmp_path)
-    proc = _start_remote_command(["sh", "-c", "sleep 60 & sleep 60; echo never"], tag, tmp_path)
+    proc = start_remote_command(["sh", "-c", "sleep 60 & sleep 60; echo never"], tag, tmp_path)
     assert proc.stdout.readline().startswith(MARK + "pgid")
     deadline = time.monotonic() + 10
     while len(tagged_pids(tag[TAG])) < 4 and time.monotonic() < deadline:  # wrapper, sh, 2 sleeps

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tfkv.store import protocol as P
+from tfkv.ps import protocol as P
 
 
 def test_round_trip_with_meta_and_data():
@@ -200,7 +200,7 @@ def test_every_control_message_is_checked_against_its_schema(type_, meta, messag
 def test_any_failure_of_a_schema_check_is_a_protocol_error(monkeypatch):
     """Belt and braces: whatever a check raises (a builder's bug included), decode raises
     ProtocolError, the one error a node catches and answers; a node never dies on a message."""
-    from tfkv.store import schema
+    from tfkv.ps import schema
 
     def broken(value, where):
         raise ZeroDivisionError("a bug in a check")
@@ -358,6 +358,6 @@ def test_a_joined_payload_does_not_keep_its_frames_alive():
 def test_the_server_sends_full_payload_frames_without_a_copy():
     """The server copies reply frames below its copy threshold: the threshold must lie below
     the largest frame it sends, or the zero-copy path is never taken."""
-    from tfkv.store import server
+    from tfkv.ps import server
 
     assert server.COPY_THRESHOLD < P.FRAME_BYTES

@@ -21,9 +21,9 @@ from typing import Any
 import zmq
 
 from tfkv.errors import EXIT_PEER_FAILED
-from tfkv.store import protocol as P
-from tfkv.store import security
-from tfkv.store.cluster_env import ClusterEnv
+from tfkv.ps import protocol as P
+from tfkv.ps import security
+from tfkv.ps.cluster_env import ClusterEnv
 
 log = logging.getLogger("tfkv.ps")
 

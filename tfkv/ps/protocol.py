@@ -7,16 +7,16 @@
               shorter; always at least one frame); sent from numpy buffers without copies, and
               received without copies when it fits one frame. dtype FLOAT32: `count` float32
               values (count*4 bytes); dtype TWOBIT: `count` values 2-bit compressed
-              (tfkv.store.compression), ceil(count/16) uint32 words, so a push of n gradients
+              (tfkv.ps.compression), ceil(count/16) uint32 words, so a push of n gradients
               is 16x smaller on the wire
 
 No frame is larger than MAX_FRAME, and every socket refuses larger ones (ZMQ_MAXMSGSIZE, set
-by tfkv.store.security): libzmq applies that cap per frame and also to the frames of a CURVE
+by tfkv.ps.security): libzmq applies that cap per frame and also to the frames of a CURVE
 handshake, so a peer that has not authenticated can make a node buffer at most MAX_FRAME
 bytes, while a large chunk travels as several frames of one message.
 
 Nothing received is unpickled or evaluated: the header is unpacked with `struct`, metadata is
-parsed by `json` and checked against its message type's schema (`tfkv.store.schema`), payloads
+parsed by `json` and checked against its message type's schema (`tfkv.ps.schema`), payloads
 are viewed by `numpy.frombuffer`. Every field is checked; a message that does not fit raises
 `ProtocolError` and the receiver answers with an error or drops it.
 This module imports neither TensorFlow nor anything heavy.
@@ -32,8 +32,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from tfkv.store import schema
-from tfkv.store.compression import words
+from tfkv.ps import schema
+from tfkv.ps.compression import words
 
 MAGIC = 0x4B54  # "TK"
 VERSION = 1

@@ -141,7 +141,7 @@ def test_an_advertise_address_without_a_good_port_is_one_line(tmp_path, value):
 
     env = {**os.environ, "DMLC_ROLE": "server", "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "9",
            "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": "1", "TFKV_SECURE": "0", "TFKV_ADVERTISE_ADDRESS": value}
-    proc = subprocess.run([sys.executable, "-m", "tfkv.store.node"], cwd=tmp_path, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "tfkv.ps.node"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from test_security import expected
+from conftest import expected
 
 
 def _vmhwm_kib(pid: int) -> int:

@@ -14,7 +14,7 @@ releases the GIL in np.add), smaller ones stay on the serving thread.
 
 Requests are handled by one thread, in the order each connection delivers them. A malformed or
 wrong-size request gets an ERROR reply and the server carries on; a connection no worker of the
-job spoke on gets a few such replies, then none (tfkv.store.strangers). A request seen before (same sender and sequence number, as resent
+job spoke on gets a few such replies, then none (tfkv.ps.strangers). A request seen before (same sender and sequence number, as resent
 under PS_RESEND) is acknowledged again but never applied twice. No TensorFlow here.
 """
 
@@ -30,13 +30,13 @@ import numpy as np
 import zmq
 
 from tfkv import optim
-from tfkv.store import compression
-from tfkv.store import protocol as P
-from tfkv.store import security
-from tfkv.store.cluster_env import ClusterEnv
-from tfkv.store.np_updater import NumpyUpdater
-from tfkv.store.scheduler_link import SchedulerLink
-from tfkv.store.strangers import Strangers
+from tfkv.ps import compression
+from tfkv.ps import protocol as P
+from tfkv.ps import security
+from tfkv.ps.cluster_env import ClusterEnv
+from tfkv.ps.updater import NumpyUpdater
+from tfkv.ps.scheduler_link import SchedulerLink
+from tfkv.ps.strangers import Strangers
 
 log = logging.getLogger("tfkv.ps")
 
@@ -155,7 +155,7 @@ class Server:
 
     def _refuse(self, identity: bytes, error: P.Message, what: str) -> None:
         """Answer with `error`: always a member (a connection a worker of the job spoke on);
-        anyone else only while its few answers last (tfkv.store.strangers), then silently."""
+        anyone else only while its few answers last (tfkv.ps.strangers), then silently."""
         if identity in self._members or self._strangers.may_answer(identity):
             log.warning("%s: refused %s", self.link.name, what)
             self.reply(identity, error)
@@ -208,7 +208,7 @@ class Server:
         return out
 
     # The control handlers read their metadata as protocol.decode left it: checked against the
-    # message's schema (tfkv.store.schema), so every field is there with its type and range.
+    # message's schema (tfkv.ps.schema), so every field is there with its type and range.
 
     def on_configure(self, identity: bytes, msg: P.Message) -> None:
         self.sync = msg.meta["sync"]

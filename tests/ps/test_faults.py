@@ -12,10 +12,10 @@ import time
 import numpy as np
 import pytest
 import zmq
-from conftest import REPO, TAG, Launching, tagged_pids, tfkv_run
+from conftest import REPO, TAG, Launching, role_pid, tagged_pids, tfkv_run
 
-from tfkv.store import protocol as P
-from tfkv.store import security, strangers
+from tfkv.ps import protocol as P
+from tfkv.ps import security, strangers
 
 
 def _start(c, seconds, kind):
@@ -120,7 +120,7 @@ def test_live_server_and_scheduler_survive_fuzzing(cluster):
         assert c.procs[name].poll() is None, f"{name} died under fuzzing:\n{c.output(name)}"
     ctx.term()
     # The server answered the first malformed requests with errors, then no more: a connection
-    # no worker spoke on gets a few answers at most (tfkv.store.strangers); the scheduler, formed,
+    # no worker spoke on gets a few answers at most (tfkv.ps.strangers); the scheduler, formed,
     # drops anything from a connection that is not a node.
     assert 0 < replies <= strangers.PER_PEER
     assert _proc_rss_kib(server_pid) - rss_before < 100_000, "server memory grew by over 100 MB"
@@ -209,18 +209,6 @@ def test_an_uncaught_exception_fails_the_job_at_once_with_its_cause(cluster):
     assert "worker 1 failed (RuntimeError: boom in worker 1)" in c.output("worker 0"), c.output("worker 0")
 
 
-def _role_pid(tag, role, rank):
-    """The pid of the process of a tfkv-launch job running `role` `rank` (from its environment)."""
-    for pid in tagged_pids(tag):
-        try:
-            env = dict(v.split("=", 1) for v in open(f"/proc/{pid}/environ").read().split("\0") if "=" in v)
-        except OSError:
-            continue
-        if env.get("DMLC_ROLE") == role and env.get("TFKV_RANK_HINT") == str(rank):
-            return pid
-    raise AssertionError(f"no {role} {rank} among {tagged_pids(tag)}")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", ["worker 1", "server 0", "scheduler"])
 def test_a_stopped_role_is_the_one_blamed(tmp_path, victim):
@@ -236,7 +224,7 @@ def test_a_stopped_role_is_the_one_blamed(tmp_path, victim):
         time.sleep(0.1)
     time.sleep(0.5)
     role, _, rank = victim.partition(" ")
-    os.kill(_role_pid(env[TAG], role, rank or 0), signal.SIGSTOP)
+    os.kill(role_pid(env[TAG], role, rank or 0), signal.SIGSTOP)
     t0 = time.time()
     rc, out = launching.end(timeout=40)
     assert time.time() - t0 < 15, f"the job took {time.time() - t0:.1f} s to stop\n{out}"

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from cluster_daemons import sge, slurm  # noqa: F401  (session fixtures)
 from cluster_hosts import netns_hosts, ssh_site  # noqa: F401  (session fixtures)
-from conftest import REPO, TAG, Launching, tagged_pids
+from conftest import REPO, TAG, Launching, role_pid, tagged_pids
 
 from tfkv.errors import ConfigError
 from tfkv.launcher import base, batch, role
@@ -95,7 +95,7 @@ def _updates_ok(d: Path, workers: int, steps: int) -> None:
 
 
 def _plan(workers: int = 2, servers: int = 1, hosts=("127.0.0.1",), argv=("python3", "w.py", "out{rank}.json"),
-          node=("python3", "-m", "tfkv.store.node")):
+          node=("python3", "-m", "tfkv.ps.node")):
     return make_plan(workers, servers, list(argv), list(node), list(hosts), hosts[0],
                      9100, {"TFKV_HEARTBEAT_TIMEOUT": "4"}, show_host=len(hosts) > 1)
 
@@ -274,7 +274,6 @@ def test_ctrl_c_stops_an_mpi_job(tmp_path):
 def test_a_stopped_worker_under_mpi_is_the_one_blamed(tmp_path):
     """SIGSTOP of a worker under mpi (no hosts file: every rank here): the failure line names the
     worker that stopped answering, not a role that exited because of it, as under local and ssh."""
-    from test_faults import _role_pid
 
     tag = f"mpi-stop-{tmp_path.name}"
     env = _env(tag, TFKV_HEARTBEAT_TIMEOUT="4")
@@ -286,7 +285,7 @@ def test_a_stopped_worker_under_mpi_is_the_one_blamed(tmp_path):
         assert time.time() < deadline and launching.proc.poll() is None, launching.out
         time.sleep(0.1)
     time.sleep(0.5)
-    os.kill(_role_pid(tag, "worker", 1), signal.SIGSTOP)
+    os.kill(role_pid(tag, "worker", 1), signal.SIGSTOP)
     rc, out = launching.end(timeout=60)
     assert rc != 0, out
     assert "tfkv-launch: the job failed: worker 1 stopped answering" in out, out[-3000:]
@@ -403,7 +402,7 @@ def test_ctrl_c_deletes_the_sge_job(sge, tmp_path):  # noqa: F811
 def test_yarn_submits_servers_and_workers_as_distributed_shell_applications():
     from tfkv.launcher.yarn import Resources, submissions
 
-    plan = make_plan(3, 2, ["python3", "train.py", "--kv-store", "dist_sync"], ["python3", "-m", "tfkv.store.node"],
+    plan = make_plan(3, 2, ["python3", "train.py", "--kv-store", "dist_sync"], ["python3", "-m", "tfkv.ps.node"],
                      ["10.0.0.1"], "10.0.0.1", 9100, {"TFKV_HEARTBEAT_TIMEOUT": "4.0"})
     job = base.Job(plan=plan, workdir=Path("/work"))
     jar = "/opt/hadoop/share/hadoop/yarn/hadoop-yarn-applications-distributedshell-3.3.6.jar"
@@ -411,7 +410,7 @@ def test_yarn_submits_servers_and_workers_as_distributed_shell_applications():
     assert subs == [
         ("servers", ["yarn", "jar", jar, "-jar", jar, "-appname", "tfkv-job-servers", "-num_containers", "2",
                      "-container_memory", "1024", "-container_vcores", "1", "-timeout", "2147483647",
-                     "-queue", "ml", "-shell_command", "python3 -m tfkv.store.node",
+                     "-queue", "ml", "-shell_command", "python3 -m tfkv.ps.node",
                      "-shell_env", "DMLC_NUM_SERVER=2", "-shell_env", "DMLC_NUM_WORKER=3",
                      "-shell_env", "DMLC_PS_ROOT_PORT=9100", "-shell_env", "DMLC_PS_ROOT_URI=10.0.0.1",
                      "-shell_env", "DMLC_ROLE=server", "-shell_env", "TFKV_HEARTBEAT_TIMEOUT=4.0",
@@ -429,7 +428,7 @@ def test_yarn_submits_servers_and_workers_as_distributed_shell_applications():
 def test_yarn_gives_workers_with_their_own_command_one_application_each():
     from tfkv.launcher.yarn import submissions
 
-    plan = make_plan(2, 1, ["python3", "train.py", "--log", "w{rank}.log"], ["python3", "-m", "tfkv.store.node"],
+    plan = make_plan(2, 1, ["python3", "train.py", "--log", "w{rank}.log"], ["python3", "-m", "tfkv.ps.node"],
                      ["h"], "h", 9100)
     subs = dict(submissions(base.Job(plan=plan), "ds.jar", "j", environ={}))
     assert list(subs) == ["server0", "worker0", "worker1"]
@@ -441,7 +440,7 @@ def test_yarn_gives_workers_with_their_own_command_one_application_each():
 def test_yarn_refuses_what_its_bash_c_would_mangle():
     from tfkv.launcher.yarn import submissions
 
-    plan = make_plan(1, 1, ["python3", "-c", 'print("$HOME")'], ["python3", "-m", "tfkv.store.node"], ["h"], "h", 1)
+    plan = make_plan(1, 1, ["python3", "-c", 'print("$HOME")'], ["python3", "-m", "tfkv.ps.node"], ["h"], "h", 1)
     with pytest.raises(ConfigError, match="must not contain"):
         submissions(base.Job(plan=plan), "ds.jar", environ={})
 

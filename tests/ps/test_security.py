@@ -17,21 +17,12 @@ import numpy as np
 import pytest
 import zmq
 
-from conftest import REPO, TAG, tagged_pids
+from conftest import REPO, TAG, expected, tagged_pids
 from tfkv.launcher.ports import free_port
-from tfkv.store import protocol as P
-from tfkv.store import security
+from tfkv.ps import protocol as P
+from tfkv.ps import security
 
 WORKER = str(REPO / "tests" / "dist_worker.py")
-
-
-def expected(steps: int, nkeys: int, workers: int) -> list[list[float]]:
-    """int_sgd's final values: 1000 minus every push, each counted once (lr=1)."""
-    out = []
-    for k in range(nkeys):
-        v = 1000.0 - sum((r + 1) * (s % 5 + 1) + k % 3 for r in range(workers) for s in range(steps))
-        out.append([v, v])
-    return out
 
 
 def _listening(c, name: str, timeout: float = 60) -> tuple[str, int]:
@@ -133,7 +124,7 @@ def test_a_payload_of_several_frames_passes_the_frame_cap_under_curve():
     """CURVE adds bytes to every frame and libzmq counts them against the cap: payload frames
     must leave room (1 MiB frames were dropped, and every secure job with a key over 1 MiB
     failed with 'the reply was lost'). In a child: a CURVE server socket starts a ZAP thread."""
-    code = ("import numpy as np, zmq; from tfkv.store import protocol as P, security\n"
+    code = ("import numpy as np, zmq; from tfkv.ps import protocol as P, security\n"
             "keys = security.new_keys(); ctx = zmq.Context()\n"
             "r = ctx.socket(zmq.ROUTER); security.server_socket(r, keys); port = r.bind_to_random_port('tcp://127.0.0.1')\n"
             "d = ctx.socket(zmq.DEALER); security.client_socket(d, keys); d.connect(f'tcp://127.0.0.1:{port}')\n"
@@ -292,9 +283,9 @@ def test_a_lossy_link_with_resend_ends_with_the_clean_weights(cluster):
     steps, nkeys, workers = 30, 3, 2
     proxy_port = free_port()
     c = cluster(num_servers=1, num_workers=workers, PS_RESEND="1", PS_RESEND_TIMEOUT="300")
-    c.start("scheduler", "scheduler", [sys.executable, "-m", "tfkv.store.node"])
+    c.start("scheduler", "scheduler", [sys.executable, "-m", "tfkv.ps.node"])
     # The server registers the proxy's address: every worker's request and every reply crosses it.
-    c.start("server 0", "server", [sys.executable, "-m", "tfkv.store.node"], TFKV_RANK_HINT="0",
+    c.start("server 0", "server", [sys.executable, "-m", "tfkv.ps.node"], TFKV_RANK_HINT="0",
             TFKV_ADVERTISE_ADDRESS=f"127.0.0.1:{proxy_port}")
     proxy = LossyProxy(proxy_port, lambda: "tcp://%s:%d" % _listening(c, "server 0"), c.keys, seed=7)
     try:
@@ -305,7 +296,7 @@ def test_a_lossy_link_with_resend_ends_with_the_clean_weights(cluster):
         proxy.thread.join(10)
     assert all(v == 0 for v in codes.values()), c.outputs()
     assert proxy.stats["dropped"] > 5 and proxy.stats["duplicated"] > 5 and proxy.stats["delayed"] > 5, proxy.stats
-    # A clean run of int_sgd ends exactly here (integer sums; tests/test_soak.py runs it clean).
+    # A clean run of int_sgd ends exactly here (integer sums; tests/ps/test_soak.py runs it clean).
     for out in outs:
         assert json.loads(out.read_text())["final"] == expected(steps, nkeys, workers)
 
@@ -420,7 +411,7 @@ def test_a_stranger_that_never_reads_cannot_grow_a_node_without_bound(cluster):
     and the job ends with exact values."""
     steps, flood = 400, 20_000
     c = cluster(num_servers=1, num_workers=1, TFKV_SECURE="0")
-    c.start("scheduler", "scheduler", [sys.executable, "-m", "tfkv.store.node"])
+    c.start("scheduler", "scheduler", [sys.executable, "-m", "tfkv.ps.node"])
     pid = c.procs["scheduler"].pid
     time.sleep(2)  # imported and listening
     idle = _rss_mib(pid)
@@ -428,7 +419,7 @@ def test_a_stranger_that_never_reads_cannot_grow_a_node_without_bound(cluster):
     print(f"scheduler RSS: idle {idle:.0f} MiB, peak {peak:.0f} MiB after {sent} malformed messages")
     assert c.procs["scheduler"].poll() is None, c.output("scheduler")[-3000:]
     assert sent == flood and peak - idle < 30, f"the scheduler grew from {idle:.0f} to {peak:.0f} MiB"
-    c.start("server 0", "server", [sys.executable, "-m", "tfkv.store.node"], TFKV_RANK_HINT="0")
+    c.start("server 0", "server", [sys.executable, "-m", "tfkv.ps.node"], TFKV_RANK_HINT="0")
     (out,) = c.start_workers("int_sgd", str(steps), "1", "8", "0.05")
     host, port = _listening(c, "server 0")
     pid = c.procs["server 0"].pid

@@ -28,7 +28,7 @@ def test_an_allocation_smaller_than_the_job_is_one_line():
 
     assert slurm_launcher.allocation_cpus({"SLURM_JOB_CPUS_PER_NODE": "8(x2),4"}) == 20
     assert slurm_launcher.allocation_cpus({}) is None
-    plan = make_plan(2, 1, ["python", "w.py"], ["python", "-m", "tfkv.store.node"], ["n1"], "n1", 9000, {})
+    plan = make_plan(2, 1, ["python", "w.py"], ["python", "-m", "tfkv.ps.node"], ["n1"], "n1", 9000, {})
     job = base.Job(plan=plan)
     env = {"SLURM_JOB_ID": "7", "SLURM_ARRAY_JOB_ID": "6", "SLURM_ARRAY_TASK_ID": "0",
            "SLURM_JOB_CPUS_PER_NODE": "3", "SLURM_STEP_ID": "0"}

@@ -25,6 +25,7 @@ import tfkv.data as data
 from tfkv import cli
 from tfkv.data import cifar10, download, mnist, safe_pickle
 from tfkv.errors import ConfigError, DataError
+from formats import idx_bytes, write_cifar, write_mnist
 
 DATASET_CONF = os.path.join(cli.conf_dir(), "dataset")
 
@@ -56,32 +57,6 @@ def no_network(monkeypatch):
 
 # ---------------------------------------------------------------------------------------------
 # MNIST (IDX)
-
-
-def idx_bytes(array: np.ndarray) -> bytes:
-    magic = 0x0800 | array.ndim  # 0x08 = unsigned byte
-    header = magic.to_bytes(4, "big") + b"".join(int(d).to_bytes(4, "big") for d in array.shape)
-    return header + array.astype(np.uint8).tobytes()
-
-
-def write_mnist(directory, n_train=5, n_test=3, gzip_name="train-images-idx3-ubyte"):
-    rng = np.random.default_rng(1)
-    arrays = {
-        "train-images-idx3-ubyte": rng.integers(0, 256, (n_train, 28, 28), dtype=np.uint8),
-        "train-labels-idx1-ubyte": rng.integers(0, 10, n_train, dtype=np.uint8),
-        "t10k-images-idx3-ubyte": rng.integers(0, 256, (n_test, 28, 28), dtype=np.uint8),
-        "t10k-labels-idx1-ubyte": rng.integers(0, 10, n_test, dtype=np.uint8),
-    }
-    os.makedirs(directory, exist_ok=True)
-    for name, array in arrays.items():
-        raw = idx_bytes(array)
-        if name == gzip_name:
-            with open(os.path.join(directory, name + ".gz"), "wb") as f:
-                f.write(gzip.compress(raw))
-        else:
-            with open(os.path.join(directory, name), "wb") as f:
-                f.write(raw)
-    return arrays
 
 
 @pytest.mark.parametrize("subdir", ["", "mnist"])
@@ -164,24 +139,6 @@ def test_mnist_download_writes_files(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------------------------------------
 # CIFAR-10 (pickled batches)
-
-
-def write_cifar(root, n=4):
-    rng = np.random.default_rng(2)
-    directory = root / cifar10.DIRNAME
-    directory.mkdir(parents=True, exist_ok=True)
-    written = {}
-    for name in cifar10.TRAIN_FILES + (cifar10.TEST_FILE,):
-        batch = {
-            b"batch_label": f"{name} of 5".encode(),
-            b"labels": [int(v) for v in rng.integers(0, 10, n)],
-            b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
-            b"filenames": [f"img_{i}.png".encode() for i in range(n)],
-        }
-        with open(directory / name, "wb") as f:
-            pickle.dump(batch, f, protocol=2)  # the originals are protocol-2 pickles
-        written[name] = batch
-    return written
 
 
 def test_cifar10_round_trip(tmp_path):
@@ -386,8 +343,8 @@ def test_import_does_not_load_tensorflow():
             "s = d.Source({'_target_': 'tfkv.data.synthetic.load', 'num_train': 8, 'num_test': 8}, 0, 4, 4); "
             "assert s.steps == 2 and s.num_classes == 10; "
             "assert 'tensorflow' not in sys.modules, 'tensorflow imported'")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__))))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -553,7 +510,7 @@ def test_token_ids_stay_integers_through_the_pipeline():
 
 
 # ---------------------------------------------------------------------------------------------
-# Source: what tests/test_source.py leaves out (the context of each split, the wrong kinds of result)
+# Source: what tests/data/test_source.py leaves out (the context of each split, the wrong kinds of result)
 
 CALLS: list[dict] = []
 

@@ -77,9 +77,9 @@ def test_cluster_config_mistakes_are_one_line(tmp_path, args, message):
 
 def test_server_role_does_not_import_tensorflow(tmp_path):
     code = ("import sys, runpy; sys.argv=['tfkv-run']\n"
-            "import tfkv.store.node as n\n"
-            "from tfkv.store.cluster_env import ClusterEnv\n"
-            "import tfkv.store.server, tfkv.store.scheduler\n"
+            "import tfkv.ps.node as n\n"
+            "from tfkv.ps.cluster_env import ClusterEnv\n"
+            "import tfkv.ps.server, tfkv.ps.scheduler\n"
             "assert 'tensorflow' not in sys.modules\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env={**os.environ})
 

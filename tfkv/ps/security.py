@@ -38,7 +38,7 @@ from typing import Mapping
 
 import zmq
 
-from tfkv.store.protocol import MAX_FRAME
+from tfkv.ps.protocol import MAX_FRAME
 
 log = logging.getLogger("tfkv.ps")
 
@@ -52,7 +52,7 @@ INSECURE_WARNING = ("tfkv: this job runs WITHOUT authentication or encryption (c
                     "use it only on a trusted single machine")
 NO_KEYS_WARNING = ("tfkv: no job keys (TFKV_CURVE_PUBLIC/TFKV_CURVE_SECRET or TFKV_CURVE_KEYFILE) in the "
                    "environment: this manually launched job runs WITHOUT authentication or encryption; "
-                   "make keys with `python -m tfkv.store.security KEYFILE` and set TFKV_CURVE_KEYFILE")
+                   "make keys with `python -m tfkv.ps.security KEYFILE` and set TFKV_CURVE_KEYFILE")
 
 
 class SecurityError(ValueError):
@@ -207,11 +207,11 @@ def client_socket(sock: zmq.Socket, keys: Keys | None) -> None:
     sock.curve_serverkey = keys.public
 
 
-if __name__ == "__main__":  # python -m tfkv.store.security KEYFILE: fresh keys for a manual launch
+if __name__ == "__main__":  # python -m tfkv.ps.security KEYFILE: fresh keys for a manual launch
     import sys
 
     if len(sys.argv) != 2:
-        sys.exit("usage: python -m tfkv.store.security KEYFILE  (then export TFKV_CURVE_KEYFILE=KEYFILE "
+        sys.exit("usage: python -m tfkv.ps.security KEYFILE  (then export TFKV_CURVE_KEYFILE=KEYFILE "
                  "on every node of the job)")
     print(f"wrote {write_keyfile(Path(sys.argv[1]), new_keys())} (mode 600); copy it privately to every "
           f"node and set {KEYFILE} there")

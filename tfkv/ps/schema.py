@@ -4,7 +4,7 @@
 reply) before anything acts on it, so no handler, on a server, the scheduler or a worker, ever
 sees a field of the wrong type, a number out of range, an unknown field, metadata on a message
 that takes none, or a payload where none belongs. The optimizer and compression settings are
-checked by the code that builds them (`tfkv.optim.from_dict`, `tfkv.store.compression.parse`),
+checked by the code that builds them (`tfkv.optim.from_dict`, `tfkv.ps.compression.parse`),
 the same rule a config file meets. A message that does not fit raises `SchemaError` naming the
 field and what it must be; the receiver answers it with an error and serves on.
 """
@@ -137,7 +137,7 @@ def _optimizer(d: Any) -> Any:
 
 
 def _compression(d: Any) -> Any:
-    from tfkv.store import compression
+    from tfkv.ps import compression
 
     if not isinstance(d, dict):
         raise ValueError("must be an object")

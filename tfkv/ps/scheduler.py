@@ -17,11 +17,11 @@ from typing import Any
 import zmq
 
 from tfkv.errors import EXIT_PEER_FAILED
-from tfkv.store import protocol as P
-from tfkv.store import security
-from tfkv.store.cluster_env import ClusterEnv
-from tfkv.store.scheduler_link import node_name
-from tfkv.store.strangers import Strangers
+from tfkv.ps import protocol as P
+from tfkv.ps import security
+from tfkv.ps.cluster_env import ClusterEnv
+from tfkv.ps.scheduler_link import node_name
+from tfkv.ps.strangers import Strangers
 
 log = logging.getLogger("tfkv.ps")
 
@@ -91,7 +91,7 @@ class Scheduler:
 
     def _refuse(self, identity: bytes, error: P.Message, what: str) -> None:
         """Answer with `error`: always a node of the job; anyone else (a node still registering,
-        a stranger) only while its few answers last (tfkv.store.strangers), then silently."""
+        a stranger) only while its few answers last (tfkv.ps.strangers), then silently."""
         if identity not in self.nodes and not self._strangers.may_answer(identity):
             return
         log.warning("scheduler: refused %s", what)

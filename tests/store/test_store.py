@@ -281,7 +281,7 @@ def test_python_updater_as_mxnet(kind, tf_devices):
 def test_device_store_compresses_between_devices_as_mxnet(tf_devices):
     """Each device quantises its value with its own residual (error feedback) on that device;
     the sum is of the +-threshold values, as numpy's `compression` computes them."""
-    from tfkv.store import compression
+    from tfkv.ps import compression
 
     devs = tf_devices[:2]
     kv = store.create("device", devices=devs)

@@ -1,4 +1,4 @@
-"""Entry point of the scheduler and server roles: `python -m tfkv.store.node`.
+"""Entry point of the scheduler and server roles: `python -m tfkv.ps.node`.
 
 The role and the cluster come from the environment (DMLC_ROLE, DMLC_PS_ROOT_URI, ... or the
 TFKV_ names), as in MXNet, where every process of a job can run the same command. `tfkv-run`
@@ -10,21 +10,21 @@ from __future__ import annotations
 import logging
 import sys
 
-from tfkv.store.cluster_env import ClusterEnv, ClusterEnvError
-from tfkv.store.scheduler_link import ClusterError
+from tfkv.ps.cluster_env import ClusterEnv, ClusterEnvError
+from tfkv.ps.scheduler_link import ClusterError
 
 
 def run_role(env: ClusterEnv) -> int:
     """Run the scheduler or a server until the job ends; the process's exit status."""
     if env.role == "scheduler":
-        from tfkv.store.scheduler import Scheduler
+        from tfkv.ps.scheduler import Scheduler
 
         return Scheduler(env).run()
     if env.role == "server":
-        from tfkv.store.server import Server
+        from tfkv.ps.server import Server
 
         return Server(env).run()
-    raise ClusterEnvError(f"role {env.role!r} is not run by tfkv.store.node; workers run the training command")
+    raise ClusterEnvError(f"role {env.role!r} is not run by tfkv.ps.node; workers run the training command")
 
 
 def main() -> None:

@@ -12,9 +12,9 @@ import pytest
 import zmq
 
 from conftest import REPO
-from test_security import expected
-from tfkv.store import protocol as P
-from tfkv.store import security
+from conftest import expected
+from tfkv.ps import protocol as P
+from tfkv.ps import security
 
 sys.path.insert(0, str(REPO / "tests"))
 import fuzz_peer  # noqa: E402
@@ -50,7 +50,7 @@ BAD_REGISTRATIONS = [
 def test_a_registered_worker_and_server_cannot_break_the_job(cluster):
     steps, nkeys, size = 20, 2, 8
     c = cluster(num_servers=1, num_workers=2)
-    c.start("scheduler", "scheduler", [sys.executable, "-m", "tfkv.store.node"])
+    c.start("scheduler", "scheduler", [sys.executable, "-m", "tfkv.ps.node"])
     # During registration: what crashed the scheduler is refused, with an error the sender can read.
     sock = _dealer(c)
     for meta in BAD_REGISTRATIONS:
@@ -96,11 +96,11 @@ def test_json_the_decoder_cannot_take_does_not_stop_a_plain_tcp_job(cluster):
     steps, nkeys, size = 10, 1, 4
     c = cluster(num_servers=1, num_workers=1, TFKV_SECURE="0")
     big = b'{"role":"worker","host":"h","port":1,"pid":1,"hostname":"h","x":' + b"9" * 5000 + b"}"
-    c.start("scheduler", "scheduler", [sys.executable, "-m", "tfkv.store.node"])
+    c.start("scheduler", "scheduler", [sys.executable, "-m", "tfkv.ps.node"])
     sock = _dealer(c, keys=False)
     sock.send_multipart(_register(big))
     assert sock.poll(10_000) and P.decode(sock.recv_multipart()).type == P.Type.ERROR
-    c.start("server 0", "server", [sys.executable, "-m", "tfkv.store.node"], TFKV_RANK_HINT="0")
+    c.start("server 0", "server", [sys.executable, "-m", "tfkv.ps.node"], TFKV_RANK_HINT="0")
     (out,) = c.start_workers("int_sgd", str(steps), str(nkeys), str(size), "0.1")
     deadline = time.time() + 60
     while "listening on" not in c.output("server 0"):

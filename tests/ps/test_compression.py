@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from tfkv.store import compression as C
+from tfkv.ps import compression as C
 
 
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 1000, 4096 + 3])

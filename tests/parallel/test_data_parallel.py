@@ -21,7 +21,7 @@ from tfkv.models import lenet, mlp
 from tfkv.parallel.data_parallel import DataParallel
 from tfkv.store.base import KVStore, pairs
 from tfkv.store.local import LocalStore
-from tfkv.store.np_updater import NumpyUpdater
+from tfkv.ps.updater import NumpyUpdater
 
 RTOL, ATOL = 2e-5, 2e-6
 SHAPE, CLASSES, BATCH, STEPS = (8, 8, 1), 10, 32, 6

@@ -1,6 +1,6 @@
 """The parameter server across real processes and real ZeroMQ sockets on 127.0.0.1.
 
-Every cluster is a real scheduler, real servers (`python -m tfkv.store.node`) and real worker
+Every cluster is a real scheduler, real servers (`python -m tfkv.ps.node`) and real worker
 processes; the `cluster` fixture asserts at the end that none of them is left running.
 """
 
@@ -226,8 +226,8 @@ def test_compression_is_refused_by_single_machine_stores():
 # -- parallel reduction on the servers -------------------------------------------------------------
 
 def _reduce_server(bound, nthreads):
-    from tfkv.store.cluster_env import ClusterEnv
-    from tfkv.store.server import Server
+    from tfkv.ps.cluster_env import ClusterEnv
+    from tfkv.ps.server import Server
 
     srv = object.__new__(Server)  # only the summation: no sockets, no scheduler
     srv.env = ClusterEnv("server", "127.0.0.1", 1, 1, 1, bigarray_bound=bound, reduction_nthreads=nthreads)
@@ -253,7 +253,7 @@ def test_large_arrays_are_summed_in_threads_small_ones_inline():
 
 
 def test_reduction_threads_from_the_environment():
-    from tfkv.store.cluster_env import ClusterEnv
+    from tfkv.ps.cluster_env import ClusterEnv
 
     base = {"DMLC_ROLE": "server", "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "1",
             "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": "1"}
@@ -331,7 +331,7 @@ def test_a_busy_server_still_answering_is_not_timed_out(cluster):
 def test_many_keys_every_reply_arrives_exactly(cluster, nkeys, size, steps):
     """More replies in flight than ZeroMQ's default high-water mark (1,000 messages): none is
     dropped, every update is applied once."""
-    from test_security import expected
+    from conftest import expected
 
     # A heartbeat timeout for a loaded machine (as in test_soak): the point is the replies.
     _, outs = _job(cluster, "int_sgd", str(steps), str(nkeys), str(size), num_servers=2, num_workers=2,

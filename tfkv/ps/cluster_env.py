@@ -14,7 +14,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from tfkv.store import security
+from tfkv.ps import security
 
 ROLES = ("scheduler", "server", "worker")
 
