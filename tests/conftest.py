@@ -22,18 +22,17 @@ def pytest_configure(config):
     devices.setup(["cpu:0"])
 
 
-# Tests that start machine-wide daemons or hosts: the Slurm and Grid Engine cells, and network
-# namespaces numbered by what is free when they start (whole modules, and any test that takes
-# the hosts' fixtures). Under pytest-xdist (`--dist loadgroup`) they all run in one worker, one
-# after another, never beside each other; the rest of a module runs in either worker.
-SHARED_HOSTS = {"test_launcher_batch.py", "test_launcher_ssh.py", "test_security.py", "test_sweep_slurm.py"}
+# Tests that take the hosts' fixtures (the Slurm and Grid Engine cells, the loopback sshd and the
+# network namespaces numbered by what is free when they start) share machine-wide daemons: under
+# pytest-xdist (`--dist loadgroup`) they all run in one worker, one after another, never beside
+# each other; every other test runs in either worker.
 HOST_FIXTURES = {"ssh_site", "netns_hosts", "loopback_host", "slurm", "sge"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns the marker into the node's group
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.path.name in SHARED_HOSTS or HOST_FIXTURES & set(getattr(item, "fixturenames", ())):
+        if HOST_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.xdist_group("shared_hosts"))
 
 
