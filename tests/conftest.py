@@ -119,6 +119,21 @@ def need_root(what: str) -> None:
 TAG = "TFKV_TEST_TAG"
 
 
+class Pids(list):
+    """Live PIDs that, when an assertion shows them, say what each process is (its parent and
+    command line, read when shown), so a leftover in a CI log names its owner."""
+
+    def __repr__(self) -> str:
+        def what(pid: int) -> str:
+            try:
+                ppid = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[1]
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                return f"{pid} (parent {ppid}): {cmd.strip()[:200]}"
+            except OSError:
+                return f"{pid} (gone)"
+        return "[" + "; ".join(what(p) for p in self) + "]"
+
+
 def tagged_pids(tag: str, wait: float = 0) -> list[int]:
     """PIDs of live processes whose environment carries this test's tag; with `wait`, polled for up
     to that many seconds until there are none (processes a launcher has just SIGKILLed are gone
@@ -132,7 +147,7 @@ def tagged_pids(tag: str, wait: float = 0) -> list[int]:
 
 
 def _tagged(tag: str) -> list[int]:
-    found = []
+    found = Pids()
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
