@@ -9,7 +9,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf.errors import ConfigAttributeError, ValidationError
 
-from tfkv import cli, config
+from tfkv import check, cli, config
 from tfkv.errors import ConfigError
 
 CONF = cli.conf_dir()
@@ -32,7 +32,7 @@ def test_all_groups_and_experiments_exist():
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_every_experiment_composes_and_validates(experiment):
     cfg = _compose(f"+experiment={experiment}")
-    config.validate(cfg)
+    check.validate(cfg)
     model = experiment.replace("cifar_", "").replace("mnist_", "").replace("digits_", "")
     model = {"lstm_ptb": "lstm_lm"}.get(experiment, model)
     assert cfg.model._target_ == _compose(f"model={model}").model._target_
@@ -40,7 +40,7 @@ def test_every_experiment_composes_and_validates(experiment):
 
 def test_defaults_are_the_embedded_job():
     cfg = _compose()
-    config.validate(cfg)
+    check.validate(cfg)
     assert (cfg.model._target_, cfg.dataset._target_, cfg.kvstore.type, list(cfg.devices)) == (
         "tfkv.models.mlp.build", "tfkv.data.digits.load", "local", ["cpu:0"])
     assert (cfg.optimizer.name, cfg.cluster.launcher) == ("sgd", "none")
@@ -103,28 +103,28 @@ def test_schema_rejects_typos_and_wrong_types():
 ])
 def test_validation_gives_one_line(overrides, message):
     with pytest.raises(ConfigError) as e:
-        config.validate(_compose(*overrides))
+        check.validate(_compose(*overrides))
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
 def test_options_are_typed_with_their_own_defaults():
     """Each option's node is its own schema's: adam has betas and no momentum, ssh a sync_dst_dir."""
     cfg = _compose("optimizer=adam")
-    config.validate(cfg)
+    check.validate(cfg)
     assert (cfg.optimizer.beta1, cfg.optimizer.epsilon, "momentum" in cfg.optimizer) == (0.9, 1e-8, False)
     cfg = _compose("kvstore=dist_sync", "cluster=ssh", "cluster.sync_dst_dir=/tmp/x")
-    config.validate(cfg)
+    check.validate(cfg)
     assert (cfg.cluster.sync_dst_dir, cfg.cluster.python, cfg.cluster.heartbeat_timeout > 0) == (
         "/tmp/x", "python3", True)
     cfg = _compose()
-    config.validate(cfg)
+    check.validate(cfg)
     assert set(cfg.cluster) == {"launcher"}
 
 
 def test_compression_validates_for_dist_types():
-    config.validate(_compose("kvstore=dist_sync", "cluster=local", "kvstore.compression.type=2bit",
+    check.validate(_compose("kvstore=dist_sync", "cluster=local", "kvstore.compression.type=2bit",
                              "kvstore.compression.threshold=0.25"))
-    config.validate(_compose("kvstore=device", "kvstore.compression.type=2bit"))  # between devices, as MXNet
+    check.validate(_compose("kvstore=device", "kvstore.compression.type=2bit"))  # between devices, as MXNet
 
 
 def test_mxnet_spellings_of_kvstore_types_compose():
@@ -132,26 +132,57 @@ def test_mxnet_spellings_of_kvstore_types_compose():
                        ("dist_device_async", "dist_async_device")):
         cfg = _compose(f"kvstore={name}", "cluster=local")
         assert cfg.kvstore.type == kind
-        config.validate(cfg)
+        check.validate(cfg)
 
 
 def test_validation_leaves_tensorflow_unstarted():
     """Validation imports what the config names (model and loss `_target_`s may import Keras), but
     never starts TensorFlow: the trainer splits the CPU into logical devices after it. A mistake in
     tfkv's own keys is found before anything imports TensorFlow at all."""
-    code = ("import sys; from tfkv import cli, config; from tfkv.errors import ConfigError\n"
+    code = ("import sys; from tfkv import check, cli; from tfkv.errors import ConfigError\n"
             "from hydra import compose, initialize_config_dir\n"
             f"with initialize_config_dir(config_dir={CONF!r}, version_base='1.3'):\n"
             "    for bad in ('+epoch=3', '+optimizer.lrr=0.5', '+cluster.num_servers=4'):\n"
             "        try:\n"
-            "            config.validate(compose('config', overrides=[bad]))\n"
+            "            check.validate(compose('config', overrides=[bad]))\n"
             "        except ConfigError:\n"
             "            pass\n"
             "        else:\n"
             "            raise AssertionError(bad + ' was accepted')\n"
             "    assert 'tensorflow' not in sys.modules, 'a key mistake imported TensorFlow'\n"
-            "    config.validate(compose('config', overrides=['+experiment=cifar_resnet18']))\n"
+            "    check.validate(compose('config', overrides=['+experiment=cifar_resnet18']))\n"
             "from tfkv.parallel import devices; import tensorflow as tf\n"
             "devices.setup(['cpu:0'])\n"
             "assert len(tf.config.list_logical_devices('CPU')) == 8, 'validation started TensorFlow'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=180)
+
+
+# What a base module (config, models, data, knobs) may never import, even lazily inside a
+# function: the layers above it. Checked on the source, so an import inside validate() counts.
+ABOVE = ("tfkv.cli", "tfkv.worker", "tfkv.trainer", "tfkv.export", "tfkv.checkpoint", "tfkv.parallel",
+         "tfkv.store", "tfkv.ps", "tfkv.launcher", "tfkv.sweep", "tfkv.tracking", "tfkv.plugins", "tfkv.check")
+PACKAGE = Path(config.__file__).resolve().parent
+TFKV = PACKAGE if PACKAGE.name == "tfkv" else PACKAGE.parent
+
+
+def _imports(path: Path) -> set[str]:
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+    return found
+
+
+@pytest.mark.parametrize("base", ["config", "models", "data"])
+def test_base_modules_import_nothing_above_them(base):
+    files = sorted((TFKV / base).rglob("*.py")) if (TFKV / base).is_dir() else [TFKV / f"{base}.py"]
+    assert files and all(f.is_file() for f in files), base
+    for f in files:
+        up = sorted(m for m in _imports(f) if ".".join(m.split(".")[:2]) in ABOVE)
+        assert not up, f"{f.relative_to(TFKV.parent)} imports {up}"
+        assert len(f.read_text().splitlines()) <= 400, f"{f.relative_to(TFKV.parent)} is over 400 lines"

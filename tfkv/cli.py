@@ -101,10 +101,10 @@ def _job(cfg: Any) -> float:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
-    from tfkv import config as config_schema
+    from tfkv import check, config as config_schema
     from tfkv.ps.cluster_env import ClusterEnv
 
-    config_schema.validate(cfg)
+    check.validate(cfg)
     hc = HydraConfig.get()
     run_dir = _run_dir = Path(hc.runtime.output_dir)
     in_job = ClusterEnv.role_of() is not None
@@ -262,7 +262,7 @@ def _option_keys(message: str) -> str | None:
     try:
         from hydra import compose, initialize_config_dir
 
-        from tfkv import config, models, target
+        from tfkv import check, config, models, target
         from tfkv.data import source
 
         args = [a for a in sys.argv[1:] if "=" in a and not a.startswith("-")
@@ -280,7 +280,7 @@ def _option_keys(message: str) -> str | None:
             option = node["_target_"]
         else:
             schema = {"optimizer": lambda: config.OPTIMIZER_SCHEMAS[node.name],
-                      "cluster": lambda: config.cluster_schema(node.launcher),
+                      "cluster": lambda: check.cluster_schema(node.launcher),
                       "kvstore": lambda: config.KVStoreConfig}[group]()
             keys = [f.name for f in dataclasses.fields(schema)]
             option = node.get("name") or node.get("launcher") or node.get("type")

@@ -128,7 +128,7 @@ def _cluster_node(ep: importlib.metadata.EntryPoint, name: str) -> Any:
     `+` and any other key is refused. The class is imported for it: launchers are light."""
     from omegaconf import OmegaConf
 
-    from tfkv.config import cluster_schema
+    from tfkv.check import cluster_schema
 
     try:
         node = OmegaConf.structured(cluster_schema(name))

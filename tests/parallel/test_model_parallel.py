@@ -354,15 +354,15 @@ def test_placement_is_checked_before_tensorflow_starts():
 
     from tfkv import cli
 
-    code = ("import sys; from tfkv import cli, config; from hydra import compose, initialize_config_dir\n"
+    code = ("import sys; from tfkv import check, cli; from hydra import compose, initialize_config_dir\n"
             "from tfkv.errors import ConfigError\n"
             f"with initialize_config_dir(config_dir={cli.conf_dir()!r}, version_base='1.3'):\n"
-            "    config.validate(compose('config', overrides=['+experiment=lstm_ptb', 'devices=[cpu:0,cpu:1,cpu:2,cpu:3]']))\n"
+            "    check.validate(compose('config', overrides=['+experiment=lstm_ptb', 'devices=[cpu:0,cpu:1,cpu:2,cpu:3]']))\n"
             "    for bad, msg in ((['placement=auto'], 'mlp.build declares no layer groups'),\n"
             "                     (['+experiment=lstm_ptb', 'placement={embed:cpu:0}'], 'no device for lstm1'),\n"
             "                     (['+experiment=lstm_ptb', 'micro_batches=64', 'batch_size=32'], 'more than batch_size')):\n"
             "        try:\n"
-            "            config.validate(compose('config', overrides=bad))\n"
+            "            check.validate(compose('config', overrides=bad))\n"
             "            raise SystemExit(f'{bad} was accepted')\n"
             "        except ConfigError as e:\n"
             "            assert msg in str(e), str(e)\n"

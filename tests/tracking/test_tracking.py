@@ -15,7 +15,7 @@ from conftest import tfkv_run
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from tfkv import cli, config
+from tfkv import check, cli
 from tfkv.errors import ConfigError, TrialPruned
 
 SHORT = ["epochs=2", "steps_per_epoch=4", "batch_size=32", "progress=false"]
@@ -25,7 +25,7 @@ ALL_STATUSES = ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE", "STATUS_RU
 def _cfg(*overrides: str):
     with initialize_config_dir(config_dir=cli.conf_dir(), version_base="1.3"):
         cfg = compose("config", overrides=[*SHORT, *overrides])
-    config.validate(cfg)
+    check.validate(cfg)
     return cfg
 
 
@@ -202,7 +202,7 @@ def test_mlflow_not_installed_is_one_line(tmp_path, monkeypatch):
         cfg = compose("config", overrides=["logger=mlflow"])
     monkeypatch.setitem(sys.modules, "mlflow", None)  # what `import mlflow` finds when it is absent
     # refused when the config is validated, before anything starts; and by worker 0's tracker
-    for attempt in (lambda: config.validate(cfg), lambda: mlflow_log.build(cfg, tmp_path)):
+    for attempt in (lambda: check.validate(cfg), lambda: mlflow_log.build(cfg, tmp_path)):
         with pytest.raises(ConfigError, match=r"^logger=mlflow needs MLflow.*pip install 'tfkv\[mlflow\]'") as e:
             attempt()
         assert "\n" not in str(e.value)

@@ -9,7 +9,7 @@ a saved `.keras` model instead. The built-in zoo (tfkv.models.mlp.build, ...) is
 
 A builder that declares named layer groups for model parallelism (`placement=`) carries two
 attributes: `group_names(**kwargs)` (the groups from the config alone, no TensorFlow) and
-`build_groups(input_shape, num_classes, **kwargs)` -> [tfkv.parallel.placement.LayerGroup].
+`build_groups(input_shape, num_classes, **kwargs)` -> [tfkv.models.groups.LayerGroup].
 Importing this package does not import TensorFlow.
 """
 
@@ -99,7 +99,7 @@ def group_names(node: Mapping[str, Any]) -> list[str]:
 
 
 def build_groups(node: Mapping[str, Any], input_shape: tuple[int, ...], num_classes: int) -> list[Any]:
-    """The model's layer groups (`tfkv.parallel.placement.LayerGroup`s), unbuilt."""
+    """The model's layer groups (`tfkv.models.groups.LayerGroup`s), unbuilt."""
     return layer_groups(node).build_groups(tuple(input_shape), num_classes, **arguments(node))
 
 

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 from tfkv.errors import ConfigError
 from tfkv.models._checks import check_dropout
-from tfkv.parallel.placement import LayerGroup
+from tfkv.models.groups import LayerGroup
 
 
 def group_names(hidden: Sequence[int] = (200, 200), **_: Any) -> list[str]:

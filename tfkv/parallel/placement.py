@@ -12,29 +12,13 @@ check a placement before TensorFlow starts.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from tfkv.config import parse_device
 from tfkv.errors import ConfigError
+from tfkv.models.groups import LayerGroup  # what a model declares; placed here
 
 AUTO = "auto"
-
-
-@dataclass(frozen=True)
-class LayerGroup:
-    """A named, contiguous piece of a model that lives on one device as a whole.
-
-    `make()` returns fresh Keras layers, applied in order; the caller creates them inside
-    `tf.device(...)` so that their variables are created there. `input_shape` is one example's
-    input to the group (no batch axis); `flops` the forward FLOPs per example; `params` the
-    number of trainable parameters.
-    """
-
-    name: str
-    make: Callable[[], list[Any]]
-    input_shape: tuple[int, ...]
-    flops: float
-    params: int
 
 
 @dataclass(frozen=True)

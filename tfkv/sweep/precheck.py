@@ -1,5 +1,5 @@
 """Bad input of a sweep, found before its first trial starts: every config the sweep can produce
-is composed by Hydra's own config loader and checked by tfkv.config.validate, so an objective
+is composed by Hydra's own config loader and checked by tfkv.check.validate, so an objective
 no metric has, a key that only some options have (`optimizer=sgd,adam optimizer.momentum=0.9`)
 or a bad value is one line naming the trial, not a failure discovered hours into the sweep.
 
@@ -29,7 +29,7 @@ def problem(config: Any) -> str | None:
     from omegaconf import OmegaConf, open_dict, read_write
     from omegaconf.errors import OmegaConfBaseException
 
-    from tfkv import cli, config as schema
+    from tfkv import check, cli
 
     loader = GlobalHydra.instance().config_loader()
     # as written, not resolved: `key=${oc.env:X}` is checked below as its job resolves it
@@ -53,7 +53,7 @@ def problem(config: Any) -> str | None:
             with read_write(task), open_dict(task):
                 del task["hydra"]
             _resolve(cfg, task)
-            schema.validate(task)
+            check.validate(task)
         except (HydraException, OmegaConfBaseException) as e:
             return where + cli._one_line(e)
         except Exception as e:  # noqa: BLE001 - a user's mistake is one line; a bug keeps its traceback

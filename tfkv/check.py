@@ -1,0 +1,160 @@
+"""The configuration, validated once at the edge (`tfkv-run`, a sweep's pre-check), before
+TensorFlow is imported: the config's own checks (tfkv.config.checks) and those that need the
+layers above it, asked of their registries: known optimizer, model, data, logger, KVStore and
+launcher names, the store type's declared capabilities, gradient compression, the objective,
+a placement against the model's layer groups. Nothing inside re-checks.
+
+This module belongs to the cli layer: it may import every layer; tfkv.config imports none.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from tfkv.config import checks
+from tfkv.config.cluster import CLUSTER_SCHEMAS, ClusterConfig
+from tfkv.config.schema import ALWAYS_REPORTED, LOGGERS, OPTIMIZER_SCHEMAS, Config
+from tfkv.errors import ConfigError
+
+
+def validate(cfg: Any) -> None:
+    """Reject what the schema's types cannot: unknown names, keys the chosen option does not have,
+    bad devices, a bad workload split, a model or data factory that does not take its settings.
+    Each option node (optimizer, cluster) is replaced by its typed form, defaults filled in."""
+    from tfkv import checkpoint, models, optim
+    from tfkv.data import source
+
+    checks.keys(cfg, Config, "")
+    checks.no_missing(cfg)
+    optimizer_name = checks.option_name(cfg.optimizer, "optimizer", "name")
+    checks.known("optimizer.name", optimizer_name, optim.names(), "optimizer")
+    cfg.optimizer = checks.typed(cfg.optimizer, OPTIMIZER_SCHEMAS[optimizer_name], "optimizer", optimizer_name)
+    checks.known("optimizer.schedule.name", cfg.optimizer.schedule.name, optim.schedule_names(),
+                 "optimizer.schedule.name")
+    launcher = checks.option_name(cfg.cluster, "cluster", "launcher")
+    cfg.cluster = checks.typed(cfg.cluster, cluster_schema(launcher), "cluster", launcher)
+    models.check(cfg.model)
+    source.check(cfg.dataset)
+    _objective(cfg)
+    checks.direction(cfg)
+    checks.known("logger", cfg.logger.name, list(LOGGERS), "logger")
+    if cfg.logger.name == "mlflow":  # before anything starts, not at worker 0's first epoch
+        from tfkv.tracking import mlflow_log
+
+        mlflow_log.check_installed()
+    _store_type(cfg.kvstore.type)
+    checks.workload(cfg)
+    try:  # every rule the optimizer itself holds (momentum, betas, epsilon, ...), the one definition
+        optim.from_config(cfg.optimizer, 1, cfg.epochs)
+    except ValueError as e:
+        raise ConfigError(f"optimizer: {e}; fix it with optimizer.<setting>=...") from None
+    _cluster(cfg)
+    _placement(cfg)
+    checks.resume(cfg, checkpoint.NO)
+
+
+def cluster_schema(launcher: str) -> type:
+    """The settings of `cluster.launcher`: its own schema, or (a plug-in's) the declared or common one."""
+    if launcher in CLUSTER_SCHEMAS:
+        return CLUSTER_SCHEMAS[launcher]
+    from tfkv.launcher.base import REGISTRY as LAUNCHERS
+
+    if launcher in LAUNCHERS:
+        return getattr(LAUNCHERS.get(launcher), "config", None) or ClusterConfig
+    raise ConfigError(f"cluster.launcher={launcher!r} is not known; choose one of "
+                      f"{', '.join(sorted(set(CLUSTER_SCHEMAS) | set(LAUNCHERS.names())))} (e.g. cluster=local)")
+
+
+def _store_type(kind: str) -> None:
+    """A registered type; MXNet's spelling of one, or one of its types tfkv lacks: name ours."""
+    from tfkv import store
+
+    if kind not in store.names():
+        try:
+            use = store.canonical(kind)
+        except ValueError as e:
+            if str(kind).strip().lower() in store.INSTEAD:
+                raise ConfigError(f"kvstore.type={kind!r}: {e}") from None
+        else:
+            raise ConfigError(f"kvstore.type={kind!r} is MXNet's name for {use}; write kvstore={use}")
+    checks.known("kvstore.type", kind, store.names(), "kvstore")
+
+
+def _objective(cfg: Any) -> None:
+    """The loss and metrics build (names known, `_target_`s import), and `objective` is one of the
+    values the run will report, so a sweep does not learn it only after the first trial trains."""
+    import difflib
+
+    from tfkv.parallel.criterion import Criterion
+
+    criterion = Criterion.from_config(cfg.loss, cfg.metrics)
+    names = criterion.value_names()  # without Keras metric objects, which would start TensorFlow
+    reported = [f"{phase}_{n}" for phase in ("train", "test") for n in names] + list(ALWAYS_REPORTED)
+    objective = str(cfg.objective)
+    if cfg.get("eval_only") and not objective.startswith("test_"):
+        raise ConfigError(f"objective={objective}: eval_only reports only test values; choose one, e.g. "
+                          "objective=test_loss")
+    # a model with dict outputs reports <phase>_<output>_<metric> too: known once the data is
+    per_output = any(objective.startswith(f"{phase}_") and objective.endswith(f"_{n}")
+                     for phase in ("train", "test") for n in names)
+    if objective not in reported and not per_output:
+        close = difflib.get_close_matches(objective, reported, n=1)
+        mean = f"did you mean {close[0]}? " if close else ""
+        raise ConfigError(f"objective={objective} is not a value this run reports; {mean}it reports "
+                          f"{', '.join(reported[:-2])} (and perplexities for language models)")
+
+
+def _cluster(cfg: Any) -> None:
+    """The store type and the cluster fit each other (the type's declared capabilities), and the
+    compression setting parses and is one the type takes."""
+    from tfkv import store
+    from tfkv.ps import compression
+
+    c, kind = cfg.cluster, cfg.kvstore.type
+    in_job = bool(os.environ.get("TFKV_ROLE") or os.environ.get("DMLC_ROLE"))
+    if _capable(kind, "distributed"):
+        if c.launcher == "none" and not in_job:
+            raise ConfigError(
+                f"kvstore={kind} needs a parameter-server cluster: add cluster=local "
+                "(cluster.num_workers=2 cluster.num_servers=1), or start the roles yourself with DMLC_ROLE etc.")
+        if not _capable(kind, "sync") and not cfg.kvstore.update_on_kvstore:
+            raise ConfigError(
+                f"kvstore={kind} needs the optimizer on the servers (kvstore.update_on_kvstore=true): "
+                "without one every push would overwrite the weights")
+    elif c.launcher != "none":
+        raise ConfigError(f"cluster={c.launcher} starts a parameter-server job, but kvstore={kind} is a "
+                          "single-machine store; use kvstore=dist_sync (or dist_async, ...) or drop cluster=")
+    comp = cfg.kvstore.compression
+    try:
+        compressing = compression.parse({"type": comp.type, "threshold": comp.threshold}, "kvstore.compression")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if compressing is not None and not store.compresses(kind):
+        raise ConfigError(f"kvstore.compression.type={comp.type} compresses what devices send to be summed "
+                          f"(kvstore=device) or workers push to parameter servers (dist_*); kvstore={kind} "
+                          "sends neither: use kvstore=device or kvstore=dist_sync")
+    checks.cluster_sizes(c)
+
+
+def _capable(kind: str, capability: str) -> bool:
+    """What store type `kind` declares it can do."""
+    from tfkv.config import is_distributed  # TODO(issue 15, H1): the store registry's declared capabilities
+
+    return is_distributed(kind) if capability == "distributed" else "async" not in kind
+
+
+def _placement(cfg: Any) -> None:
+    """Model parallelism: the model must declare layer groups and the mapping must fit them."""
+    from tfkv import models
+    from tfkv.parallel import placement
+
+    if not checks.micro_batches(cfg):
+        return
+    name = models.name(cfg.model)
+    if models.layer_groups(cfg.model) is None:
+        raise ConfigError(
+            f"placement: model {name} declares no layer groups, so it cannot be split over devices; "
+            "model parallelism needs a builder with group_names and build_groups (e.g. model=lstm_lm) or placement=null")
+    checks.placement_shape(cfg)
+    placement.check(cfg.placement, models.group_names(cfg.model), list(cfg.devices), name)

@@ -1,0 +1,165 @@
+"""The structured-config schema of a `tfkv-run` config, registered in Hydra's ConfigStore.
+
+The dataclasses are the single place where the shape and types of a run's configuration are
+declared (`cluster.*` in tfkv.config.cluster); OmegaConf rejects unknown keys and wrong types
+while Hydra composes the tree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from tfkv.config.cluster import CLUSTER_SCHEMAS
+
+
+@dataclass
+class ScheduleConfig:
+    name: str = "constant"  # constant | step | cosine
+    factor: float = 0.1  # step: multiply the rate by this ...
+    milestones: List[int] = field(default_factory=list)  # ... at these epochs
+    warmup_epochs: float = 0.0  # linear warm-up from 0, any schedule
+
+
+@dataclass
+class OptimizerConfig:
+    """What every optimizer takes."""
+
+    name: str = MISSING  # sgd | adam
+    lr: float = 0.1
+    wd: float = 0.0
+    # MXNet's: the summed gradient is multiplied by rescale_grad (null: 1 / the examples of one
+    # update, every worker's for dist_sync, as MXNet's Module sets it), then clipped to
+    # [-clip_gradient, clip_gradient] (null: no clipping)
+    rescale_grad: Optional[float] = None
+    clip_gradient: Optional[float] = None
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+
+
+@dataclass
+class SGDConfig(OptimizerConfig):
+    momentum: float = 0.0
+
+
+@dataclass
+class AdamConfig(OptimizerConfig):
+    lr: float = 0.001
+    beta1: float = 0.9
+    beta2: float = 0.999
+    epsilon: float = 1e-8
+
+
+@dataclass
+class CompressionConfig:
+    # none | 2bit: what workers push to the parameter servers (dist_*) or devices send to be summed
+    # (device), as MXNet's set_gradient_compression
+    type: str = "none"
+    # 2bit: each value sent is +threshold, -threshold or 0; on MXNet's scale (gradient sums over a
+    # batch, see optimizer.rescale_grad), so MXNet's 0.5 means what it does there
+    threshold: float = 0.5
+
+
+@dataclass
+class KVStoreConfig:
+    type: str = MISSING
+    # true: the store runs the optimizer (MXNet's default); false: the store only sums gradients
+    # and every device applies the update to its own copy of the weights.
+    update_on_kvstore: bool = True
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+
+
+OPTIMIZER_SCHEMAS: dict[str, type] = {"sgd": SGDConfig, "adam": AdamConfig}
+
+
+@dataclass
+class ExportConfig:
+    saved_model: bool = False  # also a SavedModel (model.export) for serving, beside model.keras
+
+
+@dataclass
+class SweepConfig:
+    """How a sweep (`tfkv-run -m`) treats this run as one of its trials."""
+
+    fail_fast: bool = False  # true: the first failed trial ends the sweep (Hydra's own behaviour)
+    # Set by the tfkv_optuna sweeper for each trial it asks (never by hand): the study the
+    # trial's worker 0 reports its per-epoch objective to, so that a pruner can stop it.
+    study: Optional[str] = None
+    storage: Optional[str] = None
+    trial: Optional[int] = None
+
+
+@dataclass
+class LoggerConfig:
+    """Where runs are logged beside TensorBoard (always written): `logger=mlflow`."""
+
+    name: str = "none"  # none | mlflow
+    tracking_uri: Optional[str] = None  # mlflow: null = a SQLite store, mlflow.db, where tfkv-run started
+    experiment: str = "tfkv"  # mlflow: the experiment the runs go to
+
+
+# logger=<name>: the loggers beside TensorBoard (tfkv.tracking)
+LOGGERS = ("none", "mlflow")
+
+
+def is_distributed(kvstore_type: str) -> bool:
+    # TODO(issue 15, H1): callers ask the store registry's declared capabilities instead
+    return kvstore_type.startswith("dist")
+
+
+@dataclass
+class Config:
+    # Any callable returning a keras.Model (_target_ + its keyword arguments), or {path: x.keras}
+    model: Any = MISSING
+    # Any data factory (_target_ + its keyword arguments); see tfkv.data.source
+    dataset: Any = MISSING
+    # A Keras loss name, a _target_ node, or {output name: loss}; null: sparse categorical
+    # crossentropy on logits (what the built-in classifiers output). Then Keras metrics: a list,
+    # or {output name: list}.
+    loss: Any = None
+    metrics: Any = None  # null: accuracy when the loss is a crossentropy (as above), else none
+    objective: str = "test_accuracy"  # the metric tfkv-run returns (to a sweeper)
+    direction: str = "maximize"  # maximize | minimize: which way `objective` is better
+    optimizer: Any = MISSING  # one of OPTIMIZER_SCHEMAS, by optimizer.name
+    kvstore: KVStoreConfig = MISSING
+    cluster: Any = field(default_factory=lambda: {"launcher": "none"})  # one of CLUSTER_SCHEMAS
+    devices: List[str] = field(default_factory=lambda: ["cpu:0"])
+    work_load_list: Optional[List[float]] = None
+    batch_size: int = 64  # per machine; split across `devices`
+    eval_batch_size: int = 1000
+    epochs: int = 10
+    steps_per_epoch: Optional[int] = None  # null: the fewest full batches of any worker's shard
+    seed: int = 0
+    deterministic: bool = False  # tf.config.experimental.enable_op_determinism()
+    resume: Any = False  # false | true (last checkpoint of the same command) | a run dir
+    # evaluate the `resume` checkpoint on the test split, no training (tfkv.export). null means
+    # false: Hydra's `+key=value` adds a key only where it is absent or null, and the issue's
+    # spelling is `+eval_only=true` (eval_only=true works too)
+    eval_only: Optional[bool] = None
+    export: ExportConfig = field(default_factory=ExportConfig)
+    progress: bool = True  # progress bar on a terminal
+    log_every: int = 20  # steps between progress-bar and TensorBoard step updates
+    # Model parallelism: null = data parallelism (a model copy per device); `auto` = the model's
+    # layer groups cut into balanced contiguous stages, one per device in `devices`; or a
+    # mapping group -> device, e.g. {embed: gpu:0, lstm1: gpu:0, lstm2: gpu:1, decoder: gpu:1}.
+    placement: Any = None
+    micro_batches: int = 1  # with placement: pipeline each batch as this many micro-batches
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+
+def register() -> None:
+    store = ConfigStore.instance()
+    store.store(name="tfkv_schema", node=Config)
+    # Each option's schema, which its yaml (conf/optimizer/adam.yaml, ...) extends in its defaults
+    # list: every setting the option has can be overridden without `+`, others are refused by Hydra.
+    for group, schemas in (("optimizer", OPTIMIZER_SCHEMAS), ("cluster", CLUSTER_SCHEMAS)):
+        for option, schema in schemas.items():
+            store.store(group=f"schema/{group}", name=option, node=schema)
+
+
+
+# What every run reports beside the loss and metrics (see tfkv.trainer).
+ALWAYS_REPORTED = ("samples_per_sec", "train_perplexity", "test_perplexity")
