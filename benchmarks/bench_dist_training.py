@@ -35,9 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -141,56 +139,17 @@ def run_mwms(args: argparse.Namespace) -> None:
 
 # -- the parent: launching, timeouts, teardown ------------------------------------------------
 
-def _kill_group(p: subprocess.Popen) -> None:
-    """SIGTERM the process's group, then SIGKILL whatever is left in it; reap the leader."""
-    for sig, wait in ((signal.SIGTERM, 3), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(p.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            p.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            pass
+def run_processes(envs: list[dict[str, str]], argv: list[str], timeout: float, what: str) -> None:
+    """One process per env, run as a job by tfkv.launcher (its supervisor names the first failure
+    and tears every process group down, also on timeout); Failed with the log's tail."""
+    from tfkv.launcher.plan import Process
 
-
-def run_processes(envs: list[dict[str, str]], argv: list[str], timeout: float, what: str, logdir: str) -> None:
-    """Start one process per env (own process group each), wait for all; kill all on timeout or on
-    the first failure."""
-    procs, logs = [], []
-    try:
-        for i, env in enumerate(envs):
-            log = open(os.path.join(logdir, f"{what.replace(' ', '_')}-{i}.log"), "w+")
-            logs.append(log)
-            procs.append(subprocess.Popen(argv, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, start_new_session=True))
-        deadline = time.monotonic() + timeout
-        while any([p.poll() is None for p in procs]):  # every one polled: it sets returncode
-            bad = [i for i, p in enumerate(procs) if p.returncode not in (None, 0)]
-            if bad:
-                raise Failed(f"{what} process {bad[0]} exited with status {procs[bad[0]].returncode}")
-            if time.monotonic() > deadline:
-                raise Failed(f"{what} ran past {timeout:.0f} s")
-            time.sleep(0.05)
-        bad = [i for i, p in enumerate(procs) if p.returncode != 0]
-        if bad:
-            raise Failed(f"{what} process {bad[0]} exited with status {procs[bad[0]].returncode}")
-    except Failed as e:
-        tails = []
-        for i, log in enumerate(logs):
-            log.flush()
-            log.seek(0)
-            tails.append(f"--- {what} process {i} ---\n" + log.read()[-3000:])
-        raise Failed(f"{e}\n" + "\n".join(tails)) from None
-    finally:
-        for p in procs:
-            _kill_group(p)
-        for log in logs:
-            log.close()
+    plan = [Process(f"{what} process {i}", "worker", i, "127.0.0.1", argv, env) for i, env in enumerate(envs)]
+    run_plan(plan, timeout, what)
 
 
 def job_local(args, tmp: str) -> None:
-    run_processes([{}], worker_argv(args, "local", tmp), args.job_timeout, "local", tmp)
+    run_processes([{}], worker_argv(args, "local", tmp), args.job_timeout, "local")
 
 
 def job_mwms(args, tmp: str) -> None:
@@ -199,7 +158,7 @@ def job_mwms(args, tmp: str) -> None:
     ports = [free_port(), free_port()]
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
     envs = [{"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})} for i in range(2)]
-    run_processes(envs, worker_argv(args, "mwms", tmp), args.job_timeout, "MWMS", tmp)
+    run_processes(envs, worker_argv(args, "mwms", tmp), args.job_timeout, "MWMS")
 
 
 def job_dist_sync(args, tmp: str, model: str) -> None:

@@ -36,7 +36,7 @@ import pytest
 from conftest import need_root
 
 from tfkv.launcher.plan import Process
-from tfkv.launcher.ssh import remote_command
+from tfkv.launcher.ssh_remote import remote_command
 
 SSHD = "/usr/sbin/sshd"  # sshd re-executes itself, so it must be started by absolute path
 

@@ -149,7 +149,7 @@ def test_output_names_the_first_real_failure():
                  "[server 0] tfkv-role: server 0 was killed by SIGTERM", "[worker 2] hello"]:
         o.line(line)
     assert o.cause() == "worker 1 @h exited with status 5"
-    assert o.ended == {"worker 0": 3, "worker 1 @h": 5, "server 0": -15}
+    assert o.ends.codes == {"worker 0": 3, "worker 1 @h": 5, "server 0": -15}
 
 
 # -- mpi -------------------------------------------------------------------------------------------

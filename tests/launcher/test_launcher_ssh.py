@@ -21,7 +21,8 @@ from conftest import REPO, TAG, tagged_pids, tfkv_run
 
 from tfkv.errors import ConfigError
 from tfkv.launcher import job as launch_job
-from tfkv.launcher.ssh import MARK, SSHLauncher
+from tfkv.launcher.ssh import SSHLauncher
+from tfkv.launcher.ssh_remote import MARK
 
 PY = sys.executable  # the "remote" hosts share this machine's Python, where tfkv is installed
 

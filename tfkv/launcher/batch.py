@@ -1,7 +1,8 @@
 """What the batch backends (mpi, slurm, sge, yarn) share on the launcher's side: their client
 (mpirun, srun, sbatch, qsub, yarn) started in its own process group that dies with the launcher,
-stopped with whatever it left behind, supervised until it ends or a role fails; the merged output
-stream that prefixes nothing itself (the role helper already did) but notes each role's end; job
+stopped with whatever it left behind, supervised (tfkv.launcher.supervisor) until it ends or a
+role fails; the merged output stream that prefixes nothing itself (the role helper already did)
+but feeds each role's end to the supervisor; job
 names and job files. The per-rank side is tfkv.launcher.role. No TensorFlow is imported here.
 """
 
@@ -16,8 +17,8 @@ import time
 from pathlib import Path
 from typing import IO, Any, Callable, Sequence
 
-from tfkv.launcher import signals
-from tfkv.launcher.process import die_with_parent, done_waiting, first_cause, signal_group, warn_without_parent_death
+from tfkv.launcher import supervisor
+from tfkv.launcher.process import die_with_parent, signal_group, warn_without_parent_death
 from tfkv.launcher.role import EXIT_LINE
 
 
@@ -79,26 +80,27 @@ def stop(proc: subprocess.Popen, grace: float = 5.0, first: int = signal.SIGTERM
 def supervise(proc: subprocess.Popen, output: "Output", teardown: float,
               interrupt: Callable[[subprocess.Popen], None] | None = None,
               ends_itself: bool = True) -> str | None:
-    """Wait for a resource manager's client (mpirun, srun) to end, or for the grace after a role
-    failed to run out (plus `teardown`, when the client `ends_itself` a job one of whose roles
-    failed); Ctrl-C or SIGTERM cuts it short. Then, if it still runs, `interrupt` it (its own way
-    to end a job), stop it and what it started, and finish the output. Returns the interrupt's
-    failure line, or None."""
-    failure = None
+    """tfkv.launcher.supervisor for a resource manager's client (mpirun, srun): the job is over
+    when the client ends; the grace after a failure has `teardown` more seconds when the client
+    `ends_itself` a job one of whose roles failed. Then, if it still runs, `interrupt` it (its own
+    way to end a job), stop it and what it started, and finish the output. The failure line."""
+    def stop_client() -> None:
+        if interrupt is not None and proc.poll() is None:
+            interrupt(proc)
+        stop(proc, grace=teardown)
+        output.join()
+
+    return supervisor.supervise(output.ends, lambda: proc.poll() is not None, stop_client,
+                                extra=teardown if ends_itself else 0.0)
+
+
+def scheduler_ends(scheduler: subprocess.Popen, after: str) -> str | None:
+    """Every worker done: the scheduler (run here) ends on its own; a line if it does not."""
     try:
-        while proc.poll() is None and not output.grace_over(teardown if ends_itself else 0.0):
-            time.sleep(0.05)
-    except KeyboardInterrupt as e:
-        failure = signals.failure(e)
-    finally:
-        with signals.shielded():
-            if proc.poll() is None:  # else every line is still to be read: the output tells all
-                output.teardown_begins()
-            if interrupt is not None and proc.poll() is None:
-                interrupt(proc)
-            stop(proc, grace=teardown)
-            output.join()
-    return failure
+        scheduler.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        return f"the scheduler did not end after {after}"
+    return None
 
 
 def quietly(argv: list[str], env: dict[str, str] | None = None, timeout: float = 60) -> int | None:
@@ -118,14 +120,10 @@ class Output:
 
     def __init__(self, out: IO[str], names: Sequence[str] = (), watch: str | None = None):
         self.out = out
-        self.names = list(names)
-        self.before_teardown: tuple[list[tuple[str, int]], list[str]] | None = None
+        self.ends = supervisor.Ends(names)
         self.watch = re.compile(watch) if watch else None
         self.found: list[str] = []  # what `watch` (one group) matched, in order: job ids, app ids
         self.lock = threading.Lock()
-        self.failed: list[tuple[str, int]] = []
-        self.ended: dict[str, int] = {}
-        self.first_failure_at: float | None = None
         self.threads: list[threading.Thread] = []
         self.last: dict[str, str] = {}  # the last line each client (by prefix) wrote: its error
 
@@ -137,29 +135,11 @@ class Output:
                 self.found += [m.group(1) for m in self.watch.finditer(text) if m.group(1) not in self.found]
             m = EXIT_LINE.match(text)
             if m:
-                code = int(m["code"]) if m["code"] is not None else -signal.Signals[m["sig"]].value
-                self.ended[m["name"]] = code
-                if code != 0:
-                    self.failed.append((m["name"], code))
-                    self.first_failure_at = self.first_failure_at or time.monotonic()
+                self.ends.ended(m["name"], int(m["code"]) if m["code"] is not None
+                                else -signal.Signals[m["sig"]].value)
 
     def cause(self) -> str | None:
-        with self.lock:
-            if self.before_teardown is not None:
-                return first_cause(*self.before_teardown)
-            return first_cause(self.failed, [n for n in self.names if n not in self.ended])
-
-    def teardown_begins(self) -> None:
-        """The launcher stops what still runs: the cause is told from what ended before (a hung
-        role then ends too, killed by the teardown, and must not be blamed for that)."""
-        with self.lock:
-            self.before_teardown = (list(self.failed), [n for n in self.names if n not in self.ended])
-
-    def grace_over(self, extra: float = 0.0) -> bool:
-        """process.done_waiting after the first failure, plus `extra` seconds (the client's own
-        teardown): time to tear the rest down."""
-        with self.lock:
-            return done_waiting(self.failed, self.first_failure_at, time.monotonic() - extra)
+        return self.ends.cause()
 
     def pump(self, stream: IO[bytes], prefix: str = "") -> None:
         """Forward a pipe's lines (with `prefix` for a client's own messages) on a thread."""

@@ -1,7 +1,7 @@
 """The process groups of a job's roles, as every launcher backend handles them: a child that dies
 with the process that started it, a signal to a whole group, and how a role's end is told
-(`worker 1 exited with status 5`, the first failure that was not a peer's reaction to another,
-or `worker 1 stopped answering` when that was a hang).
+(`worker 1 exited with status 5`). Which failure is the job's cause, and when to tear the job
+down, is tfkv.launcher.supervisor's.
 """
 
 from __future__ import annotations
@@ -11,15 +11,7 @@ import functools
 import logging
 import os
 import signal
-from typing import Sequence
 
-from tfkv.errors import EXIT_PEER_FAILED
-
-GRACE = 2.0  # seconds the other roles get to notice a failure on their own before teardown
-# When every failure so far is a peer's reaction (EXIT_PEER_FAILED), the cause is a role still
-# running: hung, or only slow to exit after reporting its own failure (TensorFlow's teardown on a
-# loaded machine takes seconds). It gets this long to end before it is blamed as hung.
-HANG_GRACE = 6.0
 PR_SET_PDEATHSIG, PR_GET_PDEATHSIG = 1, 2
 
 log = logging.getLogger("tfkv")
@@ -75,27 +67,3 @@ def status_text(code: int) -> str:
     if code < 0:
         return f"was killed by {signal.Signals(-code).name}"
     return f"exited with status {code}"
-
-
-def done_waiting(failed: list[tuple[str, int]], since: float | None, now: float) -> bool:
-    """Whether a launcher has waited long enough after the first failure (seen at `since`) to
-    tear the job down: GRACE once a failure names its own cause, HANG_GRACE while every failure
-    is a peer's reaction, so that a role still exiting is not blamed for a hang."""
-    if since is None:
-        return False
-    own_cause = any(code != EXIT_PEER_FAILED for _, code in failed)
-    return now - since > (GRACE if own_cause else HANG_GRACE)
-
-
-def first_cause(failed: list[tuple[str, int]], running: Sequence[str] = ()) -> str | None:
-    """Processes that stopped because a peer failed say so with EXIT_PEER_FAILED: the cause is
-    the first failure that did not. When every failure did, the cause is whatever is still
-    `running` (roles that had not ended when the launcher looked): a role that hangs (stopped,
-    deadlocked) lives on while the others stop because it stopped answering."""
-    causes = [f for f in failed if f[1] != EXIT_PEER_FAILED]
-    if causes:
-        return f"{causes[0][0]} {status_text(causes[0][1])}"
-    if failed and running:
-        return (f"{' and '.join(running)} stopped answering (still running when the others had stopped because "
-                "a peer failed)")
-    return f"{failed[0][0]} {status_text(failed[0][1])}" if failed else None

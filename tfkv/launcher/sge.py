@@ -25,15 +25,13 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import IO
 
 from tfkv.errors import ConfigError
-from tfkv.launcher import batch, role, signals
+from tfkv.launcher import batch, role, supervisor
 from tfkv.launcher.base import Job, Result
 from tfkv.launcher.process import status_text
 from tfkv.launcher.record import local_versions
@@ -93,26 +91,23 @@ class SGELauncher:
         qsub = batch.start(qsub_argv(job, name, str(script), files), env=env, cwd=str(job.workdir))
         output.pump(qsub.stdout, "[qsub] ")
         output.pump(qsub.stderr, "[qsub] ")
-        failure = None
-        try:
-            while qsub.poll() is None and not output.grace_over():
-                time.sleep(0.1)
-            if qsub.returncode == 0 and not output.failed:
-                scheduler.wait(timeout=30)  # every worker done: the scheduler ends on its own
-        except KeyboardInterrupt as e:
-            failure = signals.failure(e)
-        except subprocess.TimeoutExpired:
-            failure = "the scheduler did not end after every task of the Grid Engine job finished"
-        finally:
-            with signals.shielded():
-                if qsub.poll() is None:
-                    batch.quietly(["qdel", name], env, timeout=60)
-                batch.stop(qsub, grace=TEARDOWN, first=0)  # qsub -sync y returns once the job is gone
-                batch.stop(scheduler)
-                done.set()
-                output.join()
-        failure = failure or output.cause()
+
+        def scheduler_ends() -> str | None:
+            if qsub.returncode == 0 and not output.ends.failed:
+                return batch.scheduler_ends(scheduler, "every task of the Grid Engine job finished")
+            return None
+
+        def teardown() -> None:
+            if qsub.poll() is None:
+                batch.quietly(["qdel", name], env, timeout=60)
+            batch.stop(qsub, grace=TEARDOWN, first=0)  # qsub -sync y returns once the job is gone
+            batch.stop(scheduler)
+            done.set()
+            output.join()
+
+        failure = supervisor.supervise(output.ends, lambda: qsub.poll() is not None, teardown,
+                                       then=scheduler_ends, interval=0.1)
         if failure is None and qsub.returncode:
             detail = output.last.get("[qsub] ")
             failure = f"the Grid Engine job {status_text(qsub.returncode)}" + (f" ({detail})" if detail else "")
-        return Result(0 if failure is None else 1, failure)
+        return Result(supervisor.returncode(failure), failure)

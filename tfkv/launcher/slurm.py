@@ -41,7 +41,7 @@ import time
 from typing import IO
 
 from tfkv.errors import ConfigError
-from tfkv.launcher import batch, role, signals
+from tfkv.launcher import batch, role, supervisor
 from tfkv.launcher.base import Job, Result
 from tfkv.launcher.process import signal_group, status_text
 from tfkv.launcher.record import local_versions
@@ -186,31 +186,29 @@ class SlurmLauncher:
         output.pump(proc.stderr, "[sbatch] ")
         done = threading.Event()
         output.tail(log, done)
-        failure = None
         over = False  # the job ended and we stopped sbatch --wait ourselves: its status says nothing
-        try:
-            while proc.poll() is None and not output.grace_over(TEARDOWN):
-                # sbatch --wait notices the end only at its next poll (seconds): once every role
-                # ended, or one failed (Slurm then kills the rest), ask squeue.
-                ended = len(output.ended) == len(job.plan) or output.failed
-                if ended and output.found and self._gone(output.found[0], env):
-                    break
-                time.sleep(0.1)
-        except KeyboardInterrupt as e:
-            failure = signals.failure(e)
-        finally:
-            with signals.shielded():
-                if proc.poll() is None:
-                    if not (output.found and self._gone(output.found[0], env)):
-                        batch.quietly(["scancel", "--name", name], env, timeout=60)
-                    deadline = time.monotonic() + TEARDOWN
-                    while (proc.poll() is None and time.monotonic() < deadline
-                           and not (output.found and self._gone(output.found[0], env))):
-                        time.sleep(0.2)
-                    over = proc.poll() is None
-                batch.stop(proc, grace=TEARDOWN)
-                done.set()
-                output.join()
+
+        def ended() -> bool:
+            # sbatch --wait notices the end only at its next poll (seconds): once every role
+            # ended, or one failed (Slurm then kills the rest), ask squeue.
+            done = not output.ends.running() or output.ends.failed
+            return proc.poll() is not None or bool(done and output.found and self._gone(output.found[0], env))
+
+        def teardown() -> None:
+            nonlocal over
+            if proc.poll() is None:
+                if not (output.found and self._gone(output.found[0], env)):
+                    batch.quietly(["scancel", "--name", name], env, timeout=60)
+                deadline = time.monotonic() + TEARDOWN
+                while (proc.poll() is None and time.monotonic() < deadline
+                       and not (output.found and self._gone(output.found[0], env))):
+                    time.sleep(0.2)
+                over = proc.poll() is None
+            batch.stop(proc, grace=TEARDOWN)
+            done.set()
+            output.join()
+
+        failure = supervisor.supervise(output.ends, ended, teardown, extra=TEARDOWN, interval=0.1)
         return self._result(failure, output, None if over else proc.returncode, "the Slurm job", "[sbatch] ")
 
     @staticmethod
@@ -224,8 +222,7 @@ class SlurmLauncher:
 
     @staticmethod
     def _result(failure: str | None, output: batch.Output, rc: int | None, what: str, prefix: str) -> Result:
-        failure = failure or output.cause()
         if failure is None and rc:
             detail = output.last.get(prefix)
             failure = f"{what} {status_text(rc)}" + (f" ({detail})" if detail else "")
-        return Result(0 if failure is None else 1, failure)
+        return Result(supervisor.returncode(failure), failure)

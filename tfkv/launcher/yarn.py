@@ -34,15 +34,13 @@ import shlex
 import shutil
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 from tfkv.errors import ConfigError
-from tfkv.launcher import batch, role, signals
+from tfkv.launcher import batch, role, supervisor
 from tfkv.launcher.base import Job, Result
-from tfkv.launcher.process import first_cause
 from tfkv.launcher.plan import Process, forwarded_env
 from tfkv.launcher.record import local_versions
 
@@ -152,36 +150,39 @@ class YarnLauncher:
         output.pump(scheduler.stdout)
         output.pump(scheduler.stderr, "[scheduler] ")
         clients: dict[str, subprocess.Popen] = {}
-        failure = None
 
         def failed_clients() -> list[tuple[str, int]]:
             return [(f"yarn application {label}", c.returncode) for label, c in clients.items()
                     if c.returncode not in (None, 0)]
 
-        try:
+        def start() -> None:
             for label, argv in subs:
                 clients[label] = batch.start(argv, env=env, cwd=str(job.workdir))
                 output.pump(clients[label].stdout, f"[yarn {label}] ")
                 output.pump(clients[label].stderr, f"[yarn {label}] ")
+
+        def over() -> bool:
             # Every client polled each time (a list, not any()): polling sets a failed one's returncode.
-            while (any([c.poll() is None for c in clients.values()]) and not output.failed
-                   and not failed_clients() and scheduler.poll() in (None, 0)):
-                time.sleep(0.2)
-            if not output.failed and not failed_clients():
-                scheduler.wait(timeout=30)  # every worker done: the scheduler ends on its own
-        except KeyboardInterrupt as e:
-            failure = signals.failure(e)
-        except subprocess.TimeoutExpired:
-            failure = "the scheduler did not end after every YARN application finished"
-        finally:
-            with signals.shielded():
-                if any(c.poll() is None for c in clients.values()):
-                    for app in output.found:  # the clients alone would leave them running
-                        batch.quietly(["yarn", "application", "-kill", app], env, timeout=120)
-                for c in clients.values():
-                    batch.stop(c)
-                batch.stop(scheduler)
-                output.join()
-        failure = failure or output.cause() or first_cause(failed_clients())
-        return Result(0 if failure is None else 1, failure)
+            return not (any([c.poll() is None for c in clients.values()]) and not output.ends.failed
+                        and not failed_clients() and scheduler.poll() in (None, 0))
+
+        def scheduler_ends() -> str | None:
+            if not output.ends.failed and not failed_clients():
+                return batch.scheduler_ends(scheduler, "every YARN application finished")
+            return None
+
+        def teardown() -> None:
+            if any(c.poll() is None for c in clients.values()):
+                for app in output.found:  # the clients alone would leave them running
+                    batch.quietly(["yarn", "application", "-kill", app], env, timeout=120)
+            for c in clients.values():
+                batch.stop(c)
+            batch.stop(scheduler)
+            output.join()
+
+        # No grace after a failure here (extra=inf): a failed role or client ends the wait at once.
+        failure = supervisor.supervise(output.ends, over, teardown, start=start, then=scheduler_ends,
+                                       extra=float("inf"), interval=0.2)
+        failure = failure or supervisor.first_cause(failed_clients())
+        return Result(supervisor.returncode(failure), failure)
 

@@ -297,13 +297,13 @@ class TfkvLauncher(Launcher):
     @staticmethod
     def _probe(hosts: list[Host]) -> dict[Host, str]:
         """The hosts that do not answer ssh now, with why (one line each)."""
-        from tfkv.launcher import ssh
+        from tfkv.launcher import ssh_connect as ssh
 
         def answer(host: Host) -> Optional[str]:
             try:
                 conn = ssh.connect(host)
             except Exception as e:  # noqa: BLE001 - every way of not answering is one line
-                return "does not answer ssh: " + ssh._connect_problem(host, e).split(": ", 1)[-1]
+                return "does not answer ssh: " + ssh.connect_problem(host, e).split(": ", 1)[-1]
             try:
                 r = conn.run("true", hide=True, warn=True, in_stream=False, timeout=ssh.CONNECT_TIMEOUT)
                 return None if r.exited == 0 else f"cannot run a command over ssh (exit {r.exited})"

@@ -1,0 +1,118 @@
+"""ssh connections for the ssh launcher (and the sweeps' host checks): a host reached exactly as
+`ssh HOST` would reach it, by Fabric or by `ssh` itself (for rsync).
+
+The ssh config (~/.ssh/config, or the file TFKV_SSH_CONFIG names) gives a host's HostName, User,
+Port, IdentityFile, ProxyJump...; a hosts-file `user@host:port` wins over it. Fabric (paramiko)
+makes the connection; no password is ever asked for (keys or an agent only, as with ssh's
+BatchMode), and host keys are checked as OpenSSH checks them, where Fabric alone would accept any
+host. Every way of failing to connect becomes one line naming the host and the fix.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tfkv.errors import ConfigError
+from tfkv.launcher.hosts import Host
+
+if TYPE_CHECKING:
+    from fabric import Connection
+
+log = logging.getLogger("tfkv")
+
+CONNECT_TIMEOUT = 10  # seconds, unless the ssh config sets ConnectTimeout
+
+
+def ssh_config_path() -> str | None:
+    """The ssh config file named by TFKV_SSH_CONFIG; None: ssh's own (~/.ssh/config)."""
+    path = os.environ.get("TFKV_SSH_CONFIG")
+    if path and not Path(path).expanduser().is_file():
+        raise ConfigError(f"TFKV_SSH_CONFIG={path} is not a file; point it at an ssh config file or unset it")
+    return str(Path(path).expanduser()) if path else None
+
+
+def config_name() -> str:
+    return ssh_config_path() or "~/.ssh/config"
+
+
+def connect(host: Host) -> Connection:
+    """An open Fabric connection to `host`, set up as `ssh host` would be; never prompts."""
+    from fabric import Config, Connection
+
+    overrides = {"timeouts": {"connect": CONNECT_TIMEOUT}}  # the ssh config's ConnectTimeout wins
+    path = ssh_config_path()
+    config = Config(runtime_ssh_path=path, overrides=overrides) if path else Config(overrides=overrides)
+    # IdentityFile etc. come from the ssh config; keys from the agent and ~/.ssh as ssh would try
+    # them, unless the config says IdentitiesOnly and names the keys.
+    entry = config.base_ssh_config.lookup(host.name)
+    only = entry.get("identitiesonly") == "yes" and "identityfile" in entry
+    conn = Connection(host.name, user=host.user, port=host.port, config=config,
+                      connect_kwargs={"allow_agent": not only, "look_for_keys": not only})
+    _check_host_keys(conn.client, entry)
+    conn.open()
+    conn.transport.set_keepalive(10)  # notice a host that went away
+    return conn
+
+
+def _check_host_keys(client: Any, entry: dict[str, Any]) -> None:
+    """Host keys as OpenSSH checks them in BatchMode (rsync's ssh does): the known_hosts files
+    the ssh config names (default ~/.ssh/known_hosts, /etc/ssh/ssh_known_hosts); a host not in
+    them is refused, unless StrictHostKeyChecking is no, off or accept-new (then its key is
+    accepted for this connection and not saved). Fabric's own default accepts any host."""
+    import paramiko
+
+    files = []
+    for option, default in (("userknownhostsfile", "~/.ssh/known_hosts ~/.ssh/known_hosts2"),
+                            ("globalknownhostsfile", "/etc/ssh/ssh_known_hosts /etc/ssh/ssh_known_hosts2")):
+        value = entry.get(option, default)
+        files += value.split() if isinstance(value, str) else list(value)
+    known = client.get_host_keys()
+    for name in files:
+        path = Path(name).expanduser()
+        if path.is_file():
+            try:
+                known.load(str(path))
+            except (OSError, paramiko.SSHException, ValueError) as e:
+                log.warning("ssh: skipping unreadable known_hosts file %s (%s)", path, e)
+    strict = str(entry.get("stricthostkeychecking", "ask")).lower()
+    accept = strict in ("no", "off", "accept-new")
+    client.set_missing_host_key_policy(paramiko.AutoAddPolicy() if accept else paramiko.RejectPolicy())
+
+
+def connect_problem(host: Host, e: Exception) -> str:
+    """One line: why `host` cannot be reached, and what to do."""
+    import socket
+
+    import paramiko
+
+    if isinstance(e, paramiko.AuthenticationException) or "No authentication methods" in str(e):
+        return (f"{host}: ssh refused the key ({e}); add your key to {host.name}'s authorized_keys or set "
+                f"IdentityFile in {config_name()}")
+    if isinstance(e, socket.gaierror):
+        return (f"{host}: unknown host ({e.strerror}); fix the name in the hosts file or give it a HostName "
+                f"in {config_name()}")
+    if isinstance(e, paramiko.ssh_exception.NoValidConnectionsError):
+        return f"{host}: no ssh server answers there ({e.strerror or e}); start sshd on it or fix the port"
+    if isinstance(e, (TimeoutError, socket.timeout)):
+        return f"{host}: no answer within {CONNECT_TIMEOUT} s; check that the host is up and reachable"
+    if isinstance(e, paramiko.BadHostKeyException):
+        return f"{host}: its host key changed; if that is expected, run ssh-keygen -R {host.name}"
+    if isinstance(e, paramiko.SSHException) and "not found in known_hosts" in str(e):
+        return (f"{host}: its host key is not in known_hosts; run `ssh {host.name}` once to check and accept it, "
+                f"or set StrictHostKeyChecking for it in {config_name()}")
+    return f"{host}: cannot connect ({type(e).__name__}: {e}); check that `ssh {host}` works"
+
+
+def ssh_command(host: Host) -> list[str]:
+    """`ssh` as rsync should run it: the same config, never a prompt; the alias is given apart."""
+    cmd = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={CONNECT_TIMEOUT}"]
+    if ssh_config_path():
+        cmd += ["-F", ssh_config_path()]
+    if host.port:
+        cmd += ["-p", str(host.port)]
+    if host.user:
+        cmd += ["-l", host.user]
+    return cmd

@@ -1,0 +1,167 @@
+"""The one supervisor of a job's roles, for every launcher backend, the benchmarks and the tests:
+wait until the job ends by itself or a role fails, name the first real failure, tear the rest
+down as a group, and say how the job ended.
+
+A backend supplies how to start its roles, how to tell that the job is over (`over`), where the
+roles' ends are seen (an `Ends`, fed from exit statuses, ssh channels or the role helper's exit
+lines) and how to stop what still runs (`teardown`). The policy is here, once:
+
+- a role that fails first gets the others GRACE seconds to notice on their own and exit; then the
+  rest is torn down. A role that exits with tfkv.errors.EXIT_PEER_FAILED only reacts to another
+  one's failure and is never the one blamed; while every failure is such a reaction, the cause is
+  a role still running (hung, or slow to exit), which gets HANG_GRACE before it is blamed;
+- the first SIGINT/SIGTERM (tfkv.launcher.signals) stops the wait, the failure line says so and
+  the teardown runs shielded from further signals;
+- the cause is told from what had ended when the teardown began: a role the teardown kills is
+  not blamed for being killed.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+import time
+from typing import Callable, Mapping, Sequence
+
+from tfkv.errors import EXIT_PEER_FAILED
+from tfkv.launcher import signals
+from tfkv.launcher.process import signal_group, status_text
+
+GRACE = 2.0  # seconds the other roles get to notice a failure on their own before teardown
+# When every failure so far is a peer's reaction (EXIT_PEER_FAILED), the cause is a role still
+# running: hung, or only slow to exit after reporting its own failure (TensorFlow's teardown on a
+# loaded machine takes seconds). It gets this long to end before it is blamed as hung.
+HANG_GRACE = 6.0
+INTERVAL = 0.05  # seconds between two looks at the roles
+
+
+def done_waiting(failed: list[tuple[str, int]], since: float | None, now: float) -> bool:
+    """Whether a launcher has waited long enough after the first failure (seen at `since`) to
+    tear the job down: GRACE once a failure names its own cause, HANG_GRACE while every failure
+    is a peer's reaction, so that a role still exiting is not blamed for a hang."""
+    if since is None:
+        return False
+    own_cause = any(code != EXIT_PEER_FAILED for _, code in failed)
+    return now - since > (GRACE if own_cause else HANG_GRACE)
+
+
+def first_cause(failed: list[tuple[str, int]], running: Sequence[str] = ()) -> str | None:
+    """Processes that stopped because a peer failed say so with EXIT_PEER_FAILED: the cause is
+    the first failure that did not. When every failure did, the cause is whatever is still
+    `running` (roles that had not ended when the launcher looked): a role that hangs (stopped,
+    deadlocked) lives on while the others stop because it stopped answering."""
+    causes = [f for f in failed if f[1] != EXIT_PEER_FAILED]
+    if causes:
+        return f"{causes[0][0]} {status_text(causes[0][1])}"
+    if failed and running:
+        return (f"{' and '.join(running)} stopped answering (still running when the others had stopped because "
+                "a peer failed)")
+    return f"{failed[0][0]} {status_text(failed[0][1])}" if failed else None
+
+
+class Ends:
+    """How the roles of one job ended, in the order the ends were seen (thread-safe: output
+    threads report them). `names` are the job's roles; those that never reported are running."""
+
+    def __init__(self, names: Sequence[str] = ()):
+        self.names = list(names)
+        self.codes: dict[str, int] = {}
+        self.failed: list[tuple[str, int]] = []
+        self.first_failure_at: float | None = None
+        self.frozen: tuple[list[tuple[str, int]], list[str]] | None = None
+        self.lock = threading.Lock()
+
+    def ended(self, name: str, code: int) -> None:
+        """`name` ended with `code` (negative: killed by that signal); only its first end counts."""
+        with self.lock:
+            if name in self.codes:
+                return
+            self.codes[name] = code
+            if code != 0:
+                self.failed.append((name, code))
+                self.first_failure_at = self.first_failure_at or time.monotonic()
+
+    def running(self) -> list[str]:
+        return [n for n in self.names if n not in self.codes]
+
+    def grace_over(self, extra: float = 0.0) -> bool:
+        """done_waiting after the first failure, plus `extra` seconds (a client's own teardown)."""
+        with self.lock:
+            return done_waiting(self.failed, self.first_failure_at, time.monotonic() - extra)
+
+    def freeze(self) -> None:
+        """The teardown begins: the cause is told from what ended before it (a hung role then ends
+        too, killed by the teardown, and must not be blamed for that)."""
+        with self.lock:
+            self.frozen = (list(self.failed), self.running())
+
+    def cause(self) -> str | None:
+        with self.lock:
+            if self.frozen is not None:
+                return first_cause(*self.frozen)
+            return first_cause(self.failed, self.running())
+
+
+def supervise(ends: Ends, over: Callable[[], bool], teardown: Callable[[], None], *,
+              start: Callable[[], str | None] | None = None, then: Callable[[], str | None] | None = None,
+              extra: float = 0.0, interval: float = INTERVAL) -> str | None:
+    """Run one job to its end; its failure line, or None when it succeeded.
+
+    `start()` starts the roles (a line when one could not start: no wait then); `over()` looks
+    at them, feeding `ends`, and says whether the job ended by itself; the wait also ends once
+    the grace after the first failure (plus `extra`) is over. `then()` runs when the job ended by
+    itself (waiting for what ends last, such as a scheduler; a line when that fails). `teardown()`
+    always runs, shielded from SIGINT/SIGTERM, also when an exception escapes. Ctrl-C/SIGTERM
+    gives their line; otherwise the first failure `ends` names."""
+    failure = None
+    try:
+        failure = start() if start is not None else None
+        if failure is None:
+            while not over() and not ends.grace_over(extra):
+                time.sleep(interval)
+            if over():
+                failure = then() if then is not None else None
+            else:
+                ends.freeze()
+    except KeyboardInterrupt as e:
+        failure = signals.failure(e)
+    finally:
+        with signals.shielded():
+            teardown()
+    return failure or ends.cause()
+
+
+def returncode(failure: str | None) -> int:
+    """A job's exit status from its failure line (job.launch makes it 128 + N after signal N)."""
+    return 0 if failure is None else 1
+
+
+def poll(children: Mapping[str, subprocess.Popen], ends: Ends) -> Callable[[], bool]:
+    """`over` for processes this one started: every child polled (not any(), which stops at the
+    first one running: polling is what reaps a child and sets its returncode), each end fed to
+    `ends`; true once all ended."""
+    def over() -> bool:
+        running = [c.poll() is None for c in children.values()]
+        for name, c in children.items():
+            if c.returncode is not None:
+                ends.ended(name, c.returncode)
+        return not any(running)
+    return over
+
+
+def stop_groups(children: Sequence[subprocess.Popen], grace: float = 3.0) -> None:
+    """Terminate every process group still running, give them `grace` seconds, then kill every
+    group (also whatever a finished role left behind in its group); reap them all."""
+    alive = [c for c in children if c.poll() is None]
+    for c in alive:
+        signal_group(c.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(c.poll() is None for c in alive):
+        time.sleep(INTERVAL)
+    for c in children:
+        signal_group(c.pid, signal.SIGKILL)
+        try:
+            c.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
