@@ -4,10 +4,14 @@ command, through one of the launcher backends, and tears the whole job down when
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
+import typing
 from pathlib import Path
+from typing import Any
 
+from tfkv.config import cluster
 from tfkv.errors import TfkvError
 
 EPILOG = """\
@@ -36,24 +40,36 @@ of the job is stopped.
 """
 
 
+# tfkv-launch's own defaults, where they differ from a config's (MXNet's launch.py: -n always
+# given, as many servers as workers, ssh); names, types, defaults and help otherwise come from
+# the structured config's cluster settings (tfkv.config.cluster), the one definition.
+LAUNCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "num_workers": {"required": True, "default": None},
+    "num_servers": {"default": None, "help_more": " (default: -n)"},
+    "launcher": {"default": "ssh", "help_more": " (default: ssh)"},
+}
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tfkv-launch", description=__doc__.split("\n\n")[0].split(": ", 1)[1],
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-n", "--num-workers", type=int, required=True, help="number of worker processes")
-    p.add_argument("-s", "--num-servers", type=int, help="number of server processes (default: -n)")
-    p.add_argument("-H", "--hostfile", help="hosts file (required by ssh; mpi without one runs on this machine)")
     from tfkv.launcher.base import REGISTRY  # tfkv's launchers and installed packages' (tfkv.plugins)
 
-    p.add_argument("--launcher", default="ssh", choices=REGISTRY.names(),
-                   help="how to start the processes (default: ssh)")
-    p.add_argument("--sync-dst-dir", help="rsync the current directory to this path on every host first")
-    p.add_argument("--interface", help="network interface the servers listen on (DMLC_INTERFACE)")
-    p.add_argument("--port", type=int, default=0, help="the scheduler's port (default: a free one)")
-    p.add_argument("--python", default="python3", help="the Python interpreter on the hosts")
-    p.add_argument("--heartbeat-timeout", type=float, default=4.0,
-                   help="seconds of silence before a node counts as failed")
-    p.add_argument("--verbose", type=int, default=0, help="PS_VERBOSE: 1 connections, 2 every message")
+    schemas = list(cluster.CLUSTER_SCHEMAS.values())
+    types: dict[str, Any] = {}
+    for schema in schemas:
+        types.update(typing.get_type_hints(schema))
+    for f in cluster.options(*schemas, first=("num_workers", "num_servers", "hostfile", "launcher", "sync_dst_dir")):
+        own = dict(LAUNCH_DEFAULTS.get(f.name, {}))
+        flags = [f.metadata["short"]] if f.metadata.get("short") else []
+        kind = next((t for t in typing.get_args(types[f.name]) if t is not type(None)), types[f.name])
+        extra: dict[str, Any] = {"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind}
+        if f.name == "launcher":
+            extra["choices"] = REGISTRY.names()
+        p.add_argument(*flags, "--" + f.name.replace("_", "-"), default=own.get("default", f.default),
+                       required=own.get("required", False), help=f.metadata["help"] + own.get("help_more", ""),
+                       **extra)
     p.add_argument("--run-dir", help="where the job's record goes (default: outputs/launch-<time>)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the workers' command, after --")
     return p
@@ -68,9 +84,8 @@ def main(argv: list[str] | None = None) -> None:
 
     run_dir = Path(args.run_dir or f"outputs/launch-{time.strftime('%Y-%m-%d_%H-%M-%S')}")
     run_dir.mkdir(parents=True, exist_ok=True)
-    opts = job.Options(args.launcher, args.num_workers, args.num_servers or args.num_workers, args.hostfile,
-                       args.sync_dst_dir, args.interface, port=args.port, heartbeat_timeout=args.heartbeat_timeout,
-                       verbose=args.verbose, python=args.python)
+    opts = job.Options(**{f.name: getattr(args, f.name) for f in dataclasses.fields(job.Options)})
+    opts.num_servers = args.num_servers or args.num_workers
     try:
         result = job.launch(opts, command, Path.cwd(), run_dir.resolve(), ["tfkv-launch", *(argv or sys.argv[1:])],
                             sys.stdout)

@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Mapping, Sequence
 
+from tfkv.config import cluster
 from tfkv.errors import ConfigError
 from tfkv.launcher import base, record, signals
 from tfkv.launcher.hosts import Host, read_hosts
@@ -19,20 +20,13 @@ from tfkv.ps import security
 log = logging.getLogger("tfkv")
 
 
-@dataclass
-class Options:
-    launcher: str
-    num_workers: int
-    num_servers: int
-    hostfile: str | None = None
-    sync_dst_dir: str | None = None
-    interface: str | None = None
-    host: str = "127.0.0.1"  # the scheduler's address when there is no hosts file
-    port: int = 0
-    heartbeat_timeout: float = 4.0
-    verbose: int = 0
-    python: str = "python3"
-    secure: bool = True  # CURVE with fresh keys for this job; False: plain TCP (trusted machine only)
+# The job's options: every built-in launcher's cluster settings, defined once in the structured
+# config (tfkv.config.cluster); launcher, num_workers, num_servers, hostfile, sync_dst_dir and
+# interface lead, in the order callers pass them positionally.
+Options = dataclasses.make_dataclass("Options", [
+    (f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata))
+    for f in cluster.options(*cluster.CLUSTER_SCHEMAS.values(), first=(
+        "launcher", "num_workers", "num_servers", "hostfile", "sync_dst_dir", "interface"))])
 
 
 def remote_path(opts: Options, workdir: Path, path: Path) -> str:
