@@ -27,13 +27,14 @@ def pytest_configure(config):
 # pytest-xdist (`--dist loadgroup`) they all run in one worker, one after another, never beside
 # each other; every other test runs in either worker.
 HOST_FIXTURES = {"ssh_site", "netns_hosts", "loopback_host", "slurm", "sge"}
+SHARED_HOSTS = "shared_hosts"  # their xdist group; a test that takes them by name (getfixturevalue) is marked with it
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns the marker into the node's group
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if HOST_FIXTURES & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.xdist_group("shared_hosts"))
+            item.add_marker(pytest.mark.xdist_group(SHARED_HOSTS))
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,5 @@
 """The launcher's shared parts: hosts file, placement, the job record, tfkv-launch, local backend."""
 
-import json
 import socket
 import subprocess
 import sys
@@ -63,26 +62,6 @@ def test_tfkv_launch_help_explains_itself(tmp_path):
     assert "Starts a scheduler, servers and workers running any command, through one of the launcher " \
            "backends, and tears the whole job down when one fails." in text
     assert "130 after Ctrl-C and 143 after SIGTERM" in text and "OMP_NUM_THREADS" in text
-
-
-def test_local_launch_runs_a_job_and_leaves_its_record(tmp_path):
-    import os
-
-    env = {**os.environ, TAG: f"launch-{tmp_path.name}"}
-    proc = _launch("-n", "2", "-s", "2", "--launcher", "local", "--run-dir", "rec", "--",
-                   sys.executable, str(REPO / "tests" / "dist_worker.py"), "updates", "out{rank}.json", "4",
-                   cwd=tmp_path, env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "tfkv: local job, 2 server(s), 2 worker(s)" in proc.stdout
-    for i in range(2):
-        assert json.loads((tmp_path / f"out{i}.json").read_text())["final"] == [100.0 - 4 * 3] * 4
-    rec = tmp_path / "rec" / "launch"
-    plan = json.loads((rec / "plan.json").read_text())
-    assert [p["name"] for p in plan["processes"]] == ["scheduler", "server 0", "server 1", "worker 0", "worker 1"]
-    assert json.loads((rec / "versions.json").read_text())["localhost"]["tfkv"]
-    assert "[server 1]" in (rec / "job.log").read_text()
-    assert "tfkv-launch -n 2 -s 2" in (rec / "rerun.sh").read_text()
-    assert not tagged_pids(env[TAG], wait=15)
 
 
 def test_a_role_that_fails_while_earlier_ones_run_fails_the_job_at_once(tmp_path):

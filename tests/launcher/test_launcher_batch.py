@@ -1,6 +1,7 @@
-"""The batch launcher backends: mpi (real mpirun), slurm (real slurmctld/slurmd/munged), sge (a
-real Son of Grid Engine cell) and yarn (the exact submission: Hadoop YARN is not installable on
-this machine, see the YARN tests).
+"""What is particular to each batch launcher backend: mpi (real mpirun), slurm (real
+slurmctld/slurmd/munged), sge and yarn (the exact submission: Hadoop YARN is not installable on
+this machine, see the YARN tests). What every backend must do (success, a failing role named,
+Ctrl-C, nothing left behind) is tests/launcher/test_contract.py.
 
 Every job carries a tag in its environment (TFKV_TEST_TAG, passed on by mpirun -x, srun
 --export=ALL and qsub -V like the launcher's other TFKV_* variables); after each job the test
@@ -19,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster_daemons import sge, slurm  # noqa: F401  (session fixtures)
+from cluster_daemons import slurm  # noqa: F401  (session fixtures)
 from cluster_hosts import netns_hosts, ssh_site  # noqa: F401  (session fixtures)
 from conftest import REPO, TAG, Launching, role_pid, tagged_pids
 
@@ -29,25 +30,6 @@ from tfkv.launcher.hosts import Host
 from tfkv.launcher.plan import make_plan
 
 WORKER = str(REPO / "tests" / "dist_worker.py")
-# A worker that joins the job and then, if its rank is argv[1], fails; the others keep working
-# until the job tears them down. "working <tag>" shows that the test's tag reached the roles, so
-# that the /proc scan for leftovers is worth something.
-FAILING_WORKER = """\
-import os, sys, time
-import numpy as np
-import tfkv.store
-kv = tfkv.store.create("dist_sync")
-kv.init(0, np.zeros(3, np.float32))
-if kv.rank == int(sys.argv[1]):
-    print("failing on purpose", flush=True)
-    sys.exit(5)
-print("working", os.environ.get("TFKV_TEST_TAG"), flush=True)
-deadline = time.time() + 120
-while time.time() < deadline:
-    kv.push(0, np.ones(3, np.float32))
-    kv.pull(0)
-    time.sleep(0.05)
-"""
 
 
 def _env(tag: str, **extra: str) -> dict[str, str]:
@@ -57,18 +39,6 @@ def _env(tag: str, **extra: str) -> dict[str, str]:
 
 def _tfkv_launch(*args: str, cwd: Path, env: dict[str, str], timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run(["tfkv-launch", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def _sge_forgets(env: dict[str, str], within: float = 60.0) -> None:
-    """qstat no longer lists the job: qdel is accepted at once, but the qmaster drops a job it
-    was still transferring ('t') to its execd only when the execd answers, seconds later under load."""
-    deadline = time.monotonic() + within
-    while True:
-        listed = subprocess.run(["qstat"], env=env, capture_output=True, text=True, timeout=30).stdout
-        if "tfkv-sge" not in listed or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    assert "tfkv-sge" not in listed, listed
 
 
 def _nothing_left(tag: str, within: float = 5.0) -> None:
@@ -200,42 +170,6 @@ def test_a_missing_resource_manager_is_a_one_line_config_error(name, binary, mon
 
 
 @pytest.mark.slow
-def test_mpi_job_through_tfkv_launch_runs_and_records(tmp_path):
-    """Launched from an ssh login (SSH_CONNECTION set, here to an address this machine does not
-    have): ranks mpirun starts here are not reached over ssh, so the scheduler stays on 127.0.0.1."""
-    (tmp_path / "hosts").write_text("127.0.0.1\n")
-    tag = f"mpi-ok-{tmp_path.name}"
-    t0 = time.monotonic()
-    proc = _tfkv_launch("-n", "2", "-s", "2", "-H", "hosts", "--launcher", "mpi", "--run-dir", "rec",
-                        "--python", sys.executable, "--", sys.executable, WORKER, "updates", "out{rank}.json", "5",
-                        cwd=tmp_path, env=_env(tag, SSH_CONNECTION="192.0.2.1 50000 192.0.2.7 22"))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    plan = json.loads((tmp_path / "rec" / "launch" / "plan.json").read_text())
-    assert {p["env"]["DMLC_PS_ROOT_URI"] for p in plan["processes"]} == {"127.0.0.1"}, plan
-    print(f"mpi job: {time.monotonic() - t0:.1f} s")
-    _updates_ok(tmp_path, 2, 5)
-    log = (tmp_path / "rec" / "launch" / "job.log").read_text()
-    for name in ("scheduler", "server 0", "server 1", "worker 0", "worker 1"):
-        assert f"[{name} @127.0.0.1] tfkv-role: {name} @127.0.0.1 exited with status 0" in log
-    versions = json.loads((tmp_path / "rec" / "launch" / "versions.json").read_text())
-    assert versions["127.0.0.1"]["tfkv"] == versions["localhost"]["tfkv"]  # checked through mpirun
-    _nothing_left(tag)
-
-
-@pytest.mark.slow
-def test_mpi_job_with_a_failing_worker_names_it_and_leaves_nothing(tmp_path):
-    (tmp_path / "hosts").write_text("127.0.0.1\n")
-    (tmp_path / "fail.py").write_text(FAILING_WORKER)
-    tag = f"mpi-fail-{tmp_path.name}"
-    proc = _tfkv_launch("-n", "3", "-s", "1", "-H", "hosts", "--launcher", "mpi", "--run-dir", "rec",
-                        "--python", sys.executable, "--", sys.executable, "fail.py", "1", cwd=tmp_path, env=_env(tag))
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "the job failed: worker 1 @127.0.0.1 exited with status 5" in proc.stderr, proc.stdout + proc.stderr
-    assert "[worker 1 @127.0.0.1] failing on purpose" in proc.stdout
-    _nothing_left(tag)
-
-
-@pytest.mark.slow
 def test_cluster_mpi_as_shipped_runs_on_this_machine(tmp_path):
     """conf/cluster/mpi.yaml has no hosts file: like a bare `mpirun`, the job runs here."""
     tag = f"mpi-shipped-{tmp_path.name}"
@@ -247,26 +181,6 @@ def test_cluster_mpi_as_shipped_runs_on_this_machine(tmp_path):
     plan = json.loads((metrics.parent / "launch" / "plan.json").read_text())
     assert plan["launcher"] == "mpi" and {p["host"] for p in plan["processes"]} == {"127.0.0.1"}
     assert "[worker 1] tfkv-role: worker 1 exited with status 0" in proc.stdout
-    _nothing_left(tag)
-
-
-def _ctrl_c(args: list[str], cwd: Path, env: dict[str, str], when: str) -> tuple[int, str]:
-    """Run tfkv-launch until `when` shows in its output, then press Ctrl-C (SIGINT to the launcher,
-    as a terminal sends it to the foreground process); its exit status and whole output."""
-    launching = Launching(args, cwd, env)
-    launching.wait_for(when)
-    launching.proc.send_signal(signal.SIGINT)
-    return launching.end()
-
-
-@pytest.mark.slow
-def test_ctrl_c_stops_an_mpi_job(tmp_path):
-    (tmp_path / "hosts").write_text("127.0.0.1\n")
-    (tmp_path / "fail.py").write_text(FAILING_WORKER)
-    tag = f"mpi-int-{tmp_path.name}"
-    rc, out = _ctrl_c(["-n", "2", "-s", "1", "-H", "hosts", "--launcher", "mpi", "--run-dir", "rec", "--python",
-                       sys.executable, "--", sys.executable, "fail.py", "-1"], tmp_path, _env(tag), f"working {tag}")
-    assert rc == 130 and "the job failed: interrupted (Ctrl-C)" in out, out
     _nothing_left(tag)
 
 
@@ -314,85 +228,6 @@ def test_slurm_job_inside_an_allocation_runs_one_srun(slurm, tmp_path):  # noqa:
     assert "[worker 1] tfkv-role: worker 1 exited with status 0" in proc.stdout
     _nothing_left(tag)
 
-
-@pytest.mark.slow
-def test_slurm_job_outside_an_allocation_is_a_batch_job(slurm, tmp_path):  # noqa: F811
-    tag = f"slurm-batch-{tmp_path.name}"
-    t0 = time.monotonic()
-    proc = _tfkv_launch(*_slurm_args(), cwd=tmp_path, env=_env(tag, SLURM_CONF=str(slurm.conf)))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    print(f"slurm batch job: {time.monotonic() - t0:.1f} s")
-    _updates_ok(tmp_path, 2, 5)
-    assert "exec srun -n 4 --kill-on-bad-exit=1" in (tmp_path / "rec" / "launch" / "slurm" / "job.sh").read_text()
-    assert "[scheduler] tfkv-role: scheduler exited with status 0" in proc.stdout  # streamed back
-    _nothing_left(tag)
-
-
-@pytest.mark.slow
-def test_slurm_batch_job_with_a_failing_worker_names_it(slurm, tmp_path):  # noqa: F811
-    (tmp_path / "fail.py").write_text(FAILING_WORKER)
-    tag = f"slurm-fail-{tmp_path.name}"
-    proc = _tfkv_launch("-n", "2", "-s", "1", "--launcher", "slurm", "--run-dir", "rec", "--python", sys.executable,
-                        "--", sys.executable, "fail.py", "0", cwd=tmp_path, env=_env(tag, SLURM_CONF=str(slurm.conf)))
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "the job failed: worker 0 exited with status 5" in proc.stderr, proc.stdout + proc.stderr
-    _nothing_left(tag)
-
-
-@pytest.mark.slow
-def test_ctrl_c_cancels_the_slurm_batch_job(slurm, tmp_path):  # noqa: F811
-    (tmp_path / "fail.py").write_text(FAILING_WORKER)
-    tag = f"slurm-int-{tmp_path.name}"
-    env = _env(tag, SLURM_CONF=str(slurm.conf))
-    rc, out = _ctrl_c(["-n", "2", "-s", "1", "--launcher", "slurm", "--run-dir", "rec", "--python", sys.executable,
-                       "--", sys.executable, "fail.py", "-1"], tmp_path, env, f"working {tag}")
-    assert rc == 130 and "the job failed: interrupted (Ctrl-C)" in out, out
-    _nothing_left(tag, within=15)  # KillWait=2 s, then SIGKILL
-    queue = subprocess.run(["squeue", "-h"], env=env, capture_output=True, text=True, timeout=30).stdout
-    assert "tfkv-slurm" not in queue
-
-
-# -- sge -------------------------------------------------------------------------------------------
-
-@pytest.mark.slow
-def test_sge_array_job_runs_servers_and_workers(sge, tmp_path):  # noqa: F811
-    tag = f"sge-ok-{tmp_path.name}"
-    t0 = time.monotonic()
-    proc = _tfkv_launch("-n", "2", "-s", "1", "--launcher", "sge", "--run-dir", "rec", "--python", sys.executable,
-                        "--", sys.executable, WORKER, "updates", "out{rank}.json", "5", cwd=tmp_path,
-                        env={**_env(tag), **{k: sge.env[k] for k in ("SGE_ROOT", "SGE_CELL")}})
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    print(f"sge job: {time.monotonic() - t0:.1f} s")
-    _updates_ok(tmp_path, 2, 5)
-    for name in ("server 0", "worker 0", "worker 1"):  # the tasks' logs, streamed back
-        assert f"[{name}] tfkv-role: {name} exited with status 0" in proc.stdout
-    assert len(list((tmp_path / "rec" / "launch" / "sge").glob("task-*.log"))) == 3
-    _nothing_left(tag)
-
-
-@pytest.mark.slow
-def test_sge_job_with_a_failing_worker_names_it_and_leaves_nothing(sge, tmp_path):  # noqa: F811
-    (tmp_path / "fail.py").write_text(FAILING_WORKER)
-    tag = f"sge-fail-{tmp_path.name}"
-    env = {**_env(tag), **{k: sge.env[k] for k in ("SGE_ROOT", "SGE_CELL")}}
-    proc = _tfkv_launch("-n", "2", "-s", "1", "--launcher", "sge", "--run-dir", "rec", "--python", sys.executable,
-                        "--", sys.executable, "fail.py", "1", cwd=tmp_path, env=env)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "the job failed: worker 1 exited with status 5" in proc.stderr, proc.stdout + proc.stderr
-    _nothing_left(tag, within=15)
-    _sge_forgets(env)
-
-
-@pytest.mark.slow
-def test_ctrl_c_deletes_the_sge_job(sge, tmp_path):  # noqa: F811
-    (tmp_path / "fail.py").write_text(FAILING_WORKER)
-    tag = f"sge-int-{tmp_path.name}"
-    env = {**_env(tag), **{k: sge.env[k] for k in ("SGE_ROOT", "SGE_CELL")}}
-    rc, out = _ctrl_c(["-n", "2", "-s", "1", "--launcher", "sge", "--run-dir", "rec", "--python", sys.executable,
-                       "--", sys.executable, "fail.py", "-1"], tmp_path, env, f"working {tag}")
-    assert rc == 130 and "the job failed: interrupted (Ctrl-C)" in out, out
-    _nothing_left(tag, within=15)
-    _sge_forgets(env)
 
 
 # -- yarn ------------------------------------------------------------------------------------------

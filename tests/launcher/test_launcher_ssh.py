@@ -226,31 +226,6 @@ def test_teardown_terminates_the_others_over_ssh_while_still_listening(netns_hos
     assert not _no_leftovers(env[TAG]), "processes of the job left behind"
 
 
-@pytest.mark.slow
-def test_ctrl_c_on_a_loopback_job_without_sync(loopback_host, ssh_site, tmp_path):
-    """Ctrl-C ends everything; 127.0.0.1 through sshd is a remote host like any other, and
-    without --sync-dst-dir the roles run in the (shared) working directory itself."""
-    work = _workdir(tmp_path, ["127.0.0.1"])
-    env = {**_tag(tmp_path), **ssh_site.env()}
-    launcher = subprocess.Popen(
-        ["timeout", "-k", "10", "150", shutil.which("tfkv-launch"), "-n", "2", "-s", "1", "-H", "hosts",
-         "--launcher", "ssh", "--python", PY, "--run-dir", str(tmp_path / "run"),
-         "--", PY, "dist_worker.py", "hang", "out{rank}.json", "120"],
-        cwd=work, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        _wait_for_pid(work / "out0.json", launcher)
-        _wait_for_pid(work / "out1.json", launcher)
-        launcher.send_signal(signal.SIGINT)  # to `timeout`, which passes it on to tfkv-launch
-        out, _ = launcher.communicate(timeout=60)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-    assert launcher.returncode == 130 and "the job failed: interrupted (Ctrl-C)" in out, out[-3000:]
-    assert "127.0.0.1: scheduler, server 0, worker 0, worker 1" in out
-    assert not _no_leftovers(env[TAG]), "processes of the job left behind"
-
-
 def _wait_for_pid(path: Path, launcher: subprocess.Popen, seconds: float = 90) -> int:
     """The pid a `hang` worker wrote once it joined the job."""
     deadline = time.monotonic() + seconds
