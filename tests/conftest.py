@@ -2,7 +2,6 @@
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -207,13 +206,18 @@ class Cluster:
         return outs
 
     def wait(self, timeout: float = 120) -> dict[str, int]:
-        deadline = time.time() + timeout
-        for name, p in self.procs.items():
-            try:
-                p.wait(timeout=max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                raise AssertionError(f"{name} still running after {timeout} s:\n{self.output(name)}")
-        return {name: p.returncode for name, p in self.procs.items()}
+        """Every process's exit status once all ended (tfkv.launcher.supervisor sees them end)."""
+        from tfkv.launcher import supervisor
+
+        ends = supervisor.Ends(list(self.procs))
+        over = supervisor.poll(self.procs, ends)
+        deadline = time.monotonic() + timeout
+        while not over():
+            if time.monotonic() > deadline:
+                late = ends.running()
+                raise AssertionError(f"{' and '.join(late)} still running after {timeout} s:\n{self.output(late[0])}")
+            time.sleep(0.05)
+        return {name: ends.codes[name] for name in self.procs}
 
     def output(self, name: str) -> str:
         return (self.dir / f"{name.replace(' ', '-')}.log").read_text(errors="replace")
@@ -222,12 +226,9 @@ class Cluster:
         return "\n".join(f"--- {n}\n{self.output(n)[-3000:]}" for n in self.procs)
 
     def kill_all(self) -> None:
-        for p in self.procs.values():
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            p.wait()
+        from tfkv.launcher import supervisor
+
+        supervisor.stop_groups(list(self.procs.values()), grace=0)
 
 
 @pytest.fixture

@@ -174,3 +174,25 @@ def test_a_servers_advertised_address_reaches_no_role_from_the_launcher():
     environ = {"TFKV_ADVERTISE_ADDRESS": "10.0.0.5:9000", "TFKV_HEARTBEAT_TIMEOUT": "4"}
     assert forwarded_env(environ) == {"TFKV_HEARTBEAT_TIMEOUT": "4"}
     assert "TFKV_ADVERTISE_ADDRESS" in NOT_FORWARDED  # what the local launcher leaves out
+
+
+def test_the_supervisor_blames_the_first_failure_that_is_not_a_peers_reaction():
+    """worker 0 stops because a peer failed (EXIT_PEER_FAILED) before worker 1 fails by itself:
+    worker 1 is named; the server still running is torn down (SIGTERM to its group) after GRACE."""
+    import time
+
+    from tfkv.errors import EXIT_PEER_FAILED
+    from tfkv.launcher import supervisor
+
+    def start(script: str) -> subprocess.Popen:
+        return subprocess.Popen(["sh", "-c", script], start_new_session=True)
+
+    children = {"worker 0": start(f"exit {EXIT_PEER_FAILED}"), "worker 1": start("sleep 0.5; exit 5"),
+                "server 0": start("exec sleep 60")}
+    ends = supervisor.Ends(list(children))
+    t0 = time.monotonic()
+    failure = supervisor.supervise(ends, supervisor.poll(children, ends),
+                                   lambda: supervisor.stop_groups(list(children.values())))
+    assert failure == "worker 1 exited with status 5"
+    assert children["server 0"].returncode == -15
+    assert time.monotonic() - t0 < supervisor.GRACE + 3
