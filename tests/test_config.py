@@ -1,6 +1,7 @@
 """The config tree composes for every experiment and the schema and validation reject mistakes
 with one line, without TensorFlow."""
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -178,7 +179,7 @@ def _imports(path: Path) -> set[str]:
     return found
 
 
-@pytest.mark.parametrize("base", ["config", "models", "data"])
+@pytest.mark.parametrize("base", ["config", "models", "data", "knobs"])
 def test_base_modules_import_nothing_above_them(base):
     files = sorted((TFKV / base).rglob("*.py")) if (TFKV / base).is_dir() else [TFKV / f"{base}.py"]
     assert files and all(f.is_file() for f in files), base
@@ -211,3 +212,77 @@ def test_cluster_options_are_defined_once():
     plain = launch_cli.parser().parse_args(["-n", "2", "--", "cmd"])  # tfkv-launch's own defaults stay
     assert (plain.launcher, plain.num_servers, plain.secure, plain.port) == ("ssh", None, True, 0)
     assert job.Options("ssh", 3, 2, "hosts", "/d").sync_dst_dir == "/d"  # positional, as callers write it
+
+
+# Variables that wire a process into its job (which role, where the scheduler is, the job's keys,
+# run directory and config): set by the launcher per role, never a knob.
+WIRING = {"TFKV_ROLE", "TFKV_RANK_HINT", "TFKV_RUN_DIR", "TFKV_CONFIG", "TFKV_SCHEDULER_HOST", "TFKV_SCHEDULER_PORT",
+          "TFKV_NUM_SERVER", "TFKV_NUM_WORKER", "TFKV_CURVE_PUBLIC", "TFKV_CURVE_SECRET", "TFKV_CURVE_KEYFILE",
+          "TFKV_SECURE", "TFKV_SECRETS_ON_STDIN", "TFKV_ADVERTISE_ADDRESS"}
+
+
+def test_every_backend_knob_has_one_row_and_one_reader():
+    """Every MXNET_*/PS_*/TFKV_* name in tfkv's code is a knob of tfkv.knobs or process wiring,
+    and no code reads a knob's variable but through knobs.get (no environ.get, env[...], ...)."""
+    import ast
+    import re
+
+    from tfkv import knobs
+
+    def name(node):
+        ok = isinstance(node, ast.Constant) and isinstance(node.value, str)
+        return node.value if ok and re.fullmatch(r"(MXNET|PS|TFKV)_[A-Z0-9_]+", node.value) else None
+
+    named, reads = set(), []
+    for f in TFKV.rglob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            named.add(name(node))
+            if f.name == "knobs.py":
+                continue
+            if isinstance(node, ast.Call) and not (isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                                                   and getattr(node.func.value, "id", "") == "knobs"):
+                reads += [(f.name, name(a)) for a in node.args if name(a) in knobs.BY_NAME]
+            if isinstance(node, ast.Subscript) and name(node.slice) in knobs.BY_NAME:
+                reads.append((f.name, name(node.slice)))
+    assert not sorted(named - {None} - WIRING - set(knobs.BY_NAME)), "not a knob of tfkv.knobs"
+    assert not reads, "knob variables read outside knobs.get"
+
+
+def test_knobs_are_config_keys_the_environment_overrides():
+    from tfkv import knobs
+
+    schemas = {"kvstore": config.KVStoreConfig, "cluster": config.CLUSTER_SCHEMAS}
+    for k in knobs.KNOBS:
+        group, setting = k.key.split(".", 1)
+        found = ([schemas[group]] if group == "kvstore" else list(schemas[group].values()))
+        defaults = {f.default for s in found for f in dataclasses.fields(s) if f.name == setting}
+        assert defaults == {k.default}, k.key
+    cfg = _compose("kvstore=dist_sync", "cluster=local", "kvstore.chunk_bytes=1024", "cluster.request_timeout=7",
+                   "kvstore.resend=true")
+    check.validate(cfg)
+    values = knobs.resolve(knobs.settings(cfg), {"TFKV_REQUEST_TIMEOUT": "9", "PS_VERBOSE": "2"})
+    assert (values["kvstore.chunk_bytes"], values["cluster.request_timeout"], values["cluster.verbose"],
+            values["kvstore.resend"], values["kvstore.bigarray_bound"]) == (1024, 9.0, 2, True, 1_000_000)
+    env = knobs.environment(values)
+    assert (env["TFKV_CHUNK_BYTES"], env["PS_RESEND"], env["PS_VERBOSE"]) == ("1024", "1", "2")
+    assert "TFKV_SSH_CONFIG" not in env  # a launcher's knob stays with the launcher
+    assert knobs.get("TFKV_CHUNK_BYTES", env) == 1024 and knobs.get("kvstore.chunk_bytes", {}) == 16 << 20
+    with pytest.raises(ValueError, match="MXNET_KVSTORE_BIGARRAY_BOUND='x' is not a int"):
+        knobs.get("TFKV_BIGARRAY_BOUND", {"TFKV_BIGARRAY_BOUND": "x"})
+
+
+def test_launch_records_the_knobs_and_hands_them_to_every_role(tmp_path):
+    """tfkv-launch: a flag sets a knob, the launching shell's variable overrides one; both are in
+    the run directory's knobs.json and in every role's environment."""
+    import json
+    import os
+
+    run = tmp_path / "run"
+    show = "import os, sys; print('KNOBS', os.environ.get('TFKV_REQUEST_TIMEOUT'), os.environ.get('PS_RESEND')); sys.exit(3)"
+    proc = subprocess.run([sys.executable, "-m", "tfkv.launcher.cli", "-n", "1", "-s", "1", "--launcher", "local",
+                           "--request-timeout", "7", "--run-dir", str(run), "--", sys.executable, "-c", show],
+                          env={**os.environ, "PS_RESEND": "1"}, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "[worker 0] KNOBS 7.0 1" in proc.stdout, proc.stdout + proc.stderr
+    recorded = json.loads((run / "knobs.json").read_text())
+    assert recorded["cluster.request_timeout"] == {"env": "TFKV_REQUEST_TIMEOUT", "value": 7.0}
+    assert recorded["kvstore.resend"] == {"env": "PS_RESEND", "value": True}

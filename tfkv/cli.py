@@ -101,15 +101,18 @@ def _job(cfg: Any) -> float:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
-    from tfkv import check, config as config_schema
+    from tfkv import check, config as config_schema, knobs
     from tfkv.ps.cluster_env import ClusterEnv
 
     check.validate(cfg)
     hc = HydraConfig.get()
     run_dir = _run_dir = Path(hc.runtime.output_dir)
     in_job = ClusterEnv.role_of() is not None
+    values = knobs.resolve(knobs.settings(cfg), os.environ)  # the environment wins over the config
+    knobs.configure(values)
     if not in_job:
         (run_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        knobs.record(run_dir, values)
         if config_schema.is_distributed(cfg.kvstore.type) and not cfg.eval_only:  # eval_only: here, alone
             return _launch(cfg, run_dir, list(hc.overrides.task), Path(hc.runtime.cwd))
     from tfkv.trainer import train
@@ -139,7 +142,7 @@ def _launch(cfg: Any, run_dir: Path, overrides: list[str], cwd: Path) -> float:
     decision made here (the checkpoint resume=true means) reach every host as they are."""
     from hydra.core.hydra_config import HydraConfig
 
-    from tfkv import checkpoint, worker
+    from tfkv import checkpoint, knobs, worker
     from tfkv.errors import ClusterFailed
     from tfkv.launcher import job
 
@@ -154,7 +157,7 @@ def _launch(cfg: Any, run_dir: Path, overrides: list[str], cwd: Path) -> float:
     env = worker.record(cfg, run_dir, hc)
     python = sys.executable if c.launcher == "local" else c.get("python", "python3")
     result = job.launch(opts, [python, "-m", "tfkv.worker"], cwd, run_dir, _command_line(hc, overrides),
-                        sys.stdout, env)
+                        sys.stdout, env, knobs.settings(cfg))
     if result.returncode > 128:  # stopped by Ctrl-C (130) or SIGTERM (143): exit as a single run does
         print(f"tfkv-run: the {cfg.kvstore.type} job failed: {result.failure}; logs in {run_dir}", file=sys.stderr)
         sys.exit(result.returncode)

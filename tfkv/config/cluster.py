@@ -13,10 +13,19 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from tfkv import knobs
+
 
 def setting(default: Any, help: str, short: str | None = None) -> Any:  # noqa: A002 - argparse's word
     """A cluster option: its default, its one-line help, and `tfkv-launch`'s one-letter flag if any."""
     return dataclasses.field(default=default, metadata={"help": help, "short": short})
+
+
+def knob(key: str) -> Any:
+    """A setting that is a backend knob: default and help from its row in tfkv.knobs (its
+    variable, named in the help, overrides it)."""
+    k = knobs.BY_KEY[key]
+    return setting(k.default, k.doc if k.env in k.doc else f"{k.doc} ({k.env})")
 
 
 @dataclass
@@ -34,9 +43,12 @@ class ClusterConfig(NoCluster):
     num_servers: int = setting(1, "number of server processes", "-s")
     host: str = setting("127.0.0.1", "the scheduler's address when there is no hosts file")
     port: int = setting(0, "the scheduler's port (default: a free one)")
-    interface: Optional[str] = setting(None, "network interface the servers listen on (DMLC_INTERFACE)")
-    heartbeat_timeout: float = setting(4.0, "seconds of silence before a node counts as failed")
-    verbose: int = setting(0, "PS_VERBOSE: 1 connections, 2 every message")
+    interface: Optional[str] = knob("cluster.interface")
+    heartbeat_timeout: float = knob("cluster.heartbeat_timeout")
+    heartbeat_interval: float = knob("cluster.heartbeat_interval")
+    request_timeout: float = knob("cluster.request_timeout")
+    start_timeout: float = knob("cluster.start_timeout")
+    verbose: int = knob("cluster.verbose")
     # CURVE authentication + encryption with fresh keys per job; false: plain TCP, with a
     # warning, for a trusted single machine only
     secure: bool = setting(True, "CURVE authentication and encryption with fresh keys per job "
@@ -55,13 +67,38 @@ class RemoteCluster(ClusterConfig):
 @dataclass
 class SSHCluster(RemoteCluster):
     sync_dst_dir: Optional[str] = setting(None, "rsync the current directory to this path on every host first")
+    ssh_config: Optional[str] = knob("cluster.ssh_config")
+
+
+@dataclass
+class MPICluster(RemoteCluster):
+    mpirun_args: str = knob("cluster.mpirun_args")
+
+
+@dataclass
+class SlurmCluster(RemoteCluster):
+    srun_args: str = knob("cluster.srun_args")
+    sbatch_args: str = knob("cluster.sbatch_args")
+
+
+@dataclass
+class SGECluster(RemoteCluster):
+    qsub_args: str = knob("cluster.qsub_args")
+
+
+@dataclass
+class YarnCluster(RemoteCluster):
+    yarn_memory_mb: int = knob("cluster.yarn_memory_mb")
+    yarn_server_memory_mb: int = knob("cluster.yarn_server_memory_mb")
+    yarn_vcores: int = knob("cluster.yarn_vcores")
+    yarn_queue: Optional[str] = knob("cluster.yarn_queue")
 
 
 # cluster.launcher -> the settings that launcher has (a launcher from a plug-in: ClusterConfig's,
 # or the schema its class declares as `config`)
 CLUSTER_SCHEMAS: dict[str, type] = {"none": NoCluster, "local": ClusterConfig, "ssh": SSHCluster,
-                                    "mpi": RemoteCluster, "slurm": RemoteCluster, "sge": RemoteCluster,
-                                    "yarn": RemoteCluster}
+                                    "mpi": MPICluster, "slurm": SlurmCluster, "sge": SGECluster,
+                                    "yarn": YarnCluster}
 
 
 def options(*schemas: type, first: tuple[str, ...] = ()) -> list[dataclasses.Field]:

@@ -13,7 +13,7 @@ from typing import Any, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from tfkv.config.cluster import CLUSTER_SCHEMAS
+from tfkv.config.cluster import CLUSTER_SCHEMAS, knob
 
 
 @dataclass
@@ -69,6 +69,14 @@ class KVStoreConfig:
     # and every device applies the update to its own copy of the weights.
     update_on_kvstore: bool = True
     compression: CompressionConfig = field(default_factory=CompressionConfig)
+    # Backend knobs (tfkv.knobs: the variable named in each one's help overrides it)
+    bigarray_bound: int = knob("kvstore.bigarray_bound")
+    reduction_nthreads: int = knob("kvstore.reduction_nthreads")
+    resend: bool = knob("kvstore.resend")
+    resend_timeout: float = knob("kvstore.resend_timeout")
+    chunk_bytes: int = knob("kvstore.chunk_bytes")
+    max_message_bytes: int = knob("kvstore.max_message_bytes")
+    gpu_p2p: bool = knob("kvstore.gpu_p2p")
 
 
 OPTIMIZER_SCHEMAS: dict[str, type] = {"sgd": SGDConfig, "adam": AdamConfig}

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
 from pathlib import Path
-from typing import IO, Mapping, Sequence
+from typing import IO, Any, Mapping, Sequence
 
+from tfkv import knobs
 from tfkv.config import cluster
 from tfkv.errors import ConfigError
 from tfkv.launcher import base, record, signals
@@ -36,9 +38,19 @@ def remote_path(opts: Options, workdir: Path, path: Path) -> str:
     return str(path)
 
 
+def knob_values(opts: Options, settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Every backend knob's effective value for this job (tfkv.knobs): the launching shell's
+    variable, else `settings` (tfkv-run: the config's kvstore.* and cluster.* keys), else the
+    job options' (tfkv-launch: its flags), else the knob's default."""
+    given = {k.key: getattr(opts, k.setting) for k in knobs.KNOBS
+             if k.key.startswith("cluster.") and hasattr(opts, k.setting)}
+    return knobs.resolve({**given, **(settings or {})}, os.environ)
+
+
 def plan_job(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path,
-             env: Mapping[str, str] | None = None) -> base.Job:
-    """The job's plan; `env` goes to every role (tfkv-run: the workers' config)."""
+             env: Mapping[str, str] | None = None, settings: Mapping[str, Any] | None = None) -> base.Job:
+    """The job's plan; `env` goes to every role (tfkv-run: the workers' config), and so do the
+    role knobs (`knob_values`); the launcher's own knobs are this process's until the next job."""
     if opts.launcher not in base.REGISTRY:
         raise ConfigError(f"launcher {opts.launcher!r} is not known; choose one of {', '.join(base.REGISTRY.names())}")
     if opts.hostfile:
@@ -51,12 +63,9 @@ def plan_job(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path
     python = sys.executable if local else opts.python
     scheduler_host = opts.host if local or not opts.hostfile else hosts[0].name
     port = opts.port or free_port(opts.host if local else "0.0.0.0")
-    extra = {**(env or {}), "TFKV_HEARTBEAT_TIMEOUT": str(opts.heartbeat_timeout),
-             RUN_DIR: remote_path(opts, workdir, run_dir)}
-    if opts.interface:
-        extra["DMLC_INTERFACE"] = opts.interface
-    if opts.verbose:
-        extra["PS_VERBOSE"] = str(opts.verbose)
+    values = knob_values(opts, settings)
+    knobs.configure(values)
+    extra = {**(env or {}), **knobs.environment(values), RUN_DIR: remote_path(opts, workdir, run_dir)}
     if opts.secure:
         keys = security.new_keys()
         if opts.launcher in ("local", "ssh"):
@@ -98,11 +107,13 @@ def describe(job: base.Job) -> str:
 
 
 def launch(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path, argv: Sequence[str],
-           out: IO[str], env: Mapping[str, str] | None = None) -> base.Result:
-    """Plan, print the plan, check every host, write the record, run the job (`env`: more
-    variables for every role). The result's returncode is 128 + N when signal N (Ctrl-C,
-    SIGTERM) stopped the job."""
-    job = plan_job(opts, worker_argv, workdir, run_dir, env)
+           out: IO[str], env: Mapping[str, str] | None = None,
+           settings: Mapping[str, Any] | None = None) -> base.Result:
+    """Plan, print the plan, check every host, write the record (and knobs.json), run the job
+    (`env`: more variables for every role; `settings`: the config's knobs, see `knob_values`).
+    The result's returncode is 128 + N when signal N (Ctrl-C, SIGTERM) stopped the job."""
+    job = plan_job(opts, worker_argv, workdir, run_dir, env, settings)
+    knobs.record(run_dir, knob_values(opts, settings))
     try:
         return _launch(opts, job, run_dir, argv, out)
     finally:

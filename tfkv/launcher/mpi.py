@@ -12,7 +12,7 @@ variables. The helpers prefix their roles' output, so mpirun's stdout is already
 
 Teardown: mpirun runs in its own process group. It does not abort the job when a rank exits
 non-zero (`--mca orte_abort_on_non_zero_status 0`): the other roles notice and report it, and the
-launcher ends the job as the local one does (process.done_waiting), so that a role killed by
+launcher ends the job as the local one does (tfkv.launcher.supervisor), so that a role killed by
 mpirun's abort before it could report is not taken for one that hung. mpirun kills every rank
 when it gets SIGTERM, which the launcher sends then and on Ctrl-C; the group is killed after a
 grace period. Open MPI puts every rank in its
@@ -32,6 +32,7 @@ import shutil
 import subprocess
 from typing import IO
 
+from tfkv import knobs
 from tfkv.errors import ConfigError
 from tfkv.launcher import batch, role
 from tfkv.launcher.base import Job, Result
@@ -92,7 +93,7 @@ def mpirun_argv(job: Job, mpirun: str = "mpirun", environ: dict[str, str] | None
     # One slot per role is the plan's business, not the host's core count; the roles bind nothing.
     argv += ["--oversubscribe", "--bind-to", "none", "--mca", "orte_abort_on_non_zero_status", "0",
              "--wdir", str(job.workdir), *_rsh_args(job.hosts)]
-    argv += shlex.split((environ if environ is not None else os.environ).get("TFKV_MPIRUN_ARGS", ""))
+    argv += shlex.split(knobs.get("TFKV_MPIRUN_ARGS", environ))
     exports = {**forwarded_env(os.environ if environ is None else environ), **role.common_env(job.plan)}
     for i, (first, host, procs) in enumerate(_contexts(job.plan)):
         if i:
@@ -126,7 +127,7 @@ class MPILauncher:
         hosts = list(dict.fromkeys(p.host for p in job.plan))
         # One rank per host prints its versions: also proves mpirun reaches every host.
         argv = [mpirun, *(["--allow-run-as-root"] if os.geteuid() == 0 else []), "--oversubscribe",
-                "--tag-output", *_rsh_args(job.hosts), *shlex.split(os.environ.get("TFKV_MPIRUN_ARGS", ""))]
+                "--tag-output", *_rsh_args(job.hosts), *shlex.split(knobs.get("TFKV_MPIRUN_ARGS"))]
         for i, host in enumerate(hosts):
             argv += ([":"] if i else []) + ["-np", "1", "--host", host, job.python, "-m", "tfkv.launcher.record"]
         # SIGTERM, not SIGKILL, on timeout: mpirun then ends the ssh sessions it started (each in a

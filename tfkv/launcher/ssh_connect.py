@@ -11,10 +11,10 @@ host. Every way of failing to connect becomes one line naming the host and the f
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tfkv import knobs
 from tfkv.errors import ConfigError
 from tfkv.launcher.hosts import Host
 
@@ -27,8 +27,8 @@ CONNECT_TIMEOUT = 10  # seconds, unless the ssh config sets ConnectTimeout
 
 
 def ssh_config_path() -> str | None:
-    """The ssh config file named by TFKV_SSH_CONFIG; None: ssh's own (~/.ssh/config)."""
-    path = os.environ.get("TFKV_SSH_CONFIG")
+    """The ssh config file named by TFKV_SSH_CONFIG (cluster.ssh_config); None: ssh's own (~/.ssh/config)."""
+    path = knobs.get("TFKV_SSH_CONFIG")  # or cluster.ssh_config
     if path and not Path(path).expanduser().is_file():
         raise ConfigError(f"TFKV_SSH_CONFIG={path} is not a file; point it at an ssh config file or unset it")
     return str(Path(path).expanduser()) if path else None

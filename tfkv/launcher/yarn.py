@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from tfkv import knobs
 from tfkv.errors import ConfigError
 from tfkv.launcher import batch, role, supervisor
 from tfkv.launcher.base import Job, Result
@@ -60,12 +61,10 @@ class Resources:
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> "Resources":
-        """TFKV_YARN_MEMORY_MB, TFKV_YARN_SERVER_MEMORY_MB, TFKV_YARN_VCORES, TFKV_YARN_QUEUE."""
-        e = os.environ if environ is None else environ
+        """cluster.yarn_* (tfkv.knobs), each overridden by its TFKV_YARN_* variable."""
         try:
-            return cls(int(e.get("TFKV_YARN_MEMORY_MB", cls.memory_mb)),
-                       int(e.get("TFKV_YARN_SERVER_MEMORY_MB", cls.server_memory_mb)),
-                       int(e.get("TFKV_YARN_VCORES", cls.vcores)), e.get("TFKV_YARN_QUEUE") or None)
+            return cls(knobs.get("cluster.yarn_memory_mb", environ), knobs.get("cluster.yarn_server_memory_mb", environ),
+                       knobs.get("cluster.yarn_vcores", environ), knobs.get("cluster.yarn_queue", environ) or None)
         except ValueError as err:
             raise ConfigError(f"TFKV_YARN_* must be whole numbers ({err})") from None
 

@@ -1,7 +1,9 @@
 """Where a parameter-server process learns its role and its cluster: environment variables.
 
 tfkv's own names come first; MXNet's (DMLC_*, PS_*, MXNET_KVSTORE_*) are read too, so a job
-launched by hand the way the MXNet guide shows works unchanged. Read once into a dataclass.
+launched by hand the way the MXNet guide shows works unchanged. The tuning knobs (PS_RESEND,
+MXNET_KVSTORE_*, TFKV_*_TIMEOUT, ...) are read through tfkv.knobs, their one table. Read once
+into a dataclass.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ import os
 import socket
 import struct
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
+from tfkv import knobs
 from tfkv.ps import security
 
 ROLES = ("scheduler", "server", "worker")
@@ -87,6 +90,12 @@ class ClusterEnv:
             keys = security.keys_from_env(env)
         except security.SecurityError as e:
             raise ClusterEnvError(str(e)) from None
+        def knob(name: str) -> Any:  # tfkv.knobs: the one table of these variables
+            try:
+                return knobs.get(name, env)
+            except ValueError as e:
+                raise ClusterEnvError(str(e)) from None
+
         return cls(
             keys=keys,
             advertise=host_port(_get(env, "TFKV_ADVERTISE_ADDRESS"), "TFKV_ADVERTISE_ADDRESS"),
@@ -95,27 +104,19 @@ class ClusterEnv:
             scheduler_port=int(number(int, need("TFKV_SCHEDULER_PORT", "DMLC_PS_ROOT_PORT"), "DMLC_PS_ROOT_PORT")),
             num_servers=int(number(int, need("TFKV_NUM_SERVER", "DMLC_NUM_SERVER"), "DMLC_NUM_SERVER")),
             num_workers=int(number(int, need("TFKV_NUM_WORKER", "DMLC_NUM_WORKER"), "DMLC_NUM_WORKER")),
-            interface=_get(env, "TFKV_INTERFACE", "DMLC_INTERFACE"),
+            interface=knob("cluster.interface"),
             rank_hint=int(number(int, hint, "TFKV_RANK_HINT")) if hint else None,
-            bigarray_bound=int(number(int, _get(env, "TFKV_BIGARRAY_BOUND", "MXNET_KVSTORE_BIGARRAY_BOUND",
-                                                default="1000000"), "MXNET_KVSTORE_BIGARRAY_BOUND")),
-            verbose=int(number(int, _get(env, "TFKV_VERBOSE", "PS_VERBOSE", default="0"), "PS_VERBOSE")),
-            resend=_get(env, "TFKV_RESEND", "PS_RESEND", default="0") not in ("0", "false", ""),
-            resend_timeout=number(float, _get(env, "TFKV_RESEND_TIMEOUT", "PS_RESEND_TIMEOUT",
-                                              default="1000"), "PS_RESEND_TIMEOUT") / 1000.0,
-            heartbeat_interval=number(float, _get(env, "TFKV_HEARTBEAT_INTERVAL", default="0.5"),
-                                      "TFKV_HEARTBEAT_INTERVAL"),
-            heartbeat_timeout=number(float, _get(env, "TFKV_HEARTBEAT_TIMEOUT", default="4"),
-                                     "TFKV_HEARTBEAT_TIMEOUT"),
-            request_timeout=number(float, _get(env, "TFKV_REQUEST_TIMEOUT", default="60"), "TFKV_REQUEST_TIMEOUT"),
-            start_timeout=number(float, _get(env, "TFKV_START_TIMEOUT", default="120"), "TFKV_START_TIMEOUT"),
-            max_message_bytes=int(number(int, _get(env, "TFKV_MAX_MESSAGE_BYTES", default=str(1 << 31)),
-                                         "TFKV_MAX_MESSAGE_BYTES")),
-            reduction_nthreads=max(1, int(number(int, _get(env, "TFKV_REDUCTION_NTHREADS",
-                                                           "MXNET_KVSTORE_REDUCTION_NTHREADS", default="4"),
-                                                 "MXNET_KVSTORE_REDUCTION_NTHREADS"))),
-            chunk_bytes=max(4, int(number(int, _get(env, "TFKV_CHUNK_BYTES", default=str(16 << 20)),
-                                          "TFKV_CHUNK_BYTES"))),
+            bigarray_bound=knob("kvstore.bigarray_bound"),
+            verbose=knob("cluster.verbose"),
+            resend=knob("kvstore.resend"),
+            resend_timeout=knob("kvstore.resend_timeout") / 1000.0,
+            heartbeat_interval=knob("cluster.heartbeat_interval"),
+            heartbeat_timeout=knob("cluster.heartbeat_timeout"),
+            request_timeout=knob("cluster.request_timeout"),
+            start_timeout=knob("cluster.start_timeout"),
+            max_message_bytes=knob("kvstore.max_message_bytes"),
+            reduction_nthreads=max(1, knob("kvstore.reduction_nthreads")),
+            chunk_bytes=max(4, knob("kvstore.chunk_bytes")),
         )
 
     def enable_logging(self) -> None:

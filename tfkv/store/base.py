@@ -10,11 +10,12 @@ a guess from its type name.
 
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Hashable, Iterator, Mapping, Sequence
 
 import numpy as np
+
+from tfkv import knobs
 
 Key = Hashable
 #: MXNet's updater: updater(key, received, stored) changes `stored` in place (or returns the new value)
@@ -70,13 +71,9 @@ def in_place(key: Key | Sequence[Key], value: Any) -> Any:
 
 
 def gpu_p2p(env: Mapping[str, str] | None = None) -> bool:
-    """TFKV_ENABLE_GPU_P2P / MXNET_ENABLE_GPU_P2P (default 1): the `device` types sum a key's
-    device values device-to-device; 0: through host memory (copied to the CPU, summed there)."""
-    env = os.environ if env is None else env
-    for name in ("TFKV_ENABLE_GPU_P2P", "MXNET_ENABLE_GPU_P2P"):
-        if env.get(name):
-            return env[name].strip().lower() not in ("0", "false", "no", "off")
-    return True
+    """kvstore.gpu_p2p, TFKV_ENABLE_GPU_P2P / MXNET_ENABLE_GPU_P2P (default 1): the `device` types
+    sum a key's device values device-to-device; 0: through host memory (copied to the CPU, summed there)."""
+    return bool(knobs.get("kvstore.gpu_p2p", env))
 
 
 class KVStore(ABC):
