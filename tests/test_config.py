@@ -246,6 +246,9 @@ def test_every_backend_knob_has_one_row_and_one_reader():
                 reads.append((f.name, name(node.slice)))
     assert not sorted(named - {None} - WIRING - set(knobs.BY_NAME)), "not a knob of tfkv.knobs"
     assert not reads, "knob variables read outside knobs.get"
+    # and every variable a knob reads is one users can know of: no alias nobody documents
+    readme = (TFKV.parent / "README.md").read_text()
+    assert not sorted(n for n in knobs.BY_NAME if n not in readme), "knob variables README does not name"
 
 
 def test_knobs_are_config_keys_the_environment_overrides():
