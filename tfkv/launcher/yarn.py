@@ -54,10 +54,11 @@ _APP_ID = re.compile(r"\b(application_\d+_\d+)\b")  # what the client logs once 
 
 @dataclass
 class Resources:
-    memory_mb: int = 2048  # per worker container
-    server_memory_mb: int = 1024  # servers hold a share of the parameters, not a model and a batch
-    vcores: int = 1
-    queue: str | None = None
+    # defaults: tfkv.knobs' rows (servers hold a share of the parameters, not a model and a batch)
+    memory_mb: int = knobs.BY_KEY["cluster.yarn_memory_mb"].default  # per worker container
+    server_memory_mb: int = knobs.BY_KEY["cluster.yarn_server_memory_mb"].default
+    vcores: int = knobs.BY_KEY["cluster.yarn_vcores"].default
+    queue: str | None = knobs.BY_KEY["cluster.yarn_queue"].default
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> "Resources":
