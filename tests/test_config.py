@@ -2,6 +2,7 @@
 with one line, without TensorFlow."""
 
 import dataclasses
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -274,18 +275,22 @@ def test_knobs_are_config_keys_the_environment_overrides():
         knobs.get("TFKV_BIGARRAY_BOUND", {"TFKV_BIGARRAY_BOUND": "x"})
 
 
-def test_launch_records_the_knobs_and_hands_them_to_every_role(tmp_path):
-    """tfkv-launch: a flag sets a knob, the launching shell's variable overrides one; both are in
-    the run directory's knobs.json and in every role's environment."""
-    import json
-    import os
+def test_a_job_hands_its_knobs_to_every_role(tmp_path, monkeypatch):
+    """A job option (tfkv-launch's flag, the config's key) sets a knob, the launching shell's
+    variable overrides one; every role's environment has both, the launcher's own knobs stay
+    here. (tests/launcher/test_cluster_run.py: recorded in the run directory's knobs.json.)"""
+    from tfkv import knobs
+    from tfkv.launcher import job
 
-    run = tmp_path / "run"
-    show = "import os, sys; print('KNOBS', os.environ.get('TFKV_REQUEST_TIMEOUT'), os.environ.get('PS_RESEND')); sys.exit(3)"
-    proc = subprocess.run([sys.executable, "-m", "tfkv.launcher.cli", "-n", "1", "-s", "1", "--launcher", "local",
-                           "--request-timeout", "7", "--run-dir", str(run), "--", sys.executable, "-c", show],
-                          env={**os.environ, "PS_RESEND": "1"}, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 1 and "[worker 0] KNOBS 7.0 1" in proc.stdout, proc.stdout + proc.stderr
-    recorded = json.loads((run / "knobs.json").read_text())
-    assert recorded["cluster.request_timeout"] == {"env": "TFKV_REQUEST_TIMEOUT", "value": 7.0}
+    monkeypatch.setattr(knobs, "_configured", {})  # this process's launcher knobs: back as they were after
+    monkeypatch.setenv("PS_RESEND", "1")
+    monkeypatch.setenv("TFKV_SSH_CONFIG", str(tmp_path))
+    j = job.plan_job(job.Options("local", 1, 1, secure=False, request_timeout=7.0, srun_args="-p x"), ["true"],
+                     tmp_path, tmp_path / "run")
+    assert len(j.plan) == 3
+    for p in j.plan:
+        assert (p.env["TFKV_REQUEST_TIMEOUT"], p.env["PS_RESEND"], p.env["TFKV_HEARTBEAT_TIMEOUT"]) == ("7.0", "1", "4.0")
+        assert "TFKV_SRUN_ARGS" not in p.env and "TFKV_SSH_CONFIG" not in p.env
+    assert (knobs.get("TFKV_SRUN_ARGS", {}), knobs.get("TFKV_SSH_CONFIG")) == ("-p x", str(tmp_path))
+    recorded = json.loads(knobs.record(tmp_path, job.knob_values(job.Options("local", 1, 1))).read_text())
     assert recorded["kvstore.resend"] == {"env": "PS_RESEND", "value": True}

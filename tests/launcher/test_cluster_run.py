@@ -15,9 +15,9 @@ def _tagged(tmp_path):
 
 @pytest.mark.slow
 def test_one_command_runs_the_whole_job(tmp_path):
-    env = _tagged(tmp_path)
+    env = {**_tagged(tmp_path), "PS_RESEND": "1"}  # a knob from the shell, one from the config (kvstore.chunk_bytes)
     proc = tfkv_run("kvstore=dist_sync", "cluster=local", "cluster.num_workers=2", "cluster.num_servers=2",
-                    "epochs=2", "progress=false", cwd=tmp_path, env=env)
+                    "epochs=2", "progress=false", "kvstore.chunk_bytes=65536", cwd=tmp_path, env=env)
     out = proc.stdout + proc.stderr
     for prefix in ("[scheduler]", "[server 0]", "[server 1]", "[worker 0]", "[worker 1]"):
         assert prefix in out
@@ -27,6 +27,10 @@ def test_one_command_runs_the_whole_job(tmp_path):
     run = metrics_path.parent
     assert (run / "worker0.log").is_file() and (run / "worker1.log").is_file()
     assert "2 worker(s)" in (run / "worker1.log").read_text()
+    knobs = json.loads((run / "knobs.json").read_text())  # the effective backend knobs, recorded
+    assert (knobs["kvstore.chunk_bytes"]["value"], knobs["kvstore.resend"]["value"]) == (65536, True)
+    roles = json.loads((run / "launch" / "plan.json").read_text())
+    assert "TFKV_CHUNK_BYTES" in json.dumps(roles) and '"PS_RESEND": "1"' in json.dumps(roles)
     assert not tagged_pids(env[TAG], wait=15)
 
 
