@@ -1,0 +1,20 @@
+"""The import layers of pyproject.toml's [tool.importlinter] hold (cli -> launcher -> trainer ->
+parallel -> store -> ps -> base, the launcher and ps without TensorFlow, no cycles), so the README's
+test command checks them as CI's `lint-imports` step does."""
+
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_import_contracts_are_kept():
+    exe = shutil.which("lint-imports") or str(Path(sys.executable).with_name("lint-imports"))
+    out = subprocess.run([exe, "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    # every contract of pyproject.toml ran and was kept
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    assert f"{len(contracts)} kept, 0 broken" in out.stdout, out.stdout
