@@ -170,6 +170,31 @@ def test_config_is_small_modules_with_one_job_each():
         assert len(f.read_text().splitlines()) <= 400, f"{f.relative_to(TFKV.parent)} is over 400 lines"
 
 
+def test_cluster_options_are_defined_once():
+    """The structured config's cluster settings are the job's options and tfkv-launch's flags:
+    same names, defaults and help, so a setting added to the schema is a flag at once."""
+    import dataclasses
+
+    from tfkv.launcher import cli as launch_cli, job
+
+    fields = {f.name: f for schema in config.CLUSTER_SCHEMAS.values() for f in dataclasses.fields(schema)}
+    assert {f.name: f.default for f in dataclasses.fields(job.Options)} == {n: f.default for n, f in fields.items()}
+    actions = {a.dest: a for a in launch_cli.parser()._actions}
+    for name, f in fields.items():
+        assert actions[name].help.startswith(f.metadata["help"]), name
+    # every spelling users have, and the settings the config had and tfkv-launch lacked
+    args = launch_cli.parser().parse_args([
+        "-n", "3", "-s", "2", "-H", "hosts", "--launcher", "local", "--sync-dst-dir", "/d", "--interface", "lo",
+        "--port", "5", "--python", "py", "--heartbeat-timeout", "2.5", "--verbose", "1", "--run-dir", "r",
+        "--host", "10.0.0.1", "--no-secure", "--", "cmd"])
+    assert (args.num_workers, args.num_servers, args.hostfile, args.launcher, args.sync_dst_dir, args.interface,
+            args.port, args.python, args.heartbeat_timeout, args.verbose, args.run_dir, args.host, args.secure,
+            args.command) == (3, 2, "hosts", "local", "/d", "lo", 5, "py", 2.5, 1, "r", "10.0.0.1", False, ["--", "cmd"])
+    plain = launch_cli.parser().parse_args(["-n", "2", "--", "cmd"])  # tfkv-launch's own defaults stay
+    assert (plain.launcher, plain.num_servers, plain.secure, plain.port) == ("ssh", None, True, 0)
+    assert job.Options("ssh", 3, 2, "hosts", "/d").sync_dst_dir == "/d"  # positional, as callers write it
+
+
 # Variables that wire a process into its job (which role, where the scheduler is, the job's keys,
 # run directory and config): set by the launcher per role, never a knob.
 WIRING = {"TFKV_ROLE", "TFKV_RANK_HINT", "TFKV_RUN_DIR", "TFKV_CONFIG", "TFKV_SCHEDULER_HOST", "TFKV_SCHEDULER_PORT",
