@@ -4,6 +4,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -238,3 +239,52 @@ def test_ctrl_c_is_one_line_and_status_130(tmp_path, when):
     assert len(lines) == 1 and lines[0].startswith("tfkv-run: interrupted"), proc.stderr
     if when == "training":
         assert "checkpoint epoch-000" in lines[0] and "resume=true" in lines[0], lines
+
+
+def _exception_classes() -> list[type]:
+    """Every exception class tfkv defines, found by reading its source (a new one is checked too);
+    only the modules that define one are imported."""
+    import ast
+    import importlib
+
+    import tfkv
+
+    root = Path(tfkv.__file__).resolve().parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        names = [node.name for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)
+                 and any(ast.unparse(b).endswith(("Error", "Exception", "Failed", "Pruned")) for b in node.bases)]
+        if names:
+            module = importlib.import_module(".".join(("tfkv", *path.relative_to(root).with_suffix("").parts)))
+            found += [getattr(module, name) for name in names]
+    return found
+
+
+def test_every_exception_tfkv_defines_is_one_family_with_its_exit_status():
+    from tfkv.errors import TfkvError
+
+    classes = [c for c in _exception_classes() if issubclass(c, Exception)]
+    assert len(classes) >= 15, classes  # the source walk found them (ps, launcher, data, store...)
+    outside = [f"{c.__module__}.{c.__name__}" for c in classes if not issubclass(c, TfkvError)]
+    assert not outside, f"not under TfkvError: {outside}"
+    assert all(isinstance(c.exit_code, int) and 0 < c.exit_code < 256 for c in classes)
+    # the standard bases callers catch them by stay
+    from tfkv.ps.protocol import ProtocolError
+    from tfkv.ps.scheduler_link import ClusterError
+
+    assert issubclass(ProtocolError, ValueError) and issubclass(ClusterError, RuntimeError)
+
+
+def test_one_handler_gives_any_family_error_its_line_and_status(tmp_path):
+    """tfkv.errors.report: `prog: line` and the class's exit status, for an error of the runtime
+    (not a list of classes the entry point knows) and for a subclass with its own status."""
+    code = ("import sys; from tfkv import errors; from tfkv.ps.security import SecurityError\n"
+            "class Custom(errors.TfkvError):\n    exit_code = 7\n"
+            "err = {'security': SecurityError('keys are exposed'), 'custom': Custom('own status'),\n"
+            "       'bug': KeyError('x')}[sys.argv[1]]\n"
+            "try:\n    raise err\nexcept Exception as e:\n    errors.report('tfkv-run', e)\n    raise\n")
+    runs = {kind: subprocess.run([sys.executable, "-c", code, kind], capture_output=True, text=True, timeout=60)
+            for kind in ("security", "custom", "bug")}
+    assert (runs["security"].returncode, runs["security"].stderr) == (2, "tfkv-run: keys are exposed\n")
+    assert (runs["custom"].returncode, runs["custom"].stderr) == (7, "tfkv-run: own status\n")
+    assert runs["bug"].returncode == 1 and "Traceback" in runs["bug"].stderr

@@ -1,17 +1,32 @@
-"""Errors a user can act on: their message is one line saying what is wrong and how to fix it.
+"""The one error family: every exception tfkv defines derives from TfkvError.
 
-`tfkv-run` prints these as a single line and exits non-zero; anything else is a bug and keeps
-its traceback.
+Each is a mistake or a state the user can act on: its message is one line saying what is wrong
+and how to fix it, and its class says the exit status (`exit_code`). The entry points (`tfkv-run`,
+`python -m tfkv.worker`, the parameter-server roles, `tfkv-launch`) turn one into `prog: line` and
+that status through `report`, in one place; anything else is a bug and keeps its traceback.
+Classes that callers also catch by a standard base (a ValueError for a malformed message) keep
+it as a second base. This module imports only the standard library: every layer may use it.
 """
 
+from __future__ import annotations
+
+import errno
+import sys
 
 # Exit status of a process that stopped because another node of its job failed: launchers
 # blame the first process that did not exit with it.
 EXIT_PEER_FAILED = 3
+# Exit status after Ctrl-C, as a shell reports a process that SIGINT ended (128 + 2).
+EXIT_INTERRUPTED = 130
+
+# A full or read-only disk is the machine's state, not a bug: one line, like a config mistake.
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 
 class TfkvError(Exception):
-    """Base of every user-facing error."""
+    """Base of every user-facing error; exit status 2 unless a subclass says otherwise."""
+
+    exit_code = 2
 
 
 class ConfigError(TfkvError):
@@ -28,9 +43,40 @@ class OutputError(TfkvError):
 
 
 class ClusterFailed(TfkvError):
-    """A role of a distributed job failed; the message names it."""
+    """A role of a distributed job failed; the message names it. `tfkv-run` exits 2 for it, as
+    for any job that fails for a reason the user fixes."""
 
 
 class TrialPruned(TfkvError):
     """A sweep's pruner stopped this trial early (worse than its peers at the same epoch): a
     result of the sweep, not a failure."""
+
+
+def message(e: BaseException) -> str | None:
+    """The one line for an error the user fixes outside tfkv's code, or None for a bug."""
+    if isinstance(e, TfkvError):
+        text = str(e)
+        if text.startswith("in user code:"):
+            # raised while TensorFlow traced a step (a loss that does not fit the model's output):
+            # TensorFlow prefixes the trace, the message is its last line, after the type's name
+            last = [line.strip() for line in text.splitlines() if line.strip()][-1]
+            text = last.split(": ", 1)[1] if last.startswith(f"{type(e).__name__}: ") else last
+        return text
+    if isinstance(e, OSError) and e.errno in DISK_ERRNOS:
+        where = f" writing {e.filename}" if e.filename else ""
+        return f"{e.strerror}{where}; free space there or choose another hydra.run.dir"
+    return None
+
+
+def exit_code(e: BaseException) -> int:
+    """The exit status for an error `message` gives a line for."""
+    return e.exit_code if isinstance(e, TfkvError) else 2
+
+
+def report(prog: str, e: BaseException) -> None:
+    """An entry point's handler: a user's error is `prog: <its line>` on stderr and its exit
+    status; a bug returns, for the caller to re-raise with its traceback."""
+    text = message(e)
+    if text is not None:
+        print(f"{prog}: {text}", file=sys.stderr)
+        sys.exit(exit_code(e))

@@ -16,15 +16,16 @@ metrics.json and exports the checkpoint's model into its own run directory.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from tfkv.errors import ConfigError
+from tfkv.errors import ConfigError, OutputError
 
 MODEL_FILE = "model.keras"
 SAVED_MODEL_DIR = "saved_model"
@@ -53,8 +54,6 @@ def portable(model: Any) -> Any:
 def save(model: Any, run_dir: Path, saved_model: bool = False) -> Path:
     """`run_dir`/model.keras (and saved_model/ when asked), each written under a temporary name
     and renamed, so a crash never leaves half a model where a user would load it."""
-    from tfkv.trainer import _written
-
     run_dir = Path(run_dir)
     model = portable(model)
     target = run_dir / MODEL_FILE
@@ -67,7 +66,7 @@ def save(model: Any, run_dir: Path, saved_model: bool = False) -> Path:
         finally:
             tmp.unlink(missing_ok=True)
 
-    _written(write_keras, target)
+    written(write_keras, target)
     if saved_model:
         folder, tmp_dir = run_dir / SAVED_MODEL_DIR, run_dir / f".tmp-{SAVED_MODEL_DIR}"
 
@@ -83,7 +82,7 @@ def save(model: Any, run_dir: Path, saved_model: bool = False) -> Path:
                 tf_log.setLevel(level)
                 shutil.rmtree(tmp_dir, ignore_errors=True)
 
-        _written(write_saved_model, folder)
+        written(write_saved_model, folder)
     return target
 
 
@@ -104,15 +103,42 @@ def write(cfg: Any, source: Any, weights: Sequence[np.ndarray], run_dir: Path) -
 def evaluate(cfg: Any, source: Any, parallel: Any, ckpt: Any, run_dir: Path) -> dict[str, Any]:
     """eval_only: the checkpoint's weights (already in `parallel`) on the test split, with the
     training's own evaluation; metrics.json and the model in `run_dir`; returns the metrics."""
-    from tfkv.trainer import _write_metrics
-
     if ckpt is None:  # resume=true found no earlier run of this command (find_resume warned)
         raise ConfigError("eval_only=true: no checkpoint to evaluate; give resume=<run directory or "
                           "checkpoint directory>")
     metrics = {"epoch": ckpt.epoch, "checkpoint": str(ckpt.path),
                **{f"test_{k}": float(v) for k, v in parallel.evaluate(source.test()).items()}}
-    _write_metrics(run_dir, metrics)
+    write_metrics(run_dir, metrics)
     log.info("eval_only: checkpoint %s (epoch %d) on the test split: %s", ckpt.path, ckpt.epoch,
              "  ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith("test_")))
     write(cfg, source, parallel.get_weights(), run_dir)
     return metrics
+
+
+def written(write: Callable[[], Any], where: Path) -> Any:
+    """`write()`'s result; TensorFlow's or the system's failure to write `where` (a full disk) as
+    the one-line OutputError, not a traceback from inside TensorFlow."""
+    import tensorflow as tf
+
+    try:
+        return write()
+    except OSError as e:
+        reason = e.strerror or str(e)
+    except tf.errors.OpError as e:
+        # "{{function_node ...}} PATH; No space left on device\n\tFailed to flush ...": the reason
+        reason = e.message.splitlines()[0].rsplit("; ", 1)[-1]
+    raise OutputError(f"cannot write {where} ({reason}); free space there or choose another hydra.run.dir")
+
+
+def write_metrics(run_dir: Path, metrics: dict[str, Any]) -> None:
+    """`run_dir`/metrics.json, written under a temporary name and renamed."""
+    tmp = run_dir / ".metrics.json.tmp"
+
+    def write() -> None:
+        try:
+            tmp.write_text(json.dumps(metrics, indent=1))
+            tmp.replace(run_dir / "metrics.json")
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    written(write, run_dir / "metrics.json")

@@ -3,8 +3,9 @@ distribution declares under the entry-point groups `tfkv.stores`, `tfkv.launcher
 `tfkv.models` and `tfkv.datasets`.
 
 A store or launcher plug-in joins its registry (`tfkv.store.REGISTRY`, `tfkv.launcher.base.REGISTRY`),
-which reads the entry points the first time a name is not its own; a store class is imported when
-it is created. `load()` makes every plug-in a config option of its Hydra group: `kvstore=<name>`;
+which reads the entry points the first time a name is not its own (tfkv.registry: the base-level
+discovery, so the registries import nothing above them); a store class is imported when it is
+created. This module is the cli layer's part: the plug-ins as Hydra config options. `load()` makes every plug-in a config option of its Hydra group: `kvstore=<name>`;
 `cluster=<name>`, typed by the settings schema the launcher class declares (`config`); and
 `model=<name>` / `dataset=<name>` whose node is the callable's `_target_` with its keyword
 defaults that are plain config values, so `model=<name> model.width=8` works as it does for
@@ -21,75 +22,21 @@ line when it is chosen.
 from __future__ import annotations
 
 import ast
-import functools
 import importlib.metadata
 import importlib.util
 import inspect
-import logging
-import re
 from pathlib import Path
 from typing import Any
 
 from tfkv.errors import ConfigError
+from tfkv.registry import entry_points, foreign_error, resolve, warn
 
-log = logging.getLogger("tfkv")
 
 # Hydra config group -> the entry-point group its plug-ins are declared in.
 GROUPS = {"kvstore": "tfkv.stores", "cluster": "tfkv.launchers", "model": "tfkv.models",
           "dataset": "tfkv.datasets"}
 
-# A config option's name: what Hydra's override grammar takes unquoted and a file name can hold.
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
-
-_warned: set[tuple[str, str, str]] = set()
 _loaded = False
-
-
-def where(ep: importlib.metadata.EntryPoint) -> str:
-    """How a warning names a plug-in: its entry point and the package that declares it."""
-    dist = ep.dist.name if ep.dist is not None else "an unknown package"
-    return f"plug-in {ep.name} = {ep.value} ([{ep.group}] of package {dist})"
-
-
-def warn(ep: importlib.metadata.EntryPoint, problem: str) -> None:
-    """One warning line per plug-in and problem, however often it is met."""
-    key = (ep.group, ep.name, problem)
-    if key not in _warned:
-        _warned.add(key)
-        log.warning("tfkv: %s: %s", where(ep), problem)
-
-
-@functools.cache
-def entry_points(group: str) -> tuple[importlib.metadata.EntryPoint, ...]:
-    """The usable entry points of `group` (packages' metadata only, nothing imported); a name
-    two packages declare goes to the first, as importlib.metadata lists them."""
-    chosen: dict[str, importlib.metadata.EntryPoint] = {}
-    for ep in importlib.metadata.entry_points(group=group):
-        if not _NAME.match(ep.name):
-            warn(ep, "its name is not a config option name (letters, digits, _ and -); the plug-in is ignored")
-        elif not ep.attr:
-            warn(ep, "it names a module, not module:attribute; the plug-in is ignored")
-        elif ep.name in chosen:
-            other = chosen[ep.name].dist
-            warn(ep, f"package {other.name if other else '?'} has a plug-in of that name too; "
-                     "that one is used, this one is ignored")
-        else:
-            chosen[ep.name] = ep
-    return tuple(chosen.values())
-
-
-def resolve(ep: importlib.metadata.EntryPoint, what: str) -> Any:
-    """Import what `ep` names; a failure is one ConfigError line naming the plug-in."""
-    try:
-        return ep.load()
-    except Exception as e:  # anything the plug-in's import raises is the plug-in's, not tfkv's
-        dist = ep.dist.name if ep.dist is not None else "its package"
-        raise ConfigError(f"{what} comes from {where(ep)}, which fails to import: {_one_line(e)}; "
-                          f"fix or uninstall {dist}") from None
-
-
-def _one_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
 
 
 def load() -> None:
@@ -128,16 +75,16 @@ def _cluster_node(ep: importlib.metadata.EntryPoint, name: str) -> Any:
     `+` and any other key is refused. The class is imported for it: launchers are light."""
     from omegaconf import OmegaConf
 
-    from tfkv.check import cluster_schema
+    from tfkv.config import ClusterConfig
 
     try:
-        node = OmegaConf.structured(cluster_schema(name))
+        node = OmegaConf.structured(getattr(resolve(ep, f"launcher {name!r}"), "config", None) or ClusterConfig)
         node.launcher = name
     except ConfigError as e:  # the plug-in's module fails to import
         warn(ep, f"{e}; the plug-in is ignored")
         return None
     except Exception as e:  # a `config` that is no schema with a `launcher` setting
-        warn(ep, f"its config schema does not work ({_one_line(e)}): make it a dataclass derived from "
+        warn(ep, f"its config schema does not work ({foreign_error(e)}): make it a dataclass derived from "
                  "tfkv.config.ClusterConfig; the plug-in is ignored")
         return None
     return node
@@ -154,7 +101,7 @@ def _provided(group: str) -> set[str]:
 
 def _own_options(group: str) -> set[str]:
     """tfkv's own options of a config group (its conf/<group>/*.yaml)."""
-    from tfkv.cli import conf_dir
+    from tfkv.hydra_messages import conf_dir
 
     return {p.stem for p in Path(conf_dir(), group).glob("*.yaml")}
 
@@ -170,7 +117,7 @@ def _target_node(ep: importlib.metadata.EntryPoint, injected: set[str]) -> dict[
         warn(ep, f"{e}; the plug-in is ignored")
         return None
     except Exception as e:  # a missing module, unreadable source: the plug-in's problem
-        warn(ep, f"cannot read its parameters ({_one_line(e)}); the plug-in is ignored")
+        warn(ep, f"cannot read its parameters ({foreign_error(e)}); the plug-in is ignored")
         return None
     return {"_target_": f"{ep.module}.{ep.attr}",
             **{k: v for k, v in defaults.items() if k not in injected}}

@@ -10,7 +10,6 @@ goes to the progress line, TensorBoard and metrics.json as `train_<name>` / `tes
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
@@ -18,7 +17,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tfkv.errors import ConfigError, OutputError
+from tfkv.errors import ConfigError
+from tfkv.export import write_metrics, written
 from tfkv.tracking import metric_keys
 
 log = logging.getLogger("tfkv")
@@ -115,7 +115,7 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
             log.info("%s on %s (batch %s per device), kvstore=%s, %d worker(s), %d steps/epoch",
                      models.name(cfg.model), ",".join(cfg.devices), sizes, store.type, store.num_workers, steps)
         # one writer per run directory, shared with the HParams tracker (tfkv.tracking.tensorboard)
-        writer = _written(lambda: summary_writer(run_dir), run_dir / "tensorboard") if chief else None
+        writer = written(lambda: summary_writer(run_dir), run_dir / "tensorboard") if chief else None
         trackers = tracking.for_run(cfg, run_dir) if chief else []
 
         for epoch in range(start, cfg.epochs + 1):
@@ -163,10 +163,10 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
                 with writer.as_default():
                     for name in tracking.curves(record):
                         tf.summary.scalar(f"epoch/{name}", record[name], step=epoch)
-                _written(writer.flush, run_dir / "tensorboard")
+                written(writer.flush, run_dir / "tensorboard")
                 checkpoint.save(run_dir, epoch, dp.get_weights(), dp.weight_names(),
                                 dp.save_optimizer, history)
-                _write_metrics(run_dir, _summary(history))
+                write_metrics(run_dir, _summary(history))
             for tracker in trackers:  # after the record is on disk: a pruned trial keeps its epochs
                 tracker.epoch(epoch, record)
         if not history:
@@ -174,7 +174,7 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
                                f"epoch {start - 1}")
         final = _summary(history)
         if chief:
-            _write_metrics(run_dir, final)
+            write_metrics(run_dir, final)
         store.barrier()
     except BaseException as e:
         store.abort(f"{type(e).__name__}: {e}")
@@ -191,6 +191,17 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
         raise
     tracking.close(trackers, None)
     return final
+
+
+def objective(cfg: Any, final: dict[str, Any], run_dir: Path) -> float:
+    """The run's `objective` (what a sweeper optimises), logged with where the run's files are."""
+    if cfg.objective not in final:
+        reported = ", ".join(k for k, v in final.items() if isinstance(v, (int, float)) and k != "epoch")
+        raise ConfigError(f"objective={cfg.objective} is not a metric of this run; it reports {reported}: "
+                          "choose one of those, e.g. objective=test_loss")
+    value = float(final[cfg.objective])
+    log.info("done: %s %.4f after %d epochs; run directory %s", cfg.objective, value, final.get("epoch", 0), run_dir)
+    return value
 
 
 def _lr_schedule(optimizer: Any, store: Any) -> Callable[[int], float]:
@@ -220,31 +231,3 @@ def _model_parallel(cfg: Any, source: Any, tf_devices: list[str], store: Any, op
     return ModelParallel(groups, [by_spec[s] for s in specs], store, optimizer, cfg.batch_size,
                          micro_batches=cfg.micro_batches, update_on_kvstore=cfg.kvstore.update_on_kvstore,
                          initial_weights=initial_weights, criterion=criterion)
-
-
-def _written(write: Callable[[], Any], where: Path) -> Any:
-    """`write()`'s result; TensorFlow's or the system's failure to write `where` (a full disk) as
-    the one-line OutputError, not a traceback from inside TensorFlow."""
-    import tensorflow as tf
-
-    try:
-        return write()
-    except OSError as e:
-        reason = e.strerror or str(e)
-    except tf.errors.OpError as e:
-        # "{{function_node ...}} PATH; No space left on device\n\tFailed to flush ...": the reason
-        reason = e.message.splitlines()[0].rsplit("; ", 1)[-1]
-    raise OutputError(f"cannot write {where} ({reason}); free space there or choose another hydra.run.dir")
-
-
-def _write_metrics(run_dir: Path, metrics: dict[str, Any]) -> None:
-    tmp = run_dir / ".metrics.json.tmp"
-
-    def write() -> None:
-        try:
-            tmp.write_text(json.dumps(metrics, indent=1))
-            tmp.replace(run_dir / "metrics.json")
-        finally:
-            tmp.unlink(missing_ok=True)
-
-    _written(write, run_dir / "metrics.json")

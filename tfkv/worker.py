@@ -119,33 +119,28 @@ def run(environ: MutableMapping[str, str] = os.environ) -> dict[str, Any]:
 
     from omegaconf import OmegaConf
 
-    from tfkv.trainer import train
+    from tfkv.trainer import objective, train
 
     cfg = OmegaConf.create(config)
     OmegaConf.set_struct(cfg, True)  # a key the trainer misspells is an error, as under Hydra
-    from tfkv.cli import _done
-
     # resume is the launcher's decision already (a checkpoint's path, or false): no search here
     final = train(cfg, run_dir_path, [], search_root=Path(project))
-    _done(cfg, final, run_dir_path)
+    objective(cfg, final, run_dir_path)
     return final
 
 
 def main() -> None:
     """`python -m tfkv.worker`: a mistake the user fixes is one line and status 2, as in tfkv-run."""
-    from tfkv.cli import user_error
+    from tfkv.errors import EXIT_INTERRUPTED, report
 
     try:
         run()
     except KeyboardInterrupt:  # the launcher tells the user where the checkpoints are
         print("tfkv-run: interrupted", file=sys.stderr)
-        sys.exit(130)
+        sys.exit(EXIT_INTERRUPTED)
     except Exception as e:
-        text = user_error(e)
-        if text is None:
-            raise
-        print(f"tfkv-run: {text}", file=sys.stderr)
-        sys.exit(2)
+        report("tfkv-run", e)
+        raise
 
 
 if __name__ == "__main__":

@@ -8,10 +8,12 @@ import os
 import tempfile
 from urllib.request import urlopen
 
+from tfkv.errors import TfkvError
+
 TIMEOUT_S = 10.0  # per socket operation: an offline machine fails fast instead of hanging
 
 
-class FetchError(Exception):
+class FetchError(TfkvError):
     """The file could not be downloaded; the message is the short reason."""
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tfkv.config import cluster
-from tfkv.errors import TfkvError
+from tfkv.errors import TfkvError, report
 
 EPILOG = """\
 examples:
@@ -90,8 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         result = job.launch(opts, command, Path.cwd(), run_dir.resolve(), ["tfkv-launch", *(argv or sys.argv[1:])],
                             sys.stdout)
     except TfkvError as e:
-        print(f"tfkv-launch: {e}", file=sys.stderr)
-        sys.exit(2)
+        report("tfkv-launch", e)  # its line and its class's exit status
     except KeyboardInterrupt:  # during the checks: once the job starts, the launch takes it
         print("tfkv-launch: interrupted before the job started; nothing was left running", file=sys.stderr)
         sys.exit(130)

@@ -39,6 +39,7 @@ import subprocess
 import sys
 from typing import Any, Sequence
 
+from tfkv.errors import TfkvError
 from tfkv.launcher.plan import Process, make_plan
 from tfkv.launcher.process import die_with_parent, signal_group, status_text
 
@@ -84,7 +85,7 @@ def helper_argv(python: str, plan: Sequence[Process], first: int = 0, rank_var: 
 
 # -- the helper ------------------------------------------------------------------------------------
 
-class RoleError(Exception):
+class RoleError(TfkvError):
     """The helper cannot tell which role to run; the message says why."""
 
 

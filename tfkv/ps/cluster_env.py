@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from tfkv import knobs
+from tfkv.errors import TfkvError
 from tfkv.ps import security
 
 ROLES = ("scheduler", "server", "worker")
@@ -29,7 +30,7 @@ def _get(env: Mapping[str, str], *names: str, default: str | None = None) -> str
     return default
 
 
-class ClusterEnvError(ValueError):
+class ClusterEnvError(TfkvError, ValueError):
     """An environment variable is missing or malformed; the message names it."""
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 import sys
 
+from tfkv.errors import EXIT_INTERRUPTED, TfkvError, report
 from tfkv.ps.cluster_env import ClusterEnv, ClusterEnvError
-from tfkv.ps.scheduler_link import ClusterError
 
 
 def run_role(env: ClusterEnv) -> int:
@@ -32,11 +32,13 @@ def main() -> None:
                         stream=sys.stdout)
     try:
         sys.exit(run_role(ClusterEnv.from_env()))
-    except (ClusterEnvError, ClusterError, OSError) as e:
+    except TfkvError as e:  # a malformed environment, a cluster that cannot form, keys: one line
+        report("tfkv", e)
+    except OSError as e:  # a port taken
         print(f"tfkv: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
-        sys.exit(130)
+        sys.exit(EXIT_INTERRUPTED)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from tfkv.errors import TfkvError
 from tfkv.ps import schema
 from tfkv.ps.compression import words
 
@@ -81,7 +82,7 @@ class Type(enum.IntEnum):
     ERROR = 31  # meta: message
 
 
-class ProtocolError(ValueError):
+class ProtocolError(TfkvError, ValueError):
     """A message that is not valid tfkv protocol; the text says what is wrong."""
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import zmq
 
-from tfkv.errors import EXIT_PEER_FAILED
+from tfkv.errors import EXIT_PEER_FAILED, TfkvError
 from tfkv.ps import protocol as P
 from tfkv.ps import security
 from tfkv.ps.cluster_env import ClusterEnv
@@ -28,7 +28,7 @@ from tfkv.ps.cluster_env import ClusterEnv
 log = logging.getLogger("tfkv.ps")
 
 
-class ClusterError(RuntimeError):
+class ClusterError(TfkvError, RuntimeError):
     """The cluster could not be formed or broke; the message says which node and why."""
 
 

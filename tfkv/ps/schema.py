@@ -16,6 +16,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from tfkv.errors import TfkvError
+
 Check = Callable[[Any, str], None]  # raises SchemaError(f"{where} ...") when the value does not fit
 
 # Every integer a node takes, from the wire or a config, is below float64's exact range: JSON
@@ -44,7 +46,7 @@ def is_integer(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and -MAX_INT < value < MAX_INT
 
 
-class SchemaError(ValueError):
+class SchemaError(TfkvError, ValueError):
     """Metadata that does not fit its message's schema; the text names the field."""
 
 

@@ -38,6 +38,7 @@ from typing import Mapping
 
 import zmq
 
+from tfkv.errors import TfkvError
 from tfkv.ps.protocol import MAX_FRAME
 
 log = logging.getLogger("tfkv.ps")
@@ -55,7 +56,7 @@ NO_KEYS_WARNING = ("tfkv: no job keys (TFKV_CURVE_PUBLIC/TFKV_CURVE_SECRET or TF
                    "make keys with `python -m tfkv.ps.security KEYFILE` and set TFKV_CURVE_KEYFILE")
 
 
-class SecurityError(ValueError):
+class SecurityError(TfkvError, ValueError):
     """Keys are missing, malformed or exposed; the message says which and what to do."""
 
 

@@ -30,6 +30,7 @@ import numpy as np
 import zmq
 
 from tfkv import optim
+from tfkv.errors import TfkvError
 from tfkv.ps import compression
 from tfkv.ps import protocol as P
 from tfkv.ps import security
@@ -44,7 +45,7 @@ _DEDUP_WINDOW = 4096
 COPY_THRESHOLD = 64 << 10  # bytes: pyzmq's own default; frames from here up are sent zero-copy
 
 
-class RequestError(ValueError):
+class RequestError(TfkvError, ValueError):
     """The request cannot be served; its text goes back to the sender."""
 
 

@@ -40,6 +40,7 @@ import numpy as np
 import zmq
 
 from tfkv import optim
+from tfkv.errors import TfkvError
 from tfkv.ps import compression
 from tfkv.ps import protocol as P
 from tfkv.ps import security
@@ -53,7 +54,7 @@ _NAMED_KEY_BASE = 1 << 40  # keys that are not ints in [0, 2**40) get ids from h
 _CHUNK_SHIFT = 48  # chunk j > 0 of key id k is key k + (j << 48) on its server (ids stay < 2**48)
 
 
-class DistError(RuntimeError):
+class DistError(TfkvError, RuntimeError):
     """A server refused a request; the message is the server's."""
 
 

@@ -29,7 +29,9 @@ def problem(config: Any) -> str | None:
     from omegaconf import OmegaConf, open_dict, read_write
     from omegaconf.errors import OmegaConfBaseException
 
-    from tfkv import check, cli
+    from tfkv import check
+    from tfkv.errors import message
+    from tfkv.hydra_messages import one_line
 
     loader = GlobalHydra.instance().config_loader()
     # as written, not resolved: `key=${oc.env:X}` is checked below as its job resolves it
@@ -41,7 +43,7 @@ def problem(config: Any) -> str | None:
         parsed = OverridesParser.create(config_loader=loader).parse_overrides(lines)
         values = _values(parsed)
     except (HydraException, OmegaConfBaseException) as e:
-        return cli._one_line(e)
+        return one_line(e)
     for combo in combinations(values):
         # Hydra escapes a sweep's values (`$\{oc.env\:X\}`): shown as the user wrote them
         named = " ".join(re.sub(r"\\(.)", r"\1", o) for o, (_, choices) in zip(combo, values.items())
@@ -55,9 +57,9 @@ def problem(config: Any) -> str | None:
             _resolve(cfg, task)
             check.validate(task)
         except (HydraException, OmegaConfBaseException) as e:
-            return where + cli._one_line(e)
+            return where + one_line(e)
         except Exception as e:  # noqa: BLE001 - a user's mistake is one line; a bug keeps its traceback
-            text = cli.user_error(e)
+            text = message(e)
             if text is None:
                 raise
             return where + text

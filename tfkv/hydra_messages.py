@@ -1,0 +1,140 @@
+"""Hydra's and OmegaConf's errors as one line with a hint (the nearest name, the option's keys,
+the plug-in to install), and where the config tree is: the cli layer's part of one-line errors
+(tfkv.errors has the rest), shared by tfkv-run, its sweeps' checks and the plug-ins' options.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import sys
+from pathlib import Path
+
+
+def conf_dir() -> str:
+    """The config tree: inside the installed package, or at the top of a source checkout."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "conf", here.parent / "conf"):
+        if (candidate / "config.yaml").is_file():
+            return str(candidate)
+    raise RuntimeError(f"tfkv's config tree is missing (looked in {here / 'conf'}); reinstall tfkv")
+
+
+def one_line(exc: BaseException) -> str:
+    """Hydra's and OmegaConf's multi-line messages, folded into one line with a hint."""
+    from hydra.errors import MissingConfigException, OverrideParseException
+
+    parts = []
+    for e in (exc, exc.__cause__):
+        if e is not None and str(e).strip():
+            parts.append(str(e).strip().splitlines()[0].rstrip("."))
+    text = ": ".join(dict.fromkeys(parts))
+    plugin = _plugin_package(str(getattr(exc, "missing_cfg_file", "") or ""))
+    if isinstance(exc, MissingConfigException) and plugin:
+        # hydra/launcher=ray: a Hydra plug-in that is not installed
+        extra = _extra_with(plugin)
+        # tfkv's extra pins what the plug-in needs with tfkv (optuna 2's SQLite storage: SQLAlchemy<2)
+        also = f"pip install 'tfkv[{extra}]', which has it with the versions tfkv is tested with, or " if extra else ""
+        return f"{text}: it is a Hydra plug-in that is not installed; {also}pip install {plugin}"
+    if isinstance(exc, MissingConfigException) and exc.options:
+        # `model=resnet19`: Hydra's list of what there is, and the nearest name
+        wanted = str(exc.missing_cfg_file).rsplit("/", 1)[-1]
+        text += f"; available: {', '.join(exc.options)}"
+        close = difflib.get_close_matches(wanted, exc.options, n=1)
+        if close:
+            text += f" (did you mean {close[0]!r}?)"
+    elif "No match in the defaults list" in str(exc):
+        # `experiment=x`: a group that is not in the defaults is added with +, as Hydra's second line says
+        m = re.search(r"use (\+\S+)", str(exc))
+        if m:
+            text += f"; to add it, write {m.group(1)}"
+    elif "is not a ListConfig" in str(exc.__cause__):  # devices=cpu:0
+        text += "; write a list in brackets, e.g. devices=[cpu:0]"
+    elif re.search(r"is not in struct|not in '\w+'", str(exc.__cause__)) and _option_keys(str(exc)):
+        # (not in 'AdamConfig': the option's schema, conf/optimizer/adam.yaml's defaults)
+        # optimizer=adam optimizer.momentum=0.9: the key belongs to another option of the group
+        text += f"; {_option_keys(str(exc))}"
+        return text
+    elif isinstance(exc, OverrideParseException):
+        text += ("; write lists as key=[a,b] and quote a value holding spaces or special characters "
+                 "for both the shell and Hydra, e.g. 'key=\"a value\"'")
+    cause = exc.__cause__ or exc
+    key, schema = getattr(cause, "key", None), getattr(cause, "object_type", None)
+    known = [f.name for f in dataclasses.fields(schema)] if dataclasses.is_dataclass(schema) else []
+    if key is not None and str(key) not in known:  # a known key with a bad value needs no spelling hint
+        close = difflib.get_close_matches(str(key), known, n=1)
+        if close:
+            text += f" (did you mean {close[0]!r}?)"
+    return text + "; see tfkv-run --help"
+
+
+# Hydra's launcher and sweeper plug-ins on PyPI, by the option name each registers.
+HYDRA_PLUGINS = {
+    "hydra/launcher": {"joblib": "hydra-joblib-launcher", "ray": "hydra-ray-launcher",
+                       "ray_aws": "hydra-ray-launcher", "rq": "hydra-rq-launcher",
+                       "submitit_local": "hydra-submitit-launcher", "submitit_slurm": "hydra-submitit-launcher"},
+    "hydra/sweeper": {"ax": "hydra-ax-sweeper", "optuna": "hydra-optuna-sweeper",
+                      "tfkv_optuna": "hydra-optuna-sweeper", "nevergrad": "hydra-nevergrad-sweeper"},
+}
+
+
+def _extra_with(package: str) -> str | None:
+    """The extra of the installed tfkv that requires `package` (`sweep`), from tfkv's metadata."""
+    from importlib import metadata
+
+    try:
+        requires = metadata.requires("tfkv") or []
+    except metadata.PackageNotFoundError:
+        return None
+    for req in requires:
+        m = re.match(r"([A-Za-z0-9_.\-]+).*;\s*extra\s*==\s*[\"']([\w-]+)[\"']", req)
+        if m and m.group(1).lower() == package.lower():
+            return m.group(2)
+    return None
+
+
+def _plugin_package(missing: str) -> str | None:
+    """The pip package of a missing `hydra/launcher/<name>` or `hydra/sweeper/<name>`, if known."""
+    group, _, name = missing.rpartition("/")
+    return HYDRA_PLUGINS.get(group, {}).get(name)
+
+
+def _option_keys(message: str) -> str | None:
+    """For `Could not override 'G.K'` where G is an option group: the keys the chosen option has,
+    read from the config composed without the overrides of G's keys."""
+    m = re.search(r"override '(\w+)\.([\w.]+)'", message)
+    if not m or m.group(1) not in ("optimizer", "cluster", "model", "dataset", "kvstore"):
+        return None
+    group = m.group(1)
+    try:
+        from hydra import compose, initialize_config_dir
+
+        from tfkv import check, config, models, target
+        from tfkv.data import source
+
+        args = [a for a in sys.argv[1:] if "=" in a and not a.startswith("-")
+                and not a.lstrip("+~").startswith(f"{group}.")]
+        dirs = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--config-dir=")]
+        searchpath = [f"hydra.searchpath=[{','.join('file://' + os.path.abspath(d) for d in dirs)}]"] if dirs else []
+        with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
+            node = compose("config", overrides=[*args, *searchpath])[group]
+        if group in ("model", "dataset"):
+            import inspect
+
+            fn = target.locate(node["_target_"], f"{group}._target_")
+            provided = models.PROVIDED if group == "model" else source.PROVIDED
+            keys = [n for n in inspect.signature(fn).parameters if n not in provided]
+            option = node["_target_"]
+        else:
+            schema = {"optimizer": lambda: config.OPTIMIZER_SCHEMAS[node.name],
+                      "cluster": lambda: check.cluster_schema(node.launcher),
+                      "kvstore": lambda: config.KVStoreConfig}[group]()
+            keys = [f.name for f in dataclasses.fields(schema)]
+            option = node.get("name") or node.get("launcher") or node.get("type")
+    except Exception:  # noqa: BLE001 - only a better message; the plain one stands without it
+        return None
+    close = difflib.get_close_matches(m.group(2).split(".")[0], keys, n=1)
+    mean = f"did you mean {group}.{close[0]}? " if close else ""
+    return f"{mean}{group} {option} has the settings: {', '.join(keys)}"
