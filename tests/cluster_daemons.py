@@ -1,7 +1,7 @@
 """Real resource managers on this machine for the batch launcher tests: Slurm (munged, slurmctld,
 slurmd on 127.0.0.1) and a single-node Son of Grid Engine cell (sge_qmaster, sge_execd).
 
-Recipes: /work/shared/clusters.md (4 and 5). Both fixtures are session-scoped (Grid Engine takes
+Both fixtures are session-scoped (Grid Engine takes
 ~10 s to come up), start the daemons themselves and stop them by PID at the end; a daemon that was
 already running before the session (say, munged) is used and left alone. Every wait is bounded.
 The packages come from .ci/run (openmpi-bin, slurmctld slurmd slurm-client munge, gridengine-*).

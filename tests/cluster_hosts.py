@@ -1,4 +1,4 @@
-"""Real ssh "hosts" for the cluster tests (recipes 1 and 2 of shared/clusters.md).
+"""Real ssh "hosts" for the cluster tests: an sshd on 127.0.0.1 and network-namespace hosts.
 
 - `ssh_site`: throwaway keys and an ssh config file of our own (never ~/.ssh): every host alias
   the fixtures make is a `Host` block in it. Point the launcher at it with
