@@ -19,7 +19,7 @@ import numpy as np
 
 def run(secure: bool, sizes_mib: list[float], seconds: float) -> dict[float, float]:
     from tfkv.launcher.ports import free_port
-    from tfkv.ps import security
+    from tfkv import keys as security
 
     env = {**os.environ, "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(free_port()),
            "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}

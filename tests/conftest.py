@@ -169,7 +169,7 @@ class Cluster:
 
     def __init__(self, tmp_path: Path, num_servers: int, num_workers: int, env: dict | None = None):
         from tfkv.launcher.ports import free_port
-        from tfkv.ps import security
+        from tfkv import keys as job_keys
 
         self.dir = tmp_path
         self.tag = f"{tmp_path.name}-{os.getpid()}"
@@ -177,9 +177,9 @@ class Cluster:
                     "DMLC_PS_ROOT_PORT": str(free_port()), "DMLC_NUM_SERVER": str(num_servers),
                     "DMLC_NUM_WORKER": str(num_workers), "TFKV_HEARTBEAT_TIMEOUT": "3", **(env or {})}
         self.keys = None
-        if self.env.get(security.SECURE) != "0":
-            self.keys = security.new_keys()
-            self.env.update(security.keys_env(self.keys))
+        if self.env.get(job_keys.SECURE) != "0":
+            self.keys = job_keys.new_keys()
+            self.env.update(job_keys.keys_env(self.keys))
         self.procs: dict[str, subprocess.Popen] = {}
         self.num_servers, self.num_workers = num_servers, num_workers
 

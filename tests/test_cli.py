@@ -195,7 +195,7 @@ def test_a_bad_key_file_is_one_line_for_every_role(tmp_path, role, keyfile):
         import subprocess as sp
         import sys
 
-        sp.run([sys.executable, "-m", "tfkv.ps.security", str(path)], check=True, capture_output=True)
+        sp.run([sys.executable, "-m", "tfkv.keys", str(path)], check=True, capture_output=True)
         path.chmod(0o644)
     env = {"DMLC_ROLE": role, "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "9", "DMLC_NUM_SERVER": "1",
            "DMLC_NUM_WORKER": "1", "TFKV_CURVE_KEYFILE": str(path)}
@@ -278,7 +278,7 @@ def test_every_exception_tfkv_defines_is_one_family_with_its_exit_status():
 def test_one_handler_gives_any_family_error_its_line_and_status(tmp_path):
     """tfkv.errors.report: `prog: line` and the class's exit status, for an error of the runtime
     (not a list of classes the entry point knows) and for a subclass with its own status."""
-    code = ("import sys; from tfkv import errors; from tfkv.ps.security import SecurityError\n"
+    code = ("import sys; from tfkv import errors; from tfkv.keys import SecurityError\n"
             "class Custom(errors.TfkvError):\n    exit_code = 7\n"
             "err = {'security': SecurityError('keys are exposed'), 'custom': Custom('own status'),\n"
             "       'bug': KeyError('x')}[sys.argv[1]]\n"

@@ -20,6 +20,7 @@ import zmq
 from conftest import REPO, TAG, expected, tagged_pids
 from tfkv.launcher.ports import free_port
 from tfkv.ps import protocol as P
+from tfkv import keys as job_keys
 from tfkv.ps import security
 
 WORKER = str(REPO / "tests" / "dist_worker.py")
@@ -35,7 +36,7 @@ def _listening(c, name: str, timeout: float = 60) -> tuple[str, int]:
     raise AssertionError(f"{name} never listened:\n{c.outputs()}")
 
 
-def _stranger_push(address: str, keys: security.Keys | None, server_key: bytes | None) -> zmq.Socket:
+def _stranger_push(address: str, keys: job_keys.Keys | None, server_key: bytes | None) -> zmq.Socket:
     """A DEALER that sends valid-looking pushes, as worker ids 1..3, to `address`."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -71,7 +72,7 @@ def test_strangers_are_refused_and_the_job_goes_on(cluster):
     socks = []
     for address in (f"tcp://{host}:{port}", f"tcp://127.0.0.1:{c.env['DMLC_PS_ROOT_PORT']}"):
         socks.append(_stranger_push(address, None, None))  # no keys at all
-        socks.append(_stranger_push(address, security.new_keys(), c.keys.public))  # a wrong keypair
+        socks.append(_stranger_push(address, job_keys.new_keys(), c.keys.public))  # a wrong keypair
     for s in socks:
         assert not s.poll(500)  # nobody answers a stranger
         s.close()
@@ -84,7 +85,7 @@ def test_strangers_are_refused_and_the_job_goes_on(cluster):
 @pytest.mark.slow
 def test_insecure_cluster_runs_plain_with_a_warning(cluster):
     c = cluster(num_servers=1, num_workers=1, TFKV_SECURE="0")
-    assert c.keys is None and security.PUBLIC not in c.env
+    assert c.keys is None and job_keys.PUBLIC not in c.env
     c.start_servers()
     (out,) = c.start_workers("int_sgd", "3", "1", "8")
     codes = c.wait(120)
@@ -100,11 +101,11 @@ def test_plan_with_secure_false_warns_and_turns_curve_off(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         j = job.plan_job(job.Options("local", 1, 1, secure=False), ["true"], tmp_path, tmp_path / "run")
     assert "WITHOUT authentication" in caplog.text
-    assert all(p.env.get("TFKV_SECURE") == "0" and security.SECRET not in p.env for p in j.plan)
+    assert all(p.env.get("TFKV_SECURE") == "0" and job_keys.SECRET not in p.env for p in j.plan)
     j = job.plan_job(job.Options("local", 1, 1), ["true"], tmp_path, tmp_path / "run")
-    secrets = {p.env[security.SECRET] for p in j.plan}
+    secrets = {p.env[job_keys.SECRET] for p in j.plan}
     assert len(secrets) == 1  # one fresh keypair for the whole job
-    assert all(security.SECRET not in " ".join(p.argv) and secrets.pop() not in " ".join(p.argv) for p in j.plan[:1])
+    assert all(job_keys.SECRET not in " ".join(p.argv) and secrets.pop() not in " ".join(p.argv) for p in j.plan[:1])
 
 
 def test_every_socket_bounds_what_an_unauthenticated_peer_costs():
@@ -112,7 +113,7 @@ def test_every_socket_bounds_what_an_unauthenticated_peer_costs():
     # covers that case in the server's own process.)
     ctx = zmq.Context.instance()
     for kind, make, keys in ((zmq.ROUTER, security.server_socket, None), (zmq.DEALER, security.client_socket, None),
-                             (zmq.DEALER, security.client_socket, security.new_keys())):
+                             (zmq.DEALER, security.client_socket, job_keys.new_keys())):
         sock = ctx.socket(kind)
         make(sock, keys)
         assert sock.getsockopt(zmq.MAXMSGSIZE) == P.MAX_FRAME <= 1 << 20
@@ -124,8 +125,8 @@ def test_a_payload_of_several_frames_passes_the_frame_cap_under_curve():
     """CURVE adds bytes to every frame and libzmq counts them against the cap: payload frames
     must leave room (1 MiB frames were dropped, and every secure job with a key over 1 MiB
     failed with 'the reply was lost'). In a child: a CURVE server socket starts a ZAP thread."""
-    code = ("import numpy as np, zmq; from tfkv.ps import protocol as P, security\n"
-            "keys = security.new_keys(); ctx = zmq.Context()\n"
+    code = ("import numpy as np, zmq; from tfkv import keys as job_keys; from tfkv.ps import protocol as P, security\n"
+            "keys = job_keys.new_keys(); ctx = zmq.Context()\n"
             "r = ctx.socket(zmq.ROUTER); security.server_socket(r, keys); port = r.bind_to_random_port('tcp://127.0.0.1')\n"
             "d = ctx.socket(zmq.DEALER); security.client_socket(d, keys); d.connect(f'tcp://127.0.0.1:{port}')\n"
             "x = np.arange(3 << 18, dtype=np.float32)\n"
@@ -136,25 +137,25 @@ def test_a_payload_of_several_frames_passes_the_frame_cap_under_curve():
 
 
 def test_key_files_are_private_and_checked(tmp_path):
-    keys = security.new_keys()
-    path = security.write_keyfile(tmp_path / "launch" / "curve.key", keys)
+    keys = job_keys.new_keys()
+    path = job_keys.write_keyfile(tmp_path / "launch" / "curve.key", keys)
     assert os.stat(path).st_mode & 0o777 == 0o600
-    assert security.keys_from_env({security.KEYFILE: str(path)}) == keys
+    assert job_keys.keys_from_env({job_keys.KEYFILE: str(path)}) == keys
     os.chmod(path, 0o644)
-    with pytest.raises(security.SecurityError, match="readable by others"):
-        security.read_keyfile(str(path))
-    other = security.new_keys()
-    with pytest.raises(security.SecurityError, match="does not belong"):
-        security.keys_from_env({security.PUBLIC: other.public.decode(), security.SECRET: keys.secret.decode()})
-    with pytest.raises(security.SecurityError, match="no job keys"):
-        security.keys_from_env({security.SECURE: "1"})
+    with pytest.raises(job_keys.SecurityError, match="readable by others"):
+        job_keys.read_keyfile(str(path))
+    other = job_keys.new_keys()
+    with pytest.raises(job_keys.SecurityError, match="does not belong"):
+        job_keys.keys_from_env({job_keys.PUBLIC: other.public.decode(), job_keys.SECRET: keys.secret.decode()})
+    with pytest.raises(job_keys.SecurityError, match="no job keys"):
+        job_keys.keys_from_env({job_keys.SECURE: "1"})
     assert "secret" not in repr(keys).lower().replace("keys(public", "")
     # Launchers that may put the environment on a command line (mpi, slurm, ...) get a key file.
     from tfkv.launcher import job
 
     j = job.plan_job(job.Options("slurm", 1, 1), ["true"], tmp_path, tmp_path / "run")
-    keyfile = j.plan[0].env[security.KEYFILE]
-    assert os.stat(keyfile).st_mode & 0o777 == 0o600 and security.SECRET not in j.plan[0].env
+    keyfile = j.plan[0].env[job_keys.KEYFILE]
+    assert os.stat(keyfile).st_mode & 0o777 == 0o600 and job_keys.SECRET not in j.plan[0].env
 
 
 @pytest.mark.slow
@@ -177,7 +178,7 @@ def test_the_launcher_puts_no_key_on_any_command_line(tmp_path):
                     argv = Path(f"/proc/{pid}/cmdline").read_bytes()
                 except OSError:
                     continue
-                secret = [e.split(b"=", 1)[1] for e in env if e.startswith(security.SECRET.encode() + b"=")]
+                secret = [e.split(b"=", 1)[1] for e in env if e.startswith(job_keys.SECRET.encode() + b"=")]
                 if secret and pid != launcher.pid:
                     seen[pid] = (secret[0], argv)
             time.sleep(0.2)
@@ -209,7 +210,7 @@ class LossyProxy:
     delays a share of the messages each way (seeded). It holds the job's keys: a trusted hop
     that stands for a bad network, not for an attacker."""
 
-    def __init__(self, port: int, server, keys: security.Keys | None, seed: int = 1,
+    def __init__(self, port: int, server, keys: job_keys.Keys | None, seed: int = 1,
                  drop: float = 0.1, dup: float = 0.1, delay: float = 0.1):
         self.port, self.server, self.keys = port, server, keys
         self.rng = random.Random(seed)
@@ -432,3 +433,15 @@ def test_a_stranger_that_never_reads_cannot_grow_a_node_without_bound(cluster):
     assert all(v == 0 for v in codes.values()), c.outputs()
     assert json.loads(out.read_text())["final"] == expected(steps, 1, 1)
     assert len(c.output("server 0")) < 1 << 20, "the server logged every stranger's message"
+
+
+def test_the_job_key_helpers_load_no_runtime_and_write_a_keyfile(tmp_path):
+    """The launcher makes and hands over keys through tfkv.keys: it must load without the
+    parameter-server runtime, and `python -m tfkv.keys KEYFILE` writes a usable key file."""
+    code = ("import sys, tfkv.keys\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('tfkv.ps', 'tfkv.store', 'tensorflow'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    path = tmp_path / "job.key"
+    subprocess.run([sys.executable, "-m", "tfkv.keys", str(path)], check=True, capture_output=True)
+    assert job_keys.keys_from_env({job_keys.KEYFILE: str(path)}) is not None

@@ -17,7 +17,7 @@ from tfkv.launcher import base, record, signals
 from tfkv.launcher.hosts import Host, read_hosts
 from tfkv.launcher.plan import RUN_DIR, make_plan
 from tfkv.launcher.ports import free_port, release_port
-from tfkv.ps import security
+from tfkv import keys as jobkeys
 
 log = logging.getLogger("tfkv")
 
@@ -67,19 +67,19 @@ def plan_job(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path
     knobs.configure(values)
     extra = {**(env or {}), **knobs.environment(values), RUN_DIR: remote_path(opts, workdir, run_dir)}
     if opts.secure:
-        keys = security.new_keys()
+        keys = jobkeys.new_keys()
         if opts.launcher in ("local", "ssh"):
             # local: the children's environment (not shown by ps); ssh: sent over the channel's
             # stdin, see tfkv.launcher.ssh. Never on a command line, never in the record.
-            extra.update(security.keys_env(keys))
+            extra.update(jobkeys.keys_env(keys))
         else:
             # mpirun/srun/qsub/yarn may put environment values on command lines: a file only the
             # user can read, on the run directory (shared by the hosts with these launchers).
-            path = security.write_keyfile(Path(run_dir) / "launch" / "curve.key", keys)
-            extra[security.KEYFILE] = remote_path(opts, workdir, path)
+            path = jobkeys.write_keyfile(Path(run_dir) / "launch" / "curve.key", keys)
+            extra[jobkeys.KEYFILE] = remote_path(opts, workdir, path)
     else:
-        log.warning(security.INSECURE_WARNING)
-        extra[security.SECURE] = "0"
+        log.warning(jobkeys.INSECURE_WARNING)
+        extra[jobkeys.SECURE] = "0"
     # Only ssh and mpi place roles on the hosts file's hosts; Slurm, SGE and YARN choose the nodes.
     placed = bool(opts.hostfile) and opts.launcher in ("ssh", "mpi")
     plan = make_plan(opts.num_workers, opts.num_servers, worker_argv, [python, "-m", "tfkv.ps.node"],

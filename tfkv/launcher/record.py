@@ -119,7 +119,7 @@ def write(run_dir: Path, launcher: str, job: Any, argv: Sequence[str], versions:
     """Write the record (all but the log) under run_dir/launch; returns that directory."""
     d = Path(run_dir) / "launch"
     d.mkdir(parents=True, exist_ok=True)
-    from tfkv.ps.security import SECRET_NAMES
+    from tfkv.keys import SECRET_NAMES
 
     # The job's keys are never recorded: a rerun makes fresh ones. The workers' config (encoded,
     # unreadable here) is the run directory's config_resolved.yaml.

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 from tfkv import knobs
 from tfkv.errors import TfkvError
-from tfkv.ps import security
+from tfkv import keys as job_keys
 
 ROLES = ("scheduler", "server", "worker")
 
@@ -56,7 +56,7 @@ class ClusterEnv:
     max_message_bytes: int = 1 << 31
     reduction_nthreads: int = 4  # servers sum arrays of >= bigarray_bound elements in this many threads
     chunk_bytes: int = 16 << 20  # a worker sends a key's part in messages of at most this many bytes
-    keys: security.Keys | None = field(default=None, repr=False)  # the job's CURVE keys; None: plain TCP
+    keys: job_keys.Keys | None = field(default=None, repr=False)  # the job's CURVE keys; None: plain TCP
     advertise: tuple[str, int] | None = None  # TFKV_ADVERTISE_ADDRESS host:port a server registers (NAT, proxies)
 
     @staticmethod
@@ -88,8 +88,8 @@ class ClusterEnv:
             raise ClusterEnvError(f"DMLC_ROLE={role!r} must be one of {', '.join(ROLES)}")
         hint = _get(env, "TFKV_RANK_HINT")
         try:
-            keys = security.keys_from_env(env)
-        except security.SecurityError as e:
+            keys = job_keys.keys_from_env(env)
+        except job_keys.SecurityError as e:
             raise ClusterEnvError(str(e)) from None
         def knob(name: str) -> Any:  # tfkv.knobs: the one table of these variables
             try:

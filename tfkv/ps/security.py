@@ -1,6 +1,6 @@
 """ZeroMQ CURVE on every socket of a job: authentication and encryption with the job's keys.
 
-One keypair per job, made fresh by the launcher (`new_keys`). Every process of the job gets it
+One keypair per job, made fresh by the launcher (tfkv.keys: making, handing over, reading keys). Every process of the job gets it
 privately, never on a command line:
 
     TFKV_CURVE_PUBLIC, TFKV_CURVE_SECRET   the keypair, Z85 text (40 characters each), in the
@@ -29,129 +29,17 @@ the handshake's frames too; a stranger announcing CURVE and a 1 GiB frame is cut
 from __future__ import annotations
 
 import logging
-import os
-import stat
 import threading
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Mapping
 
 import zmq
 
-from tfkv.errors import TfkvError
+from tfkv.keys import Keys, SecurityError  # noqa: F401  (SecurityError: the error this module's callers catch)
 from tfkv.ps.protocol import MAX_FRAME
-
-log = logging.getLogger("tfkv.ps")
-
-PUBLIC, SECRET, KEYFILE, SECURE = "TFKV_CURVE_PUBLIC", "TFKV_CURVE_SECRET", "TFKV_CURVE_KEYFILE", "TFKV_SECURE"
-SECRET_NAMES = (PUBLIC, SECRET)  # never on a command line, never in a record
 
 HANDSHAKE_SECONDS = 10  # a CURVE handshake takes milliseconds; a stalled one holds its buffers
 
-INSECURE_WARNING = ("tfkv: this job runs WITHOUT authentication or encryption (cluster.secure=false / "
-                    "TFKV_SECURE=0): anyone who can reach its ports can read and change the model; "
-                    "use it only on a trusted single machine")
-NO_KEYS_WARNING = ("tfkv: no job keys (TFKV_CURVE_PUBLIC/TFKV_CURVE_SECRET or TFKV_CURVE_KEYFILE) in the "
-                   "environment: this manually launched job runs WITHOUT authentication or encryption; "
-                   "make keys with `python -m tfkv.ps.security KEYFILE` and set TFKV_CURVE_KEYFILE")
-
-
-class SecurityError(TfkvError, ValueError):
-    """Keys are missing, malformed or exposed; the message says which and what to do."""
-
-
-@dataclass(frozen=True)
-class Keys:
-    public: bytes  # Z85, 40 bytes
-    secret: bytes
-
-    def __repr__(self) -> str:  # never print the secret
-        return f"Keys(public={self.public.decode()!r})"
-
-
-def new_keys() -> Keys:
-    if not zmq.has("curve"):
-        raise SecurityError("this libzmq has no CURVE support; install pyzmq with libsodium or set "
-                            "cluster.secure=false on a trusted single machine")
-    public, secret = zmq.curve_keypair()
-    return Keys(public, secret)
-
-
-def keys_env(keys: Keys) -> dict[str, str]:
-    return {PUBLIC: keys.public.decode(), SECRET: keys.secret.decode()}
-
-
-def write_keyfile(path: Path, keys: Keys) -> Path:
-    """Write the keypair to `path`, readable only by the user (created 0600, never wider)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, f"public={keys.public.decode()}\nsecret={keys.secret.decode()}\n".encode())
-    finally:
-        os.close(fd)
-    return path
-
-
-def read_keyfile(path: str) -> Keys:
-    try:
-        st = os.stat(path)
-        text = Path(path).read_text()
-    except OSError as e:
-        raise SecurityError(f"{KEYFILE}={path}: cannot read it ({e.strerror})") from None
-    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise SecurityError(f"{KEYFILE}={path} is readable by others (mode {stat.S_IMODE(st.st_mode):o}); "
-                            f"chmod 600 {path}")
-    fields = dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
-    return _check(fields.get("public", ""), fields.get("secret", ""), KEYFILE)
-
-
-def _check(public: str, secret: str, where: str) -> Keys:
-    public, secret = public.strip(), secret.strip()
-    for name, value in (("public", public), ("secret", secret)):
-        if len(value) != 40:
-            raise SecurityError(f"{where}: the {name} key must be 40 characters of Z85 text")
-    try:
-        derived = zmq.curve_public(secret.encode())
-    except (zmq.ZMQError, ValueError):
-        raise SecurityError(f"{where}: the secret key is not Z85 text") from None
-    if derived != public.encode():
-        raise SecurityError(f"{where}: the public key does not belong to the secret key")
-    return Keys(public.encode(), secret.encode())
-
-
-def keys_from_env(env: Mapping[str, str]) -> Keys | None:
-    """The job's keys as the environment gives them; None (with a warning): plain TCP."""
-    flag = env.get(SECURE, "").strip().lower()
-    if flag in ("0", "false", "no", "off"):
-        _warn_once(INSECURE_WARNING)
-        return None
-    keys = None
-    if env.get(PUBLIC) or env.get(SECRET):
-        keys = _check(env.get(PUBLIC, ""), env.get(SECRET, ""), f"{PUBLIC}/{SECRET}")
-    elif env.get(KEYFILE):
-        keys = read_keyfile(env[KEYFILE])
-    if keys is None:
-        if flag in ("1", "true", "yes", "on"):
-            raise SecurityError(f"{SECURE}=1 but no job keys: set {PUBLIC} and {SECRET}, or {KEYFILE}")
-        _warn_once(NO_KEYS_WARNING)
-    return keys
-
-
-_warned: set[str] = set()
 _auth_lock = threading.Lock()
 _authenticators: dict[int, object] = {}
-
-
-def _warn_once(text: str) -> None:
-    if text not in _warned:
-        _warned.add(text)
-        log.warning(text)
-        if not logging.getLogger().handlers:
-            import sys
-
-            print(text, file=sys.stderr, flush=True)
 
 
 class _AllowJobKey:
@@ -208,11 +96,9 @@ def client_socket(sock: zmq.Socket, keys: Keys | None) -> None:
     sock.curve_serverkey = keys.public
 
 
-if __name__ == "__main__":  # python -m tfkv.ps.security KEYFILE: fresh keys for a manual launch
+if __name__ == "__main__":  # the key-file entry moved to tfkv.keys; this name keeps working
     import sys
 
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m tfkv.ps.security KEYFILE  (then export TFKV_CURVE_KEYFILE=KEYFILE "
-                 "on every node of the job)")
-    print(f"wrote {write_keyfile(Path(sys.argv[1]), new_keys())} (mode 600); copy it privately to every "
-          f"node and set {KEYFILE} there")
+    from tfkv.keys import main
+
+    main(sys.argv[1:])
