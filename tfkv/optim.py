@@ -18,7 +18,7 @@ from typing import Any, Optional, Protocol, Union, get_args, get_origin, get_typ
 
 import numpy as np
 
-from tfkv.ps import schema
+from tfkv import values
 
 
 class Ops(Protocol):
@@ -210,9 +210,9 @@ def _fits(value: Any, hint: Any) -> bool:
     if hint is type(None):
         return value is None
     if hint is float:
-        return schema.is_number(value)
+        return values.is_number(value)
     if hint is int:
-        return schema.is_integer(value)
+        return values.is_integer(value)
     if hint is str:
         return isinstance(value, str)
     if get_origin(hint) is list:
@@ -222,7 +222,7 @@ def _fits(value: Any, hint: Any) -> bool:
     return True
 
 
-_KINDS = {float: "a finite number", int: f"an integer below 2**{schema.MAX_INT.bit_length() - 1}", str: "a string", type(None): "null"}
+_KINDS = {float: "a finite number", int: f"an integer below 2**{values.MAX_INT.bit_length() - 1}", str: "a string", type(None): "null"}
 
 
 def _check_fields(obj: Any, label: str) -> None:

@@ -11,39 +11,15 @@ field and what it must be; the receiver answers it with an error and serves on.
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from tfkv.errors import TfkvError
+from tfkv.values import MAX_INT, is_integer, is_number
 
 Check = Callable[[Any, str], None]  # raises SchemaError(f"{where} ...") when the value does not fit
 
-# Every integer a node takes, from the wire or a config, is below float64's exact range: JSON
-# admits integers of thousands of digits, which overflow float() (math.isfinite(10**400) raises
-# OverflowError), numpy and every count they reach. One bound, used by every check here and by
-# tfkv.optim's.
-MAX_INT = 1 << 53
-
 MAX_ERROR_TEXT = 4000  # characters of an ERROR's message (protocol.error cuts to it)
-
-
-def is_number(value: Any) -> bool:
-    """A finite real number (not a bool), an integer one below MAX_INT in magnitude."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return False
-    if isinstance(value, numbers.Integral):
-        return is_integer(value)
-    try:
-        return math.isfinite(value)
-    except ArithmeticError:  # a Fraction or Decimal beyond float's range
-        return False
-
-
-def is_integer(value: Any) -> bool:
-    """An integer (not a bool) below MAX_INT in magnitude."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and -MAX_INT < value < MAX_INT
 
 
 class SchemaError(TfkvError, ValueError):
