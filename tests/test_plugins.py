@@ -57,12 +57,16 @@ def test_plugins_become_names_and_config_options_without_importing_tensorflow(pl
         repo = ConfigStore.instance().repo
         nodes = {g: {k: OmegaConf.to_container(v.node) for k, v in repo.get(g, {}).items()}
                  for g in ("kvstore", "cluster", "model", "dataset")}
-        print(json.dumps({"stores": store.names(), "launchers": base.REGISTRY.names(), "nodes": nodes,
-                          "canonical": store.canonical("twin"), "compresses": store.compresses("twin"),
-                          "tensorflow": "tensorflow" in sys.modules, "keras": "keras" in sys.modules}))
+        out = {"stores": store.names(), "launchers": base.REGISTRY.names(), "nodes": nodes,
+               "canonical": store.canonical("twin"), "tensorflow": "tensorflow" in sys.modules,
+               "keras": "keras" in sys.modules}
+        # a plug-in's capabilities are its class's: asking imports it (here, with TensorFlow)
+        out["capabilities"] = vars(store.capabilities("twin"))
+        print(json.dumps(out))
     """, plugin_env)
     assert "twin" in out["stores"] and "shaky" in out["stores"] and "twin" in out["launchers"]
-    assert out["canonical"] == "twin" and out["compresses"] is False
+    assert out["canonical"] == "twin"
+    assert out["capabilities"] == {"distributed": False, "sync": True, "compression": False}  # LocalStore's
     nodes = out["nodes"]
     assert nodes["kvstore"]["twin.yaml"] == {"type": "twin"}
     # the settings schema the launcher class declares (config = RemoteCluster), filled in

@@ -112,13 +112,14 @@ def _cluster(cfg: Any) -> None:
     from tfkv.ps import compression
 
     c, kind = cfg.cluster, cfg.kvstore.type
+    can = store.capabilities(kind)
     in_job = bool(os.environ.get("TFKV_ROLE") or os.environ.get("DMLC_ROLE"))
-    if _capable(kind, "distributed"):
+    if can.distributed:
         if c.launcher == "none" and not in_job:
             raise ConfigError(
                 f"kvstore={kind} needs a parameter-server cluster: add cluster=local "
                 "(cluster.num_workers=2 cluster.num_servers=1), or start the roles yourself with DMLC_ROLE etc.")
-        if not _capable(kind, "sync") and not cfg.kvstore.update_on_kvstore:
+        if not can.sync and not cfg.kvstore.update_on_kvstore:
             raise ConfigError(
                 f"kvstore={kind} needs the optimizer on the servers (kvstore.update_on_kvstore=true): "
                 "without one every push would overwrite the weights")
@@ -130,18 +131,12 @@ def _cluster(cfg: Any) -> None:
         compressing = compression.parse({"type": comp.type, "threshold": comp.threshold}, "kvstore.compression")
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if compressing is not None and not store.compresses(kind):
+    if compressing is not None and not can.compression:
         raise ConfigError(f"kvstore.compression.type={comp.type} compresses what devices send to be summed "
                           f"(kvstore=device) or workers push to parameter servers (dist_*); kvstore={kind} "
                           "sends neither: use kvstore=device or kvstore=dist_sync")
     checks.cluster_sizes(c)
 
-
-def _capable(kind: str, capability: str) -> bool:
-    """What store type `kind` declares it can do."""
-    from tfkv.config import is_distributed  # TODO(issue 15, H1): the store registry's declared capabilities
-
-    return is_distributed(kind) if capability == "distributed" else "async" not in kind
 
 
 def _placement(cfg: Any) -> None:

@@ -62,7 +62,7 @@ def _job(cfg: Any) -> float:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
-    from tfkv import check, config as config_schema, knobs
+    from tfkv import check, knobs, store
     from tfkv.ps.cluster_env import ClusterEnv
 
     check.validate(cfg)
@@ -74,7 +74,7 @@ def _job(cfg: Any) -> float:
     if not in_job:
         (run_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         knobs.record(run_dir, values)
-        if config_schema.is_distributed(cfg.kvstore.type) and not cfg.eval_only:  # eval_only: here, alone
+        if store.capabilities(cfg.kvstore.type).distributed and not cfg.eval_only:  # eval_only: here, alone
             return _launch(cfg, run_dir, list(hc.overrides.task), Path(hc.runtime.cwd))
     from tfkv.trainer import objective, train
 

@@ -45,7 +45,7 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
     from tqdm import tqdm
 
     from tfkv import checkpoint, data, export, models, optim, store as stores, tracking
-    from tfkv.config import is_distributed, split_batch
+    from tfkv.config import split_batch
     from tfkv.parallel import devices as devices_mod
     from tfkv.parallel.criterion import Criterion
     from tfkv.parallel.data_parallel import DataParallel
@@ -59,7 +59,7 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
 
     # eval_only of a dist_* config runs here alone, with no job: it pushes nothing (device: a
     # store of this process that takes the job's compression settings)
-    store = stores.create("device" if cfg.eval_only and is_distributed(cfg.kvstore.type) else cfg.kvstore.type,
+    store = stores.create("device" if cfg.eval_only and stores.capabilities(cfg.kvstore.type).distributed else cfg.kvstore.type,
                           devices=tf_devices)
     trackers: list[Any] = []
     try:

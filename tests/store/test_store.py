@@ -232,7 +232,21 @@ def test_mxnet_type_names():
         store.create("nccl")
     with pytest.raises(ValueError, match="'horovod' is MXNet's, not tfkv's; use dist_sync"):
         store.canonical("horovod")
-    assert store.compresses("device") and store.compresses("dist") and not store.compresses("local")
+    assert store.capabilities("device").compression and store.capabilities("dist").compression
+    assert not store.capabilities("local").compression
+
+
+def test_every_type_declares_its_capabilities_once_and_the_registry_agrees():
+    """Capabilities are declared by each class; the registry answers for tfkv's own types without
+    importing them, and what it says is what the classes declare (never parsed from a name)."""
+    from tfkv.store import BUILTIN, REGISTRY, Capabilities
+
+    assert set(BUILTIN) == set(store.names()) - set(REGISTRY.plugins())
+    for name, declared in BUILTIN.items():
+        assert Capabilities.of(REGISTRY.get(name)) == declared, name
+    assert [n for n in BUILTIN if store.capabilities(n).distributed] == [
+        "dist_sync", "dist_async", "dist_sync_device", "dist_async_device"]
+    assert [n for n in BUILTIN if not store.capabilities(n).sync] == ["dist_async", "dist_async_device"]
 
 
 def test_capabilities_and_dead_nodes():

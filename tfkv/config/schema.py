@@ -112,11 +112,6 @@ class LoggerConfig:
 LOGGERS = ("none", "mlflow")
 
 
-def is_distributed(kvstore_type: str) -> bool:
-    # TODO(issue 15, H1): callers ask the store registry's declared capabilities instead
-    return kvstore_type.startswith("dist")
-
-
 @dataclass
 class Config:
     # Any callable returning a keras.Model (_target_ + its keyword arguments), or {path: x.keras}

@@ -8,10 +8,30 @@ MXNet has and tfkv does not are refused naming the type to use.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from tfkv.registry import Registry
 from tfkv.store.base import KVStore
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a store type can do (MXNet's `is_capable`, asked of a type name). Each class declares
+    them as class attributes (`KVStore.distributed`, `.sync`, `.compression`); tfkv's own types
+    repeat them in `BUILTIN` so that asking never imports a class (and with it TensorFlow), and
+    a test holds the two equal. A plug-in's are read from its class."""
+
+    distributed: bool = False  # a parameter-server job: scheduler, servers and workers, launched
+    sync: bool = True  # each update sums every worker's push of the step (False: dist_async*)
+    compression: bool = False  # takes 2-bit gradient compression (MXNet: device and every dist type)
+
+    @classmethod
+    def of(cls, store_class: type) -> "Capabilities":
+        """The capabilities a store class declares."""
+        return cls(distributed=bool(store_class.distributed), sync=bool(store_class.sync),
+                   compression=bool(store_class.compression))
+
 
 REGISTRY = Registry("KVStore type", {
     "local": "tfkv.store.local:LocalStore",
@@ -21,6 +41,14 @@ REGISTRY = Registry("KVStore type", {
     "dist_sync_device": "tfkv.store.dist:DistSyncDevice",
     "dist_async_device": "tfkv.store.dist:DistAsyncDevice",
 }, plugins="tfkv.stores")  # and installed packages' types (tfkv.plugins)
+BUILTIN = {
+    "local": Capabilities(),
+    "device": Capabilities(compression=True),
+    "dist_sync": Capabilities(distributed=True, compression=True),
+    "dist_async": Capabilities(distributed=True, sync=False, compression=True),
+    "dist_sync_device": Capabilities(distributed=True, compression=True),
+    "dist_async_device": Capabilities(distributed=True, sync=False, compression=True),
+}
 register = REGISTRY.register
 names = REGISTRY.names
 
@@ -61,11 +89,13 @@ def canonical(name: str) -> str:
                      f"(and MXNet's {', '.join(sorted(ALIASES))})")
 
 
-def compresses(name: str) -> bool:
-    """Whether type `name` takes 2-bit gradient compression: `device` and every dist type, as in
-    MXNet (`local` sums in host memory and refuses it)."""
+def capabilities(name: str) -> Capabilities:
+    """What the type MXNet or tfkv calls `name` declares it can do; tfkv's own types without an
+    import, a plug-in's from its class. ValueError for a name no registry knows (`canonical`)."""
     kind = canonical(name)
-    return kind == "device" or kind.startswith("dist")
+    if kind in BUILTIN:
+        return BUILTIN[kind]
+    return Capabilities.of(REGISTRY.get(kind))
 
 
 def create(name: str = "local", **kwargs: Any) -> KVStore:
@@ -74,4 +104,4 @@ def create(name: str = "local", **kwargs: Any) -> KVStore:
     return REGISTRY.get(canonical(name))(**kwargs)
 
 
-__all__ = ["KVStore", "canonical", "compresses", "create", "names", "register"]
+__all__ = ["Capabilities", "KVStore", "canonical", "capabilities", "create", "names", "register"]

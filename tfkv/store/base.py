@@ -89,6 +89,8 @@ class KVStore(ABC):
     #: an update applies every worker's push of a step together (trivially, with one worker);
     #: False for the `dist_async` types, whose servers apply each push as it arrives
     sync: bool = True
+    #: takes 2-bit gradient compression (set_gradient_compression): `device` and every dist type
+    compression: bool = False
     #: has pushpull_async/arrivals: push a key and request it back without waiting (safe to
     #: call from a TensorFlow op's thread), take the replies as they come
     async_pushpull: bool = False

@@ -146,6 +146,7 @@ class DeviceStore(LocalStore):
     `device` store; the sum and the update run there."""
 
     type = "device"
+    compression = True
 
     def __init__(self, devices: Sequence[str] | None = None):
         super().__init__(devices)

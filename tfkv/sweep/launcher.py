@@ -47,7 +47,7 @@ from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from tfkv.config import is_distributed
+from tfkv import store
 from tfkv.errors import ConfigError
 from tfkv.launcher import signals
 from tfkv.launcher.hosts import Host, read_hosts
@@ -184,7 +184,7 @@ class TfkvLauncher(Launcher):
             cfg.hydra.sweep.dir = str(sweep_dir)  # ${now:...} resolved here, once for every trial
         launcher = OmegaConf.select(cfg, "cluster.launcher")
         kvstore = str(OmegaConf.select(cfg, "kvstore.type") or "")
-        if launcher not in PLACING or not is_distributed(kvstore):
+        if launcher not in PLACING or not store.capabilities(kvstore).distributed:
             shown = " ".join(overrides) or "(no overrides)"
             raise ConfigError(f"hydra/launcher=tfkv runs each trial as a distributed job on hosts of its own, but "
                               f"trial #{idx} ({shown}) has kvstore={kvstore or 'none'} cluster={launcher}; use "
