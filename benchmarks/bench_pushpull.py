@@ -68,7 +68,7 @@ def human(nbytes: int) -> str:
 
 
 def layout(key: int, size: int, num_servers: int) -> list[tuple[int, int, int]]:
-    """(server, start, end) parts of a key, as tfkv.store.dist.DistStore._plan cuts them."""
+    """(server, start, end) parts of a key, as tfkv.ps.parts.plan cuts them (chunks aside)."""
     if size < BIGARRAY_BOUND or num_servers == 1:
         return [((key * 9973) % num_servers, 0, size)]
     return [(i, i * size // num_servers, (i + 1) * size // num_servers) for i in range(num_servers)]

@@ -99,7 +99,7 @@ def bad_requests(kv, out):
     kv.init("w", np.zeros(8, np.float32))
     kid, layout = kv._layout("w")
     server = layout.parts[0][0]
-    sock = kv._socks[server]
+    sock = kv.servers.socks[server]
     errors = []
 
     def ask(frames):
@@ -129,7 +129,7 @@ def lossy(kv, out):
     """Drop the first PUSH on the wire, and deliver the second one twice (SGD lr=1: w -= g)."""
     kv.set_optimizer(optim.SGD(schedule=optim.Schedule(lr=1.0)))
     kv.init("w", np.zeros(4, np.float32))
-    sock = kv._socks[kv._layout("w")[1].parts[0][0]]
+    sock = kv.servers.socks[kv._layout("w")[1].parts[0][0]]
     real_send = sock.send_multipart
     pushes = {"n": 0}
 
@@ -296,7 +296,7 @@ def lost_reply(kv, out):
     pull must raise, naming the server and the request, instead of waiting forever."""
     every = sys.argv[3:] == ["all"]
     kv.init("w", np.zeros(4, np.float32))
-    sock = kv._socks[kv._layout("w")[1].parts[0][0]]
+    sock = kv.servers.socks[kv._layout("w")[1].parts[0][0]]
     real_recv = sock.recv_multipart
     lost = {"n": 0}
 

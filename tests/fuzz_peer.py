@@ -199,14 +199,14 @@ def worker(out_path, steps, nkeys, size):
     sent_to_scheduler = fuzz_scheduler(kv.link)
     kid = kv._layout(0)[0]
     server = kv._layout(0)[1].parts[0][0]
-    sock = kv._socks[server]
-    cases = list(server_cases(kv.link.id, lambda: next(kv._seq), kid, size))
+    sock = kv.servers.socks[server]
+    cases = list(server_cases(kv.link.id, lambda: next(kv.servers.seq), kid, size))
     per_step = -(-len(cases) // steps)
     not_refused, answered = [], 0
     for step in range(steps):
         kv.push(keys, [np.full(size, float((kv.rank + 1) * (step % 5 + 1) + k % 3), np.float32) for k in keys])
         kv.pull(keys)
-        with kv._lock:  # nothing is outstanding after a pull: each answer is the case's own
+        with kv.servers.lock:  # nothing is outstanding after a pull: each answer is the case's own
             for label, f in cases[step * per_step:(step + 1) * per_step]:
                 sock.send_multipart(f)
                 if not sock.poll(10_000):

@@ -1,0 +1,103 @@
+"""How a key's value is laid out on the servers, and how a pulled key is put back together.
+
+A key lives on one server, picked as MXNet does (`key * 9973 % num_servers`), unless it holds
+more than the big-array bound, in which case it is cut into one contiguous part per server; a
+part over the chunk size is cut into chunks, each its own key on its server (`plan`). A `Pull`
+collects a key's parts as their replies arrive and writes the value where the caller asked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Hashable
+
+import numpy as np
+
+NAMED_KEY_BASE = 1 << 40  # keys that are not ints in [0, 2**40) get ids from here, in init order
+CHUNK_SHIFT = 48  # chunk j > 0 of key id k is key k + (j << 48) on its server (ids stay < 2**48)
+
+
+@dataclass
+class Layout:
+    shape: tuple[int, ...]
+    size: int
+    parts: list[tuple[int, int, int, int]]  # (server, start, end, server-side key) over the flat value
+
+
+@dataclass
+class Pull:
+    """A key's pull requests in flight: `seqs` holds (sequence number, start, end) per part.
+
+    `outs` are where the value goes: TensorFlow variables (assigned) or numpy arrays (writable,
+    of the key's shape, a dtype float32 casts to). The first C-contiguous float32 one receives
+    the parts directly as they arrive (MXNet's `pull(key, out=array)`: no allocation per pull);
+    without one, a key of one part is the reply's own read-only buffer (no copy) and a key of
+    several parts is assembled in a fresh array."""
+
+    key: Hashable
+    layout: Layout
+    outs: list[Any] = field(default_factory=list)
+    seqs: list[tuple[int, int, int]] = field(default_factory=list)
+    value: np.ndarray | None = None  # once every part has arrived
+
+    def __post_init__(self) -> None:
+        # Checked here, before anything is sent, so that a refused out leaves no request (nor a
+        # sync round) half done. Arrays of another dtype or layout are copied into on delivery
+        # (np.copyto, as LocalStore does), so every store type takes the same outs.
+        self._dest = None
+        for o in self.outs:
+            if isinstance(o, np.ndarray):
+                if (o.shape != self.layout.shape or not o.flags.writeable
+                        or not np.can_cast(np.float32, o.dtype, "same_kind")):
+                    raise ValueError(f"pull of key {self.key!r}: out array is {o.dtype}{list(o.shape)}, expected "
+                                     f"a writable float{list(self.layout.shape)}")
+                if self._dest is None and o.dtype == np.float32 and o.flags.c_contiguous:
+                    self._dest = o
+
+    def expect(self, seqs: list[tuple[int, int, int]]) -> None:
+        """The requests sent for this pull's parts."""
+        self.seqs, self._left = seqs, len(seqs)
+        self._spans = {seq: (a, b) for seq, a, b in seqs}
+        if self._dest is None and self._left > 1:
+            self._dest = np.empty(self.layout.shape, np.float32)
+
+    def arrive(self, seq: int, data: np.ndarray) -> bool:
+        """Take one part's reply; True once the value is complete."""
+        self._left -= 1
+        if self._dest is None:  # one part, nowhere given: the reply's own buffer
+            self.value = data.reshape(self.layout.shape)
+            return True
+        a, b = self._spans[seq]
+        self._dest.reshape(-1)[a:b] = data  # each part copied in as it comes
+        if self._left:
+            return False
+        self.value = self._dest
+        return True
+
+    def deliver(self) -> None:
+        """Copy the complete value into every other out."""
+        for o in self.outs:
+            if o is self._dest:
+                continue
+            if isinstance(o, np.ndarray):
+                np.copyto(o, self.value)
+            else:
+                o.assign(self.value)
+
+
+def plan(kid: int, shape: tuple[int, ...], servers: int, bigarray_bound: int, chunk_bytes: int) -> Layout:
+    """Where each part of key id `kid` goes: (server, start, end, server-side key) per part."""
+    size = int(np.prod(shape))
+    n = servers
+    if size < bigarray_bound or n == 1:
+        spans = [((kid * 9973) % n, 0, size)]
+    else:
+        spans = [(i, i * size // n, (i + 1) * size // n) for i in range(n)]
+    per_chunk = max(1, chunk_bytes // 4)
+    parts = []
+    for server, a, b in spans:
+        pieces = max(1, -(-(b - a) // per_chunk))
+        for j in range(pieces):
+            lo, hi = a + j * (b - a) // pieces, a + (j + 1) * (b - a) // pieces
+            parts.append((server, lo, hi, kid + (len(parts) << CHUNK_SHIFT)))
+    return Layout(shape, size, parts)

@@ -1,0 +1,221 @@
+"""A worker's link to the servers: one socket per server, requests tracked until answered.
+
+`ServerLink.send` numbers and sends a request (and remembers it, to resend it under PS_RESEND
+and to name it if it gets no answer); `receive` takes what the servers sent, keeping data
+replies in `replies` for the caller; `wait` blocks until given requests are answered. Waiting has
+no deadline of its own (a dist_sync pull waits for the slowest worker), but a silent server is
+asked what it holds, so a lost reply fails the job naming it (see `_check_held`). The sockets are
+not thread-safe: every use holds `lock` (the `dist_*` store's pushpull_async may run on a
+TensorFlow op's thread).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from typing import Any, Callable, Hashable, Sequence
+
+import zmq
+
+from tfkv.errors import TfkvError
+from tfkv.ps import protocol as P
+from tfkv.ps import security
+from tfkv.ps.cluster_env import ClusterEnv
+from tfkv.ps.parts import CHUNK_SHIFT
+from tfkv.ps.scheduler_link import SchedulerLink
+
+log = logging.getLogger("tfkv.ps")
+
+
+class DistError(TfkvError, RuntimeError):
+    """A server refused a request; the message is the server's."""
+
+
+class ServerLink:
+    """The sockets to every server of the job (in the scheduler's order) and the requests in flight."""
+
+    def __init__(self, env: ClusterEnv, link: SchedulerLink, key_name: Callable[[int], Hashable] = lambda kid: kid):
+        self.env, self.link = env, link
+        self.key_name = key_name  # a key id's name as the caller gave it (for messages)
+        ctx = zmq.Context.instance()
+        self.socks = []
+        self._poller = zmq.Poller()
+        for server in self.link.servers:
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 2000)
+            # Every message a server sends here answers a request this worker made, so its queue
+            # is bounded by this worker's own requests: no high-water mark, at which ZeroMQ would
+            # stop reading and leave the server's queue to fill (a pull of 10,000 keys).
+            sock.setsockopt(zmq.RCVHWM, 0)
+            security.client_socket(sock, env.keys)
+            sock.connect(f"tcp://{server['host']}:{server['port']}")
+            self._poller.register(sock, zmq.POLLIN)
+            self.socks.append(sock)
+        self._index = {sock: i for i, sock in enumerate(self.socks)}
+        self.seq = itertools.count(1)
+        self.pending: dict[int, list[Any]] = {}  # seq -> [server, frames, sent_at]
+        self._awaited = [0] * len(self.socks)  # per server: its requests in `pending`
+        self._heard = [0.0] * len(self.socks)  # per server: when it last answered (or we began to wait)
+        self._probes: dict[int, tuple[int, float]] = {}  # server -> (seq, sent_at) of a PING in flight
+        self.replies: dict[int, P.Message] = {}  # data replies not yet taken by the caller
+        self.unsynced: set[int] = set()  # servers with pushes not yet known to be applied
+        # Sockets are not thread-safe: pushpull_async may run on a TensorFlow op's thread.
+        self.lock = threading.RLock()
+
+    @property
+    def count(self) -> int:
+        return len(self.socks)
+
+    def close(self) -> None:
+        for sock in self.socks:
+            sock.close()
+
+    def send(self, server: int, msg: P.Message, track: bool = True) -> int:
+        """Send a request; `track`: wait for (and, under PS_RESEND, retransmit until) its answer."""
+        with self.lock:
+            msg.sender, msg.seq = self.link.id, next(self.seq)
+            frames = P.encode(msg)
+            size = sum(memoryview(f).nbytes for f in frames)
+            if size > self.env.max_message_bytes:
+                # A server drops an oversized message unread (and the connection with it): say so
+                # here instead of waiting for an answer that cannot come.
+                raise ValueError(f"{msg.type.name} of key {msg.key} is {size} bytes, over TFKV_MAX_MESSAGE_BYTES="
+                                 f"{self.env.max_message_bytes}; raise it or lower MXNET_KVSTORE_BIGARRAY_BOUND "
+                                 "so big arrays are split across more servers")
+            self.socks[server].send_multipart(frames, copy=False)
+            if track:
+                now = time.monotonic()
+                self.pending[msg.seq] = [server, frames, now]
+                if not self._awaited[server]:
+                    self._heard[server] = now  # silence counts from when we begin to wait
+                self._awaited[server] += 1
+        return msg.seq
+
+    def _answered(self, seq: int) -> list[Any] | None:
+        """Retire a request: its `pending` entry, None if it was not (or no longer) awaited."""
+        entry = self.pending.pop(seq, None)
+        if entry is not None:
+            self._awaited[entry[0]] -= 1
+        return entry
+
+    def receive(self, timeout_ms: float) -> list[int]:
+        """Take what the servers sent (waiting up to `timeout_ms` for the first of it); return
+        the sequence numbers of the data replies now in `replies`."""
+        with self.lock:
+            return self._receive_locked(timeout_ms)
+
+    def _receive_locked(self, timeout_ms: float) -> list[int]:
+        arrived = []
+        for sock, _ in self._poller.poll(timeout_ms):
+            server = self._index[sock]
+            while True:
+                try:
+                    frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._heard[server] = time.monotonic()
+                try:
+                    msg = P.decode(frames, self.env.max_message_bytes // 4)
+                except P.ProtocolError as e:
+                    log.warning("dropped a malformed reply from server %d: %s", server, e)
+                    continue
+                if msg.type == P.Type.ERROR:  # also for untracked pushes
+                    self._answered(msg.seq)
+                    raise DistError(f"server {server}: {(msg.meta or {}).get('message')}")
+                if self._answered(msg.seq) is None:
+                    continue  # a late answer to a request already answered (resend)
+                if msg.type == P.Type.PING:
+                    if self._probes.get(server, (None,))[0] == msg.seq:
+                        del self._probes[server]
+                        self._check_held(server, msg.seq, msg.meta["held"])
+                elif msg.type != P.Type.ACK:
+                    self.replies[msg.seq] = msg
+                    arrived.append(msg.seq)
+        return arrived
+
+    # -- a request that gets no answer -----------------------------------------------------------
+    #
+    # A dist_sync pull may wait as long as the slowest worker takes to push, so waiting has no
+    # deadline of its own. Instead, a server this worker has awaited in silence for a heartbeat
+    # timeout is asked (PING) how many of this worker's requests it holds: one connection is
+    # served in order, so every request sent before the PING has by its answer been either
+    # answered or held (a pull parked until its round closes). More awaited than held: a reply
+    # was lost, fail now naming it. No answer to the PING, nor any other reply, within
+    # TFKV_REQUEST_TIMEOUT: the server is alive (it heartbeats) but does not serve, fail naming
+    # it too.
+
+    def _describe(self, seq: int) -> str:
+        server, frames, sent_at = self.pending[seq]
+        head = P.HEADER.unpack(bytes(memoryview(frames[0])))
+        kid, chunk = head[7] % (1 << CHUNK_SHIFT), head[7] >> CHUNK_SHIFT
+        key = self.key_name(kid)  # the caller's name for it
+        part = f" (part {chunk})" if chunk else ""
+        return (f"{P.Type(head[2]).name} of key {key!r}{part} (request {seq}, sent "
+                f"{time.monotonic() - sent_at:.1f} s ago)")
+
+    def _server_name(self, server: int) -> str:
+        where = self.link.servers[server]
+        return f"server {server} at {where['host']}:{where['port']}"
+
+    def _check_held(self, server: int, probe: int, held: int) -> None:
+        if self.env.resend:
+            return  # under PS_RESEND a lost request or reply is sent again instead
+        before = sorted(seq for seq, e in self.pending.items() if e[0] == server and seq < probe)
+        if len(before) > held:
+            raise DistError(f"{self._server_name(server)} did not answer {self._describe(before[0])} and "
+                            f"holds {held} of the {len(before)} requests this worker awaits from it: the reply "
+                            "was lost")
+
+    def _watch_servers(self) -> None:
+        now = time.monotonic()
+        for server, awaited in enumerate(self._awaited):
+            probe = self._probes.get(server)
+            if probe is not None:
+                # From the last reply heard, not from the PING: a busy server still answering
+                # the requests queued ahead of the PING is serving.
+                if now - max(probe[1], self._heard[server]) > self.env.request_timeout:
+                    oldest = min(seq for seq, e in self.pending.items() if e[0] == server)
+                    raise DistError(f"{self._server_name(server)} has answered nothing for "
+                                    f"{now - self._heard[server]:.0f} s, not even a PING sent "
+                                    f"{now - probe[1]:.0f} s ago, while this worker awaits "
+                                    f"{self._describe(oldest)}; it is alive but not serving (raise "
+                                    "TFKV_REQUEST_TIMEOUT if it is only slow)")
+            elif awaited and now - self._heard[server] > self.env.heartbeat_timeout:
+                self._probes[server] = (self.send(server, P.Message(P.Type.PING)), now)
+
+    def tick(self) -> None:
+        """What a wait does between polls: resend (PS_RESEND), ask silent servers."""
+        with self.lock:
+            if self.env.resend:
+                self._resend_overdue_locked()
+            self._watch_servers()
+
+    def _resend_overdue_locked(self) -> None:
+        now = time.monotonic()
+        for seq, entry in self.pending.items():
+            if now - entry[2] > self.env.resend_timeout:
+                if self.env.verbose >= 1:
+                    log.info("resending request %d to server %d", seq, entry[0])
+                self.socks[entry[0]].send_multipart(entry[1], copy=False)
+                entry[2] = now
+
+    def wait(self, seqs: Sequence[int] | None = None) -> None:
+        """Wait for the answers to `seqs` (default: everything outstanding); data replies stay
+        in `replies` for the caller to take."""
+        if seqs is None and self.unsynced:
+            # Pushes are not acknowledged: a PING answered after them proves they were applied
+            # (one connection, one serving thread), before a barrier lets another worker pull.
+            for server in sorted(self.unsynced):
+                self.send(server, P.Message(P.Type.PING))
+            self.unsynced.clear()
+        wanted = list(self.pending) if seqs is None else list(seqs)
+        tick = min(100.0, self.env.resend_timeout * 1000)
+        i = 0
+        while i < len(wanted):  # each answered one is passed once (any() rescanned them: 100,000 keys)
+            if wanted[i] in self.pending:
+                self.receive(tick)
+                self.tick()
+            else:
+                i += 1
