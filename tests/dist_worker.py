@@ -47,15 +47,6 @@ def updates(kv, out):
     json.dump({"final": kv.pull("w").tolist(), "last_seen": value.tolist(), "steps": steps}, out)
 
 
-def no_optimizer(kv, out):
-    kv.init("w", np.zeros(2, np.float32))
-    try:
-        kv.push("w", np.ones(2, np.float32))
-        json.dump({"error": None}, out)
-    except RuntimeError as e:
-        json.dump({"error": str(e)}, out)
-
-
 def train(kv, out):
     """Data-parallel training; worker r takes slice r of each global batch (see test)."""
     import keras
@@ -152,7 +143,7 @@ def lossy(kv, out):
     json.dump({"first": first, "second": second, "seconds": time.time() - t0, "sends": pushes["n"]}, out)
 
 
-SCENARIOS = {f.__name__: f for f in (semantics, updates, no_optimizer, train, hang, bad_requests, lossy)}
+SCENARIOS = {f.__name__: f for f in (semantics, updates, train, hang, bad_requests, lossy)}
 
 def push_then_barrier(kv, out):
     """A push followed at once by a barrier is applied before any worker passes the barrier."""
@@ -225,7 +216,6 @@ def int_sgd(kv, out):
 
 
 SCENARIOS["int_sgd"] = int_sgd
-
 
 
 def pushpull(kv, out):

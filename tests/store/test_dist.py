@@ -78,11 +78,6 @@ def test_update_on_servers_counts_every_push_once(cluster, kind):
             assert r["last_seen"] == r["final"]  # a pull after the last push sees the last round
 
 
-def test_async_without_optimizer_is_refused(cluster):
-    _, (out,) = _job(cluster, "no_optimizer", TEST_KVSTORE="dist_async")
-    assert "needs an optimizer on the servers" in _results([out])[0]["error"]
-
-
 def test_bad_requests_get_errors_and_the_server_stays_up(cluster):
     _, (out,) = _job(cluster, "bad_requests")
     r = _results([out])[0]

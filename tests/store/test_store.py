@@ -27,14 +27,6 @@ def test_registry_creates_types_by_name(tf_devices):
         store.create("dist_foo")
 
 
-def test_register_plugs_in_a_new_type():
-    store.register("local_alias", "tfkv.store.local:LocalStore")
-    try:
-        assert store.create("local_alias").type == "local"
-    finally:
-        store.REGISTRY.unregister("local_alias")
-
-
 @pytest.mark.parametrize("kind", ["local", "device"])
 def test_push_sums_devices_and_pull_copies_everywhere(kind, tf_devices):
     kv = store.create(kind, devices=tf_devices[:3])
@@ -58,17 +50,6 @@ def test_lists_of_keys_pushpull_and_broadcast(tf_devices):
     kv.broadcast("c", tf.range(4, dtype=tf.float32), out=targets, priority=-1)
     for t in targets:
         np.testing.assert_array_equal(t.numpy(), [0, 1, 2, 3])
-
-
-def test_errors_name_the_key():
-    kv = store.create("local")
-    kv.init(0, np.zeros(2, np.float32))
-    with pytest.raises(ValueError, match="already initialised"):
-        kv.init(0, np.zeros(2, np.float32))
-    with pytest.raises(KeyError, match="key 7 was not initialised"):
-        kv.push(7, tf.ones(2))
-    with pytest.raises(RuntimeError, match="no optimizer"):
-        kv.save_optimizer_states("/tmp/never-written.npz")
 
 
 def _train_store(kind, devices, opt, steps=5, keys=4):

@@ -298,8 +298,15 @@ class DistStore(KVStore):
         self.servers.wait()
         self.link.barrier()
 
+    def _require_optimizer(self) -> None:
+        # Asked before any request goes out, as the local store does: the servers would each
+        # answer with an error, and errors of requests not yet waited for surface in later calls.
+        if not self._has_optimizer:
+            raise RuntimeError("this store has no optimizer; call set_optimizer() first")
+
     def save_optimizer_states(self, fname: str) -> None:
         """Gather the optimizer state of every key from the servers into one npz file."""
+        self._require_optimizer()
         requests = []
         for k, kid in self._ids.items():
             layout = self._layouts[kid]
@@ -319,6 +326,7 @@ class DistStore(KVStore):
         np.savez(fname, **out)
 
     def load_optimizer_states(self, fname: str) -> None:
+        self._require_optimizer()
         if self.rank == 0:
             with np.load(fname, allow_pickle=False) as f:
                 states = {n: f[n] for n in f.files}
