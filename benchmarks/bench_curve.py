@@ -25,7 +25,8 @@ def run(secure: bool, sizes_mib: list[float], seconds: float) -> dict[float, flo
            "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
     env.update(security.keys_env(security.new_keys()) if secure else {"TFKV_SECURE": "0"})
     procs = [subprocess.Popen([sys.executable, "-m", "tfkv.ps.node"], env={**env, "DMLC_ROLE": role},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for role in ("scheduler", "server")]
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+             for role in ("scheduler", "server")]
     os.environ.clear()
     os.environ.update({**env, "DMLC_ROLE": "worker"})
     from tfkv.ps.cluster_env import ClusterEnv
@@ -44,9 +45,10 @@ def run(secure: bool, sizes_mib: list[float], seconds: float) -> dict[float, flo
             kv.pull(i)
             count += 1
         out[mib] = 2 * count * n * 4 / (time.perf_counter() - start) / 1e9
-    kv.close()
-    for p in procs:
-        p.wait(timeout=30)
+    kv.close()  # the scheduler then shuts the server down; what is left is stopped as a launcher would
+    from tfkv.launcher.supervisor import stop_groups
+
+    stop_groups(procs, grace=30)
     return out
 
 

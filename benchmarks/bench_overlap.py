@@ -71,8 +71,8 @@ def start_cluster() -> tuple[list[subprocess.Popen], dict[str, str]]:
 
     env = {**os.environ, "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(free_port()),
            "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": "1"}
-    procs = [subprocess.Popen([sys.executable, "-m", "tfkv.ps.node"], env={**env, "DMLC_ROLE": role})
-             for role in ("scheduler", "server")]
+    procs = [subprocess.Popen([sys.executable, "-m", "tfkv.ps.node"], env={**env, "DMLC_ROLE": role},
+                              start_new_session=True) for role in ("scheduler", "server")]
     return procs, env
 
 
@@ -174,12 +174,9 @@ def main() -> None:
               f"({plain / store.push_bytes:.1f}x less)")
         store.close()
     finally:
-        for p in procs:  # after store.close() the scheduler shuts the server down; else stop them
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.terminate()
-                p.wait(timeout=10)
+        from tfkv.launcher.supervisor import stop_groups
+
+        stop_groups(procs, grace=10)  # after store.close() the scheduler shuts the server down
 
 
 if __name__ == "__main__":
