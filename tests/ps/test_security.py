@@ -313,7 +313,7 @@ def _curve_stranger(port: int, claim: int, send: int, result: dict) -> None:
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
         try:
             s.sendall(greeting)
-            s.recv(64)  # the node's greeting
+            s.recv(64)  # the node's greeting (its first part: the rest may follow later)
             s.sendall(b"\x06" + claim.to_bytes(8, "big"))  # a long command frame
             block = b"\0" * (1 << 16)
             while result["sent"] < send:
@@ -321,7 +321,9 @@ def _curve_stranger(port: int, claim: int, send: int, result: dict) -> None:
                 result["sent"] += len(block)
             result["streamed"] = True
             s.settimeout(30)
-            result["closed"] = s.recv(1) == b""  # blocks until the node hangs up (or 30 s)
+            while s.recv(4096):  # the rest of the node's greeting, if any, until it hangs up (or 30 s)
+                pass
+            result["closed"] = True
         except (ConnectionResetError, BrokenPipeError):
             result["closed"] = True
         except socket.timeout:
