@@ -48,14 +48,7 @@ class Node:
 class Scheduler:
     def __init__(self, env: ClusterEnv):
         self.env = env
-        self.ctx = zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 1000)
-        # No high-water mark: a ROUTER drops silently past it, and a lost BARRIER_DONE or
-        # FAILED would hang a node that still heartbeats. Control traffic is a few messages, and
-        # a connection that is not a node gets a few answers at most (_refuse).
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        security.server_socket(self.sock, env.keys)
+        self.sock = security.router_socket(env.keys)  # control traffic: a few messages per node
         try:
             self.sock.bind(f"tcp://{env.scheduler_host}:{env.scheduler_port}")
         except zmq.ZMQError as e:

@@ -85,6 +85,20 @@ def server_socket(sock: zmq.Socket, keys: Keys | None) -> None:
     sock.curve_server = True
 
 
+def router_socket(keys: Keys | None) -> zmq.Socket:
+    """A node's listening socket (the scheduler's, a server's), before bind: a CURVE server
+    (`server_socket`) whose replies are never dropped. ZeroMQ's ROUTER silently drops what
+    exceeds a peer's high-water mark (1,000 messages by default: the replies to a pull of 10,000
+    keys; a lost BARRIER_DONE or FAILED would hang a node that still heartbeats), so there is
+    none: every queued reply answers a request that peer made and will read, and a connection no
+    member spoke on gets a few answers at most (tfkv.ps.strangers)."""
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    server_socket(sock, keys)
+    return sock
+
+
 def client_socket(sock: zmq.Socket, keys: Keys | None) -> None:
     """Make a connecting socket a CURVE client of the job (before connect), its frames bounded
     as a server's."""

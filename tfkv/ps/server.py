@@ -63,22 +63,14 @@ class Round:
 class Server:
     def __init__(self, env: ClusterEnv):
         self.env = env
-        self.ctx = zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 1000)
-        # No reply is dropped: ZeroMQ's ROUTER silently drops what exceeds a peer's high-water
-        # mark (1,000 messages by default: the replies to a pull of 10,000 keys), so there is
-        # none; every queued reply answers a request that peer made and will read (a connection
-        # no worker spoke on gets a few answers at most: _refuse). A reply to a
-        # peer that is gone raises (ROUTER_MANDATORY) and is logged, not lost unseen.
-        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock = security.router_socket(env.keys)
+        # A reply to a peer that is gone raises (ROUTER_MANDATORY) and is logged, not lost unseen.
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # Reply frames from 64 KiB up are sent without a copy (pyzmq's zero-copy send, released
         # by its helper thread); smaller ones are copied, cheaper than that release. The cap must
         # be below protocol.FRAME_BYTES, the largest frame sent: at 2 MiB every reply was copied
         # (bench_curve --mode plain, push+pull of 4 and 16 MiB: 0.9-1.1 GB/s copied, 1.2-1.5 zero-copy).
         self.sock.copy_threshold = COPY_THRESHOLD
-        security.server_socket(self.sock, env.keys)
         self.host = env.bind_address()
         self.port = self.sock.bind_to_random_port(f"tcp://{self.host}")
         # Behind NAT (or a test proxy) workers must connect elsewhere than where this binds.
