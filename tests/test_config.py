@@ -11,7 +11,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf.errors import ConfigAttributeError, ValidationError
 
-from conftest import REPO
+from conftest import REPO, tfkv_run
 from tfkv import check, cli, config
 from tfkv.errors import ConfigError
 
@@ -253,7 +253,9 @@ def test_knobs_are_config_keys_the_environment_overrides():
     assert "TFKV_SSH_CONFIG" not in env  # a launcher's knob stays with the launcher
     assert knobs.get("TFKV_CHUNK_BYTES", env) == 1024 and knobs.get("kvstore.chunk_bytes", {}) == 16 << 20
     with pytest.raises(ValueError, match="MXNET_KVSTORE_BIGARRAY_BOUND='x' is not a int"):
-        knobs.get("TFKV_BIGARRAY_BOUND", {"TFKV_BIGARRAY_BOUND": "x"})
+        knobs.get("TFKV_BIGARRAY_BOUND", {"MXNET_KVSTORE_BIGARRAY_BOUND": "x"})
+    with pytest.raises(ValueError, match="TFKV_BIGARRAY_BOUND='x' is not a int"):  # the variable the user set
+        knobs.get("kvstore.bigarray_bound", {"TFKV_BIGARRAY_BOUND": "x"})
 
 
 def test_a_job_hands_its_knobs_to_every_role(tmp_path, monkeypatch):
@@ -275,3 +277,10 @@ def test_a_job_hands_its_knobs_to_every_role(tmp_path, monkeypatch):
     assert (knobs.get("TFKV_SRUN_ARGS", {}), knobs.get("TFKV_SSH_CONFIG")) == ("-p x", str(tmp_path))
     recorded = json.loads(knobs.record(tmp_path, job.knob_values(job.Options("local", 1, 1))).read_text())
     assert recorded["kvstore.resend"] == {"env": "PS_RESEND", "value": True}
+
+
+def test_a_knob_variable_of_the_wrong_type_is_one_line_before_any_process_starts(tmp_path):
+    proc = tfkv_run("kvstore=dist_sync", "cluster=local", cwd=tmp_path, env={"TFKV_BIGARRAY_BOUND": "x"}, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "tfkv-run: TFKV_BIGARRAY_BOUND='x' is not a int; set it to one or unset it (kvstore.bigarray_bound in the config)"]

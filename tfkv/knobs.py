@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from tfkv.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Knob:
@@ -85,13 +87,18 @@ FILE = "knobs.json"  # in the run directory: the effective values
 _configured: dict[str, Any] = {}
 
 
+class KnobError(ConfigError, ValueError):
+    """A knob's variable holds what its type does not take: one line naming the variable (a
+    ValueError too, which the roles' environment check turns into its own one line)."""
+
+
 def knob(name: str) -> Knob:
     """The row of a variable name or a config key."""
     return BY_NAME.get(name) or BY_KEY[name]
 
 
 def parse(k: Knob, text: str, name: str | None = None) -> Any:
-    """A variable's text as the knob's type; ValueError `NAME='x' is not a int` otherwise."""
+    """A variable's text as the knob's type; KnobError `NAME='x' is not a int; ...` otherwise."""
     if k.type is bool:
         return text.strip().lower() not in ("0", "false", "no", "off", "")
     if k.type is str:
@@ -99,7 +106,8 @@ def parse(k: Knob, text: str, name: str | None = None) -> Any:
     try:
         return k.type(text)
     except (TypeError, ValueError):
-        raise ValueError(f"{name or k.env}={text!r} is not a {k.type.__name__}") from None
+        raise KnobError(f"{name or k.env}={text!r} is not a {k.type.__name__}; set it to one or unset it "
+                        f"({k.key} in the config)") from None
 
 
 def from_env(name: str, env: Mapping[str, str]) -> tuple[str, str] | None:
@@ -118,7 +126,7 @@ def get(name: str, env: Mapping[str, str] | None = None) -> Any:
     k = knob(name)
     found = from_env(name, os.environ if env is None else env)
     if found is not None:
-        return parse(k, found[1], k.env)
+        return parse(k, found[1], found[0])  # the message names the variable the user set
     return _configured.get(k.key, k.default)
 
 
@@ -128,7 +136,7 @@ def resolve(settings: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, An
     out = {}
     for k in KNOBS:
         found = from_env(k.key, env)
-        out[k.key] = parse(k, found[1], k.env) if found else settings.get(k.key, k.default)
+        out[k.key] = parse(k, found[1], found[0]) if found else settings.get(k.key, k.default)
     return out
 
 

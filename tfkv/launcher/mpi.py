@@ -93,7 +93,7 @@ def mpirun_argv(job: Job, mpirun: str = "mpirun", environ: dict[str, str] | None
     # One slot per role is the plan's business, not the host's core count; the roles bind nothing.
     argv += ["--oversubscribe", "--bind-to", "none", "--mca", "orte_abort_on_non_zero_status", "0",
              "--wdir", str(job.workdir), *_rsh_args(job.hosts)]
-    argv += shlex.split(knobs.get("TFKV_MPIRUN_ARGS", environ))
+    argv += shlex.split(knobs.get("cluster.mpirun_args", environ))
     exports = {**forwarded_env(os.environ if environ is None else environ), **role.common_env(job.plan)}
     for i, (first, host, procs) in enumerate(_contexts(job.plan)):
         if i:
@@ -127,7 +127,7 @@ class MPILauncher:
         hosts = list(dict.fromkeys(p.host for p in job.plan))
         # One rank per host prints its versions: also proves mpirun reaches every host.
         argv = [mpirun, *(["--allow-run-as-root"] if os.geteuid() == 0 else []), "--oversubscribe",
-                "--tag-output", *_rsh_args(job.hosts), *shlex.split(knobs.get("TFKV_MPIRUN_ARGS"))]
+                "--tag-output", *_rsh_args(job.hosts), *shlex.split(knobs.get("cluster.mpirun_args"))]
         for i, host in enumerate(hosts):
             argv += ([":"] if i else []) + ["-np", "1", "--host", host, job.python, "-m", "tfkv.launcher.record"]
         # SIGTERM, not SIGKILL, on timeout: mpirun then ends the ssh sessions it started (each in a

@@ -59,7 +59,7 @@ def qsub_argv(job: Job, name: str, script: str, logs: Path, environ: dict[str, s
     environ = os.environ if environ is None else environ
     return ["qsub", "-sync", "y", "-t", f"1-{len(job.plan) - 1}", "-N", name, "-V", "-wd", str(job.workdir),
             "-j", "y", "-o", f"{logs}/task-$TASK_ID.log", "-S", "/bin/bash",
-            *shlex.split(knobs.get("TFKV_QSUB_ARGS", environ)), script]
+            *shlex.split(knobs.get("cluster.qsub_args", environ)), script]
 
 
 class SGELauncher:

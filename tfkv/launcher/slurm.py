@@ -122,7 +122,7 @@ def srun_argv(job: Job, name: str, environ: dict[str, str] | None = None) -> lis
     environ = os.environ if environ is None else environ
     overlap = ["--overlap"] if in_step(environ) else []
     return ["srun", "-n", str(len(job.plan)), *overlap, "--kill-on-bad-exit=1", "--export=ALL", "-J", name,
-            "--chdir", str(job.workdir), *shlex.split(knobs.get("TFKV_SRUN_ARGS", environ)),
+            "--chdir", str(job.workdir), *shlex.split(knobs.get("cluster.srun_args", environ)),
             *role.helper_argv(job.python, job.plan, rank_var="SLURM_PROCID", scheduler_host="slurm")]
 
 
@@ -135,7 +135,7 @@ def batch_script(job: Job, name: str, environ: dict[str, str] | None = None) -> 
 def sbatch_argv(job: Job, name: str, script: str, output: str, environ: dict[str, str] | None = None) -> list[str]:
     environ = os.environ if environ is None else environ
     return ["sbatch", "--wait", "-J", name, "-n", str(len(job.plan)), "-o", output, "--chdir", str(job.workdir),
-            "--export=ALL", *shlex.split(knobs.get("TFKV_SBATCH_ARGS", environ)), script]
+            "--export=ALL", *shlex.split(knobs.get("cluster.sbatch_args", environ)), script]
 
 
 class SlurmLauncher:

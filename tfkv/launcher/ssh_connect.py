@@ -28,7 +28,7 @@ CONNECT_TIMEOUT = 10  # seconds, unless the ssh config sets ConnectTimeout
 
 def ssh_config_path() -> str | None:
     """The ssh config file named by TFKV_SSH_CONFIG (cluster.ssh_config); None: ssh's own (~/.ssh/config)."""
-    path = knobs.get("TFKV_SSH_CONFIG")  # or cluster.ssh_config
+    path = knobs.get("cluster.ssh_config")
     if path and not Path(path).expanduser().is_file():
         raise ConfigError(f"TFKV_SSH_CONFIG={path} is not a file; point it at an ssh config file or unset it")
     return str(Path(path).expanduser()) if path else None
