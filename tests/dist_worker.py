@@ -420,6 +420,11 @@ if __name__ == "__main__":
     if os.environ.get("TEST_SHOWN_EXCEPTION"):
         # What IPython/Jupyter leave after displaying an earlier cell's traceback: not this exit's.
         sys.last_value = RuntimeError("shown in an earlier cell")
+    if scenario in ("train", "criterion_kinds"):
+        # TensorFlow's import holds the GIL for seconds while it loads its libraries; done after
+        # the store joins the job, it starves the heartbeat thread past the tests' 3 s timeout on
+        # a loaded machine (CI saw this). tfkv-run imports TensorFlow before it creates a store.
+        import tensorflow  # noqa: F401
     store = tfkv.store.create(kind)
     with open(path, "w") as f:
         SCENARIOS[scenario](store, f)
