@@ -1,6 +1,7 @@
 """Shared set-up: quiet TensorFlow, and the host CPU split into logical devices before first use."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -224,6 +225,16 @@ class Cluster:
 
     def outputs(self) -> str:
         return "\n".join(f"--- {n}\n{self.output(n)[-3000:]}" for n in self.procs)
+
+    def listening(self, name: str, timeout: float = 60) -> tuple[str, int]:
+        """(host, port) a node's log says it listens on, once it does."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            m = re.search(r"listening on ([\d.]+):(\d+)", self.output(name))
+            if m:
+                return m.group(1), int(m.group(2))
+            time.sleep(0.1)
+        raise AssertionError(f"{name} never listened:\n{self.outputs()}")
 
     def kill_all(self) -> None:
         from tfkv.launcher import supervisor

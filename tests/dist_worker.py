@@ -93,12 +93,12 @@ def bad_requests(kv, out):
     sock = kv.servers.socks[server]
     errors = []
 
-    def ask(frames):
-        sock.send_multipart(frames)
+    def ask(frames):  # sealed for the server in a secure job, as the link does (_put, _take)
+        kv.servers._put(server, frames)
         if not sock.poll(5000):
             errors.append("no reply")
             return
-        reply = P.decode(sock.recv_multipart())
+        reply = P.decode(kv.servers._take(server))
         errors.append((reply.meta or {}).get("message") if reply.type == P.Type.ERROR else reply.type.name)
 
     good = P.encode(P.Message(P.Type.PUSH, sender=kv.link.id, seq=10**6, key=kid, data=np.ones(8, np.float32)))
@@ -120,21 +120,20 @@ def lossy(kv, out):
     """Drop the first PUSH on the wire, and deliver the second one twice (SGD lr=1: w -= g)."""
     kv.set_optimizer(optim.SGD(schedule=optim.Schedule(lr=1.0)))
     kv.init("w", np.zeros(4, np.float32))
-    sock = kv.servers.socks[kv._layout("w")[1].parts[0][0]]
-    real_send = sock.send_multipart
+    real_send = kv.servers._put  # where the link sends a request's frames (sealed there if secure)
     pushes = {"n": 0}
 
-    def flaky(frames, *a, **kw):
+    def flaky(server, frames):
         header = P.HEADER.unpack(bytes(frames[0]))
         if header[2] == P.Type.PUSH:
             pushes["n"] += 1
             if pushes["n"] == 1:
                 return None  # lost
             if pushes["n"] == 3:
-                real_send(frames, *a, **kw)  # duplicated
-        return real_send(frames, *a, **kw)
+                real_send(server, frames)  # duplicated
+        return real_send(server, frames)
 
-    sock.send_multipart = flaky
+    kv.servers._put = flaky
     t0 = time.time()
     kv.push("w", np.ones(4, np.float32))
     first = kv.pull("w").tolist()
@@ -286,19 +285,19 @@ def lost_reply(kv, out):
     pull must raise, naming the server and the request, instead of waiting forever."""
     every = sys.argv[3:] == ["all"]
     kv.init("w", np.zeros(4, np.float32))
-    sock = kv.servers.socks[kv._layout("w")[1].parts[0][0]]
-    real_recv = sock.recv_multipart
+    real_recv = kv.servers._take  # where the link takes a server's message (opened there if secure)
     lost = {"n": 0}
 
-    def lossy_recv(*a, **kw):
+    def lossy_recv(server):
         while True:
-            frames = real_recv(*a, **kw)  # zmq.Again when nothing (more) is there
-            if every or (P.HEADER.unpack(bytes(frames[0]))[2] == P.Type.PULL and not lost["n"]):
+            frames = real_recv(server)  # zmq.Again when nothing (more) is there
+            if frames is not None and (every or (P.HEADER.unpack(bytes(frames[0]))[2] == P.Type.PULL
+                                                 and not lost["n"])):
                 lost["n"] += 1
                 continue  # never arrived
             return frames
 
-    sock.recv_multipart = lossy_recv
+    kv.servers._take = lossy_recv
     json.dump({"pulling_at": time.time()}, out)
     out.flush()
     kv.pull("w")  # raises: the test reads the cause in this worker's output

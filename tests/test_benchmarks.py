@@ -11,7 +11,7 @@ from conftest import REPO
 CASES = [
     ("bench_local_step.py", ["--seconds", "0.2", "--trials", "1"], "plain TF"),
     ("bench_pushpull.py", ["--seconds", "0.2", "--trials", "1", "--sizes", "4K,1M"], "ratio = tfkv / raw"),
-    ("bench_curve.py", ["--seconds", "0.2", "--sizes-mib", "1"], "curve 1 MiB push+pull"),
+    ("bench_security.py", ["--seconds", "0.2", "--rounds", "1", "--sizes", "1M"], "secure/plain"),
     ("bench_overlap.py", ["--seconds", "0.2", "--trials", "1"], "raw chunked"),
     ("bench_scaling.py", ["--seconds", "0.3", "--trials", "1", "--workers", "1,2"], "wait+pull"),
     ("bench_compression_training.py", ["--seconds", "0.3", "--trials", "1", "--workers", "2", "--overlap-ab"],

@@ -15,7 +15,7 @@ import zmq
 from conftest import REPO, TAG, Launching, role_pid, tagged_pids, tfkv_run
 
 from tfkv.ps import protocol as P
-from tfkv.ps import security, strangers
+from tfkv.ps import channel, security, strangers
 
 
 def _start(c, seconds, kind):
@@ -105,10 +105,18 @@ def test_live_server_and_scheduler_survive_fuzzing(cluster):
     for name, address in targets.items():
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        security.client_socket(sock, c.keys)
-        sock.connect(address)
+        seal = list
+        if name == "scheduler":
+            security.client_socket(sock, c.keys)  # the control plane: CURVE
+            sock.connect(address)
+        else:  # the data plane: this peer makes the channel's handshake and seals what it sends,
+            sock.connect(address)  # so every mutation reaches the server's decoder
+            hello = channel.Hello(channel.psk(c.keys.secret))
+            sock.send_multipart(hello.message)
+            assert sock.poll(10_000), c.output(name)
+            seal = hello.welcome(sock.recv_multipart()).seal
         for _ in range(3000):
-            sock.send_multipart(_mutations(rng, valid))
+            sock.send_multipart(seal(_mutations(rng, valid)))
             while sock.poll(0):
                 sock.recv_multipart()
                 replies += 1

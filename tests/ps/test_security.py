@@ -6,7 +6,6 @@ import json
 import logging
 import os
 import random
-import re
 import subprocess
 import sys
 import threading
@@ -24,16 +23,6 @@ from tfkv import keys as job_keys
 from tfkv.ps import security
 
 WORKER = str(REPO / "tests" / "dist_worker.py")
-
-
-def _listening(c, name: str, timeout: float = 60) -> tuple[str, int]:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        m = re.search(r"listening on ([\d.]+):(\d+)", c.output(name))
-        if m:
-            return m.group(1), int(m.group(2))
-        time.sleep(0.1)
-    raise AssertionError(f"{name} never listened:\n{c.outputs()}")
 
 
 def _stranger_push(address: str, keys: job_keys.Keys | None, server_key: bytes | None) -> zmq.Socket:
@@ -67,7 +56,7 @@ def test_strangers_are_refused_and_the_job_goes_on(cluster):
     assert c.keys is not None  # the test helper runs secure by default, as the launcher does
     c.start_servers()
     outs = c.start_workers("int_sgd", "40", "1", "64", "0.05")
-    host, port = _listening(c, "server 0")
+    host, port = c.listening("server 0")
     time.sleep(1)  # the job is under way
     socks = []
     for address in (f"tcp://{host}:{port}", f"tcp://127.0.0.1:{c.env['DMLC_PS_ROOT_PORT']}"):
@@ -207,8 +196,8 @@ def test_the_launcher_puts_no_key_on_any_command_line(tmp_path):
 
 class LossyProxy:
     """A ROUTER-DEALER forwarder between the workers and one server that drops, duplicates and
-    delays a share of the messages each way (seeded). It holds the job's keys: a trusted hop
-    that stands for a bad network, not for an attacker."""
+    delays a share of the messages each way (seeded): a bad network. It needs no keys: the data
+    plane's messages are sealed end to end (tfkv.ps.channel), and it forwards them as they are."""
 
     def __init__(self, port: int, server, keys: job_keys.Keys | None, seed: int = 1,
                  drop: float = 0.1, dup: float = 0.1, delay: float = 0.1):
@@ -240,7 +229,7 @@ class LossyProxy:
         ctx = zmq.Context()
         front = ctx.socket(zmq.ROUTER)
         front.setsockopt(zmq.LINGER, 0)
-        security.server_socket(front, self.keys)
+        security.server_socket(front, None)
         front.bind(f"tcp://127.0.0.1:{self.port}")
         backs: dict[bytes, zmq.Socket] = {}
         owner: dict[zmq.Socket, bytes] = {}
@@ -257,7 +246,7 @@ class LossyProxy:
                     if ident not in backs:
                         b = ctx.socket(zmq.DEALER)
                         b.setsockopt(zmq.LINGER, 0)
-                        security.client_socket(b, self.keys)
+                        security.client_socket(b, None)
                         if callable(self.server):
                             self.server = self.server()  # known once the cluster formed
                         b.connect(self.server)
@@ -288,7 +277,7 @@ def test_a_lossy_link_with_resend_ends_with_the_clean_weights(cluster):
     # The server registers the proxy's address: every worker's request and every reply crosses it.
     c.start("server 0", "server", [sys.executable, "-m", "tfkv.ps.node"], TFKV_RANK_HINT="0",
             TFKV_ADVERTISE_ADDRESS=f"127.0.0.1:{proxy_port}")
-    proxy = LossyProxy(proxy_port, lambda: "tcp://%s:%d" % _listening(c, "server 0"), c.keys, seed=7)
+    proxy = LossyProxy(proxy_port, lambda: "tcp://%s:%d" % c.listening("server 0"), c.keys, seed=7)
     try:
         outs = c.start_workers("int_sgd", str(steps), str(nkeys), "32")
         codes = c.wait(180)
@@ -347,7 +336,7 @@ def test_strangers_cannot_make_a_server_buffer_unauthenticated_frames(cluster):
     c = cluster(num_servers=1, num_workers=2)
     c.start_servers()
     outs = c.start_workers("int_sgd", str(steps), "1", "64", "0.05")
-    _, port = _listening(c, "server 0")
+    _, port = c.listening("server 0")
     pid = c.procs["server 0"].pid
     time.sleep(1.5)  # the job is under way
     idle = _rss_mib(pid)
@@ -424,7 +413,7 @@ def test_a_stranger_that_never_reads_cannot_grow_a_node_without_bound(cluster):
     assert sent == flood and peak - idle < 30, f"the scheduler grew from {idle:.0f} to {peak:.0f} MiB"
     c.start("server 0", "server", [sys.executable, "-m", "tfkv.ps.node"], TFKV_RANK_HINT="0")
     (out,) = c.start_workers("int_sgd", str(steps), "1", "8", "0.05")
-    host, port = _listening(c, "server 0")
+    host, port = c.listening("server 0")
     pid = c.procs["server 0"].pid
     time.sleep(1.5)  # the job is under way
     idle = _rss_mib(pid)

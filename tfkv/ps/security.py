@@ -1,4 +1,7 @@
-"""ZeroMQ CURVE on every socket of a job: authentication and encryption with the job's keys.
+"""ZeroMQ CURVE on the control plane of a job (the scheduler's socket and every node's link to
+it): authentication and encryption with the job's keys. The data plane (workers <-> servers)
+is a plain socket whose every message is sealed with AES-256-GCM (tfkv.ps.channel), keyed from
+the same job keys; SECURITY.md has the threat model.
 
 One keypair per job, made fresh by the launcher (tfkv.keys: making, handing over, reading keys). Every process of the job gets it
 privately, never on a command line:
@@ -12,10 +15,10 @@ privately, never on a command line:
                                            anything looser is refused)
     TFKV_SECURE=0                          plain TCP, no keys: only for a trusted single machine
 
-Listening sockets (scheduler, servers) are CURVE servers with the job's secret key, and a ZAP
-handler in the process lets in only clients that present the job's public key: a peer without
-the keys fails the handshake inside libzmq and none of its bytes reaches tfkv code. Connecting
-sockets (scheduler links, workers) are CURVE clients of the same keypair.
+The scheduler's socket is a CURVE server with the job's secret key, and a ZAP handler in the
+process lets in only clients that present the job's public key: a peer without the keys fails
+the handshake inside libzmq and none of its bytes reaches tfkv code. Scheduler links are CURVE
+clients of the same keypair.
 
 No keys and no TFKV_SECURE=0 (a job started by hand with MXNet's DMLC_* variables only): plain
 TCP with a warning, as MXNet users expect. TFKV_SECURE=1 without keys is an error.

@@ -31,12 +31,13 @@ import zmq
 
 from tfkv import optim
 from tfkv.errors import TfkvError
-from tfkv.ps import compression
+from tfkv.ps import channel, compression
 from tfkv.ps import protocol as P
 from tfkv.ps import security
 from tfkv.ps.cluster_env import ClusterEnv
 from tfkv.ps.updater import NumpyUpdater
 from tfkv.ps.scheduler_link import SchedulerLink
+from tfkv.ps import strangers
 from tfkv.ps.strangers import Strangers
 
 log = logging.getLogger("tfkv.ps")
@@ -63,13 +64,20 @@ class Round:
 class Server:
     def __init__(self, env: ClusterEnv):
         self.env = env
-        self.sock = security.router_socket(env.keys)
+        # Workers' requests come on a plain socket and, in a secure job, every message is sealed
+        # with this connection's AES-GCM keys (tfkv.ps.channel): CURVE's cipher ran at a sixth of it.
+        self.sock = security.router_socket(None)
+        self._psk = channel.psk(env.keys.secret) if env.keys is not None else None
+        self.sessions: dict[bytes, channel.Session] = {}  # per connection (ROUTER identity)
+        self._hellos: dict[bytes, tuple[bytes, list[bytes]]] = {}  # the HELLO each was welcomed for
+        self.refused: Counter[str] = Counter()  # messages refused by the channel, by reason
+        self._refused_by: Counter[bytes] = Counter()
         # A reply to a peer that is gone raises (ROUTER_MANDATORY) and is logged, not lost unseen.
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # Reply frames from 64 KiB up are sent without a copy (pyzmq's zero-copy send, released
         # by its helper thread); smaller ones are copied, cheaper than that release. The cap must
         # be below protocol.FRAME_BYTES, the largest frame sent: at 2 MiB every reply was copied
-        # (bench_curve --mode plain, push+pull of 4 and 16 MiB: 0.9-1.1 GB/s copied, 1.2-1.5 zero-copy).
+        # (bench_security --mode plain, push+pull of 4 and 16 MiB: 0.9-1.1 GB/s copied, 1.2-1.5 zero-copy).
         self.sock.copy_threshold = COPY_THRESHOLD
         self.host = env.bind_address()
         self.port = self.sock.bind_to_random_port(f"tcp://{self.host}")
@@ -102,14 +110,62 @@ class Server:
             if not self.sock.poll(100):
                 continue
             frames = self.sock.recv_multipart(copy=False)
-            self.handle(frames[0].bytes, frames[1:])
+            identity, frames = frames[0].bytes, frames[1:]
+            if self._psk is not None:
+                frames = self._open(identity, frames)
+                if frames is None:
+                    continue
+            self.handle(identity, frames)
+        if self.refused:
+            log.warning("%s: refused %d messages that failed the channel's checks (%s)", self.link.name,
+                        sum(self.refused.values()), ", ".join(f"{k}: {v}" for k, v in sorted(self.refused.items())))
         log.info("%s: shut down by the scheduler", self.link.name)
         return 0
 
+    def _open(self, identity: bytes, frames: list[Any]) -> list[Any] | None:
+        """A secure job's message as protocol frames, or None: a handshake (answered here) or a
+        message refused (dropped unanswered: who fails the checks cannot read an answer)."""
+        session = self.sessions.get(identity)
+        try:
+            kind = channel.envelope(frames)[0]
+            if kind == channel.HELLO:
+                hello = bytes(frames[1].buffer) if frames else b""
+                known = self._hellos.get(identity)
+                if known is not None and known[0] == hello:  # resent: our WELCOME was lost
+                    self.sock.send_multipart([identity, *known[1]])
+                    return None
+                if session is not None and session.established:
+                    raise channel.Refused("malformed", "a HELLO on a connection already in use")
+                session, answer = channel.welcome(self._psk, frames)
+                self.sessions[identity], self._hellos[identity] = session, (hello, answer)
+                self.sock.send_multipart([identity, *answer])
+                return None
+            if session is None:
+                raise channel.Refused("no session", "a message before any handshake")
+            return session.open(frames)
+        except channel.Refused as e:
+            self.refused[e.reason] += 1
+            # One line per refusal, naming the peer, for the first few of each of the first
+            # connections: a stranger's connections cannot grow the log or this count without bound.
+            seen = self._refused_by.get(identity)
+            if seen is None and len(self._refused_by) >= strangers.MAX_PEERS:
+                return None
+            self._refused_by[identity] = (seen or 0) + 1
+            if self._refused_by[identity] <= strangers.PER_PEER:
+                peer = frames[0].get("Peer-Address") if frames and hasattr(frames[0], "get") else "?"
+                log.warning("%s: refused a message from %s: %s", self.link.name, peer, e)
+            return None
+
     def reply(self, identity: bytes, msg: P.Message) -> None:
         msg.sender = self.id
+        frames = P.encode(msg)
+        if self._psk is not None:
+            session = self.sessions.get(identity)
+            if session is None:
+                return  # no connection of this job: nothing it could read
+            frames = session.seal(frames)
         try:
-            self.sock.send_multipart([identity, *P.encode(msg)], copy=False)
+            self.sock.send_multipart([identity, *frames], copy=False)
         except zmq.ZMQError as e:
             if e.errno != zmq.EHOSTUNREACH:
                 raise

@@ -20,6 +20,7 @@ from typing import Any, Callable, Hashable, Sequence
 import zmq
 
 from tfkv.errors import TfkvError
+from tfkv.ps import channel
 from tfkv.ps import protocol as P
 from tfkv.ps import security
 from tfkv.ps.cluster_env import ClusterEnv
@@ -49,11 +50,14 @@ class ServerLink:
             # is bounded by this worker's own requests: no high-water mark, at which ZeroMQ would
             # stop reading and leave the server's queue to fill (a pull of 10,000 keys).
             sock.setsockopt(zmq.RCVHWM, 0)
-            security.client_socket(sock, env.keys)
+            # The data plane is a plain socket: a secure job seals every message (tfkv.ps.channel).
+            security.client_socket(sock, None)
             sock.connect(f"tcp://{server['host']}:{server['port']}")
             self._poller.register(sock, zmq.POLLIN)
             self.socks.append(sock)
         self._index = {sock: i for i, sock in enumerate(self.socks)}
+        self.sessions: list[channel.Session] | None = self._handshake() if env.keys is not None else None
+        self.refused = 0  # replies that failed authentication (dropped; a lost reply is then noticed)
         self.seq = itertools.count(1)
         self.pending: dict[int, list[Any]] = {}  # seq -> [server, frames, sent_at]
         self._awaited = [0] * len(self.socks)  # per server: its requests in `pending`
@@ -72,6 +76,54 @@ class ServerLink:
         for sock in self.socks:
             sock.close()
 
+    def _handshake(self) -> list[channel.Session]:
+        """Open a session with every server (HELLO, resent until WELCOME: a lossy network may drop
+        either); a server that does not answer in time is not of this job, or not there."""
+        psk = channel.psk(self.env.keys.secret)
+        hellos = [channel.Hello(psk) for _ in self.socks]
+        sessions: list[channel.Session | None] = [None] * len(self.socks)
+        wait = max(30.0, 5 * self.env.heartbeat_timeout)
+        deadline, resend = time.monotonic() + wait, 0.0
+        while None in sessions:
+            now = time.monotonic()
+            if now > deadline:
+                server = sessions.index(None)
+                raise DistError(f"{self._server_name(server)} did not complete the data plane's handshake in "
+                                f"{wait:.0f} s: it is not of this job (other keys) or not reachable")
+            if now >= resend:
+                for i, sock in enumerate(self.socks):
+                    if sessions[i] is None:
+                        sock.send_multipart(hellos[i].message)
+                resend = now + 1.0
+            for sock, _ in self._poller.poll(100):
+                i = self._index[sock]
+                frames = sock.recv_multipart()
+                if sessions[i] is None:
+                    try:
+                        sessions[i] = hellos[i].welcome(frames)
+                    except channel.Refused as e:
+                        log.warning("refused a handshake answer from %s: %s", self._server_name(i), e)
+        return sessions  # type: ignore[return-value]
+
+    def _put(self, server: int, frames: list[Any]) -> None:
+        """Send a request's frames, sealed for its server in a secure job."""
+        if self.sessions is not None:
+            frames = self.sessions[server].seal(frames)
+        self.socks[server].send_multipart(frames, copy=False)
+
+    def _take(self, server: int) -> list[Any] | None:
+        """The protocol frames of the next message from `server` (zmq.Again if there is none),
+        opened in a secure job; None if it failed the channel's checks (dropped, counted)."""
+        frames = self.socks[server].recv_multipart(flags=zmq.NOBLOCK, copy=False)
+        if self.sessions is None:
+            return frames
+        try:
+            return self.sessions[server].open(frames)
+        except channel.Refused as e:  # a duplicate WELCOME too: dropped, as anything refused
+            self.refused += 1
+            log.warning("refused a message from %s: %s", self._server_name(server), e)
+            return None
+
     def send(self, server: int, msg: P.Message, track: bool = True) -> int:
         """Send a request; `track`: wait for (and, under PS_RESEND, retransmit until) its answer."""
         with self.lock:
@@ -84,7 +136,7 @@ class ServerLink:
                 raise ValueError(f"{msg.type.name} of key {msg.key} is {size} bytes, over TFKV_MAX_MESSAGE_BYTES="
                                  f"{self.env.max_message_bytes}; raise it or lower MXNET_KVSTORE_BIGARRAY_BOUND "
                                  "so big arrays are split across more servers")
-            self.socks[server].send_multipart(frames, copy=False)
+            self._put(server, frames)
             if track:
                 now = time.monotonic()
                 self.pending[msg.seq] = [server, frames, now]
@@ -112,9 +164,11 @@ class ServerLink:
             server = self._index[sock]
             while True:
                 try:
-                    frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                    frames = self._take(server)
                 except zmq.Again:
                     break
+                if frames is None:
+                    continue
                 self._heard[server] = time.monotonic()
                 try:
                     msg = P.decode(frames, self.env.max_message_bytes // 4)
@@ -198,7 +252,7 @@ class ServerLink:
             if now - entry[2] > self.env.resend_timeout:
                 if self.env.verbose >= 1:
                     log.info("resending request %d to server %d", seq, entry[0])
-                self.socks[entry[0]].send_multipart(entry[1], copy=False)
+                self._put(entry[0], entry[1])
                 entry[2] = now
 
     def wait(self, seqs: Sequence[int] | None = None) -> None:

@@ -1,0 +1,93 @@
+"""What security costs: push+pull GB/s of one worker against one server, secure (the default:
+the job's keys, AES-256-GCM data plane) and plain (TFKV_SECURE=0), in the same run.
+
+    python3 benchmarks/bench_security.py [--sizes 4K,1M,16M,64M] [--seconds 1] [--rounds 3]
+
+Each round starts a scheduler and a server (python -m tfkv.ps.node) on loopback for each mode, and
+a child process per mode is the worker; rounds alternate the modes (in reversed order every other
+round) and the medians are reported, because this machine is shared and noisy. GB/s counts the
+bytes pushed plus the bytes pulled; the ratio is secure over plain. Target: >= 0.7 from 1 MiB up.
+"""
+
+import argparse
+import json
+import statistics
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+
+def run(secure: bool, sizes_mib: list[float], seconds: float) -> dict[float, float]:
+    from tfkv.launcher.ports import free_port
+    from tfkv import keys as security
+
+    env = {**os.environ, "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(free_port()),
+           "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env.update(security.keys_env(security.new_keys()) if secure else {"TFKV_SECURE": "0"})
+    procs = [subprocess.Popen([sys.executable, "-m", "tfkv.ps.node"], env={**env, "DMLC_ROLE": role},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+             for role in ("scheduler", "server")]
+    os.environ.clear()
+    os.environ.update({**env, "DMLC_ROLE": "worker"})
+    from tfkv.ps.cluster_env import ClusterEnv
+    from tfkv.store.dist import DistStore
+
+    kv = DistStore(env=ClusterEnv.from_env())
+    out = {}
+    for i, mib in enumerate(sizes_mib):
+        n = int(mib * (1 << 20) // 4)
+        kv.init(i, np.zeros(n, np.float32))
+        g = np.ones(n, np.float32)
+        kv.push(i, g), kv.pull(i)  # warm up
+        count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            kv.push(i, g)
+            kv.pull(i)
+            count += 1
+        out[mib] = 2 * count * n * 4 / (time.perf_counter() - start) / 1e9
+    kv.close()  # the scheduler then shuts the server down; what is left is stopped as a launcher would
+    from tfkv.launcher.supervisor import stop_groups
+
+    stop_groups(procs, grace=30)
+    return out
+
+
+def _size(text: str) -> float:
+    """'4K', '1M', '64M' -> MiB."""
+    units = {"K": 1 / 1024, "M": 1.0}
+    return float(text[:-1]) * units[text[-1].upper()] if text[-1].upper() in units else float(text)
+
+
+def _label(mib: float) -> str:
+    return f"{mib * 1024:g} KiB" if mib < 1 else f"{mib:g} MiB"
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="4K,1M,16M,64M", help="comma-separated sizes, K or M suffix")
+    ap.add_argument("--seconds", type=float, default=1.0, help="per size, mode and round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--mode", choices=["both", "plain", "secure"], default="both")
+    a = ap.parse_args()
+    sizes = [_size(s) for s in a.sizes.split(",")]
+    if a.mode == "both":  # each mode in a fresh process: one ZeroMQ context, one environment
+        got: dict[str, list[dict]] = {"plain": [], "secure": []}
+        for r in range(a.rounds):
+            for mode in (("secure", "plain") if r % 2 else ("plain", "secure")):
+                lines = subprocess.run([sys.executable, __file__, "--mode", mode, "--seconds", str(a.seconds),
+                                        "--sizes", a.sizes], check=True, capture_output=True, text=True).stdout
+                got[mode].append(json.loads(lines.strip().splitlines()[-1]))
+            print(f"  round {r + 1}/{a.rounds} done", flush=True)
+        print(f"push+pull GB/s, 1 worker x 1 server, loopback, median of {a.rounds} alternating rounds")
+        print(f"{'size':>8} {'plain':>8} {'secure':>8} {'secure/plain':>13}")
+        for mib in sizes:
+            plain = statistics.median(g[f"{mib:g}"] for g in got["plain"])
+            secure = statistics.median(g[f"{mib:g}"] for g in got["secure"])
+            print(f"{_label(mib):>8} {plain:8.3f} {secure:8.3f} {secure / plain:13.2f}", flush=True)
+        print("secure = the default (job keys: AES-256-GCM data plane, CURVE control plane); plain = TFKV_SECURE=0. "
+              "Target: secure/plain >= 0.7 from 1 MiB up.")
+    else:  # the child: its figures as one JSON line
+        print(json.dumps({f"{mib:g}": gbs for mib, gbs in run(a.mode == "secure", sizes, a.seconds).items()}))
