@@ -355,6 +355,13 @@ def test_a_joined_payload_does_not_keep_its_frames_alive():
     assert np.shares_memory(P.decode(one).data, one[1])  # one frame: received without a copy
 
 
+def test_an_array_of_1_mib_is_one_frame_and_received_without_a_copy():
+    data = np.arange(1 << 18, dtype=np.float32)  # 1 MiB, a 512 x 512 float32 weight
+    frames = [np.frombuffer(bytes(f), np.uint8).copy() for f in P.encode(P.Message(P.Type.PUSH, data=data))]
+    assert len(frames) == 2 and len(frames[1]) == 1 << 20 <= P.MAX_FRAME
+    assert np.shares_memory(P.decode(frames, max_count=1 << 18).data, frames[1])
+
+
 def test_the_server_sends_full_payload_frames_without_a_copy():
     """The server copies reply frames below its copy threshold: the threshold must lie below
     the largest frame it sends, or the zero-copy path is never taken."""

@@ -39,11 +39,15 @@ from tfkv.ps.compression import words
 MAGIC = 0x4B54  # "TK"
 VERSION = 1
 HEADER = struct.Struct("<HBBBBHIQQ")  # magic version type flags dtype sender seq key count
-MAX_FRAME = 1 << 20  # the largest frame a socket accepts (ZMQ_MAXMSGSIZE), CURVE's bytes included
-# What a node puts in one frame: below MAX_FRAME by room for CURVE, which wraps every frame in a
-# MESSAGE command (about 40 bytes more) that libzmq counts against ZMQ_MAXMSGSIZE; a frame of
-# exactly MAX_FRAME got its sender disconnected and the message lost in every secure job.
-FRAME_BYTES = MAX_FRAME - 4096
+# What a node puts in one frame: 1 MiB, so that an array of 1 MiB (a 512 x 512 float32 weight)
+# travels as one frame and is received without a copy on either side (at 1 MiB - 4 KiB it was
+# two frames, joined by a copy on the server and again on the worker).
+FRAME_BYTES = 1 << 20
+# The largest frame a socket accepts (ZMQ_MAXMSGSIZE): FRAME_BYTES and room for what wraps a
+# frame. CURVE's MESSAGE command adds about 40 bytes that libzmq counts against the cap (a frame
+# of exactly the cap got its sender disconnected and the message lost in every secure job), the
+# data plane's AES-GCM 16 (tfkv.ps.channel).
+MAX_FRAME = FRAME_BYTES + 4096
 MAX_META = FRAME_BYTES  # metadata is one frame: encode refuses more, decode too
 
 FLAG_META = 1

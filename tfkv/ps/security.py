@@ -24,7 +24,7 @@ No keys and no TFKV_SECURE=0 (a job started by hand with MXNet's DMLC_* variable
 TCP with a warning, as MXNet users expect. TFKV_SECURE=1 without keys is an error.
 
 What a connection can cost a node before it authenticates is bounded on every socket, secure
-or not: no frame over protocol.MAX_FRAME (1 MiB) is accepted (libzmq's ZMQ_MAXMSGSIZE holds for
+or not: no frame over protocol.MAX_FRAME (1 MiB + 4 KiB) is accepted (libzmq's ZMQ_MAXMSGSIZE holds for
 the handshake's frames too; a stranger announcing CURVE and a 1 GiB frame is cut off after
 1 MiB), and a handshake not finished within HANDSHAKE_SECONDS is dropped.
 """
