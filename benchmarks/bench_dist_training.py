@@ -1,12 +1,14 @@
 """Training samples/s of tfkv `dist_sync` (2 local workers, 1 server) against `local` in one
 process and tf.distribute MultiWorkerMirroredStrategy (2 local workers), same run.
 
-Three contenders train the same model on the same synthetic in-memory batch with SGD (lr 0.01,
+Four contenders train the same model on the same synthetic in-memory batch with SGD (lr 0.01,
 momentum 0.9), the loss being the mean over the global batch of 2 x b examples:
 
     local      tfkv DataParallel + KVStore `local`, one process, one device, batch 2 x b
     dist_sync  tfkv DataParallel + KVStore `dist_sync`, 2 worker processes (b each) and 1 server,
-               started by tfkv.launcher (make_plan + local.run); the server runs the optimizer
+               started by tfkv.launcher (make_plan + local.run); the server runs the optimizer;
+               secure, as a launched job is by default (a fresh key for the job)
+    plain      the same job with TFKV_SECURE=0 (cluster.secure=false): what security costs
     MWMS       tf.distribute.MultiWorkerMirroredStrategy, 2 worker processes (b each; TF_CONFIG
                with two 127.0.0.1 ports, gRPC + ring all-reduce), the model built inside
                strategy.scope(), a custom loop: tf.function(strategy.run(step)) with GradientTape
@@ -161,13 +163,17 @@ def job_mwms(args, tmp: str) -> None:
     run_processes(envs, worker_argv(args, "mwms", tmp), args.job_timeout, "MWMS")
 
 
-def job_dist_sync(args, tmp: str, model: str) -> None:
+def job_dist_sync(args, tmp: str, model: str, secure: bool = True) -> None:
+    """One dist_sync job: secure as a launched job is by default (a fresh key for the job), or
+    plain (TFKV_SECURE=0, what `cluster.secure=false` gives)."""
+    from tfkv import keys as job_keys
     from tfkv.launcher.plan import make_plan
     from tfkv.launcher.ports import free_port
 
+    extra = job_keys.keys_env(job_keys.new_keys()) if secure else {job_keys.SECURE: "0"}
     plan = make_plan(2, 1, worker_argv(args, "dist_sync", tmp, models=model),
-                     [sys.executable, "-m", "tfkv.ps.node"], ["127.0.0.1"], "127.0.0.1", free_port())
-    run_plan(plan, args.job_timeout, f"dist_sync {model}")
+                     [sys.executable, "-m", "tfkv.ps.node"], ["127.0.0.1"], "127.0.0.1", free_port(), extra_env=extra)
+    run_plan(plan, args.job_timeout, f"dist_sync {model}{'' if secure else ' (plain)'}")
 
 
 def worker_argv(args, role: str, tmp: str, models: str | None = None) -> list[str]:
@@ -217,7 +223,7 @@ def main() -> None:
           f"b={args.batch} per worker, global batch {2 * args.batch}; SGD momentum {MOMENTUM}; "
           f"MWMS baseline: custom loop (tf.function(strategy.run) + GradientTape + keras SGD; "
           f"Keras 3 model.fit fails under MWMS)", flush=True)
-    contenders = ["local", "dist_sync", "mwms"]
+    contenders = ["local", "dist_sync", "dist_plain", "mwms"]
     samples: dict[tuple[str, str], list[float]] = {}
     info: dict[str, dict] = {}
     t_start = time.monotonic()
@@ -234,7 +240,7 @@ def main() -> None:
                     else:
                         got = {}
                         for m in models:
-                            job_dist_sync(args, tmp, m)
+                            job_dist_sync(args, tmp, m, secure=kind == "dist_sync")
                             got.update(collect(tmp, "dist_sync", 2))
                 for m, r in got.items():
                     samples.setdefault((kind, m), []).append(r["samples_s"])
@@ -245,21 +251,24 @@ def main() -> None:
         sys.exit(1)
 
     med = {k: statistics.median(v) for k, v in samples.items()}
-    print(f"{'model':<6} {'params':>10} {'local':>9} {'MWMS':>9} {'dist_sync':>10} "
-          f"{'dist/MWMS':>10} {'dist/local':>11}   (samples/s)")
+    print(f"{'model':<6} {'params':>10} {'local':>9} {'MWMS':>9} {'dist_sync':>10} {'plain':>9} "
+          f"{'dist/MWMS':>10} {'dist/local':>11} {'secure/plain':>13}   (samples/s)")
     slower = []
     for m in models:
         params = {info[m][k]["params"] for k in contenders}
         if len(params) != 1:
             print(f"bench_dist_training: FAILED: {m} has different parameter counts {params}", file=sys.stderr)
             sys.exit(1)
-        lo, mw, ds = med[("local", m)], med[("mwms", m)], med[("dist_sync", m)]
-        print(f"{m:<6} {params.pop():>10,} {lo:>9.0f} {mw:>9.0f} {ds:>10.0f} {ds / mw:>10.3f} {ds / lo:>11.3f}")
+        lo, mw, ds, pl = med[("local", m)], med[("mwms", m)], med[("dist_sync", m)], med[("dist_plain", m)]
+        print(f"{m:<6} {params.pop():>10,} {lo:>9.0f} {mw:>9.0f} {ds:>10.0f} {pl:>9.0f} {ds / mw:>10.3f} "
+              f"{ds / lo:>11.3f} {ds / pl:>13.3f}")
         if ds <= mw:
             slower.append(m)
     print(f"Target: dist_sync faster than MultiWorkerMirroredStrategy: "
           f"{'met' if not slower else 'NOT met for ' + ', '.join(slower)}. Both run 2 workers on this "
-          f"machine's cores, so neither can beat `local` here; dist/local shows the cost of distribution.")
+          f"machine's cores, so neither can beat `local` here; dist/local shows the cost of distribution. "
+          f"dist_sync is secure, as a launched job is by default; plain = cluster.secure=false (target: "
+          f"secure costs <= 10%, secure/plain >= 0.9).")
     print("per-trial samples/s: " + "; ".join(
         f"{k} {m} " + "/".join(f"{v:.0f}" for v in samples[(k, m)]) for m in models for k in contenders))
 

@@ -14,6 +14,8 @@ Contenders, each in its own processes, for every size (4 KiB, 1 MiB, 16 MiB, 64 
     tfkv 1x1    1 worker, 1 server, launched by tfkv.launcher (make_plan + local.run)
     raw 2x2     2 clients, 2 echo servers, with tfkv's traffic pattern (below)
     tfkv 2x2    2 workers, 2 servers; throughput is the sum over both workers
+    secure 1x1  tfkv 1x1 with the job's keys, as a launched job runs by default (the tfkv
+                contenders above are plain, TFKV_SECURE=0, to compare the transport with raw)
 
 In dist_sync a server closes a key's round only when *every* worker has pushed it, so the two
 workers of the 2x2 job push and pull the same key (as data-parallel training does); a worker
@@ -135,8 +137,10 @@ def tfkv_worker(args: argparse.Namespace) -> None:
 
 
 def run_tfkv(num_servers: int, num_workers: int, sizes: list[int], seconds: float,
-             timeout: float) -> dict[int, float]:
-    """GB/s per size of one tfkv job (summed over the workers)."""
+             timeout: float, secure: bool = False) -> dict[int, float]:
+    """GB/s per size of one tfkv job (summed over the workers): plain (TFKV_SECURE=0), as the raw
+    baseline is, or secure as a launched job is by default (a fresh key for the job)."""
+    from tfkv import keys as job_keys
     from tfkv.launcher.plan import make_plan
     from tfkv.launcher.ports import free_port
 
@@ -144,8 +148,9 @@ def run_tfkv(num_servers: int, num_workers: int, sizes: list[int], seconds: floa
         outs = [os.path.join(tmp, f"worker{i}.json") for i in range(num_workers)]
         worker = [sys.executable, os.path.abspath(__file__), "--worker", "--seconds", str(seconds),
                   "--sizes", ",".join(str(s) for s in sizes), "--out"]
+        extra = job_keys.keys_env(job_keys.new_keys()) if secure else {job_keys.SECURE: "0"}
         plan = make_plan(num_workers, num_servers, worker, [sys.executable, "-m", "tfkv.ps.node"],
-                         ["127.0.0.1"], "127.0.0.1", free_port())
+                         ["127.0.0.1"], "127.0.0.1", free_port(), extra_env=extra)
         for p in plan:
             if p.role == "worker":
                 p.argv.append(outs[p.rank])
@@ -283,6 +288,7 @@ def main() -> None:
     contenders = {
         "raw1": lambda: run_raw(1, 1, sizes, args.seconds, modes, args.job_timeout),
         "tfkv1": lambda: {"tfkv1": run_tfkv(1, 1, sizes, args.seconds, args.job_timeout)},
+        "secure1": lambda: {"secure1": run_tfkv(1, 1, sizes, args.seconds, args.job_timeout, secure=True)},
         "raw2": lambda: {"raw2": run_raw(2, 2, sizes, args.seconds, ["zc"], args.job_timeout)["zc"]},
         "tfkv2": lambda: {"tfkv2": run_tfkv(2, 2, sizes, args.seconds, args.job_timeout)},
     }
@@ -309,19 +315,23 @@ def main() -> None:
     has_copy = "rawcopy" in med
     head = (f"{'size':>8} {'raw 1x1':>8} " + (f"{'raw copy':>8} " if has_copy else "")
             + f"{'tfkv 1x1':>8} {'ratio':>6}   {'raw 2x2':>8} {'tfkv 2x2':>8} {'ratio':>6}   "
-            f"{'MXNet 1.9.1 ratio 1x1':>21}")
+            f"{'MXNet 1.9.1 ratio 1x1':>21}   {'secure 1x1':>10} {'secure/plain':>12}")
     print(head)
     below = []
     for n in sizes:
         r1, t1, r2, t2 = med["raw1"][n], med["tfkv1"][n], med["raw2"][n], med["tfkv2"][n]
+        s1 = med["secure1"][n]
         mx = f"{MXNET_RATIO[n]:.2f}" if n in MXNET_RATIO else "-"
         print(f"{human(n):>8} {r1:>8.3f} " + (f"{med['rawcopy'][n]:>8.3f} " if has_copy else "")
-              + f"{t1:>8.3f} {t1 / r1:>6.3f}   {r2:>8.3f} {t2:>8.3f} {t2 / r2:>6.3f}   {mx:>21}")
+              + f"{t1:>8.3f} {t1 / r1:>6.3f}   {r2:>8.3f} {t2:>8.3f} {t2 / r2:>6.3f}   {mx:>21}   "
+              f"{s1:>10.3f} {s1 / t1:>12.3f}")
         if n >= 1 << 20 and t1 / r1 < TARGET:
             below.append(human(n))
     print(f"ratio = tfkv / raw with the same processes and traffic pattern. Target: tfkv 1x1 >= {TARGET} "
           f"of raw from 1 MiB up ({'met' if not below else 'NOT met at ' + ', '.join(below)}). "
-          f"MXNet 1.9.1 ps-lite reached ~0.78 (1 MiB), 0.69 (16 MiB), 0.54 (64 MiB) of raw.")
+          f"MXNet 1.9.1 ps-lite reached ~0.78 (1 MiB), 0.69 (16 MiB), 0.54 (64 MiB) of raw. The tfkv columns "
+          f"are plain (TFKV_SECURE=0), as raw is; secure 1x1 is the default (the job's keys), secure/plain "
+          f"its cost (target >= 0.7).")
     print("per-trial spread (min-max GB/s): " + "; ".join(
         f"{s} {human(n)} {min(series[s][n]):.2f}-{max(series[s][n]):.2f}"
         for s in ("raw1", "tfkv1") for n in sizes if n >= 1 << 20))
