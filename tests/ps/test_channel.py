@@ -15,59 +15,64 @@ def _pair(keys=None):
     return hello.welcome(answer), server
 
 
+def _through(receiver, pieces):
+    """Deliver pieces in order; the protocol frames once the last one is in."""
+    got = None
+    for piece in pieces:
+        assert got is None, "frames returned before the last piece"
+        got = receiver.open(piece)
+    return got
+
+
 def _msg(n=1000, seq=1):
     return P.encode(P.Message(P.Type.PUSH, sender=9, seq=seq, key=3, data=np.arange(n, dtype=np.float32)))
 
 
 def test_a_sealed_message_opens_to_the_same_frames_and_hides_them():
     worker, server = _pair()
-    frames = _msg()
-    sealed = worker.seal(frames)
-    assert np.arange(1000, dtype=np.float32).tobytes() not in b"".join(bytes(f) for f in sealed)
-    got = P.decode(server.open(sealed))
-    assert got.seq == 1 and np.array_equal(got.data, np.arange(1000, dtype=np.float32))
-    reply = P.decode(worker.open(server.seal(P.encode(P.ack(got)))))  # and back
+    data = np.arange(600_000, dtype=np.float32)  # 2.4 MB: frames of 1 MiB, pieces of 256 KiB
+    sealed = list(worker.seal(P.encode(P.Message(P.Type.PUSH, sender=9, seq=1, key=3, data=data))))
+    assert len(sealed) == 1 + 10 and all(len(piece) == 2 for piece in sealed)
+    assert data[:64].tobytes() not in b"".join(bytes(f) for piece in sealed for f in piece)
+    got = P.decode(_through(server, sealed), max_count=10**6)
+    assert got.seq == 1 and np.array_equal(got.data, data)
+    reply = P.decode(_through(worker, server.seal(P.encode(P.ack(got)))))  # and back
     assert reply.type == P.Type.ACK and reply.seq == 1
 
 
 def test_nonces_never_repeat_across_frames_and_messages():
     worker, _ = _pair()
-    counters = []
-    for seq in range(5):
-        kind, n, counter = channel.envelope(worker.seal(_msg(300_000, seq)))  # two payload frames
-        counters.append((counter, n))
-    spans = [range(c, c + n) for c, n in counters]
-    used = [i for s in spans for i in s]
-    assert len(used) == len(set(used))
+    used = [channel.envelope(piece)[-1] for seq in range(5) for piece in worker.seal(_msg(300_000, seq))]
+    assert len(used) == 5 * (1 + 5) and len(used) == len(set(used))  # header + 1.2 MB in pieces
 
 
 @pytest.mark.parametrize("where", ["envelope", "header", "payload", "tag"])
 def test_a_flipped_bit_anywhere_is_refused(where):
     worker, server = _pair()
-    sealed = [bytearray(f) for f in worker.seal(_msg())]
-    frame, at = {"envelope": (0, 12), "header": (1, 3), "payload": (2, 100), "tag": (2, -1)}[where]
-    sealed[frame][at] ^= 1
+    sealed = [[bytearray(f) for f in piece] for piece in worker.seal(_msg())]
+    piece, frame, at = {"envelope": (0, 0, 40), "header": (0, 1, 3), "payload": (1, 1, 100),
+                        "tag": (1, 1, -1)}[where]
+    sealed[piece][frame][at] ^= 1
     with pytest.raises(channel.Refused) as e:
-        server.open(sealed)
-    assert e.value.reason in ("bad tag", "malformed", "replay")
-    assert P.decode(server.open(worker.seal(_msg(seq=2)))).seq == 2  # the connection goes on
+        _through(server, sealed)
+    assert e.value.reason in ("bad tag", "out of order")
+    assert P.decode(_through(server, worker.seal(_msg(seq=2)))).seq == 2  # the connection goes on
 
 
 def test_a_replayed_message_is_refused_and_a_late_one_within_the_window_is_not():
     worker, server = _pair()
-    first, second = worker.seal(_msg(seq=1)), worker.seal(_msg(seq=2))
-    server.open(second)
-    assert P.decode(server.open(first)).seq == 1  # reordered, within the window
+    ping = lambda seq: list(worker.seal(P.encode(P.Message(P.Type.PING, sender=9, seq=seq))))  # noqa: E731
+    first, second = ping(1), ping(2)  # one piece each
+    _through(server, second)
+    assert P.decode(_through(server, first)).seq == 1  # reordered, within the window
     for again in (first, second):
         with pytest.raises(channel.Refused, match="replay"):
-            server.open(again)
-    for _ in range(channel.WINDOW):  # push `first`'s counter out of the window
-        server.open(worker.seal([b"x"]))
-    stale = worker.seal(_msg(seq=3))
-    for _ in range(channel.WINDOW + 1):
-        server.open(worker.seal([b"x"]))
+            _through(server, again)
+    stale = ping(3)
+    for _ in range(channel.WINDOW + 1):  # push `stale`'s counter out of the window
+        _through(server, worker.seal([b"x"]))
     with pytest.raises(channel.Refused, match="replay"):
-        server.open(stale)
+        _through(server, stale)
 
 
 def test_frames_from_another_connection_or_message_are_refused():
@@ -75,12 +80,14 @@ def test_frames_from_another_connection_or_message_are_refused():
     a_worker, a_server = _pair(keys)
     b_worker, b_server = _pair(keys)  # same job, another connection
     with pytest.raises(channel.Refused, match="bad tag"):
-        b_server.open(a_worker.seal(_msg()))
-    one, two = a_worker.seal(_msg(seq=1)), a_worker.seal(_msg(seq=2))
+        _through(b_server, a_worker.seal(_msg()))
+    one, two = list(a_worker.seal(_msg(seq=1))), list(a_worker.seal(_msg(seq=2)))
+    with pytest.raises(channel.Refused, match="out of order"):
+        _through(a_server, [one[0], two[1]])  # a piece of another message
     with pytest.raises(channel.Refused, match="bad tag"):
-        a_server.open([one[0], one[1], two[2]])  # a payload frame moved between messages
+        _through(a_server, [two[0], [two[1][0], one[1][1]]])  # a payload moved between messages
     with pytest.raises(channel.Refused, match="malformed"):
-        a_server.open(one[:2])  # a frame dropped
+        a_server.open(one[0][:1])  # a frame dropped
 
 
 def test_a_stranger_cannot_handshake_nor_pass_for_the_server():

@@ -40,7 +40,11 @@ def _answered(sock: zmq.Socket, session: channel.Session | None = None, wait_ms:
         return False
     frames = sock.recv_multipart()
     if session is not None:
-        P.decode(session.open(frames))  # a real answer, sealed for this connection
+        got = session.open(frames)
+        while got is None:  # the answer's further pieces (one ZeroMQ message each)
+            assert sock.poll(wait_ms), "an answer stopped half-way"
+            got = session.open(sock.recv_multipart())
+        P.decode(got)  # a real answer, sealed for this connection
     return True
 
 
@@ -64,23 +68,25 @@ def test_every_attack_on_the_data_plane_is_refused_counted_and_the_job_goes_on(c
 
     # A peer with the job's key: its own well-formed message is answered...
     a, a_session = _session(address, c.keys)
-    ping = a_session.seal(P.encode(P.Message(P.Type.PING, sender=0, seq=1)))
+    (ping,) = a_session.seal(P.encode(P.Message(P.Type.PING, sender=0, seq=1)))  # one piece
     a.send_multipart(ping)
     assert _answered(a, a_session), "a well-formed sealed message got no answer"
     # ...the same frames again (a replay) are not.
     a.send_multipart(ping)
-    # A flipped bit in the envelope (its counter), in the protocol header, in the payload.
+    # A flipped bit in the envelope (its frame count), in the protocol header, in the payload
+    # (the header's piece arrives intact first, then the payload's, tampered).
     push = P.encode(P.Message(P.Type.PUSH, sender=0, seq=2, key=0, data=np.full(64, 1e6, np.float32)))
-    for frame, at in ((0, 12), (1, 5), (2, 40)):
-        sealed = [bytearray(f) for f in a_session.seal(push)]
-        sealed[frame][at] ^= 0x10
-        a.send_multipart(sealed)
+    for piece, frame, at in ((0, 0, 4), (0, 1, 5), (1, 1, 40)):
+        sealed = [[bytearray(f) for f in p] for p in a_session.seal(push)]  # header piece, payload piece
+        sealed[piece][frame][at] ^= 0x10
+        for p in sealed[:piece + 1]:
+            a.send_multipart(p)
     # A message of connection A spliced into connection B (same job, its own session), and into
     # a connection that never made a handshake.
     b, b_session = _session(address, c.keys)
-    b.send_multipart(a_session.seal(P.encode(P.Message(P.Type.PING, sender=0, seq=3))))
+    b.send_multipart(*a_session.seal(P.encode(P.Message(P.Type.PING, sender=0, seq=3))))
     fresh = _dealer(address)
-    fresh.send_multipart(a_session.seal(P.encode(P.Message(P.Type.PING, sender=0, seq=4))))
+    fresh.send_multipart(*a_session.seal(P.encode(P.Message(P.Type.PING, sender=0, seq=4))))
     assert not any(_answered(s, wait_ms=500) for s in (a, b, fresh)), "a refused message was answered"
     for s in (stranger, a, b, fresh):
         s.close()

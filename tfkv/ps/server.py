@@ -123,8 +123,9 @@ class Server:
         return 0
 
     def _open(self, identity: bytes, frames: list[Any]) -> list[Any] | None:
-        """A secure job's message as protocol frames, or None: a handshake (answered here) or a
-        message refused (dropped unanswered: who fails the checks cannot read an answer)."""
+        """A secure job's message as protocol frames, or None: a handshake (answered here), a piece
+        of a message still arriving, or a message refused (dropped unanswered: who fails the
+        checks cannot read an answer)."""
         session = self.sessions.get(identity)
         try:
             kind = channel.envelope(frames)[0]
@@ -159,13 +160,15 @@ class Server:
     def reply(self, identity: bytes, msg: P.Message) -> None:
         msg.sender = self.id
         frames = P.encode(msg)
-        if self._psk is not None:
+        try:
+            if self._psk is None:
+                self.sock.send_multipart([identity, *frames], copy=False)
+                return
             session = self.sessions.get(identity)
             if session is None:
                 return  # no connection of this job: nothing it could read
-            frames = session.seal(frames)
-        try:
-            self.sock.send_multipart([identity, *frames], copy=False)
+            for piece in session.seal(frames):  # each sent as soon as sealed: the worker opens it meanwhile
+                self.sock.send_multipart([identity, *piece], copy=False)
         except zmq.ZMQError as e:
             if e.errno != zmq.EHOSTUNREACH:
                 raise

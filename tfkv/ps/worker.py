@@ -106,14 +106,17 @@ class ServerLink:
         return sessions  # type: ignore[return-value]
 
     def _put(self, server: int, frames: list[Any]) -> None:
-        """Send a request's frames, sealed for its server in a secure job."""
-        if self.sessions is not None:
-            frames = self.sessions[server].seal(frames)
-        self.socks[server].send_multipart(frames, copy=False)
+        """Send a request's frames, sealed for its server in a secure job (piece by piece)."""
+        if self.sessions is None:
+            self.socks[server].send_multipart(frames, copy=False)
+            return
+        for piece in self.sessions[server].seal(frames):
+            self.socks[server].send_multipart(piece, copy=False)
 
     def _take(self, server: int) -> list[Any] | None:
         """The protocol frames of the next message from `server` (zmq.Again if there is none),
-        opened in a secure job; None if it failed the channel's checks (dropped, counted)."""
+        opened in a secure job; None if it failed the channel's checks (dropped, counted) or is a
+        piece of a message still arriving."""
         frames = self.socks[server].recv_multipart(flags=zmq.NOBLOCK, copy=False)
         if self.sessions is None:
             return frames
