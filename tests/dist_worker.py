@@ -85,20 +85,31 @@ def hang(kv, out):
         time.sleep(0.05)
 
 
+def answer(kv, server: int, timeout_ms: int):
+    """The next whole message from `server` (its pieces opened in a secure job), None if none
+    came within `timeout_ms` of the last piece: what the link's own receive loop does."""
+    frames = None
+    while frames is None:
+        if not kv.servers.socks[server].poll(timeout_ms):
+            return None
+        frames = kv.servers._take(server)
+    return frames
+
+
 def bad_requests(kv, out):
     """Malformed and wrong requests get ERROR replies; the server keeps serving."""
     kv.init("w", np.zeros(8, np.float32))
     kid, layout = kv._layout("w")
     server = layout.parts[0][0]
-    sock = kv.servers.socks[server]
     errors = []
 
     def ask(frames):  # sealed for the server in a secure job, as the link does (_put, _take)
         kv.servers._put(server, frames)
-        if not sock.poll(5000):
+        frames = answer(kv, server, 5000)
+        if frames is None:
             errors.append("no reply")
             return
-        reply = P.decode(kv.servers._take(server))
+        reply = P.decode(frames)
         errors.append((reply.meta or {}).get("message") if reply.type == P.Type.ERROR else reply.type.name)
 
     good = P.encode(P.Message(P.Type.PUSH, sender=kv.link.id, seq=10**6, key=kid, data=np.ones(8, np.float32)))

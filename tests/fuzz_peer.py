@@ -22,6 +22,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from tfkv import optim  # noqa: E402
 from tfkv.ps import protocol as P  # noqa: E402
+from dist_worker import answer  # noqa: E402  (tests/ is this script's directory)
 
 T = P.Type
 
@@ -199,7 +200,6 @@ def worker(out_path, steps, nkeys, size):
     sent_to_scheduler = fuzz_scheduler(kv.link)
     kid = kv._layout(0)[0]
     server = kv._layout(0)[1].parts[0][0]
-    sock = kv.servers.socks[server]
     cases = list(server_cases(kv.link.id, lambda: next(kv.servers.seq), kid, size))
     per_step = -(-len(cases) // steps)
     not_refused, answered = [], 0
@@ -209,10 +209,11 @@ def worker(out_path, steps, nkeys, size):
         with kv.servers.lock:  # nothing is outstanding after a pull: each answer is the case's own
             for label, f in cases[step * per_step:(step + 1) * per_step]:
                 kv.servers._put(server, f)  # sealed in a secure job: the server's decoder is the target
-                if not sock.poll(10_000):
+                frames = answer(kv, server, 10_000)
+                if frames is None:
                     not_refused.append(f"{label}: no answer")
                     continue
-                reply = P.decode(kv.servers._take(server))
+                reply = P.decode(frames)
                 answered += 1
                 if reply.type != T.ERROR:
                     not_refused.append(f"{label}: answered {reply.type.name}")

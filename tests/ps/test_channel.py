@@ -49,9 +49,10 @@ def test_nonces_never_repeat_across_frames_and_messages():
 @pytest.mark.parametrize("where", ["envelope", "header", "payload", "tag"])
 def test_a_flipped_bit_anywhere_is_refused(where):
     worker, server = _pair()
-    sealed = [[bytearray(f) for f in piece] for piece in worker.seal(_msg())]
-    piece, frame, at = {"envelope": (0, 0, 40), "header": (0, 1, 3), "payload": (1, 1, 100),
-                        "tag": (1, 1, -1)}[where]
+    sealed = [[bytearray(f) for f in piece] for piece in worker.seal(_msg())]  # small: one message
+    assert len(sealed) == 1 and len(sealed[0]) == 3
+    piece, frame, at = {"envelope": (0, 0, 40), "header": (0, 1, 3), "payload": (0, 2, 100),
+                        "tag": (0, 2, -1)}[where]
     sealed[piece][frame][at] ^= 1
     with pytest.raises(channel.Refused) as e:
         _through(server, sealed)
@@ -81,7 +82,8 @@ def test_frames_from_another_connection_or_message_are_refused():
     b_worker, b_server = _pair(keys)  # same job, another connection
     with pytest.raises(channel.Refused, match="bad tag"):
         _through(b_server, a_worker.seal(_msg()))
-    one, two = list(a_worker.seal(_msg(seq=1))), list(a_worker.seal(_msg(seq=2)))
+    # 1.2 MB: the header alone, then the payload in pieces of its own
+    one, two = list(a_worker.seal(_msg(300_000, seq=1))), list(a_worker.seal(_msg(300_000, seq=2)))
     with pytest.raises(channel.Refused, match="out of order"):
         _through(a_server, [one[0], two[1]])  # a piece of another message
     with pytest.raises(channel.Refused, match="bad tag"):

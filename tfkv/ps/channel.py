@@ -90,8 +90,8 @@ def envelope(frames: Sequence[Any]) -> tuple[int, ...]:
     magic, version, *fields = ENVELOPE.unpack(head)
     if version != VERSION:
         raise Refused("not tfkv", f"envelope version {version}, this node speaks {VERSION}")
-    if fields[0] not in (HELLO, WELCOME, DATA) or len(frames) != 2:
-        raise Refused("malformed", f"kind {fields[0]} in {len(frames)} frames (an envelope and one piece)")
+    if fields[0] not in (HELLO, WELCOME, DATA) or len(frames) < 2 or (fields[0] != DATA and len(frames) != 2):
+        raise Refused("malformed", f"kind {fields[0]} in {len(frames)} frames")
     return tuple(fields)
 
 
@@ -119,50 +119,86 @@ class Session:
     def seal(self, frames: Sequence[Any]) -> Iterator[list[Any]]:
         """The ZeroMQ messages that carry a protocol message, each sealed as it is asked for: send
         each at once, so the peer opens a piece while this side seals the next (AES-GCM holds the
-        GIL: the two processes' cores work side by side instead of taking turns)."""
+        GIL: the two processes' cores work side by side instead of taking turns). Small frames
+        travel together in one message; a frame over PIECE bytes in pieces of its own."""
         first = self._counter
+        group: list[memoryview] = []  # whole frames waiting to go together
+        start = grouped = 0  # the group's first frame, its bytes
         for f, frame in enumerate(frames):
             data = _buffer(frame).cast("B")
-            for offset in range(0, max(len(data), 1), PIECE):
-                counter = self._counter
-                self._counter += 1
-                piece = data[offset:offset + PIECE]
-                head = ENVELOPE.pack(MAGIC, VERSION, DATA, len(frames), f, len(data), offset, first, counter)
-                sealed = bytearray(len(piece) + TAG)
-                self._send.encrypt_into(self._send_salt + counter.to_bytes(8, "little"), piece, head, sealed)
-                yield [head, sealed]
+            if group and grouped + len(data) > PIECE:
+                yield self._sealed(len(frames), start, len(group[0]), 0, first, group)
+                group, grouped = [], 0
+            if len(data) <= PIECE:
+                if not group:
+                    start = f
+                group.append(data)
+                grouped += len(data)
+                continue
+            for offset in range(0, len(data), PIECE):
+                yield self._sealed(len(frames), f, len(data), offset, first, [data[offset:offset + PIECE]])
+        if group:
+            yield self._sealed(len(frames), start, len(group[0]), 0, first, group)
+
+    def _sealed(self, nframes: int, frame: int, size: int, offset: int, first: int,
+                parts: list[memoryview]) -> list[Any]:
+        counter = self._counter
+        self._counter += len(parts)  # one nonce per part
+        head = ENVELOPE.pack(MAGIC, VERSION, DATA, nframes, frame, size, offset, first, counter)
+        out: list[Any] = [head]
+        for i, part in enumerate(parts):
+            sealed = bytearray(len(part) + TAG)
+            self._send.encrypt_into(self._send_salt + (counter + i).to_bytes(8, "little"), part, head, sealed)
+            out.append(sealed)
+        return out
 
     def open(self, frames: Sequence[Any]) -> list[bytearray] | None:
-        """One received piece: the protocol frames once its message is whole, None until then;
-        Refused (and the message it belonged to dropped) if it fails any check."""
+        """One received ZeroMQ message (whole small frames, or a piece of a large one): the
+        protocol frames once their message is whole, None until then; Refused (and the message it
+        belonged to dropped) if it fails any check."""
         kind, nframes, f, size, offset, first, counter = envelope(frames)
         if kind != DATA:
             raise Refused("malformed", f"a handshake message (kind {kind}) on an open connection")
         if counter <= self._newest - WINDOW or counter in self._recent:
             raise Refused("replay", f"counter {counter} was accepted before or is too old")
-        sealed = _buffer(frames[1])
-        n = len(sealed) - TAG
+        parts = [_buffer(p) for p in frames[1:]]
         part = self._partial
         if first == counter:  # a message begins (one left unfinished was lost on the way)
-            part = self._partial = _Partial(nframes, first)
-        self._partial = None  # until this piece is in place
+            part = _Partial(nframes, first)
+        self._partial = None  # until these parts are in place
         if part is None or (first, counter, nframes, f, offset) != (part.first, part.next, part.nframes,
                                                                      part.frame, part.offset):
             raise Refused("out of order", f"piece {counter} of the message from {first} is not the one expected")
-        if n < 0 or not 0 <= f < nframes or offset + n > size or size > MAX_PIECE_FRAME or (n < PIECE and
-                                                                                          offset + n < size):
-            raise Refused("malformed", f"piece of {n} bytes at {offset} of frame {f} ({size} bytes, {nframes} frames)")
-        if offset == 0:
-            part.frames.append(bytearray(size))
-        out = memoryview(part.frames[f])[offset:offset + n]
-        try:
-            self._recv.decrypt_into(self._recv_salt + counter.to_bytes(8, "little"), sealed, _buffer(frames[0]), out)
-        except InvalidTag:
-            raise Refused("bad tag", f"piece {counter - first} of a message fails authentication") from None
+        n = len(parts[0]) - TAG
+        whole = len(parts) > 1 or (offset == 0 and n == size)  # else one piece of a large frame
+        if (any(len(p) < TAG for p in parts) or f + len(parts) > nframes or offset + n > size
+                or size > MAX_PIECE_FRAME or (whole and (offset or n != size or size > PIECE))
+                or (not whole and n < PIECE and offset + n < size)):
+            raise Refused("malformed", f"{len(parts)} part(s) at {offset} of frame {f} ({size} bytes, "
+                                       f"{nframes} frames)")
+        aad = _buffer(frames[0])
+        for i, sealed in enumerate(parts):
+            if whole:
+                buf = bytearray(len(sealed) - TAG)
+                part.frames.append(buf)
+                out = memoryview(buf)
+            else:
+                if offset == 0:
+                    part.frames.append(bytearray(size))
+                out = memoryview(part.frames[f])[offset:offset + n]
+            try:
+                self._recv.decrypt_into(self._recv_salt + (counter + i).to_bytes(8, "little"), sealed, aad, out)
+            except InvalidTag:
+                raise Refused("bad tag", f"part {i + 1} of piece {counter - first} of a message fails "
+                                         "authentication") from None
         self._accepted(counter)
-        part.next, part.offset = counter + 1, offset + n
-        if part.offset >= size:
-            part.frame, part.offset = f + 1, 0
+        part.next = counter + len(parts)
+        if whole:
+            part.frame, part.offset = f + len(parts), 0
+        else:
+            part.offset = offset + n
+            if part.offset >= size:
+                part.frame, part.offset = f + 1, 0
         if part.frame < nframes:
             self._partial = part
             return None
