@@ -13,13 +13,16 @@ X25519 secret and the psk, salted with both public keys: one AES-256 key and one
 salt per direction. Who lacks the job's key cannot make a HELLO a server accepts, nor read a
 WELCOME; recorded traffic stays unreadable if the job's key leaks later (ephemeral X25519).
 
-Messages. Frame 0 is an ENVELOPE (magic, version, kind, frame count, counter); each later frame is
-one of the protocol's frames sealed with nonce = salt + (counter + i) and the envelope as
-associated data. The sender's counter only grows, by one per frame, so no nonce repeats under
-a key; the receiver refuses a counter it accepted before or one older than WINDOW behind the
-newest (a replay, or a frame held back too long), a tampered or truncated message (the tag),
-frames moved between messages or connections (other nonce, other key). Nothing is parsed
-before every tag of a message verifies.
+Messages. A protocol message travels as one or more ZeroMQ messages (`Session.seal`): frame 0
+an ENVELOPE (magic, version, kind, frame count, which frame, its size, offset, the protocol
+message's first counter, this message's counter), then sealed parts: the message's small frames
+together, or one PIECE of a large frame, so that the receiver opens a piece while the sender
+seals the next. Each part is sealed with nonce = salt + counter and the envelope as associated
+data; the counter only grows, by one per part, so no nonce repeats under a key. The receiver
+refuses a counter it accepted before or one older than WINDOW behind the newest (a replay, or a
+message held back too long), a tampered or truncated part (the tag), a piece out of order or of
+another message, parts moved between messages or connections (other nonce, other key). Nothing
+is parsed before every tag of a message verifies.
 """
 
 from __future__ import annotations
