@@ -273,38 +273,51 @@ def test_the_optimizer_refuses_settings_that_break_the_update(kwargs, message):
         optim.SGD(schedule=optim.Schedule(**schedule), **kwargs)
 
 
-# -- payloads cut into frames (no frame over MAX_FRAME: the cap every socket enforces) -------------
+# -- a payload is one frame, however large, received without a copy ----------------------------------
 
-@pytest.mark.parametrize("n", [0, 1, P.FRAME_BYTES // 4, P.FRAME_BYTES // 4 + 1, 3 * P.FRAME_BYTES // 4 + 5])
-def test_a_large_payload_travels_as_frames_no_larger_than_the_cap(n):
+@pytest.mark.parametrize("n", [0, 1, (1 << 18) + 1, 5 << 20])
+def test_a_payload_is_one_frame_sent_and_received_without_a_copy(n):
+    """Version 1 cut a payload into frames of 1 MiB, which both ends joined with a copy into a
+    fresh array (16 MiB: two 16 MiB copies and allocations per push+pull)."""
     data = np.arange(n, dtype=np.float32)
     frames = P.encode(P.Message(P.Type.PUSH, key=1, data=data))
-    payload = frames[1:]
-    assert len(payload) == max(1, -(-n * 4 // P.FRAME_BYTES))
-    assert all(memoryview(f).nbytes <= P.FRAME_BYTES <= P.MAX_FRAME for f in frames)
-    assert all(np.shares_memory(np.frombuffer(f, np.uint8), data) for f in payload if memoryview(f).nbytes)
-    back = P.decode([bytes(f) for f in frames], max_count=10**7)
+    assert len(frames) == 2 and np.shares_memory(np.frombuffer(frames[1], np.uint8), data) == bool(n)
+    received = [bytearray(bytes(f)) for f in frames]
+    back = P.decode(received, max_count=n)
+    assert np.shares_memory(back.data, np.frombuffer(received[1], np.uint8)) == bool(n)
     np.testing.assert_array_equal(back.data, data)
 
 
-def test_two_bit_payloads_are_cut_into_frames_too():
-    count = 16 * (P.FRAME_BYTES // 4) + 16  # one word more than a frame holds
-    words = np.arange(count // 16, dtype=np.uint32)
-    frames = P.encode(P.Message(P.Type.PUSH, data=words, dtype=P.DType.TWOBIT, count=count))
-    assert len(frames) == 3
-    back = P.decode([bytes(f) for f in frames], max_count=count)
-    np.testing.assert_array_equal(back.data, words)
+def test_a_node_of_protocol_version_1_is_refused_by_name():
+    v1 = P.HEADER.pack(P.MAGIC, 1, int(P.Type.PUSH), P.FLAG_DATA, int(P.DType.FLOAT32), 1, 1, 0, 1 << 18)
+    with pytest.raises(P.ProtocolError, match="protocol version 1, this node speaks 2: every node of a job"):
+        P.decode([v1, b"\0" * (1 << 20)])
 
 
-@pytest.mark.parametrize("sizes,message", [
-    ([P.FRAME_BYTES], "2 frames, flags and count say 3"),  # a frame missing
-    ([P.FRAME_BYTES - 4, 8], "in frames of"),  # frames cut elsewhere than FRAME_BYTES
-    ([P.FRAME_BYTES, 8], "payload is"),  # one float too many
-])
-def test_payload_frames_must_be_cut_as_the_sender_cuts_them(sizes, message):
-    header = _header(count=P.FRAME_BYTES // 4 + 1)
-    with pytest.raises(P.ProtocolError, match=message):
-        P.decode([header, *(b"\0" * n for n in sizes)], max_count=10**7)
+def test_a_received_frame_is_sent_back_as_it_is():
+    """A server's reply of a pushed value sends the received zmq.Frame itself (a reference count
+    in libzmq), not the array viewing it (pyzmq's zero-copy send of an array wakes its garbage
+    collector thread per frame); any other array, or part of a frame, goes as a view of its bytes."""
+    zmq = pytest.importorskip("zmq")
+    frame = zmq.Frame(np.arange(8, dtype=np.float32).tobytes())
+    head = P.HEADER.pack(P.MAGIC, P.VERSION, int(P.Type.PUSH), P.FLAG_DATA, int(P.DType.FLOAT32), 1, 1, 0, 8)
+    pushed = P.decode([head, frame])
+    assert P.encode(P.Message(P.Type.PULL, data=pushed.data, reply=True))[1] is frame
+    for other in (pushed.data[:4], pushed.data[::-1], np.arange(8, dtype=np.float32)):
+        sent = P.encode(P.Message(P.Type.PULL, data=other, reply=True))[1]
+        assert isinstance(sent, memoryview) and bytes(sent) == other.tobytes()
+
+
+@pytest.mark.parametrize("secure,cap", [(True, P.MAX_FRAME), (False, 16 << 30)])
+def test_only_a_plain_data_plane_takes_frames_over_the_cap(secure, cap):
+    """A secure job's data plane carries sealed pieces of at most channel.PIECE bytes, checked before
+    anything is parsed: its frames stay under MAX_FRAME. A plain job's payload is one frame, up to
+    the largest message a server accepts (whoever can connect to a plain job may push anyway)."""
+    from tfkv.ps import channel
+
+    assert channel.PIECE + channel.TAG < P.MAX_FRAME
+    assert P.max_frame(secure, 16 << 30) == cap
+    assert P.max_frame(False, 1000) == P.MAX_FRAME
 
 
 # -- what a node says when it refuses, and how much metadata one frame carries ----------------------
@@ -327,8 +340,8 @@ def test_the_refusal_of_any_malformed_request_is_an_error_its_sender_can_read():
 
 def test_metadata_fits_one_frame_with_room_for_curve():
     """A frame of MAX_FRAME is disconnected under CURVE (its ~40 bytes count against the cap):
-    metadata is held to FRAME_BYTES as payload frames are, refused by encode, not lost on the wire."""
-    assert P.MAX_META <= P.FRAME_BYTES < P.MAX_FRAME
+    metadata is held to 1 MiB, refused by encode, not lost on the wire."""
+    assert P.MAX_META < P.MAX_FRAME
     fits = {"reason": "x" * (P.MAX_META - len('{"reason":""}'))}
     assert len(bytes(P.encode(P.Message(P.Type.FAILED, meta=fits))[1])) == P.MAX_META
     with pytest.raises(ValueError, match="metadata"):
@@ -337,34 +350,9 @@ def test_metadata_fits_one_frame_with_room_for_curve():
         P.decode([_header(flags=P.FLAG_META, count=0, dtype=0), b" " * (P.MAX_META + 1)])
 
 
-def test_a_joined_payload_does_not_keep_its_frames_alive():
-    """A payload of several frames is copied into one array: the received frames are released
-    then, not held next to the copy for as long as the message (a held push took twice its size)."""
-    import gc
-    import weakref
-
-    data = np.arange(P.FRAME_BYTES // 4 + 10, dtype=np.float32)
-    received = [np.frombuffer(bytes(f), np.uint8).copy() for f in P.encode(P.Message(P.Type.PUSH, data=data))]
-    alive = [weakref.ref(f) for f in received]
-    back = P.decode(received, max_count=10**7)
-    del received
-    gc.collect()
-    assert not any(ref() is not None for ref in alive[1:]), "the payload frames outlive their copy"
-    np.testing.assert_array_equal(back.data, data)
-    one = [np.frombuffer(bytes(f), np.uint8).copy() for f in P.encode(P.Message(P.Type.PUSH, data=data[:10]))]
-    assert np.shares_memory(P.decode(one).data, one[1])  # one frame: received without a copy
-
-
-def test_an_array_of_1_mib_is_one_frame_and_received_without_a_copy():
-    data = np.arange(1 << 18, dtype=np.float32)  # 1 MiB, a 512 x 512 float32 weight
-    frames = [np.frombuffer(bytes(f), np.uint8).copy() for f in P.encode(P.Message(P.Type.PUSH, data=data))]
-    assert len(frames) == 2 and len(frames[1]) == 1 << 20 <= P.MAX_FRAME
-    assert np.shares_memory(P.decode(frames, max_count=1 << 18).data, frames[1])
-
-
 def test_the_server_sends_full_payload_frames_without_a_copy():
-    """The server copies reply frames below its copy threshold: the threshold must lie below
-    the largest frame it sends, or the zero-copy path is never taken."""
+    """The server copies reply frames below its copy threshold: a reply of 1 MiB (a 512 x 512
+    weight) must take the zero-copy path."""
     from tfkv.ps import server
 
-    assert server.COPY_THRESHOLD < P.FRAME_BYTES
+    assert server.COPY_THRESHOLD < 1 << 20

@@ -110,18 +110,19 @@ def test_every_socket_bounds_what_an_unauthenticated_peer_costs():
         sock.close(linger=0)
 
 
-def test_a_payload_of_several_frames_passes_the_frame_cap_under_curve():
-    """CURVE adds bytes to every frame and libzmq counts them against the cap: payload frames
-    must leave room (1 MiB frames were dropped, and every secure job with a key over 1 MiB
-    failed with 'the reply was lost'). In a child: a CURVE server socket starts a ZAP thread."""
-    code = ("import numpy as np, zmq; from tfkv import keys as job_keys; from tfkv.ps import protocol as P, security\n"
+def test_the_largest_control_message_passes_the_frame_cap_under_curve():
+    """CURVE adds bytes to every frame and libzmq counts them against the cap: the largest frame
+    the CURVE control plane carries (metadata of MAX_META) must leave room (1 MiB payload frames
+    were dropped, and every secure job with a key over 1 MiB failed with 'the reply was lost';
+    payloads now travel on the sealed data plane). In a child: a CURVE server socket starts a ZAP thread."""
+    code = ("import zmq; from tfkv import keys as job_keys; from tfkv.ps import protocol as P, security\n"
             "keys = job_keys.new_keys(); ctx = zmq.Context()\n"
             "r = ctx.socket(zmq.ROUTER); security.server_socket(r, keys); port = r.bind_to_random_port('tcp://127.0.0.1')\n"
             "d = ctx.socket(zmq.DEALER); security.client_socket(d, keys); d.connect(f'tcp://127.0.0.1:{port}')\n"
-            "x = np.arange(3 << 18, dtype=np.float32)\n"
-            "d.send_multipart(P.encode(P.Message(P.Type.INIT, key=1, data=x)), copy=False)\n"
+            "meta = {'reason': 'x' * (P.MAX_META - len('{\"reason\":\"\"}'))}\n"
+            "d.send_multipart(P.encode(P.Message(P.Type.FAILED, meta=meta)))\n"
             "assert r.poll(10000), 'the message never arrived: its sender was disconnected'\n"
-            "assert np.array_equal(P.decode(r.recv_multipart()[1:]).data, x)\n")
+            "assert len(r.recv_multipart()[2]) == P.MAX_META\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 

@@ -1,24 +1,28 @@
 """The parameter server's wire format: ZeroMQ multipart messages with a fixed binary header.
 
     frame 0   header, 28 bytes, little-endian (HEADER below)
-    frame 1   JSON object, only if FLAG_META is set (control messages; at most MAX_META bytes,
-              FRAME_BYTES like a payload frame)
-    frame 2+  payload, only if FLAG_DATA is set, cut into frames of FRAME_BYTES (the last one
-              shorter; always at least one frame); sent from numpy buffers without copies, and
-              received without copies when it fits one frame. dtype FLOAT32: `count` float32
-              values (count*4 bytes); dtype TWOBIT: `count` values 2-bit compressed
-              (tfkv.ps.compression), ceil(count/16) uint32 words, so a push of n gradients
-              is 16x smaller on the wire
+    frame 1   JSON object, only if FLAG_META is set (control messages; at most MAX_META bytes)
+    frame 2   payload, only if FLAG_DATA is set: one frame, sent from the numpy buffer without
+              a copy and received without a copy (the array views the received frame). dtype
+              FLOAT32: `count` float32 values (count*4 bytes); dtype TWOBIT: `count` values
+              2-bit compressed (tfkv.ps.compression), ceil(count/16) uint32 words, so a push of
+              n gradients is 16x smaller on the wire
 
-No frame is larger than MAX_FRAME, and every socket refuses larger ones (ZMQ_MAXMSGSIZE, set
-by tfkv.ps.security): libzmq applies that cap per frame and also to the frames of a CURVE
-handshake, so a peer that has not authenticated can make a node buffer at most MAX_FRAME
-bytes, while a large chunk travels as several frames of one message.
+A payload is one frame however large (a worker cuts a key's part into messages of at most
+TFKV_CHUNK_BYTES, 16 MiB): version 1 cut it into frames of 1 MiB, which both ends joined with a
+copy into a fresh array. What a peer can make a node buffer is bounded per socket instead
+(ZMQ_MAXMSGSIZE, `max_frame`): MAX_FRAME (1 MiB + 4 KiB) on every socket whose peers may not be
+of the job, i.e. the scheduler's CURVE sockets (libzmq applies the cap to the frames of a
+CURVE handshake too) and a secure job's data plane, where every frame on the wire is a sealed
+piece of at most tfkv.ps.channel.PIECE bytes, checked before anything is parsed; only a plain
+job's data plane (TFKV_SECURE=0, no authentication at all: whoever connects may push) takes
+frames up to TFKV_MAX_MESSAGE_BYTES, the largest payload a server accepts anyway.
 
 Nothing received is unpickled or evaluated: the header is unpacked with `struct`, metadata is
 parsed by `json` and checked against its message type's schema (`tfkv.ps.schema`), payloads
 are viewed by `numpy.frombuffer`. Every field is checked; a message that does not fit raises
-`ProtocolError` and the receiver answers with an error or drops it.
+`ProtocolError` and the receiver answers with an error or drops it. A node of another protocol
+version (1: payloads in 1 MiB frames) is refused by name.
 This module imports neither TensorFlow nor anything heavy.
 """
 
@@ -27,7 +31,7 @@ from __future__ import annotations
 import enum
 import json
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -37,18 +41,22 @@ from tfkv.ps import schema
 from tfkv.ps.compression import words
 
 MAGIC = 0x4B54  # "TK"
-VERSION = 1
+VERSION = 2  # 2: a payload is one frame (1: cut into frames of 1 MiB)
 HEADER = struct.Struct("<HBBBBHIQQ")  # magic version type flags dtype sender seq key count
-# What a node puts in one frame: 1 MiB, so that an array of 1 MiB (a 512 x 512 float32 weight)
-# travels as one frame and is received without a copy on either side (at 1 MiB - 4 KiB it was
-# two frames, joined by a copy on the server and again on the worker).
-FRAME_BYTES = 1 << 20
-# The largest frame a socket accepts (ZMQ_MAXMSGSIZE): FRAME_BYTES and room for what wraps a
-# frame. CURVE's MESSAGE command adds about 40 bytes that libzmq counts against the cap (a frame
-# of exactly the cap got its sender disconnected and the message lost in every secure job), the
-# data plane's AES-GCM 16 (tfkv.ps.channel).
-MAX_FRAME = FRAME_BYTES + 4096
-MAX_META = FRAME_BYTES  # metadata is one frame: encode refuses more, decode too
+# The largest frame a socket accepts when its peers are not known to be of the job (ZMQ_MAXMSGSIZE,
+# see the docstring and `max_frame`): 1 MiB and room for what wraps a frame. CURVE's MESSAGE command
+# adds about 40 bytes that libzmq counts against the cap (a frame of exactly the cap got its sender
+# disconnected and the message lost in every secure job), the data plane's AES-GCM 16 (tfkv.ps.channel).
+MAX_FRAME = (1 << 20) + 4096
+MAX_META = 1 << 20  # metadata is one frame: encode refuses more, decode too
+
+
+def max_frame(secure: bool, max_message_bytes: int) -> int:
+    """The frame cap (ZMQ_MAXMSGSIZE) of a data-plane socket: MAX_FRAME in a secure job (every
+    frame on the wire is a sealed piece, tfkv.ps.channel), the largest payload a server accepts
+    in a plain one, whose payloads travel as one frame each."""
+    return MAX_FRAME if secure else max(MAX_FRAME, max_message_bytes)
+
 
 FLAG_META = 1
 FLAG_DATA = 2
@@ -86,6 +94,12 @@ class Type(enum.IntEnum):
     ERROR = 31  # meta: message
 
 
+_TYPES = {int(t): t for t in Type}  # decode's lookups: dicts, not Enum calls (every message)
+_NAMES = {t: t.name for t in Type}
+_DTYPES = {int(DType.FLOAT32): (DType.FLOAT32, np.float32), int(DType.TWOBIT): (DType.TWOBIT, np.uint32)}
+_FLAGS = FLAG_META | FLAG_DATA | FLAG_REPLY | FLAG_ACK
+
+
 class ProtocolError(TfkvError, ValueError):
     """A message that is not valid tfkv protocol; the text says what is wrong."""
 
@@ -102,7 +116,6 @@ class Message:
     count: int = 0  # TWOBIT only: how many values the words represent
     reply: bool = False
     want_ack: bool = True
-    frames: list[Any] = field(default_factory=list, repr=False)  # the received buffers `data` views, if any
 
 
 def encode(msg: Message) -> list[Any]:
@@ -126,11 +139,25 @@ def encode(msg: Message) -> list[Any]:
         else:
             data = np.ascontiguousarray(msg.data, dtype=np.float32).reshape(-1)
             count, dtype = data.size, DType.FLOAT32
-        raw = memoryview(data).cast("B")
-        frames.extend(raw[i:i + FRAME_BYTES] for i in range(0, max(len(raw), 1), FRAME_BYTES))
+        frames.append(_received_frame(data) or memoryview(data).cast("B"))
     frames[0] = HEADER.pack(MAGIC, VERSION, int(msg.type), flags, int(dtype), msg.sender,
                             msg.seq & 0xFFFFFFFF, msg.key, count)
     return frames
+
+
+def _received_frame(data: np.ndarray) -> Any:
+    """The received zmq.Frame that `data` views whole, if any (a server's reply of a pushed value):
+    sent as it is, which shares its buffer with libzmq by a reference count, where sending the
+    array zero-copy goes through pyzmq's garbage-collector thread (a wakeup and the GIL per frame)."""
+    base = data.base
+    while type(base) is np.ndarray:  # a view of a view (encode's reshape)
+        base = base.base
+    # Contiguous and as long as the whole buffer: it starts where the buffer does.
+    if type(base) is memoryview and base.nbytes == data.nbytes and data.flags.c_contiguous:
+        frame = base.obj
+        if hasattr(frame, "buffer"):  # a zmq.Frame (this module does not import zmq)
+            return frame
+    return None
 
 
 def _buffer(frame: Any) -> memoryview:
@@ -148,16 +175,16 @@ def decode(frames: Sequence[Any], max_count: int | None = None) -> Message:
     if magic != MAGIC:
         raise ProtocolError(f"bad magic 0x{magic:04x}: not a tfkv message")
     if version != VERSION:
-        raise ProtocolError(f"protocol version {version}, this node speaks {VERSION}")
-    try:
-        kind = Type(type_)
-    except ValueError:
-        raise ProtocolError(f"unknown message type {type_}") from None
-    if flags & ~(FLAG_META | FLAG_DATA | FLAG_REPLY | FLAG_ACK):
+        raise ProtocolError(f"protocol version {version}, this node speaks {VERSION}: every node of a job must "
+                            "run the same tfkv release")
+    kind = _TYPES.get(type_)
+    if kind is None:
+        raise ProtocolError(f"unknown message type {type_}")
+    if flags & ~_FLAGS:
         raise ProtocolError(f"unknown flags 0x{flags:02x}")
     nbytes = 0
     if flags & FLAG_DATA:
-        if dtype not in (DType.FLOAT32, DType.TWOBIT):
+        if dtype not in _DTYPES:
             raise ProtocolError(f"{kind.name}: dtype code {dtype} is not supported (float32, 2-bit)")
         # For TWOBIT, count is the number of values represented: the limit bounds what decoding
         # them will allocate, not only the bytes received.
@@ -168,8 +195,7 @@ def decode(frames: Sequence[Any], max_count: int | None = None) -> Message:
         nbytes = words(count) * 4 if dtype == DType.TWOBIT else count * 4
     elif count or dtype:
         raise ProtocolError(f"{kind.name}: count/dtype set without a payload")
-    npayload = max(1, -(-nbytes // FRAME_BYTES)) if flags & FLAG_DATA else 0
-    expected = 1 + bool(flags & FLAG_META) + npayload
+    expected = 1 + bool(flags & FLAG_META) + bool(flags & FLAG_DATA)
     if len(frames) != expected:
         raise ProtocolError(f"{kind.name}: {len(frames)} frames, flags and count say {expected}")
     msg = Message(kind, sender, seq, key, reply=bool(flags & FLAG_REPLY), want_ack=bool(flags & FLAG_ACK))
@@ -189,23 +215,15 @@ def decode(frames: Sequence[Any], max_count: int | None = None) -> Message:
         msg.meta = meta
         i += 1
     if flags & FLAG_DATA:
-        parts = [_buffer(f) for f in frames[i:]]
-        sizes = [len(p) for p in parts]
-        if sum(sizes) != nbytes or any(n != FRAME_BYTES for n in sizes[:-1]):
+        raw = _buffer(frames[i])
+        if len(raw) != nbytes:
             what = f"{count} 2-bit values ({nbytes} bytes)" if dtype == DType.TWOBIT else f"{count} float32"
-            split = f" in frames of {sizes[:3]}{'...' if len(sizes) > 3 else ''}" if len(sizes) > 1 else ""
-            raise ProtocolError(f"{kind.name}: payload is {sum(sizes)} bytes{split}, header says {what}")
-        if len(parts) == 1:
-            raw: Any = parts[0]  # the received buffer itself: no copy
-            msg.frames = list(frames)
-        else:  # one copy, into one array (numpy needs the payload contiguous); the frames are let go
-            raw = np.empty(nbytes, np.uint8)
-            for j, part in enumerate(parts):
-                raw[j * FRAME_BYTES:j * FRAME_BYTES + len(part)] = np.frombuffer(part, np.uint8)
-        msg.data = np.frombuffer(raw, dtype=np.uint32 if dtype == DType.TWOBIT else np.float32)
-        msg.dtype, msg.count = DType(dtype), count
+            raise ProtocolError(f"{kind.name}: payload is {len(raw)} bytes, header says {what}")
+        msg.dtype, array_type = _DTYPES[dtype]
+        msg.data = np.frombuffer(raw, array_type)  # the received buffer itself: no copy
+        msg.count = count
     try:
-        schema.check(kind.name, msg.reply, msg.meta, msg.data is not None)
+        schema.check(_NAMES[kind], msg.reply, msg.meta, msg.data is not None)
     except schema.SchemaError as e:
         raise ProtocolError(f"{kind.name}: {e}") from None
     except Exception as e:  # a check's own failure: still this message's fault, never the node's end

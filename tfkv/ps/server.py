@@ -55,7 +55,6 @@ class Round:
     """One synchronous round of a key: who has pushed and what is waiting."""
 
     merged: np.ndarray | None = None
-    owned: bool = False  # merged is this round's own array (not a received buffer)
     pushed: set[int] = field(default_factory=set)
     pulls: list[tuple[bytes, P.Message]] = field(default_factory=list)
     held: list[tuple[bytes, P.Message]] = field(default_factory=list)
@@ -67,6 +66,8 @@ class Server:
         # Workers' requests come on a plain socket and, in a secure job, every message is sealed
         # with this connection's AES-GCM keys (tfkv.ps.channel): CURVE's cipher ran at a sixth of it.
         self.sock = security.router_socket(None)
+        # A plain job's payloads travel as one frame each (protocol.max_frame has the bound).
+        self.sock.setsockopt(zmq.MAXMSGSIZE, P.max_frame(env.keys is not None, env.max_message_bytes))
         self._psk = channel.psk(env.keys.secret) if env.keys is not None else None
         self.sessions: dict[bytes, channel.Session] = {}  # per connection (ROUTER identity)
         self._hellos: dict[bytes, tuple[bytes, list[bytes]]] = {}  # the HELLO each was welcomed for
@@ -76,7 +77,7 @@ class Server:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # Reply frames from 64 KiB up are sent without a copy (pyzmq's zero-copy send, released
         # by its helper thread); smaller ones are copied, cheaper than that release. The cap must
-        # be below protocol.FRAME_BYTES, the largest frame sent: at 2 MiB every reply was copied
+        # be below 1 MiB (a 512 x 512 weight): at 2 MiB with 1 MiB frames every reply was copied
         # (bench_security --mode plain, push+pull of 4 and 16 MiB: 0.9-1.1 GB/s copied, 1.2-1.5 zero-copy).
         self.sock.copy_threshold = COPY_THRESHOLD
         self.host = env.bind_address()
@@ -106,8 +107,11 @@ class Server:
     # -- loop ----------------------------------------------------------------------------------
 
     def run(self) -> int:
+        # One poller for the life of the loop (Socket.poll builds a zmq.Poller per call, per message).
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
         while not self.link.shutdown.is_set():
-            if not self.sock.poll(100):
+            if not poller.poll(100):
                 continue
             frames = self.sock.recv_multipart(copy=False)
             identity, frames = frames[0].bytes, frames[1:]
@@ -296,15 +300,16 @@ class Server:
             r.held.append((identity, msg))
             self._held[msg.sender] += msg.want_ack
             return  # acknowledged when its round opens
-        # The first push's buffer is kept as it arrived (read-only, nothing ever writes into a
-        # stored value); the second sums into a fresh array, which no one else sees until the
-        # round closes, so the later ones add into it in place (into a decoded 2-bit push too).
+        # The later pushes add into the first one's buffer: received (a zmq frame, or the channel's
+        # opened frame) or decoded from 2 bits, it belongs to this round alone until the round
+        # closes, and no stored value is ever written into (a reply may still be sending one).
+        # A fresh array per round cost a 16 MiB key an allocation and its page faults per step.
         if r.merged is None:
-            r.merged, r.owned = data, msg.dtype == P.DType.TWOBIT  # decoded 2-bit: a fresh array
-        elif r.owned:
+            r.merged = data
+        elif r.merged.flags.writeable:
             self.add(r.merged, data, out=r.merged)
-        else:
-            r.merged, r.owned = self.add(r.merged, data), True
+        else:  # a read-only buffer (bytes): the sum goes into a fresh array, later pushes into it
+            r.merged = self.add(r.merged, data)
         r.pushed.add(msg.sender)
         self._ack_push(identity, msg)
         if len(r.pushed) == len(self.workers):
