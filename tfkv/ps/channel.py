@@ -32,6 +32,7 @@ import hmac
 import struct
 from typing import Any, Iterator, Sequence
 
+import numpy as np
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
@@ -102,7 +103,7 @@ class _Partial:
     """A protocol message whose pieces are arriving: where the next one must go."""
 
     def __init__(self, nframes: int, first: int):
-        self.frames: list[bytearray] = []
+        self.frames: list[np.ndarray] = []
         self.nframes, self.first, self.next = nframes, first, first
         self.frame, self.offset = 0, 0  # where the next piece belongs
 
@@ -150,12 +151,14 @@ class Session:
         head = ENVELOPE.pack(MAGIC, VERSION, DATA, nframes, frame, size, offset, first, counter)
         out: list[Any] = [head]
         for i, part in enumerate(parts):
-            sealed = bytearray(len(part) + TAG)
+            # numpy's empty, not bytearray: a piece is over glibc's mmap threshold, and bytearray's
+            # fresh zeroed mapping per piece cost 4x the cipher (0.47 against 0.11 ms per MiB).
+            sealed = np.empty(len(part) + TAG, np.uint8)
             self._send.encrypt_into(self._send_salt + (counter + i).to_bytes(8, "little"), part, head, sealed)
             out.append(sealed)
         return out
 
-    def open(self, frames: Sequence[Any]) -> list[bytearray] | None:
+    def open(self, frames: Sequence[Any]) -> list[np.ndarray] | None:
         """One received ZeroMQ message (whole small frames, or a piece of a large one): the
         protocol frames once their message is whole, None until then; Refused (and the message it
         belonged to dropped) if it fails any check."""
@@ -182,12 +185,12 @@ class Session:
         aad = _buffer(frames[0])
         for i, sealed in enumerate(parts):
             if whole:
-                buf = bytearray(len(sealed) - TAG)
+                buf = np.empty(len(sealed) - TAG, np.uint8)  # not bytearray: see _sealed
                 part.frames.append(buf)
                 out = memoryview(buf)
             else:
                 if offset == 0:
-                    part.frames.append(bytearray(size))
+                    part.frames.append(np.empty(size, np.uint8))
                 out = memoryview(part.frames[f])[offset:offset + n]
             try:
                 self._recv.decrypt_into(self._recv_salt + (counter + i).to_bytes(8, "little"), sealed, aad, out)
