@@ -30,9 +30,9 @@ def _msg(n=1000, seq=1):
 
 def test_a_sealed_message_opens_to_the_same_frames_and_hides_them():
     worker, server = _pair()
-    data = np.arange(600_000, dtype=np.float32)  # 2.4 MB: frames of 1 MiB, pieces of 256 KiB
+    data = np.arange(600_000, dtype=np.float32)  # 2.4 MB: in pieces of 1 MiB
     sealed = list(worker.seal(P.encode(P.Message(P.Type.PUSH, sender=9, seq=1, key=3, data=data))))
-    assert len(sealed) == 1 + 10 and all(len(piece) == 2 for piece in sealed)
+    assert len(sealed) == 1 + -(-data.nbytes // channel.PIECE) and all(len(piece) == 2 for piece in sealed)
     assert data[:64].tobytes() not in b"".join(bytes(f) for piece in sealed for f in piece)
     got = P.decode(_through(server, sealed), max_count=10**6)
     assert got.seq == 1 and np.array_equal(got.data, data)
@@ -43,7 +43,29 @@ def test_a_sealed_message_opens_to_the_same_frames_and_hides_them():
 def test_nonces_never_repeat_across_frames_and_messages():
     worker, _ = _pair()
     used = [channel.envelope(piece)[-1] for seq in range(5) for piece in worker.seal(_msg(300_000, seq))]
-    assert len(used) == 5 * (1 + 5) and len(used) == len(set(used))  # header + 1.2 MB in pieces
+    assert len(used) == 5 * (1 + -(-1_200_000 // channel.PIECE)) and len(used) == len(set(used))  # header + 1.2 MB
+
+
+def test_a_received_frame_is_opened_in_place_and_a_tampered_one_still_refused():
+    """A received zmq.Frame (writable) is decrypted into its own buffer: the payload views it, no
+    allocation. In-place decryption must still check the tag: a flipped bit is refused."""
+    zmq = pytest.importorskip("zmq")
+    worker, server = _pair()
+    data = np.arange(200_000, dtype=np.float32)
+    sealed = [[zmq.Frame(bytes(f)) for f in piece] for piece in worker.seal(P.encode(
+        P.Message(P.Type.PUSH, sender=9, seq=1, key=3, data=data)))]
+    got = P.decode(_through(server, sealed), max_count=10**6)
+    assert np.array_equal(got.data, data)
+    assert np.shares_memory(got.data, np.frombuffer(sealed[-1][-1].buffer, np.uint8))
+    # Sent back, the payload is a view of the frame less its tag, so never the frame itself.
+    assert bytes(P.encode(P.Message(P.Type.PULL, data=got.data, reply=True))[1]) == data.tobytes()
+    tampered = [[zmq.Frame(bytes(f)) for f in piece] for piece in worker.seal(P.encode(
+        P.Message(P.Type.PUSH, sender=9, seq=2, key=3, data=data)))]
+    raw = bytearray(tampered[-1][-1].bytes)
+    raw[1000] ^= 4
+    tampered[-1][-1] = zmq.Frame(bytes(raw))
+    with pytest.raises(channel.Refused, match="authentication"):
+        _through(server, tampered)
 
 
 @pytest.mark.parametrize("where", ["envelope", "header", "payload", "tag"])

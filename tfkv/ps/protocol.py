@@ -155,7 +155,9 @@ def _received_frame(data: np.ndarray) -> Any:
     # Contiguous and as long as the whole buffer: it starts where the buffer does.
     if type(base) is memoryview and base.nbytes == data.nbytes and data.flags.c_contiguous:
         frame = base.obj
-        if hasattr(frame, "buffer"):  # a zmq.Frame (this module does not import zmq)
+        # A zmq.Frame (this module does not import zmq) of exactly these bytes: a secure job's
+        # payload is opened in place and views its sealed frame less the tag (tfkv.ps.channel).
+        if hasattr(frame, "buffer") and len(frame) == data.nbytes:
             return frame
     return None
 
