@@ -62,6 +62,17 @@ def test_a_checkpoint_of_more_than_ten_thousand_variables_loads_back(tmp_path):
     assert [float(w[0]) for w in ckpt.weights] == list(range(10_001))
 
 
+def _edit_epoch(f: Path) -> None:
+    """Still valid JSON, another position: only the checksum can tell."""
+    state = json.loads(f.read_text())
+    state["epoch"] += 5
+    f.write_text(json.dumps(state))
+
+
+DAMAGE["edited"] = ("state.json", _edit_epoch, "state.json does not match its checksum in SHA256SUMS")
+DAMAGE["sums missing"] = ("SHA256SUMS", lambda f: f.unlink(), "SHA256SUMS is missing")
+
+
 @pytest.mark.parametrize("case", sorted(DAMAGE))
 def test_a_damaged_checkpoint_is_one_line_naming_the_file(tmp_path, case):
     name, damage, message = DAMAGE[case]
@@ -69,10 +80,30 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_file(tmp_path, case):
     newest = _save(tmp_path, 2)
     damage(newest / name)
     with pytest.raises(ConfigError) as e:
-        checkpoint.load(checkpoint.find_resume(str(tmp_path), tmp_path / "new", tmp_path, []))
+        checkpoint.load(newest)
     text = str(e.value)
     assert "\n" not in text and str(newest / name) in text and message in text, text
     assert f"resume={tmp_path / 'checkpoints' / 'epoch-0001'}" in text, text  # the one to use instead
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGE))
+def test_resuming_a_run_passes_over_a_damaged_newest_checkpoint_with_one_warning(tmp_path, case, caplog):
+    name, damage, message = DAMAGE[case]
+    _save(tmp_path, 1)
+    damage(_save(tmp_path, 2) / name)
+    with caplog.at_level("WARNING", logger="tfkv"):
+        found = checkpoint.find_resume(str(tmp_path), tmp_path / "new", tmp_path, [])
+    assert found == tmp_path / "checkpoints" / "epoch-0001"
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert message in line and "continuing from" in line and str(found) in line, line
+    np.testing.assert_array_equal(checkpoint.load(found).weights[0], np.arange(6, dtype=np.float32).reshape(2, 3) + 1)
+
+
+def test_a_run_whose_only_checkpoint_is_damaged_is_refused_not_restarted(tmp_path):
+    (_save(tmp_path, 1) / "weights.npz").write_bytes(b"")
+    for resume in (str(tmp_path), "auto"):
+        with pytest.raises(ConfigError, match="start afresh"):
+            checkpoint.find_resume(resume, tmp_path, tmp_path, [])
 
 
 def _one_line(proc) -> str:
@@ -84,9 +115,10 @@ def _one_line(proc) -> str:
 
 def test_tfkv_run_refuses_another_models_or_a_truncated_checkpoint_in_one_line(tmp_path):
     tfkv_run("epochs=1", "progress=false", "hydra.run.dir=first", cwd=tmp_path)
-    for other in ("model.hidden=[32]", "optimizer=adam"):
+    for other, first in (("model.hidden=[32]", "model.hidden is [256, 128] in the checkpoint, [32] here"),
+                         ("optimizer=adam", "optimizer.name is 'sgd' in the checkpoint, 'adam' here")):
         line = _one_line(tfkv_run("epochs=2", "progress=false", "resume=first", other, cwd=tmp_path, check=False))
-        assert "does not fit this model and optimizer" in line and "resume=false" in line, line
+        assert "does not fit this model and optimizer" in line and first in line and "resume=false" in line, line
     weights = tmp_path / "first" / "checkpoints" / "epoch-0001" / "weights.npz"
     weights.write_bytes(weights.read_bytes()[:300])
     line = _one_line(tfkv_run("epochs=2", "progress=false", "resume=first", cwd=tmp_path, check=False))

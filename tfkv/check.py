@@ -52,6 +52,7 @@ def validate(cfg: Any) -> None:
     _cluster(cfg)
     _placement(cfg)
     checks.resume(cfg, checkpoint.NO)
+    checks.checkpointing(cfg.checkpoint)
 
 
 def cluster_schema(launcher: str) -> type:

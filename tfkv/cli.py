@@ -101,6 +101,10 @@ def _launch(cfg: Any, run_dir: Path, overrides: list[str], cwd: Path) -> float:
     # resume=true means an earlier run of this command here, where its outputs are; the workers
     # get the checkpoint's path as they see it (under sync_dst_dir on the hosts of a synced tree).
     resume_from = checkpoint.find_resume(cfg.resume, run_dir, cwd, overrides)
+    if resume_from:  # before any role starts
+        from omegaconf import OmegaConf
+
+        checkpoint.check_fits(resume_from, OmegaConf.to_container(cfg, resolve=True))
     cfg.resume = job.remote_path(opts, cwd, resume_from) if resume_from else False
     hc = HydraConfig.get()
     env = worker.record(cfg, run_dir, hc)

@@ -24,7 +24,7 @@ from tfkv.tracking import metric_keys
 log = logging.getLogger("tfkv")
 
 
-def _summary(history: list[dict[str, Any]]) -> dict[str, Any]:
+def _summary(history: list[dict[str, Any]], resumes: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     last = history[-1]
     # The first epoch pays for tracing and warm-up; steady state is what a user plans with.
     steady = history[1:] or history
@@ -35,6 +35,7 @@ def _summary(history: list[dict[str, Any]]) -> dict[str, Any]:
         **{k: last[k] for k in metric_keys(last)},
         "samples_per_sec": samples / seconds if seconds else 0.0,
         "history": history,
+        **({"resumes": resumes} if resumes else {}),
     }
 
 
@@ -42,6 +43,7 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
     """Train as `cfg` (a validated `tfkv.config.Config`) says; return the final metrics."""
     import keras
     import tensorflow as tf
+    from omegaconf import OmegaConf
     from tqdm import tqdm
 
     from tfkv import checkpoint, data, export, models, optim, store as stores, tracking
@@ -72,6 +74,9 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
         optimizer = optim.from_config(cfg.optimizer, steps, cfg.epochs)
         lr_at = _lr_schedule(optimizer, store)
         resume_from = checkpoint.find_resume(cfg.resume, run_dir, search_root or Path.cwd(), overrides)
+        config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+        if resume_from:  # before anything is built: the first setting that differs, in one line
+            checkpoint.check_fits(resume_from, OmegaConf.to_container(cfg, resolve=True))
         ckpt = checkpoint.load(resume_from) if resume_from else None
 
         criterion = Criterion.from_config(cfg.loss, cfg.metrics)
@@ -91,6 +96,7 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
                 )
             if ckpt and not cfg.eval_only:  # evaluation needs no optimizer state (a dist_* one fits no other store)
                 dp.load_optimizer(ckpt.optimizer, run_dir)
+                _set_rng(dp, ckpt.rng)
         except (ValueError, KeyError) as e:
             if not ckpt:
                 raise
@@ -103,10 +109,21 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
             store.close()
             return final
         history: list[dict[str, Any]] = list(ckpt.history) if ckpt else []
-        start = ckpt.epoch + 1 if ckpt else 1
+        resumes: list[dict[str, Any]] = list(ckpt.resumes) if ckpt else []
+        start, skip = (ckpt.epoch + 1, ckpt.step) if ckpt else (1, 0)
         if ckpt:
-            log.info("resumed from %s at epoch %d", ckpt.path, ckpt.epoch)
+            resumes.append({"from": str(ckpt.path), "epoch": ckpt.epoch, "step": ckpt.step,
+                            "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+            log.info("resumed from %s at epoch %d%s (resume %d of this run)", ckpt.path, ckpt.epoch,
+                     f", step {ckpt.step} of epoch {ckpt.epoch + 1}" if ckpt.step else "", len(resumes))
         chief = store.rank == 0
+        policy = checkpoint.Policy.from_config(cfg.checkpoint)
+
+        def save(epoch: int, step: int = 0) -> None:
+            checkpoint.save(run_dir, epoch, dp.get_weights(), dp.weight_names(), dp.save_optimizer, history,
+                            step=step, rng=_rng_state(dp), config=config_yaml, resumes=resumes,
+                            keep_last=cfg.checkpoint.keep_last)
+            policy.saved()
         if cfg.placement is not None:
             log.info("%s split over %s (batch %d in %d micro-batches), kvstore=%s, %d worker(s), "
                      "%d steps/epoch", models.name(cfg.model), ",".join(cfg.devices), cfg.batch_size,
@@ -120,18 +137,23 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
 
         for epoch in range(start, cfg.epochs + 1):
             batches = source.train(epoch)
+            first = skip if epoch == start else 0  # a mid-epoch checkpoint: its steps are done
+            if first:  # the epoch's order is a function of (seed, epoch): the same batches follow
+                batches = batches.skip(first)
             bar = tqdm(total=steps, desc=f"epoch {epoch}/{cfg.epochs}", unit="step", leave=False,
                        disable=None if (cfg.progress and chief) else True, mininterval=0.5)
             # The workers start the clock together: otherwise a worker's epoch would include
             # waiting for worker 0's checkpoint and the others' evaluation (no-op alone).
             store.barrier()
             t0 = time.perf_counter()
-            for i, (x, y) in enumerate(batches, 1):
+            for i, (x, y) in enumerate(batches, first + 1):
                 dp.step(x, y)
+                if chief and i < steps and policy.due((epoch - 1) * steps + i):
+                    save(epoch - 1, i)
                 if i % cfg.log_every == 0 or i == steps:
                     running = dp.peek_metrics()
                     bar.update(i - bar.n)
-                    rate = i * cfg.batch_size * store.num_workers / (time.perf_counter() - t0)
+                    rate = (i - first) * cfg.batch_size * store.num_workers / (time.perf_counter() - t0)
                     bar.set_postfix({**{k: f"{v:.4f}" for k, v in running.items()},
                                      "lr": f"{lr_at((epoch - 1) * steps + i):.3g}", "samples/s": f"{rate:.0f}"})
                     if writer is not None:
@@ -155,6 +177,8 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
                 "samples": seen * store.num_workers, "train_seconds": seconds,
                 "lr": lr_at(epoch * steps),  # of the epoch's last update
             }
+            if first:  # the training values are of the steps after the checkpoint
+                record["resumed_at_step"] = first
             history.append(record)
             log.info("epoch %d/%d  %s  %.0f samples/s  %.1fs", epoch, cfg.epochs,
                      "  ".join(f"{k} {record[k]:.4f}" for k in metric_keys(record)),
@@ -164,15 +188,14 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
                     for name in tracking.curves(record):
                         tf.summary.scalar(f"epoch/{name}", record[name], step=epoch)
                 written(writer.flush, run_dir / "tensorboard")
-                checkpoint.save(run_dir, epoch, dp.get_weights(), dp.weight_names(),
-                                dp.save_optimizer, history)
-                write_metrics(run_dir, _summary(history))
+                save(epoch)
+                write_metrics(run_dir, _summary(history, resumes))
             for tracker in trackers:  # after the record is on disk: a pruned trial keeps its epochs
                 tracker.epoch(epoch, record)
         if not history:
             raise RuntimeError(f"nothing to train: epochs={cfg.epochs} and the checkpoint is at "
                                f"epoch {start - 1}")
-        final = _summary(history)
+        final = _summary(history, resumes)
         if chief:
             write_metrics(run_dir, final)
         store.barrier()
@@ -213,6 +236,29 @@ def _lr_schedule(optimizer: Any, store: Any) -> Callable[[int], float]:
 
     per_step = 1 if store.sync else store.num_workers
     return lambda step: float(optimizer.schedule(np.float32((step - 1) * per_step), optim.NumpyOps))
+
+
+def _random_generators(dp: Any) -> list[Any]:
+    """The models' random-generator states (Keras SeedGenerators: dropout's masks), every copy's."""
+    models = getattr(dp, "replicas", None) or getattr(dp, "models", [])
+    return [v for m in models for v in m.variables if v.path.endswith("seed_generator_state")]
+
+
+def _rng_state(dp: Any) -> dict[str, np.ndarray]:
+    return {f"{i:04d}": np.asarray(v.numpy()) for i, v in enumerate(_random_generators(dp))}
+
+
+def _set_rng(dp: Any, saved: dict[str, np.ndarray]) -> None:
+    """Put the saved generator states back; a checkpoint from before they were saved keeps the
+    fresh ones (its masks after resume differ from an uninterrupted run's)."""
+    variables = _random_generators(dp)
+    if len(saved) != len(variables):
+        if saved or variables:
+            log.warning("resume: the checkpoint holds %d random-generator states for %d here; "
+                        "the random draws (dropout) start afresh", len(saved), len(variables))
+        return
+    for i, v in enumerate(variables):
+        v.assign(saved[f"{i:04d}"])
 
 
 def _model_parallel(cfg: Any, source: Any, tf_devices: list[str], store: Any, optimizer: Any,

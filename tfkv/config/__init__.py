@@ -11,13 +11,15 @@ from __future__ import annotations
 
 from tfkv.config.checks import parse_device, split_batch
 from tfkv.config.cluster import CLUSTER_SCHEMAS, ClusterConfig, NoCluster, RemoteCluster, SSHCluster
-from tfkv.config.schema import (ALWAYS_REPORTED, LOGGERS, OPTIMIZER_SCHEMAS, AdamConfig, CompressionConfig, Config,
+from tfkv.config.schema import (ALWAYS_REPORTED, LOGGERS, OPTIMIZER_SCHEMAS, AdamConfig, CheckpointConfig,
+                                CompressionConfig, Config,
                                 ExportConfig, KVStoreConfig, LoggerConfig, OptimizerConfig, ScheduleConfig,
                                 SGDConfig, SweepConfig, register)
 
 register()
 
-__all__ = ["ALWAYS_REPORTED", "CLUSTER_SCHEMAS", "LOGGERS", "OPTIMIZER_SCHEMAS", "AdamConfig", "ClusterConfig",
+__all__ = ["ALWAYS_REPORTED", "CLUSTER_SCHEMAS", "LOGGERS", "OPTIMIZER_SCHEMAS", "AdamConfig", "CheckpointConfig",
+           "ClusterConfig",
            "CompressionConfig", "Config", "ExportConfig", "KVStoreConfig", "LoggerConfig", "NoCluster",
            "OptimizerConfig", "RemoteCluster", "SGDConfig", "SSHCluster", "ScheduleConfig", "SweepConfig",
            "parse_device", "register", "split_batch"]

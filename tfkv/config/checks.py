@@ -178,11 +178,22 @@ def placement_shape(cfg: Any) -> None:
                           "micro-batch needs at least one example")
 
 
+def checkpointing(c: Any) -> None:
+    """checkpoint.every_steps, every_minutes and keep_last: positive, or null."""
+    for key, least in (("every_steps", 1), ("keep_last", 1)):
+        value = getattr(c, key)
+        if value is not None and value < least:
+            raise ConfigError(f"checkpoint.{key}={value} must be at least {least}, or null "
+                              f"({'no step checkpoints' if key == 'every_steps' else 'keep every checkpoint'})")
+    if c.every_minutes is not None and not 0 < c.every_minutes < float("inf"):
+        raise ConfigError(f"checkpoint.every_minutes={c.every_minutes} must be positive, or null (no timed checkpoints)")
+
+
 def resume(cfg: Any, no: tuple[str, ...]) -> None:
-    """resume is a bool or a directory; eval_only needs one (`no`: what spells "no checkpoint")."""
+    """resume is a bool, `auto` or a directory; eval_only needs one (`no`: what spells "no checkpoint")."""
     value = cfg.resume
     if not isinstance(value, (bool, str)):
-        raise ConfigError(f"resume={value!r} must be true, false or a run directory")
+        raise ConfigError(f"resume={value!r} must be true, false, auto or a run directory")
     if cfg.eval_only and (value is False or str(value).lower() in no):
         raise ConfigError("eval_only=true evaluates a checkpoint, but resume is false; name it with "
                           "resume=<run directory or checkpoint directory> (or resume=true: this command's last)")

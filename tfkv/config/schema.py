@@ -88,6 +88,15 @@ class ExportConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """When checkpoints are written (tfkv.checkpoint): at every epoch's end always, and as these say."""
+
+    every_steps: Optional[int] = None  # null, or a checkpoint after every N-th step of the run (mid-epoch)
+    every_minutes: Optional[float] = None  # null, or one after the first step N minutes past the last
+    keep_last: Optional[int] = None  # null: keep every checkpoint; k: only the newest k
+
+
+@dataclass
 class SweepConfig:
     """How a sweep (`tfkv-run -m`) treats this run as one of its trials."""
 
@@ -136,7 +145,10 @@ class Config:
     steps_per_epoch: Optional[int] = None  # null: the fewest full batches of any worker's shard
     seed: int = 0
     deterministic: bool = False  # tf.config.experimental.enable_op_determinism()
-    resume: Any = False  # false | true (last checkpoint of the same command) | a run dir
+    # false | auto (newest valid checkpoint of this run directory, else fresh) | true (auto, else the
+    # last checkpoint of the same command, epochs aside) | a run or checkpoint directory
+    resume: Any = False
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     # evaluate the `resume` checkpoint on the test split, no training (tfkv.export). null means
     # false: Hydra's `+key=value` adds a key only where it is absent or null, and the issue's
     # spelling is `+eval_only=true` (eval_only=true works too)
