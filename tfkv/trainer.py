@@ -6,6 +6,9 @@ picks model parallelism (`tfkv.parallel.model_parallel`) instead of data paralle
 have the same interface. Every value the criterion reports (`loss`, each metric, per-output
 losses, `perplexity` for sequence labels with a crossentropy loss: see `tfkv.parallel.metrics`)
 goes to the progress line, TensorBoard and metrics.json as `train_<name>` / `test_<name>`.
+Worker 0 checkpoints at every epoch's end and where `checkpoint.every_steps`/`every_minutes` say
+(tfkv.checkpoint); a run resumed from the middle of an epoch skips that epoch's batches already
+taken, so it sees the batches, dropout masks and updates an uninterrupted run would have.
 """
 
 from __future__ import annotations

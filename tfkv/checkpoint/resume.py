@@ -27,9 +27,10 @@ NO = ("false", "0", "no", "off", "")
 YES = ("true", "1", "yes", "on")
 AUTO = "auto"
 
-# The settings whose change makes a checkpoint's variables or optimizer state another shape:
-# compared before anything is built, the first difference named.
-_MUST_FIT = ("model", "placement", "optimizer.name", "kvstore.update_on_kvstore")
+# The settings whose change makes a checkpoint's variables or optimizer state another kind:
+# compared before anything is built, the first difference named. (The store type and where the
+# optimizer runs may change: every store saves its state in the same npz keys.)
+_MUST_FIT = ("model", "optimizer.name")
 
 
 def _same_command(overrides: list[str]) -> list[str]:
