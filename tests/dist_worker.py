@@ -228,6 +228,36 @@ def int_sgd(kv, out):
 SCENARIOS["int_sgd"] = int_sgd
 
 
+def fusion(kv, out):
+    """pushpull_async of many small keys and one large one, as a training step pushes them: the
+    ZeroMQ messages each server gets (the link's _put) and the values (exact: SGD lr=1 on
+    integers). Small requests to one server travel together; the large push goes at once."""
+    kv.set_optimizer(optim.SGD(schedule=optim.Schedule(lr=1.0)))
+    small = [f"s{i}" for i in range(200)]
+    kv.init(small + ["big"], [np.full(100, 50.0, np.float32) for _ in small] + [np.zeros(300_000, np.float32)])
+    kv.barrier()
+    real_put, puts = kv.servers._put, []
+
+    def counting(server, frames):
+        puts.append([server, len(P.split(frames))])
+        return real_put(server, frames)
+
+    kv.servers._put = counting
+    values = [np.full(100, kv.rank + 1.0, np.float32) for _ in small] + [np.ones(300_000, np.float32)]
+    pending = []
+    for k, v in zip(small + ["big"], values):  # one call per key, as DataParallel's hooks make them
+        pending += kv.pushpull_async(k, [v])
+    sent_before_wait = list(puts)
+    got = kv.wait(pending)
+    kv.servers._put = real_put
+    json.dump({"puts": puts, "before_wait": sent_before_wait, "servers": kv.servers.count,
+               "small": sorted({float(got[k][0]) for k in small} | {float(got[k][-1]) for k in small}),
+               "big": [float(got["big"].min()), float(got["big"].max())]}, out)
+
+
+SCENARIOS["fusion"] = fusion
+
+
 def pushpull(kv, out):
     """pushpull and pushpull_async + arrivals over small, server-split and chunked keys (lists
     of device values too), with and without 2-bit compression: sums, once per key."""

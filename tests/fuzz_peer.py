@@ -213,10 +213,12 @@ def worker(out_path, steps, nkeys, size):
                 if frames is None:
                     not_refused.append(f"{label}: no answer")
                     continue
-                reply = P.decode(frames)
+                # The replies to one message come back together: frames after a whole message are
+                # the next message of a batch ("an extra frame": a PULL, answered, then junk, refused).
+                replies = [P.decode(m) for m in P.split(frames)]
                 answered += 1
-                if reply.type != T.ERROR:
-                    not_refused.append(f"{label}: answered {reply.type.name}")
+                if replies[-1].type != T.ERROR:
+                    not_refused.append(f"{label}: answered {', '.join(r.type.name for r in replies)}")
     kv.barrier()
     finals = kv.pull(keys)
     with open(out_path, "w") as f:

@@ -50,6 +50,9 @@ KNOBS: tuple[Knob, ...] = (
          "milliseconds before an unanswered request is resent (with resend)"),
     Knob(("TFKV_CHUNK_BYTES",), "kvstore.chunk_bytes", int, 16 << 20,
          "the largest message a worker sends for one key (a larger part is cut into chunks)"),
+    Knob(("TFKV_FUSION_BYTES",), "kvstore.fusion_bytes", int, 512 << 10,
+         "requests (and replies) to one server are held and sent together until this many payload "
+         "bytes are queued or the node waits; 0 sends each at once"),
     Knob(("TFKV_MAX_MESSAGE_BYTES",), "kvstore.max_message_bytes", int, 1 << 31,
          "the largest payload a server accepts (a larger one is refused with an error)"),
     Knob(("TFKV_ENABLE_GPU_P2P", "MXNET_ENABLE_GPU_P2P"), "kvstore.gpu_p2p", bool, True,

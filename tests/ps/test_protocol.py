@@ -288,6 +288,22 @@ def test_a_payload_is_one_frame_sent_and_received_without_a_copy(n):
     np.testing.assert_array_equal(back.data, data)
 
 
+def test_several_messages_travel_in_one_zeromq_message_and_split_back():
+    push = P.encode(P.Message(P.Type.PUSH, sender=9, seq=1, key=3, data=np.arange(5, dtype=np.float32)))
+    pull = P.encode(P.Message(P.Type.PULL, sender=9, seq=2, key=3))
+    meta = P.encode(P.Message(P.Type.SET_STATE, sender=9, seq=3, key=3, meta={"names": [], "count": 1},
+                              data=np.ones(2, np.float32)))
+    batch = [bytes(f) for f in push + pull + meta]
+    got = [P.decode(m) for m in P.split(batch)]
+    assert [(m.type, m.seq) for m in got] == [(P.Type.PUSH, 1), (P.Type.PULL, 2), (P.Type.SET_STATE, 3)]
+    np.testing.assert_array_equal(got[0].data, np.arange(5, dtype=np.float32))
+    # A batch cut short: the whole messages before the cut still split; the last slice is refused.
+    *whole, short = P.split(batch[:-1])
+    assert [P.decode(m).seq for m in whole] == [1, 2]
+    with pytest.raises(P.ProtocolError, match="frames, flags and count say 3"):
+        P.decode(short)
+
+
 def test_a_node_of_protocol_version_1_is_refused_by_name():
     v1 = P.HEADER.pack(P.MAGIC, 1, int(P.Type.PUSH), P.FLAG_DATA, int(P.DType.FLOAT32), 1, 1, 0, 1 << 18)
     with pytest.raises(P.ProtocolError, match="protocol version 1, this node speaks 2: every node of a job"):

@@ -321,15 +321,28 @@ def test_a_busy_server_still_answering_is_not_timed_out(cluster):
     assert r["exact"] and r["seconds"] > 1.5 + 1, r  # past the PING's request timeout
 
 
+def test_small_requests_to_a_server_travel_together(cluster):
+    """200 small keys pushed and pulled one call each (as backprop's hooks do) go to each server
+    in a handful of ZeroMQ messages, not 400; the large key's push sends its server's batch at once,
+    before the wait; every value is exact (2 workers, SGD lr=1: 50 - (1 + 2))."""
+    _, outs = _job(cluster, "fusion", num_servers=2, num_workers=2)
+    for r in _results(outs):
+        assert r["small"] == [47.0] and r["big"] == [-2.0, -2.0]
+        sent = sum(n for _, n in r["puts"])
+        assert sent == 2 * 201 and len(r["puts"]) <= 2 * r["servers"] + 2, r["puts"]  # every request, in few messages
+        assert r["before_wait"], "the large push waited for the wait"  # it filled its server's batch: sent
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("nkeys,size,steps", [(10_000, 1_000, 3), (100_000, 2, 1)])  # one round of 100,000 replies
-def test_many_keys_every_reply_arrives_exactly(cluster, nkeys, size, steps):
+@pytest.mark.parametrize("nkeys,size,steps,fusion", [(10_000, 1_000, 3, 512 << 10), (100_000, 2, 1, 0)])
+def test_many_keys_every_reply_arrives_exactly(cluster, nkeys, size, steps, fusion):
     """More replies in flight than ZeroMQ's default high-water mark (1,000 messages): none is
-    dropped, every update is applied once."""
+    dropped, every update is applied once. 100,000 keys go one message each (fusion off), so
+    that ZeroMQ carries 100,000 replies; 10,000 keys in batches."""
     from conftest import expected
 
     # A heartbeat timeout for a loaded machine (as in test_soak): the point is the replies.
     _, outs = _job(cluster, "int_sgd", str(steps), str(nkeys), str(size), num_servers=2, num_workers=2,
-                   timeout=400, TFKV_HEARTBEAT_TIMEOUT="10")
+                   timeout=400, TFKV_HEARTBEAT_TIMEOUT="10", TFKV_FUSION_BYTES=str(fusion))
     for r in _results(outs):
         assert r["final"] == expected(steps, nkeys, 2)

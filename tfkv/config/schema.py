@@ -75,6 +75,7 @@ class KVStoreConfig:
     resend: bool = knob("kvstore.resend")
     resend_timeout: float = knob("kvstore.resend_timeout")
     chunk_bytes: int = knob("kvstore.chunk_bytes")
+    fusion_bytes: int = knob("kvstore.fusion_bytes")
     max_message_bytes: int = knob("kvstore.max_message_bytes")
     gpu_p2p: bool = knob("kvstore.gpu_p2p")
 

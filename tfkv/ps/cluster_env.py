@@ -56,6 +56,7 @@ class ClusterEnv:
     max_message_bytes: int = 1 << 31
     reduction_nthreads: int = 4  # servers sum arrays of >= bigarray_bound elements in this many threads
     chunk_bytes: int = 16 << 20  # a worker sends a key's part in messages of at most this many bytes
+    fusion_bytes: int = 512 << 10  # messages to one peer go together until this many payload bytes wait
     keys: job_keys.Keys | None = field(default=None, repr=False)  # the job's CURVE keys; None: plain TCP
     advertise: tuple[str, int] | None = None  # TFKV_ADVERTISE_ADDRESS host:port a server registers (NAT, proxies)
 
@@ -118,6 +119,7 @@ class ClusterEnv:
             max_message_bytes=knob("kvstore.max_message_bytes"),
             reduction_nthreads=max(1, knob("kvstore.reduction_nthreads")),
             chunk_bytes=max(4, knob("kvstore.chunk_bytes")),
+            fusion_bytes=max(0, knob("kvstore.fusion_bytes")),
         )
 
     def enable_logging(self) -> None:

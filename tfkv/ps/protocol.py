@@ -8,7 +8,8 @@
               2-bit compressed (tfkv.ps.compression), ceil(count/16) uint32 words, so a push of
               n gradients is 16x smaller on the wire
 
-A payload is one frame however large (a worker cuts a key's part into messages of at most
+A ZeroMQ message may carry several protocol messages back to back (`split`): a node sends what it
+has ready for one peer together. A payload is one frame however large (a worker cuts a key's part into messages of at most
 TFKV_CHUNK_BYTES, 16 MiB): version 1 cut it into frames of 1 MiB, which both ends joined with a
 copy into a fresh array. What a peer can make a node buffer is bounded per socket instead
 (ZMQ_MAXMSGSIZE, `max_frame`): MAX_FRAME (1 MiB + 4 KiB) on every socket whose peers may not be
@@ -164,6 +165,22 @@ def _received_frame(data: np.ndarray) -> Any:
 
 def _buffer(frame: Any) -> memoryview:
     return frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+
+
+def split(frames: Sequence[Any]) -> list[Sequence[Any]]:
+    """The protocol messages one ZeroMQ message carries, each as its frames: a node sends the
+    messages it has ready for one peer together (a batch: one send, one wakeup of each thread on
+    the way, one seal), each message still whole, header first. Only the frame counts are read
+    here (flags: 1 + meta + data frames); `decode` checks each message. Frames that do not cut
+    into messages end in a last short slice, which decode refuses."""
+    out, i, n = [], 0, len(frames)
+    while i < n:
+        head = _buffer(frames[i])
+        flags = head[4] if len(head) == HEADER.size else 0
+        size = 1 + bool(flags & FLAG_META) + bool(flags & FLAG_DATA)
+        out.append(frames[i:i + size])
+        i += size
+    return out
 
 
 def decode(frames: Sequence[Any], max_count: int | None = None) -> Message:

@@ -24,7 +24,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from collections import Counter, OrderedDict, defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import zmq
@@ -70,6 +70,7 @@ class Server:
         self.sock.setsockopt(zmq.MAXMSGSIZE, P.max_frame(env.keys is not None, env.max_message_bytes))
         self._psk = channel.psk(env.keys.secret) if env.keys is not None else None
         self.sessions: dict[bytes, channel.Session] = {}  # per connection (ROUTER identity)
+        self._outbox: dict[bytes, list[Any]] = {}  # replies queued per connection until `flush`
         self._hellos: dict[bytes, tuple[bytes, list[bytes]]] = {}  # the HELLO each was welcomed for
         self.refused: Counter[str] = Counter()  # messages refused by the channel, by reason
         self._refused_by: Counter[bytes] = Counter()
@@ -119,7 +120,10 @@ class Server:
                 frames = self._open(identity, frames)
                 if frames is None:
                     continue
-            self.handle(identity, frames)
+            for message in P.split(frames):
+                if not self.handle(identity, message):
+                    break  # a malformed message: what follows it in the batch cannot be trusted to line up
+            self.flush()
         if self.refused:
             log.warning("%s: refused %d messages that failed the channel's checks (%s)", self.link.name,
                         sum(self.refused.values()), ", ".join(f"{k}: {v}" for k, v in sorted(self.refused.items())))
@@ -162,8 +166,22 @@ class Server:
             return None
 
     def reply(self, identity: bytes, msg: P.Message) -> None:
+        """Queue a reply: the replies to one received message (one batch) go back as one ZeroMQ
+        message per peer, at `flush`; a payload of FUSION_BYTES or more sends them at once."""
         msg.sender = self.id
         frames = P.encode(msg)
+        box = self._outbox.setdefault(identity, [])
+        box.extend(frames)
+        if msg.data is not None and msg.data.nbytes >= self.env.fusion_bytes:
+            self._send(identity, self._outbox.pop(identity))
+
+    def flush(self) -> None:
+        """Send every queued reply, one ZeroMQ message per peer."""
+        while self._outbox:
+            identity, frames = self._outbox.popitem()
+            self._send(identity, frames)
+
+    def _send(self, identity: bytes, frames: list[Any]) -> None:
         try:
             if self._psk is None:
                 self.sock.send_multipart([identity, *frames], copy=False)
@@ -176,31 +194,33 @@ class Server:
         except zmq.ZMQError as e:
             if e.errno != zmq.EHOSTUNREACH:
                 raise
+            head = P.HEADER.unpack(bytes(memoryview(frames[0])))
             log.warning("%s: %s reply (request %d) not sent: its sender is no longer connected", self.link.name,
-                        msg.type.name, msg.seq)
+                        P.Type(head[2]).name, head[6])
 
-    def handle(self, identity: bytes, frames: list[Any]) -> None:
+    def handle(self, identity: bytes, frames: Sequence[Any]) -> bool:
+        """Serve one request; False if it was malformed (refused)."""
         try:
             msg = P.decode(frames, self.max_count)
         except P.ProtocolError as e:
             self._refuse(identity, P.refusal(frames, str(e)), f"a malformed request: {e}")
-            return
+            return False
         if self.env.verbose >= 2:
             log.info("%s: %s key=%d from %d seq=%d (%s floats)", self.link.name, msg.type.name, msg.key,
                      msg.sender, msg.seq, 0 if msg.data is None else msg.data.size)
         if msg.sender not in self.workers:
             self._refuse(identity, P.error(msg, f"sender {msg.sender} is not a worker of this job"), "a stranger")
-            return
+            return False
         self._members.add(identity)
         if msg.reply:
             self.reply(identity, P.error(msg, f"a {msg.type.name} reply sent to a server, which serves requests"))
-            return
+            return True
         mutating = msg.type in (P.Type.PUSH, P.Type.INIT, P.Type.SET_STATE, P.Type.SET_OPTIMIZER, P.Type.CONFIGURE,
                                P.Type.SET_COMPRESSION)
         if mutating and self._duplicate(msg):
             if msg.want_ack:
                 self.reply(identity, P.ack(msg))
-            return
+            return True
         try:
             handler = self._handlers.get(msg.type)
             if handler is None:
@@ -208,6 +228,7 @@ class Server:
             handler(self, identity, msg)
         except RequestError as e:
             self.reply(identity, P.error(msg, str(e)))
+        return True
 
     def _refuse(self, identity: bytes, error: P.Message, what: str) -> None:
         """Answer with `error`: always a member (a connection a worker of the job spoke on);

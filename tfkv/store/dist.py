@@ -158,6 +158,7 @@ class DistStore(KVStore):
         self._check_can_push()
         for k, values in self._ordered(list(pairs(key, value)), priority):
             self._push_key(k, values)
+        self.servers.flush()  # a push is on its way when push returns (pushpull_async's wait for its arrivals)
         self.servers.receive(0)  # collect answers that are already here (errors surface early)
 
     def pull(self, key: Key | Sequence[Key], out: Any = None, priority: int | Sequence[int] = 0) -> Any:
@@ -201,7 +202,7 @@ class DistStore(KVStore):
                 return [self._request_pull(k, outs[k]) for k, _ in items]
             pulls = []
             for k, values in items:  # each pull right behind its push: replies flow while pushes do
-                self._push_key(k, values)
+                self._push_key(k, values, hold=True)  # the pull request rides in the push's message
                 pulls.append(self._request_pull(k, outs[k]))
             return pulls
 
@@ -239,7 +240,7 @@ class DistStore(KVStore):
             raise RuntimeError(f"{self.type} needs an optimizer on the servers (set_optimizer, "
                                "update_on_kvstore=true): without one each push would replace the weights")
 
-    def _push_key(self, k: Key, values: list[Any]) -> None:
+    def _push_key(self, k: Key, values: list[Any], hold: bool = False) -> None:
         kid, layout = self._layout(k)
         flat = self._merge(values)
         if flat.size != layout.size:
@@ -255,7 +256,7 @@ class DistStore(KVStore):
                 msg.dtype, msg.count = P.DType.TWOBIT, b - a
             self.push_bytes += msg.data.nbytes
             # Acknowledged (and tracked) only under PS_RESEND; see Server._ack_push.
-            self.servers.send(server, msg, track=self.env.resend)
+            self.servers.send(server, msg, track=self.env.resend, hold=hold)
             if not self.env.resend:
                 self.servers.unsynced.add(server)
 
