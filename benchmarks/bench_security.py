@@ -2,6 +2,7 @@
 the job's keys, AES-256-GCM data plane) and plain (TFKV_SECURE=0), in the same run.
 
     python3 benchmarks/bench_security.py [--sizes 4K,1M,16M,64M] [--seconds 1] [--rounds 3]
+                                         [--op push+pull|pushpull]
 
 Each round starts a scheduler and a server (python -m tfkv.ps.node) on loopback for each mode, and
 a child process per mode is the worker; rounds alternate the modes (in reversed order every other
@@ -20,7 +21,7 @@ import time
 import numpy as np
 
 
-def run(secure: bool, sizes_mib: list[float], seconds: float) -> dict[float, float]:
+def run(secure: bool, sizes_mib: list[float], seconds: float, op: str = "push+pull") -> dict[float, float]:
     from tfkv.launcher.ports import free_port
     from tfkv import keys as security
 
@@ -40,12 +41,19 @@ def run(secure: bool, sizes_mib: list[float], seconds: float) -> dict[float, flo
     for i, mib in enumerate(sizes_mib):
         n = int(mib * (1 << 20) // 4)
         kv.init(i, np.zeros(n, np.float32))
-        g = np.ones(n, np.float32)
-        kv.push(i, g), kv.pull(i)  # warm up
+        g, out = np.ones(n, np.float32), np.empty(n, np.float32)
+
+        def once() -> None:
+            if op == "pushpull":  # MXNet's fused push and pull: one request message, what training sends
+                kv.pushpull(i, g, out=out)
+            else:
+                kv.push(i, g)
+                kv.pull(i, out=out)
+
+        once()  # warm up
         count, start = 0, time.perf_counter()
         while time.perf_counter() - start < seconds:
-            kv.push(i, g)
-            kv.pull(i)
+            once()
             count += 1
         out[mib] = 2 * count * n * 4 / (time.perf_counter() - start) / 1e9
     kv.close()  # the scheduler then shuts the server down; what is left is stopped as a launcher would
@@ -71,6 +79,8 @@ if __name__ == "__main__":
     ap.add_argument("--seconds", type=float, default=1.0, help="per size, mode and round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--mode", choices=["both", "plain", "secure"], default="both")
+    ap.add_argument("--op", choices=["push+pull", "pushpull"], default="push+pull",
+                    help="an iteration: push then pull (two requests), or one pushpull (training's)")
     a = ap.parse_args()
     sizes = [_size(s) for s in a.sizes.split(",")]
     if a.mode == "both":  # each mode in a fresh process: one ZeroMQ context, one environment
@@ -78,10 +88,11 @@ if __name__ == "__main__":
         for r in range(a.rounds):
             for mode in (("secure", "plain") if r % 2 else ("plain", "secure")):
                 lines = subprocess.run([sys.executable, __file__, "--mode", mode, "--seconds", str(a.seconds),
-                                        "--sizes", a.sizes], check=True, capture_output=True, text=True).stdout
+                                        "--sizes", a.sizes, "--op", a.op], check=True, capture_output=True,
+                                       text=True).stdout
                 got[mode].append(json.loads(lines.strip().splitlines()[-1]))
             print(f"  round {r + 1}/{a.rounds} done", flush=True)
-        print(f"push+pull GB/s, 1 worker x 1 server, loopback, median of {a.rounds} alternating rounds")
+        print(f"{a.op} GB/s, 1 worker x 1 server, loopback, median of {a.rounds} alternating rounds")
         print(f"{'size':>8} {'plain':>8} {'secure':>8} {'secure/plain':>13}")
         for mib in sizes:
             plain = statistics.median(g[f"{mib:g}"] for g in got["plain"])
@@ -90,4 +101,4 @@ if __name__ == "__main__":
         print("secure = the default (job keys: AES-256-GCM data plane, CURVE control plane); plain = TFKV_SECURE=0. "
               "Target: secure/plain >= 0.7 from 1 MiB up.")
     else:  # the child: its figures as one JSON line
-        print(json.dumps({f"{mib:g}": gbs for mib, gbs in run(a.mode == "secure", sizes, a.seconds).items()}))
+        print(json.dumps({f"{mib:g}": gbs for mib, gbs in run(a.mode == "secure", sizes, a.seconds, a.op).items()}))
