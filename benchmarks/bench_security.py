@@ -41,14 +41,14 @@ def run(secure: bool, sizes_mib: list[float], seconds: float, op: str = "push+pu
     for i, mib in enumerate(sizes_mib):
         n = int(mib * (1 << 20) // 4)
         kv.init(i, np.zeros(n, np.float32))
-        g, out = np.ones(n, np.float32), np.empty(n, np.float32)
+        g, back = np.ones(n, np.float32), np.empty(n, np.float32)
 
         def once() -> None:
             if op == "pushpull":  # MXNet's fused push and pull: one request message, what training sends
-                kv.pushpull(i, g, out=out)
+                kv.pushpull(i, g, out=back)
             else:
                 kv.push(i, g)
-                kv.pull(i, out=out)
+                kv.pull(i, out=back)
 
         once()  # warm up
         count, start = 0, time.perf_counter()

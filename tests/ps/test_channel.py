@@ -40,6 +40,19 @@ def test_a_sealed_message_opens_to_the_same_frames_and_hides_them():
     assert reply.type == P.Type.ACK and reply.seq == 1
 
 
+def test_a_1_mib_push_and_the_pull_request_behind_it_travel_as_one_message():
+    """What pushpull sends for a 512 x 512 weight: one ZeroMQ message (each extra one costs thread
+    wakeups on both ends), opened back to both requests."""
+    worker, server = _pair()
+    data = np.arange(1 << 18, dtype=np.float32)
+    batch = P.encode(P.Message(P.Type.PUSH, sender=9, seq=1, key=3, data=data)) + P.encode(
+        P.Message(P.Type.PULL, sender=9, seq=2, key=3))
+    sealed = list(worker.seal(batch))
+    assert len(sealed) == 1 and all(len(f) <= channel.PIECE + channel.TAG for f in sealed[0][1:])
+    push, pull = (P.decode(m, max_count=1 << 18) for m in P.split(_through(server, sealed)))
+    assert np.array_equal(push.data, data) and (pull.type, pull.seq) == (P.Type.PULL, 2)
+
+
 def test_nonces_never_repeat_across_frames_and_messages():
     worker, _ = _pair()
     used = [channel.envelope(piece)[-1] for seq in range(5) for piece in worker.seal(_msg(300_000, seq))]

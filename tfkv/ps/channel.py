@@ -57,6 +57,10 @@ WINDOW = 1 << 14  # counters (pieces) this far behind the newest may still arriv
 # pieces of 256 KiB, 0.74 ms whole (64 KiB: 2.2 ms). A piece is at most 1 MiB so that a sealed
 # one (plus TAG) stays under protocol.MAX_FRAME, the cap of a socket strangers can reach.
 PIECE = 1 << 20
+# Whole frames (of at most PIECE bytes) travel together up to this many bytes: a 1 MiB push, its
+# header and the pull request behind it are one message (each frame is still sealed on its own,
+# so no frame on the wire passes the cap).
+GROUP = 2 * PIECE
 MAX_PIECE_FRAME = 1 << 30  # no frame announced larger than this is assembled (protocol frames are ~1 MiB)
 _PUBLIC = 32
 _MAC = 32
@@ -126,14 +130,17 @@ class Session:
     def seal(self, frames: Sequence[Any]) -> Iterator[list[Any]]:
         """The ZeroMQ messages that carry a protocol message, each sealed as it is asked for: send
         each at once, so the peer opens a piece while this side seals the next (AES-GCM holds the
-        GIL: the two processes' cores work side by side instead of taking turns). Small frames
-        travel together in one message; a frame over PIECE bytes in pieces of its own."""
+        GIL: the two processes' cores work side by side instead of taking turns). Frames of up to
+        PIECE bytes travel together in one message (up to GROUP bytes); a larger frame in pieces of
+        its own."""
         first = self._counter
         group: list[memoryview] = []  # whole frames waiting to go together
         start = grouped = 0  # the group's first frame, its bytes
         for f, frame in enumerate(frames):
             data = _buffer(frame).cast("B")
-            if group and grouped + len(data) > PIECE:
+            # A group goes before a frame that would take it past GROUP, and before any frame in
+            # pieces (the receiver takes frames in order).
+            if group and (grouped + len(data) > GROUP or len(data) > PIECE):
                 yield self._sealed(len(frames), start, len(group[0]), 0, first, group)
                 group, grouped = [], 0
             if len(data) <= PIECE:
