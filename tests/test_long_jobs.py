@@ -1,6 +1,7 @@
 """Long jobs (issue 18): checkpoints every N steps, pruned to the newest k, checksummed; an exact
 resume from the middle of an epoch, also after kill -9 of a whole dist_sync job; resume=auto; a
-kill -9 while a checkpoint is written leaves the one before it valid."""
+kill -9 while a checkpoint is written leaves the one before it valid; SIGUSR1 checkpoints at the
+next step and exits 75, resumable."""
 
 import json
 import os
@@ -175,3 +176,39 @@ def test_a_dist_sync_job_killed_mid_epoch_and_rerun_ends_with_the_uninterrupted_
     _same_weights(run / "checkpoints" / "epoch-0004", clean / "run" / "checkpoints" / "epoch-0004")
     np.testing.assert_array_equal(*(np.load(r / "checkpoints" / "epoch-0004" / "optimizer.npz")["0/momentum"]
                                     for r in (run, clean / "run")))
+
+
+# -- preemption: SIGUSR1 (Slurm's --signal=USR1@<seconds>) ---------------------------------------
+
+PREEMPTIBLE = ["batch_size=8", "optimizer.lr=0.02", "epochs=2", "progress=false", "checkpoint.every_steps=50",
+               "resume=auto", "hydra.run.dir=run"]  # 179 steps per epoch
+
+
+@pytest.mark.slow
+def test_sigusr1_checkpoints_at_the_next_step_exits_75_and_the_same_command_continues_exactly(tmp_path):
+    clean, preempted = tmp_path / "clean", tmp_path / "preempted"
+    clean.mkdir(), preempted.mkdir()
+    baseline = subprocess.Popen(["tfkv-run", *PREEMPTIBLE], cwd=clean, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)  # beside the preempted run: the suite's time
+    job = subprocess.Popen(["tfkv-run", *PREEMPTIBLE], cwd=preempted, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not list((preempted / "run" / "checkpoints").glob("epoch-0001-step-000050")):
+            assert job.poll() is None and time.monotonic() < deadline, "the run ended before the signal"
+            time.sleep(0.01)
+        job.send_signal(signal.SIGUSR1)
+        _, err = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    assert job.returncode == 75, err[-2000:]
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("tfkv-run:")]
+    newest = checkpoint.latest(preempted / "run")
+    assert f"preempted (SIGUSR1): checkpoint {newest.name} is in" in line and "resume=auto" in line, line
+    assert newest.name.startswith("epoch-0001-step-") or newest.name.startswith("epoch-0002-step-"), newest
+
+    tfkv_run(*PREEMPTIBLE, cwd=preempted)  # the same command again, as a requeued job runs it
+    assert baseline.wait(timeout=240) == 0
+    _same_weights(preempted / "run" / "checkpoints" / "epoch-0002", clean / "run" / "checkpoints" / "epoch-0002")
+    metrics = json.loads((preempted / "run" / "metrics.json").read_text())
+    assert [h["epoch"] for h in metrics["history"]] == [1, 2] and len(metrics["resumes"]) == 1

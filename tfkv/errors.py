@@ -18,6 +18,9 @@ import sys
 EXIT_PEER_FAILED = 3
 # Exit status after Ctrl-C, as a shell reports a process that SIGINT ended (128 + 2).
 EXIT_INTERRUPTED = 130
+# Exit status of a run that a preemption signal stopped after it checkpointed: the same command
+# with resume=auto continues it (sysexits' EX_TEMPFAIL, "try again later").
+EXIT_PREEMPTED = 75
 
 # A full or read-only disk is the machine's state, not a bug: one line, like a config mistake.
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
@@ -45,6 +48,12 @@ class OutputError(TfkvError):
 class ClusterFailed(TfkvError):
     """A role of a distributed job failed; the message names it. `tfkv-run` exits 2 for it, as
     for any job that fails for a reason the user fixes."""
+
+
+class Preempted(TfkvError):
+    """Asked to stop (SIGUSR1), the run checkpointed at the end of a step and stopped: resumable."""
+
+    exit_code = EXIT_PREEMPTED
 
 
 class TrialPruned(TfkvError):

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tfkv.errors import ConfigError
+from tfkv.errors import ConfigError, Preempted
 from tfkv.export import write_metrics, written
 from tfkv.tracking import metric_keys
 
@@ -67,6 +67,9 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
     store = stores.create("device" if cfg.eval_only and stores.capabilities(cfg.kvstore.type).distributed else cfg.kvstore.type,
                           devices=tf_devices)
     trackers: list[Any] = []
+    # SIGUSR1 (a batch system's warning): checkpoint at the step's end and stop, resumable. A
+    # process of a distributed job keeps the signal's default: one worker cannot stop the job's step.
+    preemption = checkpoint.Preemption(enabled=not stores.capabilities(cfg.kvstore.type).distributed)
     try:
         # Before any key exists; the store decides what compression means for it.
         store.set_gradient_compression({"type": cfg.kvstore.compression.type,
@@ -151,8 +154,10 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
             t0 = time.perf_counter()
             for i, (x, y) in enumerate(batches, first + 1):
                 dp.step(x, y)
-                if chief and i < steps and policy.due((epoch - 1) * steps + i):
+                if chief and i < steps and (policy.due((epoch - 1) * steps + i) or preemption.requested):
                     save(epoch - 1, i)
+                if preemption.requested and i < steps:
+                    raise _preempted(preemption, run_dir)
                 if i % cfg.log_every == 0 or i == steps:
                     running = dp.peek_metrics()
                     bar.update(i - bar.n)
@@ -195,6 +200,8 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
                 write_metrics(run_dir, _summary(history, resumes))
             for tracker in trackers:  # after the record is on disk: a pruned trial keeps its epochs
                 tracker.epoch(epoch, record)
+            if preemption.requested and epoch < cfg.epochs:
+                raise _preempted(preemption, run_dir)
         if not history:
             raise RuntimeError(f"nothing to train: epochs={cfg.epochs} and the checkpoint is at "
                                f"epoch {start - 1}")
@@ -206,6 +213,8 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
         store.abort(f"{type(e).__name__}: {e}")
         tracking.close(trackers, e)
         raise
+    finally:
+        preemption.restore()
     store.close()
     try:
         if chief:  # the trained model (model.keras, saved_model/), once no worker waits for this one
@@ -239,6 +248,14 @@ def _lr_schedule(optimizer: Any, store: Any) -> Callable[[int], float]:
 
     per_step = 1 if store.sync else store.num_workers
     return lambda step: float(optimizer.schedule(np.float32((step - 1) * per_step), optim.NumpyOps))
+
+
+def _preempted(preemption: Any, run_dir: Path) -> Preempted:
+    from tfkv import checkpoint
+
+    newest = checkpoint.latest(run_dir)
+    return Preempted(f"preempted ({preemption.name}): checkpoint {newest.name if newest else '?'} is in {run_dir}; "
+                     "the same command with resume=auto (or resume=<that directory>) continues it")
 
 
 def _random_generators(dp: Any) -> list[Any]:
