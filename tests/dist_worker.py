@@ -122,6 +122,17 @@ def bad_requests(kv, out):
     raw = bytearray(bytes(good[0]))
     raw[0] = 0  # bad magic
     ask([bytes(raw), bytes(good[1])])
+    # PUSHPULL (small keys together): every key checked before any is pushed.
+    kv.init("v", np.zeros(4, np.float32))
+    vid = kv._layout("v")[0]
+    for seq, keys, n in [(10**6 + 5, [kid, 987654], 8), (10**6 + 6, [kid, kid], 16), (10**6 + 7, [kid], 9)]:
+        ask(P.encode(P.Message(P.Type.PUSHPULL, sender=kv.link.id, seq=seq, meta={"keys": keys},
+                               data=np.ones(n, np.float32))))
+    if kv._layout("v")[1].parts[0][0] == server:  # both keys on this server: a good one, answered with both values
+        ask(P.encode(P.Message(P.Type.PUSHPULL, sender=kv.link.id, seq=10**6 + 8, meta={"keys": [vid, kid]},
+                               data=np.zeros(12, np.float32))))
+    else:
+        errors.append("PUSHPULL")
     # Still serving: a proper push and pull.
     kv.push("w", np.full(8, 2.0, np.float32))
     json.dump({"errors": errors, "after": kv.pull("w").tolist()}, out)
@@ -230,16 +241,17 @@ SCENARIOS["int_sgd"] = int_sgd
 
 def fusion(kv, out):
     """pushpull_async of many small keys and one large one, as a training step pushes them: the
-    ZeroMQ messages each server gets (the link's _put) and the values (exact: SGD lr=1 on
-    integers). Small requests to one server travel together; the large push goes at once."""
+    ZeroMQ messages each server gets (the link's _put: the requests in each) and the values
+    (exact: SGD lr=1 on integers)."""
     kv.set_optimizer(optim.SGD(schedule=optim.Schedule(lr=1.0)))
     small = [f"s{i}" for i in range(200)]
     kv.init(small + ["big"], [np.full(100, 50.0, np.float32) for _ in small] + [np.zeros(300_000, np.float32)])
     kv.barrier()
     real_put, puts = kv.servers._put, []
 
-    def counting(server, frames):
-        puts.append([server, len(P.split(frames))])
+    def counting(server, frames):  # per ZeroMQ message: (type, keys) of each request in it
+        requests = [P.decode(m, max_count=10**7) for m in P.split(frames)]
+        puts.append([[r.type.name, len(r.meta["keys"]) if r.type == P.Type.PUSHPULL else 1] for r in requests])
         return real_put(server, frames)
 
     kv.servers._put = counting

@@ -89,6 +89,10 @@ def test_bad_requests_get_errors_and_the_server_stays_up(cluster):
     assert "not a worker of this job" in errors[4]
     assert "optimizer 'x' is unknown" in errors[5]
     assert "bad magic" in errors[6]
+    assert "key 987654 is not initialised" in errors[7]
+    assert "names a key twice" in errors[8]
+    assert "holding 8 values carries 9" in errors[9]
+    assert errors[10] == "PUSHPULL"  # the good one: one reply, no error
     assert r["after"] == [2.0] * 8  # none of the bad pushes was applied
 
 
@@ -321,16 +325,19 @@ def test_a_busy_server_still_answering_is_not_timed_out(cluster):
     assert r["exact"] and r["seconds"] > 1.5 + 1, r  # past the PING's request timeout
 
 
-def test_small_requests_to_a_server_travel_together(cluster):
-    """200 small keys pushed and pulled one call each (as backprop's hooks do) go to each server
-    in a handful of ZeroMQ messages, not 400; the large key's push sends its server's batch at once,
-    before the wait; every value is exact (2 workers, SGD lr=1: 50 - (1 + 2))."""
+def test_small_keys_are_pushed_and_pulled_together(cluster):
+    """200 small keys pushed and pulled one call each (as backprop's hooks do) go to their
+    servers as PUSHPULL requests of many keys, in a handful of ZeroMQ messages, not 400; the
+    large key goes as a PUSH and a PULL in one message, before the wait; every value is exact
+    (2 workers, SGD lr=1: 50 - (1 + 2))."""
     _, outs = _job(cluster, "fusion", num_servers=2, num_workers=2)
     for r in _results(outs):
         assert r["small"] == [47.0] and r["big"] == [-2.0, -2.0]
-        sent = sum(n for _, n in r["puts"])
-        assert sent == 2 * 201 and len(r["puts"]) <= 2 * r["servers"] + 2, r["puts"]  # every request, in few messages
-        assert r["before_wait"], "the large push waited for the wait"  # it filled its server's batch: sent
+        requests = [req for message in r["puts"] for req in message]
+        assert sum(n for kind, n in requests if kind == "PUSHPULL") == 200
+        assert sorted(kind for kind, _ in requests if kind != "PUSHPULL") == ["PULL", "PUSH"]
+        assert len(r["puts"]) <= 2 * r["servers"] + 2, r["puts"]
+        assert ["PUSH", 1] in [req for message in r["before_wait"] for req in message]  # the large push
 
 
 @pytest.mark.slow

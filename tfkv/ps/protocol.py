@@ -91,6 +91,7 @@ class Type(enum.IntEnum):
     SET_STATE = 26
     PING = 27  # answered with ACK once every earlier request on the connection is applied
     SET_COMPRESSION = 28  # meta: {"type": "2bit", "threshold": t}, how TWOBIT pushes decode
+    PUSHPULL = 29  # meta: keys; data: their pushes end to end; reply data: their values end to end
     ACK = 30
     ERROR = 31  # meta: message
 

@@ -126,6 +126,7 @@ def _compression(d: Any) -> Any:
     return compression.parse(d)
 
 
+MAX_FUSED_KEYS = 4096  # keys in one PUSHPULL (a worker sends at most tfkv.ps.worker.MAX_FUSED)
 _HOST = text(255)
 _PORT = integer(0, 65535)
 _ID = integer(0, 65535)  # node ids travel in the header's 16-bit sender field
@@ -162,8 +163,11 @@ SCHEMAS: dict[tuple[str, bool], Schema] = {
     ("GET_STATE", False): Schema(),
     ("SET_STATE", False): Schema(_STATE, data="optional"),
     ("PING", False): Schema(),
+    # small keys pushed and pulled in one request (tfkv.ps.worker's fusion); keys: server-side ids
+    ("PUSHPULL", False): Schema(obj({"keys": array(integer(), MAX_FUSED_KEYS)}), data="required"),
     # server -> worker
     ("PULL", True): Schema(data="required"),
+    ("PUSHPULL", True): Schema(data="required"),
     ("GET_STATE", True): Schema(_STATE, data="required"),
     ("ACK", True): Schema(),
     ("PING", True): Schema(obj({"held": integer()})),  # how many earlier requests the server holds

@@ -51,12 +51,24 @@ class RequestError(TfkvError, ValueError):
 
 
 @dataclass
+class Fused:
+    """A PUSHPULL's pulls: answered in one reply, the keys' values end to end, once every key's
+    round has closed. Counted as len(keys) held requests meanwhile (the worker awaits one pull
+    per key)."""
+
+    identity: bytes
+    request: P.Message
+    keys: list[int]
+    values: dict[int, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass
 class Round:
     """One synchronous round of a key: who has pushed and what is waiting."""
 
     merged: np.ndarray | None = None
     pushed: set[int] = field(default_factory=set)
-    pulls: list[tuple[bytes, P.Message]] = field(default_factory=list)
+    pulls: list[tuple[bytes, P.Message | Fused]] = field(default_factory=list)
     held: list[tuple[bytes, P.Message]] = field(default_factory=list)
 
 
@@ -215,8 +227,8 @@ class Server:
         if msg.reply:
             self.reply(identity, P.error(msg, f"a {msg.type.name} reply sent to a server, which serves requests"))
             return True
-        mutating = msg.type in (P.Type.PUSH, P.Type.INIT, P.Type.SET_STATE, P.Type.SET_OPTIMIZER, P.Type.CONFIGURE,
-                               P.Type.SET_COMPRESSION)
+        mutating = msg.type in (P.Type.PUSH, P.Type.PUSHPULL, P.Type.INIT, P.Type.SET_STATE, P.Type.SET_OPTIMIZER,
+                                P.Type.CONFIGURE, P.Type.SET_COMPRESSION)
         if mutating and self._duplicate(msg):
             if msg.want_ack:
                 self.reply(identity, P.ack(msg))
@@ -351,6 +363,9 @@ class Server:
         pulls, held = r.pulls, r.held
         self.rounds[key] = Round()
         for identity, pull in pulls:
+            if isinstance(pull, Fused):
+                self._fill(pull, key)
+                continue
             self._held[pull.sender] -= 1
             self._answer_pull(identity, pull)
         for identity, push in held:
@@ -368,6 +383,41 @@ class Server:
 
     def _answer_pull(self, identity: bytes, msg: P.Message) -> None:
         self.reply(identity, P.Message(P.Type.PULL, seq=msg.seq, key=msg.key, data=self.values[msg.key], reply=True))
+
+    def on_pushpull(self, identity: bytes, msg: P.Message) -> None:
+        """Small keys pushed and pulled in one request: each key's push is served as a PUSH of
+        its slice (the same rounds, held pushes and updates), its pull as a PULL whose value goes
+        into one reply. Checked whole before anything is applied."""
+        keys = msg.meta["keys"]
+        if not self.sync and self.updater is None:
+            raise RequestError("dist_async needs an optimizer on the servers: without one each push would "
+                               "overwrite the weights; set update_on_kvstore=true")
+        if msg.dtype != P.DType.FLOAT32:
+            raise RequestError("PUSHPULL carries float32 values")
+        if len(set(keys)) != len(keys):
+            raise RequestError("PUSHPULL names a key twice")
+        sizes = [self._value(P.Message(P.Type.PULL, key=k)).size for k in keys]
+        if sum(sizes) != msg.data.size:
+            raise RequestError(f"PUSHPULL of {len(keys)} keys holding {sum(sizes)} values carries {msg.data.size}")
+        group, offset = Fused(identity, msg, keys), 0
+        for k, n in zip(keys, sizes):
+            self.on_push(identity, P.Message(P.Type.PUSH, msg.sender, msg.seq, k, data=msg.data[offset:offset + n],
+                                             want_ack=False))
+            offset += n
+        self._held[msg.sender] += len(keys)
+        for k in keys:
+            r = self.rounds.get(k)
+            if self.sync and r is not None and msg.sender in r.pushed:
+                r.pulls.append((identity, group))  # filled when the round closes
+            else:
+                self._fill(group, k)
+
+    def _fill(self, group: Fused, key: int) -> None:
+        group.values[key] = self.values[key]  # never written into: replaced by each update
+        if len(group.values) == len(group.keys):
+            self._held[group.request.sender] -= len(group.keys)
+            data = np.concatenate([group.values[k] for k in group.keys])
+            self.reply(group.identity, P.Message(P.Type.PUSHPULL, seq=group.request.seq, data=data, reply=True))
 
     def on_get_state(self, identity: bytes, msg: P.Message) -> None:
         value = self._value(msg)
@@ -402,6 +452,7 @@ class Server:
         P.Type.INIT: on_init,
         P.Type.PUSH: on_push,
         P.Type.PULL: on_pull,
+        P.Type.PUSHPULL: on_pushpull,
         P.Type.GET_STATE: on_get_state,
         P.Type.SET_STATE: on_set_state,
     }

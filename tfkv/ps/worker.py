@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any, Callable, Hashable, Sequence
 
+import numpy as np
 import zmq
 
 from tfkv.errors import TfkvError
@@ -30,6 +31,8 @@ from tfkv.ps.scheduler_link import SchedulerLink
 log = logging.getLogger("tfkv.ps")
 
 MAX_BATCH_FRAMES = 1024  # a batch of small requests is sent once it holds this many frames
+FUSED_KEY_BYTES = 64 << 10  # a key part up to this size may be pushed and pulled in a PUSHPULL
+MAX_FUSED = 1024  # keys in one PUSHPULL (protocol.schema admits MAX_FUSED_KEYS)
 
 
 class DistError(TfkvError, RuntimeError):
@@ -65,6 +68,12 @@ class ServerLink:
         # garbage-collector threads on both ends (~65 us of CPU per process here, ~200 KB of wire time).
         self._outbox: list[list[Any]] = [[] for _ in self.socks]
         self._outbytes = [0] * len(self.socks)
+        # Small keys' push+pull pairs staged per server, sent as one PUSHPULL (`pushpull`): one
+        # request and one reply for many keys, so neither end pays a message's decoding, dispatch
+        # and encoding per key. The members' own pull seqs are what callers wait for.
+        self._staged: list[list[tuple[int, Any, int]]] = [[] for _ in self.socks]  # (key, data, pull seq)
+        self._staged_bytes = [0] * len(self.socks)
+        self._groups: dict[int, list[tuple[int, int]]] = {}  # PUSHPULL seq -> (member pull seq, values)
         self.sessions: list[channel.Session] | None = self._handshake() if env.keys is not None else None
         self.refused = 0  # replies that failed authentication (dropped; a lost reply is then noticed)
         self.seq = itertools.count(1)
@@ -122,6 +131,37 @@ class ServerLink:
         for piece in self.sessions[server].seal(frames):
             self.socks[server].send_multipart(piece, copy=False)
 
+    def fusable(self, nbytes: int) -> bool:
+        """Whether a key part of `nbytes` may go in a PUSHPULL (`pushpull`)."""
+        return 0 < nbytes <= FUSED_KEY_BYTES and self.env.fusion_bytes > 0 and not self.env.resend
+
+    def pushpull(self, server: int, key: int, data: Any) -> int:
+        """Push `data` (float32) to server-side `key` and request its value back, staged with the
+        server's other small keys into one PUSHPULL; returns the sequence number whose reply (a
+        PULL of this key's value) `replies` gets. Not acknowledged, not resent (`fusable`)."""
+        with self.lock:
+            seq = next(self.seq)
+            now = time.monotonic()
+            # What a lost reply's message names (_describe): a PULL of this key.
+            self.pending[seq] = [server, [P.HEADER.pack(P.MAGIC, P.VERSION, int(P.Type.PULL), 0, 0, self.link.id,
+                                                        seq & 0xFFFFFFFF, key, 0)], now]
+            if not self._awaited[server]:
+                self._heard[server] = now
+            self._awaited[server] += 1
+            self._staged[server].append((key, data, seq))
+            self._staged_bytes[server] += data.nbytes
+            if self._staged_bytes[server] >= self.env.fusion_bytes or len(self._staged[server]) >= MAX_FUSED:
+                self._send_staged(server)
+        return seq
+
+    def _send_staged(self, server: int) -> None:
+        staged, self._staged[server], self._staged_bytes[server] = self._staged[server], [], 0
+        msg = P.Message(P.Type.PUSHPULL, sender=self.link.id, seq=next(self.seq), meta={"keys": [k for k, _, _ in staged]},
+                        data=staged[0][1] if len(staged) == 1 else np.concatenate([d for _, d, _ in staged]))
+        self._groups[msg.seq] = [(seq, d.size) for _, d, seq in staged]
+        frames = P.encode(msg)
+        self._queue(server, frames, msg.data.nbytes, hold=False)
+
     def _queue(self, server: int, frames: list[Any], nbytes: int, hold: bool) -> None:
         box = self._outbox[server]
         box.extend(frames)
@@ -136,6 +176,9 @@ class ServerLink:
     def flush(self) -> None:
         """Send the requests queued for every server (each server's as one ZeroMQ message)."""
         with self.lock:
+            for server, staged in enumerate(self._staged):
+                if staged:
+                    self._send_staged(server)
             for server, box in enumerate(self._outbox):
                 if box:
                     self._flush_server(server)
@@ -169,6 +212,8 @@ class ServerLink:
                 raise ValueError(f"{msg.type.name} of key {msg.key} is {size} bytes, over TFKV_MAX_MESSAGE_BYTES="
                                  f"{self.env.max_message_bytes}; raise it or lower MXNET_KVSTORE_BIGARRAY_BOUND "
                                  "so big arrays are split across more servers")
+            if self._staged[server]:  # requests to a server go in the order they were made
+                self._send_staged(server)
             self._queue(server, frames, size, hold)
             if track:
                 now = time.monotonic()
@@ -223,9 +268,23 @@ class ServerLink:
         except P.ProtocolError as e:
             log.warning("dropped a malformed reply from server %d: %s", server, e)
             return None
+        members = self._groups.pop(msg.seq, None) if msg.type in (P.Type.PUSHPULL, P.Type.ERROR) else None
         if msg.type == P.Type.ERROR:  # also for untracked pushes
             self._answered(msg.seq)
+            for seq, _ in members or ():
+                self._answered(seq)
             return DistError(f"server {server}: {(msg.meta or {}).get('message')}")
+        if msg.type == P.Type.PUSHPULL:  # each member's value, as the PULL reply it awaits
+            if members is None or msg.data.size != sum(n for _, n in members):
+                log.warning("dropped a PUSHPULL reply from server %d that answers no request of this worker", server)
+                return None
+            offset = 0
+            for seq, n in members or ():
+                if self._answered(seq) is not None:
+                    self.replies[seq] = P.Message(P.Type.PULL, seq=seq, data=msg.data[offset:offset + n], reply=True)
+                    arrived.append(seq)
+                offset += n
+            return None
         if self._answered(msg.seq) is None:
             return None  # a late answer to a request already answered (resend)
         if msg.type == P.Type.PING:

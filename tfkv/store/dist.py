@@ -202,9 +202,28 @@ class DistStore(KVStore):
                 return [self._request_pull(k, outs[k]) for k, _ in items]
             pulls = []
             for k, values in items:  # each pull right behind its push: replies flow while pushes do
+                layout = self._layout(k)[1]
+                if (len(layout.parts) == 1 and self._threshold is None
+                        and self.servers.fusable(4 * layout.size)):
+                    pulls.append(self._pushpull_fused(k, values, outs[k]))
+                    continue
                 self._push_key(k, values, hold=True)  # the pull request rides in the push's message
                 pulls.append(self._request_pull(k, outs[k]))
             return pulls
+
+    def _pushpull_fused(self, k: Key, values: list[Any], outs: list[Any]) -> Pull:
+        """A small key's push and pull, staged with its server's other small keys into one
+        PUSHPULL request (ServerLink.pushpull)."""
+        _, layout = self._layout(k)
+        pull = Pull(k, layout, outs)  # checks the outs before anything is sent
+        flat = self._merge(values)
+        if flat.size != layout.size:
+            raise ValueError(f"key {k!r}: pushed {flat.size} values, it holds {layout.size}")
+        server, a, b, skey = layout.parts[0]
+        self.push_bytes += flat.nbytes
+        pull.expect([(self.servers.pushpull(server, skey, flat), a, b)])
+        self.servers.unsynced.add(server)
+        return pull
 
     def arrivals(self, pulls: Sequence[Pull]) -> Iterator[tuple[Key, np.ndarray]]:
         """(key, value) for each of `pulls` as soon as all of its parts have arrived, in arrival
