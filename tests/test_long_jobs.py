@@ -142,73 +142,110 @@ def test_kill_9_while_a_checkpoint_is_written_leaves_the_previous_one_valid(tmp_
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["epoch-0001", "epoch-0002"]
 
 
-# -- a whole dist_sync job killed -9 mid-epoch, then the same command again ----------------------
+# -- a whole dist_sync job preempted, killed -9 mid-epoch, and run again -------------------------
 
-DIST = ["kvstore=dist_sync", "cluster=local", "cluster.num_workers=2", "cluster.num_servers=1", "epochs=4",
-        "deterministic=true", "progress=false", "checkpoint.every_steps=2", "checkpoint.keep_last=2",
-        "resume=auto", "hydra.run.dir=run"]
+DIST = ["kvstore=dist_sync", "cluster=local", "cluster.num_workers=2", "cluster.num_servers=1", "epochs=3",
+        "batch_size=16", "deterministic=true", "progress=false", "checkpoint.every_steps=4",
+        "checkpoint.keep_last=2", "resume=auto", "hydra.run.dir=run"]  # 44 steps per epoch and worker
+
+
+def _start(args: list[str], cwd: Path) -> subprocess.Popen:
+    """tfkv-run in its own process group (the whole job, killed at once), its output in cwd/out.txt."""
+    with open(cwd / "out.txt", "w") as out:
+        return subprocess.Popen(["tfkv-run", *args], cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def _kill(job: subprocess.Popen) -> None:
+    try:
+        os.killpg(job.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # the job ended, every process of it
+    job.wait(timeout=30)
+
+
+def _wait_for_checkpoint(job: subprocess.Popen, run: Path, past: Path | None = None) -> Path:
+    """The first step checkpoint newer than `past` (by position) the running job writes."""
+    deadline = time.monotonic() + 240
+    while True:
+        newest = checkpoint.latest(run)
+        if newest is not None and "-step-" in newest.name and (past is None or
+                                                               checkpoint.position(newest) > checkpoint.position(past)):
+            return newest
+        assert job.poll() is None and time.monotonic() < deadline, "the job ended before it could be stopped"
+        time.sleep(0.01)
 
 
 @pytest.mark.slow
-def test_a_dist_sync_job_killed_mid_epoch_and_rerun_ends_with_the_uninterrupted_weights(tmp_path):
+def test_a_dist_sync_job_preempted_then_killed_mid_epoch_ends_with_the_uninterrupted_weights(tmp_path):
+    """SIGUSR1 to the launcher: worker 0 checkpoints at a step's end, the job exits 75; the same
+    command again is killed -9 whole in the middle of an epoch; the same command once more ends
+    with the weights and optimizer state of a job that was never stopped."""
     clean, crashed = tmp_path / "clean", tmp_path / "crashed"
     clean.mkdir(), crashed.mkdir()
-    tfkv_run(*DIST, cwd=clean, timeout=240)
-
-    job = subprocess.Popen(["tfkv-run", *DIST], cwd=crashed, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           start_new_session=True)  # its own process group: the whole job, killed at once
-    deadline = time.monotonic() + 240
-    try:
-        while not list((crashed / "run" / "checkpoints").glob("epoch-0003-step-*")):
-            assert job.poll() is None and time.monotonic() < deadline, "the job ended before it could be killed"
-            time.sleep(0.02)
-    finally:
-        os.killpg(job.pid, signal.SIGKILL)
-        job.wait(timeout=30)
-    assert not (crashed / "run" / "checkpoints" / "epoch-0004").exists()
-
-    proc = tfkv_run(*DIST, cwd=crashed, timeout=240)  # the same command, as a requeued job runs it
-    assert "resumed from" in proc.stdout + proc.stderr
+    baseline = _start(DIST, clean)  # beside the stopped runs: the suite's time
     run = crashed / "run"
+
+    job = _start(DIST, crashed)
+    try:
+        _wait_for_checkpoint(job, run)
+        job.send_signal(signal.SIGUSR1)
+        job.wait(timeout=120)
+    finally:
+        _kill(job)
+    out = (crashed / "out.txt").read_text()
+    assert job.returncode == 75, out[-3000:]
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("tfkv-run:")]
+    preempted = checkpoint.latest(run)
+    assert f"preempted (SIGUSR1): checkpoint {preempted.name} is in" in line, line
+    assert not (run / "checkpoints" / "epoch-0003").exists() and not list(run.glob(".preempt*"))
+
+    job = _start(DIST, crashed)
+    try:
+        killed_after = _wait_for_checkpoint(job, run, past=preempted)
+    finally:
+        _kill(job)
+    assert not (run / "checkpoints" / "epoch-0003").exists()
+
+    proc = tfkv_run(*DIST, cwd=crashed, timeout=240)
+    assert f"resumed from {run / 'checkpoints'}" in proc.stdout + proc.stderr
+    assert baseline.wait(timeout=240) == 0, (clean / "out.txt").read_text()[-3000:]
     metrics = json.loads((run / "metrics.json").read_text())
-    assert [h["epoch"] for h in metrics["history"]] == [1, 2, 3, 4] and len(metrics["resumes"]) == 1
-    assert metrics["resumes"][0]["step"] > 0, metrics["resumes"]  # killed, and resumed, mid-epoch
-    _same_weights(run / "checkpoints" / "epoch-0004", clean / "run" / "checkpoints" / "epoch-0004")
-    np.testing.assert_array_equal(*(np.load(r / "checkpoints" / "epoch-0004" / "optimizer.npz")["0/momentum"]
+    assert [h["epoch"] for h in metrics["history"]] == [1, 2, 3]
+    assert [r["from"] for r in metrics["resumes"]][0] == str(preempted) and len(metrics["resumes"]) == 2
+    assert metrics["resumes"][1]["step"] > 0 or checkpoint.position(killed_after)[1] == 0, metrics["resumes"]
+    _same_weights(run / "checkpoints" / "epoch-0003", clean / "run" / "checkpoints" / "epoch-0003")
+    np.testing.assert_array_equal(*(np.load(r / "checkpoints" / "epoch-0003" / "optimizer.npz")["0/momentum"]
                                     for r in (run, clean / "run")))
 
 
-# -- preemption: SIGUSR1 (Slurm's --signal=USR1@<seconds>) ---------------------------------------
-
-PREEMPTIBLE = ["batch_size=8", "optimizer.lr=0.02", "epochs=2", "progress=false", "checkpoint.every_steps=50",
-               "resume=auto", "hydra.run.dir=run"]  # 179 steps per epoch
-
+# -- preemption of a single process: SIGUSR1 (Slurm's --signal=USR1@<seconds>) -------------------
 
 @pytest.mark.slow
-def test_sigusr1_checkpoints_at_the_next_step_exits_75_and_the_same_command_continues_exactly(tmp_path):
-    clean, preempted = tmp_path / "clean", tmp_path / "preempted"
-    clean.mkdir(), preempted.mkdir()
-    baseline = subprocess.Popen(["tfkv-run", *PREEMPTIBLE], cwd=clean, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)  # beside the preempted run: the suite's time
-    job = subprocess.Popen(["tfkv-run", *PREEMPTIBLE], cwd=preempted, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
+def test_sigusr1_checkpoints_at_the_next_step_exits_75_and_the_same_command_continues_exactly(straight, tmp_path):
+    """The straight run's command, signalled once its handler is in place (the log's resume line):
+    checkpoint after step 1, status 75; the same command again ends with the straight weights."""
+    args = [*JOB, "epochs=2", "checkpoint.keep_last=3", "hydra.run.dir=run"]
+    job = subprocess.Popen(["tfkv-run", *args], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
     try:
-        deadline = time.monotonic() + 240
-        while not list((preempted / "run" / "checkpoints").glob("epoch-0001-step-000050")):
-            assert job.poll() is None and time.monotonic() < deadline, "the run ended before the signal"
-            time.sleep(0.01)
-        job.send_signal(signal.SIGUSR1)
-        _, err = job.communicate(timeout=120)
+        lines = []
+        for line in job.stdout:
+            lines.append(line)
+            if "resume=auto: no checkpoint in" in line:
+                job.send_signal(signal.SIGUSR1)
+                break
+        lines += job.stdout.readlines()
+        job.wait(timeout=120)
     finally:
         job.kill()
-    assert job.returncode == 75, err[-2000:]
-    (line,) = [ln for ln in err.splitlines() if ln.startswith("tfkv-run:")]
-    newest = checkpoint.latest(preempted / "run")
-    assert f"preempted (SIGUSR1): checkpoint {newest.name} is in" in line and "resume=auto" in line, line
-    assert newest.name.startswith("epoch-0001-step-") or newest.name.startswith("epoch-0002-step-"), newest
+    assert job.returncode == 75, "".join(lines)[-3000:]
+    (line,) = [ln for ln in lines if ln.startswith("tfkv-run:")]
+    assert "preempted (SIGUSR1): checkpoint epoch-0001-step-000001 is in" in line and "resume=auto" in line, line
+    assert [p.name for p in checkpoint.all_in(tmp_path / "run")] == ["epoch-0001-step-000001"]
 
-    tfkv_run(*PREEMPTIBLE, cwd=preempted)  # the same command again, as a requeued job runs it
-    assert baseline.wait(timeout=240) == 0
-    _same_weights(preempted / "run" / "checkpoints" / "epoch-0002", clean / "run" / "checkpoints" / "epoch-0002")
-    metrics = json.loads((preempted / "run" / "metrics.json").read_text())
+    proc = tfkv_run(*args, cwd=tmp_path)  # the same command again, as a requeued job runs it
+    assert "at epoch 0, step 1 of epoch 1" in proc.stdout + proc.stderr
+    _same_weights(tmp_path / "run" / "checkpoints" / "epoch-0002", straight / "checkpoints" / "epoch-0002")
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert [h["epoch"] for h in metrics["history"]] == [1, 2] and len(metrics["resumes"]) == 1

@@ -90,8 +90,11 @@ def _launch(cfg: Any, run_dir: Path, overrides: list[str], cwd: Path) -> float:
     decision made here (the checkpoint resume=true means) reach every host as they are."""
     from hydra.core.hydra_config import HydraConfig
 
+    import signal
+
     from tfkv import checkpoint, knobs, worker
-    from tfkv.errors import ClusterFailed
+    from tfkv.checkpoint import preemption
+    from tfkv.errors import EXIT_PREEMPTED, ClusterFailed
     from tfkv.launcher import job
     from tfkv.trainer import objective
 
@@ -109,8 +112,17 @@ def _launch(cfg: Any, run_dir: Path, overrides: list[str], cwd: Path) -> float:
     hc = HydraConfig.get()
     env = worker.record(cfg, run_dir, hc)
     python = sys.executable if c.launcher == "local" else c.get("python", "python3")
-    result = job.launch(opts, [python, "-m", "tfkv.worker"], cwd, run_dir, _command_line(hc, overrides),
-                        sys.stdout, env, knobs.settings(cfg))
+    # SIGUSR1 here (a batch system's warning): worker 0 checkpoints at the end of a step and stops the job
+    asked = signal.signal(preemption.SIGNAL, lambda *_: preemption.ask(run_dir))
+    try:
+        result = job.launch(opts, [python, "-m", "tfkv.worker"], cwd, run_dir, _command_line(hc, overrides),
+                            sys.stdout, env, knobs.settings(cfg))
+    finally:
+        signal.signal(preemption.SIGNAL, asked)
+    preempted = preemption.done(run_dir)
+    if preempted:  # worker 0 checkpointed and stopped; the rest of the job stopped with it
+        print(f"tfkv-run: {preempted}", file=sys.stderr)
+        sys.exit(EXIT_PREEMPTED)
     if result.returncode > 128:  # stopped by Ctrl-C (130) or SIGTERM (143): exit as a single run does
         print(f"tfkv-run: the {cfg.kvstore.type} job failed: {result.failure}; logs in {run_dir}", file=sys.stderr)
         sys.exit(result.returncode)

@@ -67,9 +67,9 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
     store = stores.create("device" if cfg.eval_only and stores.capabilities(cfg.kvstore.type).distributed else cfg.kvstore.type,
                           devices=tf_devices)
     trackers: list[Any] = []
-    # SIGUSR1 (a batch system's warning): checkpoint at the step's end and stop, resumable. A
-    # process of a distributed job keeps the signal's default: one worker cannot stop the job's step.
-    preemption = checkpoint.Preemption(enabled=not stores.capabilities(cfg.kvstore.type).distributed)
+    # SIGUSR1 (a batch system's warning) to any process of the job: worker 0 checkpoints at the
+    # end of a step and stops the job, resumable (tfkv.checkpoint.preemption).
+    preemption = checkpoint.Preemption(run_dir)
     try:
         # Before any key exists; the store decides what compression means for it.
         store.set_gradient_compression({"type": cfg.kvstore.compression.type,
@@ -123,6 +123,8 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
             log.info("resumed from %s at epoch %d%s (resume %d of this run)", ckpt.path, ckpt.epoch,
                      f", step {ckpt.step} of epoch {ckpt.epoch + 1}" if ckpt.step else "", len(resumes))
         chief = store.rank == 0
+        if chief:
+            preemption.clear()
         policy = checkpoint.Policy.from_config(cfg.checkpoint)
 
         def save(epoch: int, step: int = 0) -> None:
@@ -156,8 +158,8 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
                 dp.step(x, y)
                 if chief and i < steps and (policy.due((epoch - 1) * steps + i) or preemption.requested):
                     save(epoch - 1, i)
-                if preemption.requested and i < steps:
-                    raise _preempted(preemption, run_dir)
+                if chief and preemption.requested and i < steps:
+                    raise _preempted(preemption, run_dir, store.distributed)
                 if i % cfg.log_every == 0 or i == steps:
                     running = dp.peek_metrics()
                     bar.update(i - bar.n)
@@ -200,8 +202,8 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
                 write_metrics(run_dir, _summary(history, resumes))
             for tracker in trackers:  # after the record is on disk: a pruned trial keeps its epochs
                 tracker.epoch(epoch, record)
-            if preemption.requested and epoch < cfg.epochs:
-                raise _preempted(preemption, run_dir)
+            if chief and preemption.requested and epoch < cfg.epochs:
+                raise _preempted(preemption, run_dir, store.distributed)
         if not history:
             raise RuntimeError(f"nothing to train: epochs={cfg.epochs} and the checkpoint is at "
                                f"epoch {start - 1}")
@@ -250,12 +252,15 @@ def _lr_schedule(optimizer: Any, store: Any) -> Callable[[int], float]:
     return lambda step: float(optimizer.schedule(np.float32((step - 1) * per_step), optim.NumpyOps))
 
 
-def _preempted(preemption: Any, run_dir: Path) -> Preempted:
+def _preempted(preemption: Any, run_dir: Path, launched: bool) -> Preempted:
+    """Worker 0's stop after its checkpoint: one line, also for the launcher of a `launched` job."""
     from tfkv import checkpoint
 
     newest = checkpoint.latest(run_dir)
-    return Preempted(f"preempted ({preemption.name}): checkpoint {newest.name if newest else '?'} is in {run_dir}; "
-                     "the same command with resume=auto (or resume=<that directory>) continues it")
+    line = (f"preempted ({preemption.name}): checkpoint {newest.name if newest else '?'} is in {run_dir}; "
+            "the same command with resume=auto (or resume=<that directory>) continues it")
+    preemption.stopped(line if launched else None)
+    return Preempted(line)
 
 
 def _random_generators(dp: Any) -> list[Any]:

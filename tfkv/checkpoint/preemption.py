@@ -2,39 +2,88 @@
 (Slurm's `--signal=USR1@<seconds>`): the run finishes its step, checkpoints and stops with
 tfkv.errors.EXIT_PREEMPTED, and the same command with `resume=auto` continues it.
 
-The handler only notes the signal: the trainer looks at the end of each step, where the weights,
-optimizer state and data position agree and a checkpoint is exact.
+The handler only notes the signal: worker 0 looks at the end of each step, where the weights,
+optimizer state and data position agree and a checkpoint is exact. In a parameter-server job the
+signal may reach any worker or the launcher (`tfkv-run`) first; whoever gets it leaves the flag
+file `.preempt` in the run directory, which worker 0 looks for (at most every LOOK seconds). Worker 0
+checkpoints, leaves `.preempted` (its one line) for the launcher and stops; the rest of the job
+stops with it, as after any worker's end.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+import time
+from pathlib import Path
+from typing import Callable
 
 SIGNAL = signal.SIGUSR1
+FLAG = ".preempt"  # in the run directory: a preemption was asked for
+DONE = ".preempted"  # in the run directory: worker 0 checkpointed and stopped; its line
+LOOK = 0.25  # seconds between worker 0's looks for the flag (a stat: nothing beside a step)
+
+
+def ask(run_dir: Path) -> None:
+    """Ask worker 0 of the job writing into `run_dir` to checkpoint and stop."""
+    try:
+        (Path(run_dir) / FLAG).touch()
+    except OSError:
+        pass  # a run directory that cannot be written ends the job on its own
+
+
+def done(run_dir: Path) -> str | None:
+    """Worker 0's line when it stopped for a preemption (the marker is removed), else None."""
+    marker = Path(run_dir) / DONE
+    try:
+        line = marker.read_text().strip()
+    except OSError:
+        return None
+    marker.unlink(missing_ok=True)
+    return line
 
 
 class Preemption:
-    """While installed, SIGUSR1 is noted (`requested`) instead of ending the process; `restore()`
-    puts the previous handler back. Only the main thread may set a handler: elsewhere, or not
-    `enabled`, nothing changes."""
+    """While installed, SIGUSR1 is noted instead of ending the process, and passed on through the
+    run directory's flag; `restore()` puts the previous handler back. Only the main thread may
+    set a handler: elsewhere nothing changes but the flag is still looked for."""
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, run_dir: Path, clock: Callable[[], float] = time.monotonic) -> None:
+        self.run_dir = Path(run_dir)
         self.signum: int | None = None
+        self.clock = clock
+        self._looked = clock()
         self._old: object = None
-        if enabled and threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is threading.main_thread():
             self._old = signal.signal(SIGNAL, self._note)
 
     def _note(self, signum: int, _frame: object) -> None:
         self.signum = signum
-
-    @property
-    def requested(self) -> bool:
-        return self.signum is not None
+        ask(self.run_dir)
 
     @property
     def name(self) -> str:
         return signal.Signals(self.signum).name if self.signum is not None else ""
+
+    def clear(self) -> None:
+        """Forget a flag an earlier, stopped run left (worker 0, before it starts)."""
+        for name in (FLAG, DONE):
+            (self.run_dir / name).unlink(missing_ok=True)
+
+    @property
+    def requested(self) -> bool:
+        """A signal came here, or (looked for every LOOK seconds) to another process of the job."""
+        if self.signum is None and self.clock() - self._looked >= LOOK:
+            self._looked = self.clock()
+            if (self.run_dir / FLAG).exists():
+                self.signum = SIGNAL
+        return self.signum is not None
+
+    def stopped(self, line: str | None) -> None:
+        """Worker 0 checkpointed and stops: the flag goes, and a launcher (`line` given) gets its marker."""
+        if line is not None:
+            (self.run_dir / DONE).write_text(line + "\n")
+        (self.run_dir / FLAG).unlink(missing_ok=True)
 
     def restore(self) -> None:
         if self._old is not None:
