@@ -1,7 +1,8 @@
 """Training samples/s of tfkv `dist_sync` (2 local workers, 1 server) against `local` in one
-process and tf.distribute MultiWorkerMirroredStrategy (2 local workers), same run.
+process, tf.distribute MultiWorkerMirroredStrategy (2 local workers) and ParameterServerStrategy
+(2 workers, 1 parameter server), same run.
 
-Four contenders train the same model on the same synthetic in-memory batch with SGD (lr 0.01,
+Five contenders train the same model on the same synthetic in-memory batch with SGD (lr 0.01,
 momentum 0.9), the loss being the mean over the global batch of 2 x b examples:
 
     local      tfkv DataParallel + KVStore `local`, one process, one device, batch 2 x b
@@ -15,6 +16,13 @@ momentum 0.9), the loss being the mean over the global batch of 2 x b examples:
                and keras SGD.apply_gradients (the loop bench_local_step.py uses as its baseline).
                model.fit is no alternative: with Keras 3 it fails under MWMS ("Attempt to convert
                a value (PerReplica...) to a Tensor", keras-team/keras#20585)
+    PSS        tf.distribute.ParameterServerStrategy: a chief (the coordinator) schedules steps on
+               2 worker processes (b each) against 1 parameter-server process (TF_CONFIG, gRPC);
+               the model built inside strategy.scope() (its variables live on the ps), a
+               tf.function step per worker with GradientTape and SGD momentum written as TF ops
+               on momentum variables on the ps (v = 0.9 v - lr g; w += v, Keras SGD's rule), the
+               batches from coordinator.create_per_worker_dataset. PSS is asynchronous (each
+               step updates the ps on its own), so its samples/s is steps x b / the chief's time
 
 Models: LeNet (tfkv `lenet`) and an MLP of ~5.8M parameters (tfkv `mlp`, hidden [2048, 2048]),
 28x28x1 inputs, 10 classes, b = 64 per worker. Each process traces and warms up, times a few
@@ -25,7 +33,7 @@ steps both workers' weights are compared (they must agree), so a baseline that s
 synchronising cannot win. Trials alternate between contenders (order reversed every other trial)
 and the median is reported, because this machine is shared and noisy.
 
-    python benchmarks/bench_dist_training.py [--seconds 2] [--trials 4] [--models lenet,mlp]
+    python benchmarks/bench_dist_training.py [--seconds 2] [--trials 4] [--models lenet,mlp] [--no-pss]
                                              [--batch 64] [--worker-threads 0]
 
 Every process runs in its own process group under a timeout and is killed with its group when it
@@ -139,6 +147,75 @@ def run_mwms(args: argparse.Namespace) -> None:
     os._exit(0)  # MWMS's gRPC server can keep a process alive after the work is done
 
 
+def run_pss_server(args: argparse.Namespace) -> None:
+    """A ParameterServerStrategy worker or ps task: a TF server until the chief says it is done."""
+    import tensorflow as tf
+
+    set_threads(args.worker_threads)
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    tf.distribute.Server(resolver.cluster_spec(), job_name=resolver.task_type, task_index=resolver.task_id,
+                         protocol="grpc", start=True)
+    done = os.path.join(args.sync_dir, "pss-done")
+    while not os.path.exists(done):
+        time.sleep(0.2)
+    os._exit(0)  # a TF server has no clean stop
+
+
+def run_pss(args: argparse.Namespace) -> None:
+    """The ParameterServerStrategy chief: builds the model on the ps, schedules steps on the workers."""
+    import tensorflow as tf
+
+    from tfkv.models import build
+
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    strategy = tf.distribute.ParameterServerStrategy(resolver)
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    reports = {}
+    try:
+        for name in args.models.split(","):
+            cfg, shape = MODELS[name]
+            x, y = synthetic(args.batch, shape)
+            with strategy.scope():
+                model = build(cfg, input_shape=shape, num_classes=10)
+                velocity = [tf.Variable(tf.zeros_like(v), trainable=False) for v in model.trainable_variables]
+            batches = iter(coordinator.create_per_worker_dataset(
+                lambda: tf.data.Dataset.from_tensors((x, y)).repeat()))
+
+            @tf.function
+            def step(iterator):
+                def replica(xb, yb):
+                    with tf.GradientTape() as tape:
+                        losses = tf.nn.sparse_softmax_cross_entropy_with_logits(yb, model(xb, training=True))
+                        loss = tf.reduce_mean(losses)
+                    for w, v, g in zip(model.trainable_variables, velocity,
+                                       tape.gradient(loss, model.trainable_variables)):
+                        v.assign(MOMENTUM * v - LR * g)
+                        w.assign_add(v)
+                    return loss
+                return strategy.run(replica, args=next(iterator))
+
+            def steps(n: int) -> float:
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    last = coordinator.schedule(step, args=(batches,))
+                coordinator.join()
+                steps.loss = float(last.fetch())
+                return time.perf_counter() - t0
+
+            steps(WARMUP_STEPS * 2)
+            per_step = steps(CALIBRATION_STEPS * 2) / (CALIBRATION_STEPS * 2)
+            n = max(4, int(args.seconds / per_step))
+            elapsed = steps(n)
+            reports[name] = {"steps": n, "seconds": elapsed, "batch": args.batch, "loss": steps.loss,
+                             "params": int(model.count_params())}
+        with open(os.path.join(args.out, "pss-0.json"), "w") as f:
+            json.dump(reports, f)
+    finally:
+        open(os.path.join(args.sync_dir, "pss-done"), "w").close()
+    sys.stdout.flush()
+    os._exit(0)
+
+
 # -- the parent: launching, timeouts, teardown ------------------------------------------------
 
 def run_processes(envs: list[dict[str, str]], argv: list[str], timeout: float, what: str) -> None:
@@ -161,6 +238,21 @@ def job_mwms(args, tmp: str) -> None:
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
     envs = [{"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})} for i in range(2)]
     run_processes(envs, worker_argv(args, "mwms", tmp), args.job_timeout, "MWMS")
+
+
+def job_pss(args, tmp: str) -> None:
+    from tfkv.launcher.ports import free_port
+
+    cluster = {"chief": [f"127.0.0.1:{free_port()}"], "worker": [f"127.0.0.1:{free_port()}" for _ in range(2)],
+               "ps": [f"127.0.0.1:{free_port()}"]}
+    tasks = [("chief", 0), ("worker", 0), ("worker", 1), ("ps", 0)]
+    envs = [{"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": t, "index": i}})} for t, i in tasks]
+    from tfkv.launcher.plan import Process
+
+    plan = [Process(f"PSS {t} {i}", "worker", rank, "127.0.0.1", worker_argv(args, "pss" if t == "chief" else "pss_server",
+                                                                              tmp), env)
+            for rank, ((t, i), env) in enumerate(zip(tasks, envs))]
+    run_plan(plan, args.job_timeout, "ParameterServerStrategy")
 
 
 def job_dist_sync(args, tmp: str, model: str, secure: bool = True) -> None:
@@ -206,7 +298,8 @@ def main() -> None:
     ap.add_argument("--worker-threads", type=int, default=0,
                     help="TF intra/inter-op threads per distributed worker (0: TensorFlow's default)")
     ap.add_argument("--job-timeout", type=float, default=150.0, help="seconds before a job counts as hung")
-    ap.add_argument("--role", choices=["local", "dist_sync", "mwms"], help=argparse.SUPPRESS)
+    ap.add_argument("--no-pss", action="store_true", help="leave ParameterServerStrategy out")
+    ap.add_argument("--role", choices=["local", "dist_sync", "mwms", "pss", "pss_server"], help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--sync-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -215,6 +308,10 @@ def main() -> None:
             ap.error(f"unknown model {m!r}; known: {', '.join(MODELS)}")
     if args.role == "mwms":
         return run_mwms(args)
+    if args.role == "pss":
+        return run_pss(args)
+    if args.role == "pss_server":
+        return run_pss_server(args)
     if args.role:
         return run_tfkv(args, args.role)
 
@@ -222,8 +319,8 @@ def main() -> None:
     print(f"training samples/s (whole job), median of {args.trials} trials of ~{args.seconds:g} s; "
           f"b={args.batch} per worker, global batch {2 * args.batch}; SGD momentum {MOMENTUM}; "
           f"MWMS baseline: custom loop (tf.function(strategy.run) + GradientTape + keras SGD; "
-          f"Keras 3 model.fit fails under MWMS)", flush=True)
-    contenders = ["local", "dist_sync", "dist_plain", "mwms"]
+          f"Keras 3 model.fit fails under MWMS); PSS: custom step scheduled by a ClusterCoordinator", flush=True)
+    contenders = ["local", "dist_sync", "dist_plain", "mwms"] + ([] if args.no_pss else ["pss"])
     samples: dict[tuple[str, str], list[float]] = {}
     info: dict[str, dict] = {}
     t_start = time.monotonic()
@@ -237,6 +334,9 @@ def main() -> None:
                     elif kind == "mwms":
                         job_mwms(args, tmp)
                         got = collect(tmp, "mwms", 2)
+                    elif kind == "pss":
+                        job_pss(args, tmp)
+                        got = collect(tmp, "pss", 1)
                     else:
                         got = {}
                         for m in models:
@@ -251,8 +351,10 @@ def main() -> None:
         sys.exit(1)
 
     med = {k: statistics.median(v) for k, v in samples.items()}
-    print(f"{'model':<6} {'params':>10} {'local':>9} {'MWMS':>9} {'dist_sync':>10} {'plain':>9} "
-          f"{'dist/MWMS':>10} {'dist/local':>11} {'secure/plain':>13}   (samples/s)")
+    pss = "pss" in contenders
+    print(f"{'model':<6} {'params':>10} {'local':>9} {'MWMS':>9} " + (f"{'PSS':>9} " if pss else "")
+          + f"{'dist_sync':>10} {'plain':>9} {'dist/MWMS':>10} " + (f"{'dist/PSS':>9} " if pss else "")
+          + f"{'dist/local':>11} {'secure/plain':>13}   (samples/s)")
     slower = []
     for m in models:
         params = {info[m][k]["params"] for k in contenders}
@@ -260,11 +362,14 @@ def main() -> None:
             print(f"bench_dist_training: FAILED: {m} has different parameter counts {params}", file=sys.stderr)
             sys.exit(1)
         lo, mw, ds, pl = med[("local", m)], med[("mwms", m)], med[("dist_sync", m)], med[("dist_plain", m)]
-        print(f"{m:<6} {params.pop():>10,} {lo:>9.0f} {mw:>9.0f} {ds:>10.0f} {pl:>9.0f} {ds / mw:>10.3f} "
-              f"{ds / lo:>11.3f} {ds / pl:>13.3f}")
+        ps = med[("pss", m)] if pss else None
+        print(f"{m:<6} {params.pop():>10,} {lo:>9.0f} {mw:>9.0f} " + (f"{ps:>9.0f} " if pss else "")
+              + f"{ds:>10.0f} {pl:>9.0f} {ds / mw:>10.3f} " + (f"{ds / ps:>9.3f} " if pss else "")
+              + f"{ds / lo:>11.3f} {ds / pl:>13.3f}")
         if ds <= mw:
             slower.append(m)
-    print(f"Target: dist_sync faster than MultiWorkerMirroredStrategy: "
+    print(f"Targets (secure dist_sync): >= 1.3x MWMS, >= 1.2x PSS, secure/plain >= 0.9. "
+          f"dist_sync faster than MultiWorkerMirroredStrategy: "
           f"{'met' if not slower else 'NOT met for ' + ', '.join(slower)}. Both run 2 workers on this "
           f"machine's cores, so neither can beat `local` here; dist/local shows the cost of distribution. "
           f"dist_sync is secure, as a launched job is by default; plain = cluster.secure=false (target: "
