@@ -42,7 +42,10 @@ def main() -> None:
     ap.add_argument("--job-timeout", type=float, default=240.0)
     args = ap.parse_args()
     counts = [int(w) for w in args.workers.split(",")]
-    contenders = ["float32", "2bit"] + (["float32, pushed after backward"] if args.overlap_ab else [])
+    # Every job is secure (the job's keys), as launched jobs are by default; "plain" is the float32
+    # job with TFKV_SECURE=0, what security costs beside what compression saves.
+    contenders = ["float32", "2bit", "float32, plain (secure=false)"] + (
+        ["float32, pushed after backward"] if args.overlap_ab else [])
     print(f"LeNet, dist_sync, 1 server, b={args.batch} per worker; samples/s of the whole job, median of "
           f"{args.trials} trials of ~{args.seconds:g} s; 2-bit threshold {args.threshold}", flush=True)
     got: dict[tuple[int, str], list[dict]] = {}
@@ -54,7 +57,7 @@ def main() -> None:
                     with tempfile.TemporaryDirectory(prefix="bench_compression_") as tmp:
                         r = run_job(w, "lenet", args.batch, args.seconds, tmp, "job", args.job_timeout,
                                     compression="2bit" if c == "2bit" else "none", threshold=args.threshold,
-                                    overlap="after" if "after" in c else "graph")
+                                    overlap="after" if "after" in c else "graph", secure="plain" not in c)
                     got.setdefault((w, c), []).append(r)
             print(f"  trial {trial + 1}/{args.trials} done ({time.monotonic() - t_start:.0f} s)", flush=True)
     except (Failed, OSError, ValueError, KeyError) as e:

@@ -11,6 +11,9 @@ pulls every key back, as a training step does (dist_sync, no optimizer: the serv
     pushpull          pushpull(all keys)               each key's pull right behind its push, so
                                                        replies stream back while pushes go out
                                                        (what DataParallel does)
+    pushpull, secure  the same against a second scheduler and server run with the job's keys
+                      (AES-256-GCM data plane), as a launched job is by default; every other
+                      tfkv row is plain (TFKV_SECURE=0), as raw is
     pushpull+chunks   the same with keys cut into TFKV_CHUNK_BYTES messages (--chunk); each
                       pull assembles its chunks in a fresh array
     +chunks, out=     pushpull+chunks into the caller's arrays (MXNet's `out=`): the chunks are
@@ -66,11 +69,14 @@ def echo(port_queue: mp.Queue) -> None:
         sock.send_multipart(sock.recv_multipart(copy=False), copy=False)
 
 
-def start_cluster() -> tuple[list[subprocess.Popen], dict[str, str]]:
+def start_cluster(secure: bool = False) -> tuple[list[subprocess.Popen], dict[str, str]]:
+    """A scheduler and a server: plain (TFKV_SECURE=0) or with a fresh key, as launched jobs are."""
+    from tfkv import keys as job_keys
     from tfkv.launcher.ports import free_port
 
     env = {**os.environ, "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(free_port()),
-           "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": "1"}
+           "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": "1",
+           **(job_keys.keys_env(job_keys.new_keys()) if secure else {job_keys.SECURE: "0"})}
     procs = [subprocess.Popen([sys.executable, "-m", "tfkv.ps.node"], env={**env, "DMLC_ROLE": role},
                               start_new_session=True) for role in ("scheduler", "server")]
     return procs, env
@@ -94,8 +100,12 @@ def main() -> None:
     print(f"ResNet18: {len(shapes)} keys, {sum(sizes):,} float32 ({model_bytes / 1e6:.1f} MB), "
           f"chunks of {chunk:,} bytes, 1 server / 1 worker on 127.0.0.1")
     procs, env = start_cluster()
+    secure_procs, secure_env = start_cluster(secure=True)
+    procs += secure_procs
     try:
         store = DistStore(env=ClusterEnv.from_env({**env, "DMLC_ROLE": "worker"}))
+        # The same job with the job's keys (what a launched job runs by default), for the pushpull row.
+        secure = DistStore(env=ClusterEnv.from_env({**secure_env, "DMLC_ROLE": "worker"}))
         grads = [np.full(n, 0.25, np.float32) for n in sizes]
         # Keys 0..K-1 unchunked, 1000.. chunked: the layout is fixed when a key is initialised.
         unchunked = list(range(len(shapes)))
@@ -107,6 +117,8 @@ def main() -> None:
         store.env = dataclasses.replace(chunk_env, chunk_bytes=chunk)
         store.init(chunked, [np.zeros(s, np.float32) for s in shapes])
         store.init(compressed, [np.zeros(s, np.float32) for s in shapes])
+        secure.env = dataclasses.replace(secure.env, chunk_bytes=1 << 40)
+        secure.init(unchunked, [np.zeros(s, np.float32) for s in shapes])
         priority = list(unchunked)  # backprop's order: the last layer's gradient is ready first
         pieces = [b - a for k in chunked for _, a, b, _ in store._layout(k)[1].parts]
 
@@ -139,7 +151,9 @@ def main() -> None:
         whole = [np.full(n, 0.25, np.float32) for n in sizes]
         cut = [np.full(n, 0.25, np.float32) for n in pieces]
         contenders = {"blocking": blocking, "push; pull": lambda: push_then_pull(unchunked),
-                      "pushpull": lambda: pushpull(unchunked), "pushpull+chunks": lambda: pushpull(chunked),
+                      "pushpull": lambda: pushpull(unchunked),
+                      "pushpull, secure": lambda: secure.pushpull(unchunked, grads, priority=priority),
+                      "pushpull+chunks": lambda: pushpull(chunked),
                       "+chunks, out=": lambda: pushpull(chunked, outs),
                       "+2bit": lambda: pushpull(compressed), "raw per key": lambda: raw_round(whole),
                       "raw chunked": lambda: raw_round(cut)}
@@ -172,7 +186,11 @@ def main() -> None:
         pushpull(compressed)
         print(f"\nbytes pushed per step: float32 {plain:,}, 2-bit {store.push_bytes:,} "
               f"({plain / store.push_bytes:.1f}x less)")
+        print(f"pushpull secure/plain: {statistics.median(results['pushpull, secure']) / statistics.median(results['pushpull']):.2f} "
+              "(secure: the job's keys, AES-256-GCM data plane, as launched jobs run by default; the other tfkv rows are "
+              "plain, TFKV_SECURE=0, as raw is)")
         store.close()
+        secure.close()
     finally:
         from tfkv.launcher.supervisor import stop_groups
 

@@ -13,8 +13,9 @@ every worker DataParallel.timings splits the step, averaged over the workers:
               waiting for the slowest worker's pushes
     assign    writing the pulled weights into the variables (one compiled call)
 
-Every worker count is a separate job; trials go through the counts in alternating order and the
-median is reported. All processes share this machine's cores, so beyond the core count more
+Every worker count is a separate job, run secure (the job's keys, as a launched job is by
+default: the table's figures) and plain (TFKV_SECURE=0, beside it); trials go through the counts
+in alternating order and the median is reported. All processes share this machine's cores, so beyond the core count more
 workers mean more waiting, not more throughput.
 
     python benchmarks/bench_scaling.py [--seconds 2] [--trials 2] [--workers 1,2,4,8]
@@ -52,28 +53,33 @@ def main() -> None:
     print(f"{args.model} {MODELS[args.model][0]} on {'x'.join(map(str, MODELS[args.model][1]))}, dist_sync, "
           f"1 server, b={args.batch} per worker; median of {args.trials} trials of ~{args.seconds:g} s; "
           f"cores: {os.cpu_count()}", flush=True)
-    got: dict[int, list[dict]] = {}
+    got: dict[int, list[dict]] = {}  # secure, the default: what users get
+    plain: dict[int, list[dict]] = {}  # TFKV_SECURE=0, beside it
     t_start = time.monotonic()
     try:
         for trial in range(args.trials):
             for w in (counts if trial % 2 == 0 else counts[::-1]):
-                with tempfile.TemporaryDirectory(prefix="bench_scaling_") as tmp:
-                    got.setdefault(w, []).append(run_job(w, args.model, args.batch, args.seconds, tmp, "job",
-                                                         args.job_timeout))
+                for secure in ((True, False) if trial % 2 == 0 else (False, True)):
+                    with tempfile.TemporaryDirectory(prefix="bench_scaling_") as tmp:
+                        r = run_job(w, args.model, args.batch, args.seconds, tmp, "job", args.job_timeout, secure=secure)
+                    (got if secure else plain).setdefault(w, []).append(r)
             print(f"  trial {trial + 1}/{args.trials} done ({time.monotonic() - t_start:.0f} s)", flush=True)
     except (Failed, OSError, ValueError, KeyError) as e:
         print(f"bench_scaling: FAILED: {e}", file=sys.stderr)
         sys.exit(1)
 
     base = statistics.median(r["samples_s"] for r in got[counts[0]]) / counts[0]
-    print(f"{'workers':>7} {'samples/s':>10} {'speed-up':>9} {'efficiency':>10} {'step ms':>8}   "
+    print(f"{'workers':>7} {'samples/s':>10} {'plain':>8} {'secure/plain':>12} {'speed-up':>9} {'efficiency':>10} "
+          f"{'step ms':>8}   "
           + " ".join(f"{p if p != 'pull' else 'wait+pull':>10}" for p in PHASES) + "   (ms per step, worker mean)")
     for w in counts:
         rs = got[w]
         s = statistics.median(r["samples_s"] for r in rs)
         step = statistics.median(r["step_s"] for r in rs) * 1e3
         ph = [statistics.median(r["timings"][p] for r in rs) * 1e3 for p in PHASES]
-        print(f"{w:>7} {s:>10.0f} {s / (base * counts[0]):>9.2f} {s / (base * w):>10.2f} {step:>8.2f}   "
+        pl = statistics.median(r["samples_s"] for r in plain[w])
+        print(f"{w:>7} {s:>10.0f} {pl:>8.0f} {s / pl:>12.2f} {s / (base * counts[0]):>9.2f} {s / (base * w):>10.2f} "
+              f"{step:>8.2f}   "
               + " ".join(f"{v:>10.2f}" for v in ph))
     print("per-trial samples/s: " + "; ".join(f"{w}w " + "/".join(f"{r['samples_s']:.0f}" for r in got[w])
                                              for w in counts))

@@ -196,17 +196,21 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run_job(workers: int, model: str, batch: int, seconds: float, tmp: str, tag: str, timeout: float,
-            compression: str = "none", threshold: float = 0.5, overlap: str = "graph", threads: int = 0) -> dict:
+            compression: str = "none", threshold: float = 0.5, overlap: str = "graph", threads: int = 0,
+            secure: bool = True) -> dict:
     """Run one job; returns {samples_s, push_bytes (per step, per worker), timings (worker means),
-    steps, params, loss}. Raises Failed (with the job's log tail) on any failure or hang."""
+    steps, params, loss}. Raises Failed (with the job's log tail) on any failure or hang. `secure`:
+    with a fresh key for the job, as a launched job is by default; else TFKV_SECURE=0."""
+    from tfkv import keys as job_keys
     from tfkv.launcher.plan import make_plan
     from tfkv.launcher.ports import free_port
 
     argv = [sys.executable, os.path.abspath(__file__), "--out", tmp, "--sync-dir", tmp, "--tag", tag,
             "--model", model, "--batch", str(batch), "--seconds", str(seconds), "--compression", compression,
             "--threshold", str(threshold), "--overlap", overlap, "--threads", str(threads)]
+    extra = job_keys.keys_env(job_keys.new_keys()) if secure else {job_keys.SECURE: "0"}
     plan = make_plan(workers, 1, argv, [sys.executable, "-m", "tfkv.ps.node"], ["127.0.0.1"], "127.0.0.1",
-                     free_port())
+                     free_port(), extra_env=extra)
     run_plan(plan, timeout, tag)
 
     reports = []
