@@ -32,7 +32,8 @@ def test_a_sealed_message_opens_to_the_same_frames_and_hides_them():
     worker, server = _pair()
     data = np.arange(600_000, dtype=np.float32)  # 2.4 MB: in pieces of 1 MiB
     sealed = list(worker.seal(P.encode(P.Message(P.Type.PUSH, sender=9, seq=1, key=3, data=data))))
-    assert len(sealed) == 1 + -(-data.nbytes // channel.PIECE) and all(len(piece) == 2 for piece in sealed)
+    pieces = -(-data.nbytes // channel.PIECE)  # the header alone, then the payload in runs of pieces
+    assert len(sealed) == 1 + -(-pieces // channel.RUN) and [len(m) - 1 for m in sealed] == [1, pieces]
     assert data[:64].tobytes() not in b"".join(bytes(f) for piece in sealed for f in piece)
     got = P.decode(_through(server, sealed), max_count=10**6)
     assert got.seq == 1 and np.array_equal(got.data, data)
@@ -55,7 +56,8 @@ def test_a_1_mib_push_and_the_pull_request_behind_it_travel_as_one_message():
 
 def test_nonces_never_repeat_across_frames_and_messages():
     worker, _ = _pair()
-    used = [channel.envelope(piece)[-1] for seq in range(5) for piece in worker.seal(_msg(300_000, seq))]
+    used = [channel.envelope(m)[-1] + i for seq in range(5) for m in worker.seal(_msg(300_000, seq))
+            for i in range(len(m) - 1)]  # one nonce per sealed part
     assert len(used) == 5 * (1 + -(-1_200_000 // channel.PIECE)) and len(used) == len(set(used))  # header + 1.2 MB
 
 

@@ -61,6 +61,9 @@ PIECE = 1 << 20
 # header and the pull request behind it are one message (each frame is still sealed on its own,
 # so no frame on the wire passes the cap).
 GROUP = 2 * PIECE
+# A frame over PIECE bytes goes in runs of this many pieces per ZeroMQ message (each piece its own
+# sealed frame under the cap): a 16 MiB weight in 4 messages, not 16, still pipelined.
+RUN = 4
 MAX_PIECE_FRAME = 1 << 30  # no frame announced larger than this is assembled (protocol frames are ~1 MiB)
 _PUBLIC = 32
 _MAC = 32
@@ -149,8 +152,9 @@ class Session:
                 group.append(data)
                 grouped += len(data)
                 continue
-            for offset in range(0, len(data), PIECE):
-                yield self._sealed(len(frames), f, len(data), offset, first, [data[offset:offset + PIECE]])
+            for start in range(0, len(data), RUN * PIECE):
+                yield self._sealed(len(frames), f, len(data), start, first,
+                                   [data[o:o + PIECE] for o in range(start, min(start + RUN * PIECE, len(data)), PIECE)])
         if group:
             yield self._sealed(len(frames), start, len(group[0]), 0, first, group)
 
@@ -185,26 +189,30 @@ class Session:
         if part is None or (first, counter, nframes, f, offset) != (part.first, part.next, part.nframes,
                                                                      part.frame, part.offset):
             raise Refused("out of order", f"piece {counter} of the message from {first} is not the one expected")
-        n = len(parts[0]) - TAG
-        whole = len(parts) > 1 or (offset == 0 and n == size)  # else one piece of a large frame
-        if (any(len(p) < TAG for p in parts) or f + len(parts) > nframes or offset + n > size
-                or size > MAX_PIECE_FRAME or (whole and (offset or n != size or size > PIECE))
-                or (not whole and n < PIECE and offset + n < size)):
+        sizes = [len(p) - TAG for p in parts]
+        pieces = size > PIECE  # a run of pieces of frame f; else whole frames from f on
+        end = offset + sum(sizes)
+        if (min(sizes) < 0 or f >= nframes or size > MAX_PIECE_FRAME
+                or (pieces and (offset % PIECE or end > size or any(n != PIECE for n in sizes[:-1])
+                                or (sizes[-1] != PIECE and end != size) or not sizes[-1]))
+                or (not pieces and (offset or sizes[0] != size or f + len(parts) > nframes
+                                    or max(sizes) > PIECE))):
             raise Refused("malformed", f"{len(parts)} part(s) at {offset} of frame {f} ({size} bytes, "
                                        f"{nframes} frames)")
         aad = _buffer(frames[0])
+        if pieces and offset == 0:
+            part.frames.append(np.empty(size, np.uint8))
         for i, sealed in enumerate(parts):
-            if whole:
+            if pieces:
+                at = offset + i * PIECE
+                out = memoryview(part.frames[f])[at:at + sizes[i]]
+            else:
                 # Opened in place when the received frame is writable (a zmq.Frame): the payload
                 # then views the received buffer, as on a plain socket, with no allocation and
                 # half the memory touched. OpenSSL's GCM decrypts in place; the tag is checked
                 # over the ciphertext as it is read, so a bad tag still raises (tests/ps/test_channel).
-                out = sealed[:len(sealed) - TAG] if not sealed.readonly else memoryview(np.empty(len(sealed) - TAG, np.uint8))
+                out = sealed[:sizes[i]] if not sealed.readonly else memoryview(np.empty(sizes[i], np.uint8))
                 part.frames.append(out)
-            else:
-                if offset == 0:
-                    part.frames.append(np.empty(size, np.uint8))
-                out = memoryview(part.frames[f])[offset:offset + n]
             try:
                 self._recv.decrypt_into(self._recv_salt + (counter + i).to_bytes(8, "little"), sealed, aad, out)
             except InvalidTag:
@@ -212,12 +220,12 @@ class Session:
                                          "authentication") from None
         self._accepted(counter)
         part.next = counter + len(parts)
-        if whole:
+        if not pieces:
             part.frame, part.offset = f + len(parts), 0
+        elif end < size:
+            part.offset = end
         else:
-            part.offset = offset + n
-            if part.offset >= size:
-                part.frame, part.offset = f + 1, 0
+            part.frame, part.offset = f + 1, 0
         if part.frame < nframes:
             self._partial = part
             return None
