@@ -1,9 +1,10 @@
 """The data plane's encryption: AES-256-GCM on every worker <-> server message, keys per connection.
 
 CURVE (XSalsa20-Poly1305 in libsodium) runs at ~0.6 GB/s on a CPU where AES-GCM through OpenSSL
-runs at ~10 GB/s with the AES and AVX-512 instructions (`cryptography` 48, OpenSSL 4), so a secure job's pushes and pulls travel on a plain
-ZeroMQ socket, every message sealed here with the `cryptography` package's AESGCM (no cipher by
-hand). The scheduler's control plane (small messages) stays on CURVE (tfkv.ps.security).
+runs at ~10 GB/s with the AES and AVX-512 instructions (`cryptography` 48, OpenSSL 4), so a
+secure job's pushes and pulls travel on a plain ZeroMQ socket, every message sealed here with the
+`cryptography` package's AESGCM (no cipher by hand). The scheduler's control plane (small
+messages) stays on CURVE (tfkv.ps.security).
 
 Keys. Every node of a job holds the job's keypair (tfkv.keys); from its secret comes a
 pre-shared key `psk` (HKDF-SHA256). A worker opens each connection with HELLO: a fresh X25519
@@ -15,14 +16,15 @@ WELCOME; recorded traffic stays unreadable if the job's key leaks later (ephemer
 
 Messages. A protocol message travels as one or more ZeroMQ messages (`Session.seal`): frame 0
 an ENVELOPE (magic, version, kind, frame count, which frame, its size, offset, the protocol
-message's first counter, this message's counter), then sealed parts: the message's small frames
-together, or one PIECE of a larger frame, so that the receiver opens a piece while the sender
-seals the next. A received part is opened in place, into the ZeroMQ buffer it arrived in. Each part is sealed with nonce = salt + counter and the envelope as associated
-data; the counter only grows, by one per part, so no nonce repeats under a key. The receiver
-refuses a counter it accepted before or one older than WINDOW behind the newest (a replay, or a
-message held back too long), a tampered or truncated part (the tag), a piece out of order or of
-another message, parts moved between messages or connections (other nonce, other key). Nothing
-is parsed before every tag of a message verifies.
+message's first counter, this message's counter), then sealed parts: whole frames of up to PIECE
+bytes together (up to GROUP bytes), or a run of up to RUN pieces of a larger frame, so that the
+receiver opens one run while the sender seals the next. A received part is opened in place,
+into the ZeroMQ buffer it arrived in. Each part is sealed with nonce = salt + counter and the
+envelope as associated data; the counter only grows, by one per part, so no nonce repeats under
+a key. The receiver refuses a counter it accepted before or one older than WINDOW behind the
+newest (a replay, or a message held back too long), a tampered or truncated part (the tag), a
+piece out of order or of another message, parts moved between messages or connections (other
+nonce, other key). Nothing is parsed before every tag of a message verifies.
 """
 
 from __future__ import annotations
