@@ -1,7 +1,7 @@
 """Long jobs (issue 18): checkpoints every N steps, pruned to the newest k, checksummed; an exact
 resume from the middle of an epoch, also after kill -9 of a whole dist_sync job; resume=auto; a
 kill -9 while a checkpoint is written leaves the one before it valid; SIGUSR1 checkpoints at the
-next step and exits 75, resumable."""
+next step and exits 75, resumable; cluster.max_restarts restarts a job that lost a worker."""
 
 import json
 import os
@@ -80,15 +80,14 @@ def test_a_run_resumed_mid_epoch_ends_with_the_uninterrupted_weights_and_extends
     ("checkpoint.every_steps=-5", "checkpoint.every_steps=-5 must be at least 1, or null"),
     ("checkpoint.every_minutes=-1.5", "checkpoint.every_minutes=-1.5 must be positive, or null"),
     ("checkpoint.every_minutes=0", "checkpoint.every_minutes=0.0 must be positive, or null"),
+    ("cluster.max_restarts=-1", "cluster.max_restarts=-1 must be at least 0"),
 ])
-def test_bad_checkpoint_settings_are_refused_at_the_edge(override, message):
+def test_bad_checkpoint_and_restart_settings_are_refused_at_the_edge(override, message):
     with initialize_config_dir(config_dir=cli.conf_dir(), version_base="1.3"):
-        cfg = compose("config", overrides=[override])
+        cfg = compose("config", overrides=[override, "kvstore=dist_sync", "cluster=local"])
     with pytest.raises(ConfigError) as e:
         check.validate(cfg)
-    assert str(e.value) == message + (" (no step checkpoints)" if "every_steps" in override else
-                                      " (keep every checkpoint)" if "keep_last" in override else
-                                      " (no timed checkpoints)")
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
 
 
 def test_keep_last_zero_is_one_line_and_exit_2_before_training(tmp_path):
@@ -142,11 +141,25 @@ def test_kill_9_while_a_checkpoint_is_written_leaves_the_previous_one_valid(tmp_
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["epoch-0001", "epoch-0002"]
 
 
+def test_tfkv_launch_max_restarts_starts_a_failed_job_again_and_records_why(tmp_path):
+    """Any command: the first attempt's worker fails, the restarted job runs to its end."""
+    worker = f"{sys.executable} {Path(__file__).parent / 'dist_worker.py'} updates out{{rank}}.json 2"
+    proc = subprocess.run(["tfkv-launch", "-n", "1", "--launcher", "local", "--run-dir", "rec", "--max-restarts", "2",
+                           "--", "sh", "-c", f"if [ -e tried ]; then exec {worker}; fi; touch tried; exit 5"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("tfkv: restart 1 of 2: worker 0 exited with status 5") == 1, proc.stdout
+    (restart,) = json.loads((tmp_path / "rec" / "launch" / "restarts.json").read_text())
+    assert (restart["attempt"], restart["cause"]) == (1, "worker 0 exited with status 5")
+    assert (tmp_path / "out0.json").is_file()  # the restarted worker's result
+
+
 # -- a whole dist_sync job preempted, killed -9 mid-epoch, and run again -------------------------
 
-DIST = ["kvstore=dist_sync", "cluster=local", "cluster.num_workers=2", "cluster.num_servers=1", "epochs=3",
+DIST = ["kvstore=dist_sync", "cluster=local", "cluster.num_workers=2", "cluster.num_servers=1", "epochs=2",
         "batch_size=16", "deterministic=true", "progress=false", "checkpoint.every_steps=4",
-        "checkpoint.keep_last=2", "resume=auto", "hydra.run.dir=run"]  # 44 steps per epoch and worker
+        "checkpoint.keep_last=2", "resume=auto", "hydra.run.dir=run", "cluster.max_restarts=1"]
+# (44 steps per epoch and worker)
 
 
 def _start(args: list[str], cwd: Path) -> subprocess.Popen:
@@ -176,11 +189,22 @@ def _wait_for_checkpoint(job: subprocess.Popen, run: Path, past: Path | None = N
         time.sleep(0.01)
 
 
+def _worker_pid(job: subprocess.Popen, rank: int) -> int:
+    """The process of worker `rank` among the launcher's children (the local launcher's roles)."""
+    for task in Path(f"/proc/{job.pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            if b"tfkv.worker" in Path(f"/proc/{child}/cmdline").read_bytes() and f"TFKV_RANK_HINT={rank}".encode() in environ:
+                return int(child)
+    raise AssertionError(f"worker {rank} is not running")
+
+
 @pytest.mark.slow
-def test_a_dist_sync_job_preempted_then_killed_mid_epoch_ends_with_the_uninterrupted_weights(tmp_path):
+def test_a_dist_sync_job_preempted_killed_and_restarted_ends_with_the_uninterrupted_weights(tmp_path):
     """SIGUSR1 to the launcher: worker 0 checkpoints at a step's end, the job exits 75; the same
-    command again is killed -9 whole in the middle of an epoch; the same command once more ends
-    with the weights and optimizer state of a job that was never stopped."""
+    command again is killed -9 whole in the middle of an epoch; the same command once more resumes,
+    loses worker 1 to kill -9 mid-epoch, restarts itself (cluster.max_restarts=1) and ends with
+    the weights and optimizer state of a job that was never stopped."""
     clean, crashed = tmp_path / "clean", tmp_path / "crashed"
     clean.mkdir(), crashed.mkdir()
     baseline = _start(DIST, clean)  # beside the stopped runs: the suite's time
@@ -198,24 +222,36 @@ def test_a_dist_sync_job_preempted_then_killed_mid_epoch_ends_with_the_uninterru
     (line,) = [ln for ln in out.splitlines() if ln.startswith("tfkv-run:")]
     preempted = checkpoint.latest(run)
     assert f"preempted (SIGUSR1): checkpoint {preempted.name} is in" in line, line
-    assert not (run / "checkpoints" / "epoch-0003").exists() and not list(run.glob(".preempt*"))
+    assert not (run / "checkpoints" / "epoch-0002").exists() and not list(run.glob(".preempt*"))
 
     job = _start(DIST, crashed)
     try:
         killed_after = _wait_for_checkpoint(job, run, past=preempted)
     finally:
         _kill(job)
-    assert not (run / "checkpoints" / "epoch-0003").exists()
+    assert not (run / "checkpoints" / "epoch-0002").exists()
 
-    proc = tfkv_run(*DIST, cwd=crashed, timeout=240)
-    assert f"resumed from {run / 'checkpoints'}" in proc.stdout + proc.stderr
+    job = _start(DIST, crashed)
+    try:
+        restarted_after = _wait_for_checkpoint(job, run, past=killed_after)
+        os.kill(_worker_pid(job, 1), signal.SIGKILL)
+        job.wait(timeout=240)
+    finally:
+        _kill(job)
+    out = (crashed / "out.txt").read_text()
+    assert job.returncode == 0, out[-3000:]
+    assert f"resumed from {killed_after}" in out  # the whole job's kill -9: resumed mid-epoch
+    assert "tfkv: restart 1 of 1: worker 1 was killed by SIGKILL" in out
+    (restart,) = json.loads((run / "launch" / "restarts.json").read_text())
+    assert restart["cause"] == "worker 1 was killed by SIGKILL"
     assert baseline.wait(timeout=240) == 0, (clean / "out.txt").read_text()[-3000:]
     metrics = json.loads((run / "metrics.json").read_text())
-    assert [h["epoch"] for h in metrics["history"]] == [1, 2, 3]
-    assert [r["from"] for r in metrics["resumes"]][0] == str(preempted) and len(metrics["resumes"]) == 2
-    assert metrics["resumes"][1]["step"] > 0 or checkpoint.position(killed_after)[1] == 0, metrics["resumes"]
-    _same_weights(run / "checkpoints" / "epoch-0003", clean / "run" / "checkpoints" / "epoch-0003")
-    np.testing.assert_array_equal(*(np.load(r / "checkpoints" / "epoch-0003" / "optimizer.npz")["0/momentum"]
+    assert [h["epoch"] for h in metrics["history"]] == [1, 2]
+    assert [r["from"] for r in metrics["resumes"]][:2] == [str(preempted), str(killed_after)], metrics["resumes"]
+    assert len(metrics["resumes"]) == 3 and checkpoint.position(Path(metrics["resumes"][2]["from"])) >= \
+        checkpoint.position(restarted_after)
+    _same_weights(run / "checkpoints" / "epoch-0002", clean / "run" / "checkpoints" / "epoch-0002")
+    np.testing.assert_array_equal(*(np.load(r / "checkpoints" / "epoch-0002" / "optimizer.npz")["0/momentum"]
                                     for r in (run, clean / "run")))
 
 

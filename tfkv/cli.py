@@ -114,9 +114,20 @@ def _launch(cfg: Any, run_dir: Path, overrides: list[str], cwd: Path) -> float:
     python = sys.executable if c.launcher == "local" else c.get("python", "python3")
     # SIGUSR1 here (a batch system's warning): worker 0 checkpoints at the end of a step and stops the job
     asked = signal.signal(preemption.SIGNAL, lambda *_: preemption.ask(run_dir))
+
+    def again(_failed: Any) -> dict[str, str] | None:
+        """cluster.max_restarts: the next attempt resumes from the newest checkpoint this run has
+        written (else as the first did); a preempted job is not restarted but requeued by its owner."""
+        if (run_dir / preemption.DONE).exists():
+            return None
+        newest = checkpoint.newest_valid(run_dir)
+        if newest is not None:
+            cfg.resume = job.remote_path(opts, cwd, newest)
+        return worker.record(cfg, run_dir, hc)
+
     try:
         result = job.launch(opts, [python, "-m", "tfkv.worker"], cwd, run_dir, _command_line(hc, overrides),
-                            sys.stdout, env, knobs.settings(cfg))
+                            sys.stdout, env, knobs.settings(cfg), again=again)
     finally:
         signal.signal(preemption.SIGNAL, asked)
     preempted = preemption.done(run_dir)

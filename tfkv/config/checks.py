@@ -153,6 +153,8 @@ def cluster_sizes(c: Any) -> None:
             raise ConfigError(f"cluster.{key}={getattr(c, key)} must be at least 1")
     if c.heartbeat_timeout <= 0:
         raise ConfigError(f"cluster.heartbeat_timeout={c.heartbeat_timeout} must be positive")
+    if c.max_restarts < 0:
+        raise ConfigError(f"cluster.max_restarts={c.max_restarts} must be at least 0 (0: a failed job stays failed)")
 
 
 def micro_batches(cfg: Any) -> bool:

@@ -53,6 +53,8 @@ class ClusterConfig(NoCluster):
     # warning, for a trusted single machine only
     secure: bool = setting(True, "CURVE authentication and encryption with fresh keys per job "
                                  "(--no-secure: plain TCP, for a trusted single machine only)")
+    max_restarts: int = setting(0, "start a failed job again, up to this many times (tfkv-run: from its "
+                                   "newest checkpoint)")
 
 
 @dataclass

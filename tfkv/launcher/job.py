@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import IO, Any, Mapping, Sequence
+from typing import IO, Any, Callable, Mapping, Sequence
 
 from tfkv import knobs
 from tfkv.config import cluster
@@ -108,10 +108,33 @@ def describe(job: base.Job) -> str:
 
 def launch(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path, argv: Sequence[str],
            out: IO[str], env: Mapping[str, str] | None = None,
-           settings: Mapping[str, Any] | None = None) -> base.Result:
+           settings: Mapping[str, Any] | None = None,
+           again: Callable[[base.Result], Mapping[str, str] | None] | None = None) -> base.Result:
     """Plan, print the plan, check every host, write the record (and knobs.json), run the job
     (`env`: more variables for every role; `settings`: the config's knobs, see `knob_values`).
-    The result's returncode is 128 + N when signal N (Ctrl-C, SIGTERM) stopped the job."""
+    The result's returncode is 128 + N when signal N (Ctrl-C, SIGTERM) stopped the job.
+
+    With `opts.max_restarts`, a job that failed (not one a signal stopped) is torn down as ever,
+    then planned and started again, up to that many times: each restart is a line naming the
+    cause and an entry of launch/restarts.json. `again(result)` gives the roles' `env` for the
+    next attempt (tfkv-run: the newest checkpoint to resume), or None for no restart."""
+    restarts = 0
+    while True:
+        result = _attempt(opts, worker_argv, workdir, run_dir, argv, out, env, settings)
+        if result.failure is None or result.returncode > 128 or restarts >= opts.max_restarts:
+            return result
+        following = again(result) if again is not None else dict(env or {})  # the same job again
+        if following is None:
+            return result
+        restarts += 1
+        out.write(f"tfkv: restart {restarts} of {opts.max_restarts}: {result.failure}\n")
+        out.flush()
+        record.restart(run_dir, restarts, result.failure)
+        env = following
+
+
+def _attempt(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path, argv: Sequence[str],
+             out: IO[str], env: Mapping[str, str] | None, settings: Mapping[str, Any] | None) -> base.Result:
     job = plan_job(opts, worker_argv, workdir, run_dir, env, settings)
     knobs.record(run_dir, knob_values(opts, settings))
     try:

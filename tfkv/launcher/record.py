@@ -6,7 +6,8 @@ job again from that directory alone.
     launch/tree.json      a hash of the synced working tree, file by file (when synced)
     launch/versions.json  tfkv, TensorFlow and Python versions on each host
     launch/rerun.sh       the command line, run from the recorded working directory
-    launch/job.log        the merged output of every role
+    launch/job.log        the merged output of every role (of every attempt)
+    launch/restarts.json  each restart (cluster.max_restarts): when, which attempt, and why
 """
 
 from __future__ import annotations
@@ -144,3 +145,14 @@ def write(run_dir: Path, launcher: str, job: Any, argv: Sequence[str], versions:
 
 if __name__ == "__main__":
     print(json.dumps({**local_versions(), "hostname": platform.node(), "address": ssh_address()}))
+
+
+def restart(run_dir: Path, attempt: int, cause: str) -> None:
+    """Add a restart to launch/restarts.json (the job starts attempt `attempt`, counted from 1)."""
+    path = Path(run_dir) / "launch" / "restarts.json"
+    try:
+        done = json.loads(path.read_text())
+    except (OSError, ValueError):
+        done = []
+    done.append({"attempt": attempt, "cause": cause, "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    path.write_text(json.dumps(done, indent=1))
