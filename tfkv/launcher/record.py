@@ -155,4 +155,7 @@ def restart(run_dir: Path, attempt: int, cause: str) -> None:
     except (OSError, ValueError):
         done = []
     done.append({"attempt": attempt, "cause": cause, "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
-    path.write_text(json.dumps(done, indent=1))
+    try:
+        path.write_text(json.dumps(done, indent=1))
+    except OSError as e:  # a full disk: the restart goes on, its line is in the job's output
+        print(f"tfkv: cannot write {path} ({e.strerror or e})", file=sys.stderr)
