@@ -44,8 +44,10 @@ def _summary(history: list[dict[str, Any]], resumes: list[dict[str, Any]] | None
 
 def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | None = None) -> dict[str, Any]:
     """Train as `cfg` (a validated `tfkv.config.Config`) says; return the final metrics."""
+    from tfkv.tfimport import import_tensorflow
+
+    tf = import_tensorflow()  # first, before keras imports it: without TF's load-time log lines
     import keras
-    import tensorflow as tf
     from omegaconf import OmegaConf
     from tqdm import tqdm
 
