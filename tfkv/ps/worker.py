@@ -156,6 +156,13 @@ class ServerLink:
 
     def _send_staged(self, server: int) -> None:
         staged, self._staged[server], self._staged_bytes[server] = self._staged[server], [], 0
+        if len(staged) == 1:  # one key: a PUSH and its PULL, which a server serves ~30 us faster
+            key, data, seq = staged[0]
+            frames = (P.encode(P.Message(P.Type.PUSH, sender=self.link.id, seq=next(self.seq), key=key, data=data,
+                                         want_ack=False))
+                      + P.encode(P.Message(P.Type.PULL, sender=self.link.id, seq=seq, key=key)))
+            self._queue(server, frames, data.nbytes, hold=False)
+            return
         msg = P.Message(P.Type.PUSHPULL, sender=self.link.id, seq=next(self.seq), meta={"keys": [k for k, _, _ in staged]},
                         data=staged[0][1] if len(staged) == 1 else np.concatenate([d for _, d, _ in staged]))
         self._groups[msg.seq] = [(seq, d.size) for _, d, seq in staged]
