@@ -154,9 +154,9 @@ class Session:
                 group.append(data)
                 grouped += len(data)
                 continue
-            for start in range(0, len(data), RUN * PIECE):
-                yield self._sealed(len(frames), f, len(data), start, first,
-                                   [data[o:o + PIECE] for o in range(start, min(start + RUN * PIECE, len(data)), PIECE)])
+            for run in range(0, len(data), RUN * PIECE):
+                yield self._sealed(len(frames), f, len(data), run, first,
+                                   [data[o:o + PIECE] for o in range(run, min(run + RUN * PIECE, len(data)), PIECE)])
         if group:
             yield self._sealed(len(frames), start, len(group[0]), 0, first, group)
 
@@ -175,7 +175,7 @@ class Session:
         return out
 
     def open(self, frames: Sequence[Any]) -> list[np.ndarray] | None:
-        """One received ZeroMQ message (whole small frames, or a piece of a large one): the
+        """One received ZeroMQ message (whole frames, or a run of pieces of a larger one): the
         protocol frames once their message is whole, None until then; Refused (and the message it
         belonged to dropped) if it fails any check."""
         kind, nframes, f, size, offset, first, counter = envelope(frames)

@@ -9,9 +9,9 @@
               n gradients is 16x smaller on the wire
 
 A ZeroMQ message may carry several protocol messages back to back (`split`): a node sends what it
-has ready for one peer together. A payload is one frame however large (a worker cuts a key's part into messages of at most
-TFKV_CHUNK_BYTES, 16 MiB): version 1 cut it into frames of 1 MiB, which both ends joined with a
-copy into a fresh array. What a peer can make a node buffer is bounded per socket instead
+has ready for one peer together. A payload is one frame however large (a worker cuts a key's
+part into messages of at most TFKV_CHUNK_BYTES, 16 MiB): version 1 cut it into frames of 1 MiB,
+which both ends joined with a copy into a fresh array. What a peer can make a node buffer is bounded per socket instead
 (ZMQ_MAXMSGSIZE, `max_frame`): MAX_FRAME (1 MiB + 4 KiB) on every socket whose peers may not be
 of the job, i.e. the scheduler's CURVE sockets (libzmq applies the cap to the frames of a
 CURVE handshake too) and a secure job's data plane, where every frame on the wire is a sealed

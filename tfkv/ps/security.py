@@ -26,7 +26,9 @@ TCP with a warning, as MXNet users expect. TFKV_SECURE=1 without keys is an erro
 What a connection can cost a node before it authenticates is bounded on every socket, secure
 or not: no frame over protocol.MAX_FRAME (1 MiB + 4 KiB) is accepted (libzmq's ZMQ_MAXMSGSIZE holds for
 the handshake's frames too; a stranger announcing CURVE and a 1 GiB frame is cut off after
-1 MiB), and a handshake not finished within HANDSHAKE_SECONDS is dropped.
+1 MiB), and a handshake not finished within HANDSHAKE_SECONDS is dropped. The one exception is
+a plain job's data plane (TFKV_SECURE=0, where anyone who connects may push anyway): its sockets
+take payloads as single frames up to the largest a server accepts (protocol.max_frame).
 """
 
 from __future__ import annotations
@@ -68,17 +70,17 @@ def _start_authenticator(ctx: zmq.Context, keys: Keys) -> None:
         _authenticators[id(ctx)] = auth
 
 
-def _bound(sock: zmq.Socket) -> None:
+def _bound(sock: zmq.Socket, max_frame: int) -> None:
     """Cap what a peer can make this socket buffer (per frame, the handshake's included) and how
     long it may take to authenticate."""
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame)
     sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_SECONDS * 1000)
 
 
-def server_socket(sock: zmq.Socket, keys: Keys | None) -> None:
+def server_socket(sock: zmq.Socket, keys: Keys | None, max_frame: int = MAX_FRAME) -> None:
     """Make a listening socket a CURVE server that admits the job's key only (before bind); with
     or without keys, bound what an unauthenticated peer can make it buffer."""
-    _bound(sock)
+    _bound(sock, max_frame)
     if keys is None:
         return
     _start_authenticator(sock.context, keys)
@@ -88,7 +90,7 @@ def server_socket(sock: zmq.Socket, keys: Keys | None) -> None:
     sock.curve_server = True
 
 
-def router_socket(keys: Keys | None) -> zmq.Socket:
+def router_socket(keys: Keys | None, max_frame: int = MAX_FRAME) -> zmq.Socket:
     """A node's listening socket (the scheduler's, a server's), before bind: a CURVE server
     (`server_socket`) whose replies are never dropped. ZeroMQ's ROUTER silently drops what
     exceeds a peer's high-water mark (1,000 messages by default: the replies to a pull of 10,000
@@ -98,14 +100,14 @@ def router_socket(keys: Keys | None) -> zmq.Socket:
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 1000)
     sock.setsockopt(zmq.SNDHWM, 0)
-    server_socket(sock, keys)
+    server_socket(sock, keys, max_frame)
     return sock
 
 
-def client_socket(sock: zmq.Socket, keys: Keys | None) -> None:
+def client_socket(sock: zmq.Socket, keys: Keys | None, max_frame: int = MAX_FRAME) -> None:
     """Make a connecting socket a CURVE client of the job (before connect), its frames bounded
     as a server's."""
-    _bound(sock)
+    _bound(sock, max_frame)
     if keys is None:
         return
     sock.curve_secretkey = keys.secret

@@ -77,9 +77,7 @@ class Server:
         self.env = env
         # Workers' requests come on a plain socket and, in a secure job, every message is sealed
         # with this connection's AES-GCM keys (tfkv.ps.channel): CURVE's cipher ran at a sixth of it.
-        self.sock = security.router_socket(None)
-        # A plain job's payloads travel as one frame each (protocol.max_frame has the bound).
-        self.sock.setsockopt(zmq.MAXMSGSIZE, P.max_frame(env.keys is not None, env.max_message_bytes))
+        self.sock = security.router_socket(None, P.max_frame(env.keys is not None, env.max_message_bytes))
         self._psk = channel.psk(env.keys.secret) if env.keys is not None else None
         self.sessions: dict[bytes, channel.Session] = {}  # per connection (ROUTER identity)
         self._outbox: dict[bytes, list[Any]] = {}  # replies queued per connection until `flush`
@@ -260,10 +258,10 @@ class Server:
 
     # -- requests ------------------------------------------------------------------------------
 
-    def _value(self, msg: P.Message) -> np.ndarray:
-        value = self.values.get(msg.key)
+    def _value(self, key: int) -> np.ndarray:
+        value = self.values.get(key)
         if value is None:
-            raise RequestError(f"key {msg.key} is not initialised on this server")
+            raise RequestError(f"key {key} is not initialised on this server")
         return value
 
     def _payload(self, msg: P.Message, size: int | None = None) -> np.ndarray:
@@ -320,7 +318,7 @@ class Server:
         self.reply(identity, P.ack(msg))
 
     def on_push(self, identity: bytes, msg: P.Message) -> None:
-        data = self._payload(msg, self._value(msg).size)
+        data = self._payload(msg, self._value(msg.key).size)
         if not self.sync:
             if self.updater is None:
                 raise RequestError("dist_async needs an optimizer on the servers: without one each "
@@ -372,10 +370,15 @@ class Server:
             self._held[push.sender] -= push.want_ack
             self.on_push(identity, push)
 
+    def _open_round(self, key: int, sender: int) -> Round | None:
+        """The round a pull of `key` by `sender` waits for: one this sender has pushed into (sync)."""
+        r = self.rounds.get(key)
+        return r if self.sync and r is not None and sender in r.pushed else None
+
     def on_pull(self, identity: bytes, msg: P.Message) -> None:
-        self._value(msg)
-        r = self.rounds.get(msg.key)
-        if self.sync and r is not None and msg.sender in r.pushed:
+        self._value(msg.key)
+        r = self._open_round(msg.key, msg.sender)
+        if r is not None:
             r.pulls.append((identity, msg))  # answered when the round closes
             self._held[msg.sender] += 1
             return
@@ -396,7 +399,7 @@ class Server:
             raise RequestError("PUSHPULL carries float32 values")
         if len(set(keys)) != len(keys):
             raise RequestError("PUSHPULL names a key twice")
-        sizes = [self._value(P.Message(P.Type.PULL, key=k)).size for k in keys]
+        sizes = [self._value(k).size for k in keys]
         if sum(sizes) != msg.data.size:
             raise RequestError(f"PUSHPULL of {len(keys)} keys holding {sum(sizes)} values carries {msg.data.size}")
         group, offset = Fused(identity, msg, keys), 0
@@ -406,8 +409,8 @@ class Server:
             offset += n
         self._held[msg.sender] += len(keys)
         for k in keys:
-            r = self.rounds.get(k)
-            if self.sync and r is not None and msg.sender in r.pushed:
+            r = self._open_round(k, msg.sender)
+            if r is not None:
                 r.pulls.append((identity, group))  # filled when the round closes
             else:
                 self._fill(group, k)
@@ -420,7 +423,7 @@ class Server:
             self.reply(group.identity, P.Message(P.Type.PUSHPULL, seq=group.request.seq, data=data, reply=True))
 
     def on_get_state(self, identity: bytes, msg: P.Message) -> None:
-        value = self._value(msg)
+        value = self._value(msg.key)
         if self.updater is None:
             raise RequestError("this server has no optimizer, so no optimizer state")
         states, count = self.updater.get(msg.key, value.size)
@@ -429,7 +432,7 @@ class Server:
                                        meta={"names": list(self.updater.optimizer.state_names), "count": count}))
 
     def on_set_state(self, identity: bytes, msg: P.Message) -> None:
-        value = self._value(msg)
+        value = self._value(msg.key)
         if self.updater is None:
             raise RequestError("set the optimizer before its state")
         names = list(self.updater.optimizer.state_names)

@@ -56,9 +56,7 @@ class ServerLink:
             # stop reading and leave the server's queue to fill (a pull of 10,000 keys).
             sock.setsockopt(zmq.RCVHWM, 0)
             # The data plane is a plain socket: a secure job seals every message (tfkv.ps.channel).
-            security.client_socket(sock, None)
-            # A plain job's payloads travel as one frame each (protocol.max_frame has the bound).
-            sock.setsockopt(zmq.MAXMSGSIZE, P.max_frame(env.keys is not None, env.max_message_bytes))
+            security.client_socket(sock, None, P.max_frame(env.keys is not None, env.max_message_bytes))
             sock.connect(f"tcp://{server['host']}:{server['port']}")
             self._poller.register(sock, zmq.POLLIN)
             self.socks.append(sock)
@@ -71,7 +69,8 @@ class ServerLink:
         # Small keys' push+pull pairs staged per server, sent as one PUSHPULL (`pushpull`): one
         # request and one reply for many keys, so neither end pays a message's decoding, dispatch
         # and encoding per key. The members' own pull seqs are what callers wait for.
-        self._staged: list[list[tuple[int, Any, int]]] = [[] for _ in self.socks]  # (key, data, pull seq)
+        # (key, data, the member PULL's seq and frames)
+        self._staged: list[list[tuple[int, Any, int, list[Any]]]] = [[] for _ in self.socks]
         self._staged_bytes = [0] * len(self.socks)
         self._groups: dict[int, list[tuple[int, int]]] = {}  # PUSHPULL seq -> (member pull seq, values)
         self.sessions: list[channel.Session] | None = self._handshake() if env.keys is not None else None
@@ -141,14 +140,11 @@ class ServerLink:
         PULL of this key's value) `replies` gets. Not acknowledged, not resent (`fusable`)."""
         with self.lock:
             seq = next(self.seq)
-            now = time.monotonic()
-            # What a lost reply's message names (_describe): a PULL of this key.
-            self.pending[seq] = [server, [P.HEADER.pack(P.MAGIC, P.VERSION, int(P.Type.PULL), 0, 0, self.link.id,
-                                                        seq & 0xFFFFFFFF, key, 0)], now]
-            if not self._awaited[server]:
-                self._heard[server] = now
-            self._awaited[server] += 1
-            self._staged[server].append((key, data, seq))
+            # The member's own PULL: what a lost reply's message names (_describe), and what is
+            # sent when it is the only key staged.
+            pull = P.encode(P.Message(P.Type.PULL, sender=self.link.id, seq=seq, key=key))
+            self._track(server, seq, pull)
+            self._staged[server].append((key, data, seq, pull))
             self._staged_bytes[server] += data.nbytes
             if self._staged_bytes[server] >= self.env.fusion_bytes or len(self._staged[server]) >= MAX_FUSED:
                 self._send_staged(server)
@@ -157,17 +153,14 @@ class ServerLink:
     def _send_staged(self, server: int) -> None:
         staged, self._staged[server], self._staged_bytes[server] = self._staged[server], [], 0
         if len(staged) == 1:  # one key: a PUSH and its PULL, which a server serves ~30 us faster
-            key, data, seq = staged[0]
-            frames = (P.encode(P.Message(P.Type.PUSH, sender=self.link.id, seq=next(self.seq), key=key, data=data,
-                                         want_ack=False))
-                      + P.encode(P.Message(P.Type.PULL, sender=self.link.id, seq=seq, key=key)))
-            self._queue(server, frames, data.nbytes, hold=False)
+            key, data, _, pull = staged[0]
+            push = P.Message(P.Type.PUSH, sender=self.link.id, seq=next(self.seq), key=key, data=data, want_ack=False)
+            self._queue(server, P.encode(push) + pull, data.nbytes, hold=False)
             return
-        msg = P.Message(P.Type.PUSHPULL, sender=self.link.id, seq=next(self.seq), meta={"keys": [k for k, _, _ in staged]},
-                        data=staged[0][1] if len(staged) == 1 else np.concatenate([d for _, d, _ in staged]))
-        self._groups[msg.seq] = [(seq, d.size) for _, d, seq in staged]
-        frames = P.encode(msg)
-        self._queue(server, frames, msg.data.nbytes, hold=False)
+        msg = P.Message(P.Type.PUSHPULL, sender=self.link.id, seq=next(self.seq), meta={"keys": [s[0] for s in staged]},
+                        data=np.concatenate([s[1] for s in staged]))
+        self._groups[msg.seq] = [(seq, data.size) for _, data, seq, _ in staged]
+        self._queue(server, P.encode(msg), msg.data.nbytes, hold=False)
 
     def _queue(self, server: int, frames: list[Any], nbytes: int, hold: bool) -> None:
         box = self._outbox[server]
@@ -223,12 +216,16 @@ class ServerLink:
                 self._send_staged(server)
             self._queue(server, frames, size, hold)
             if track:
-                now = time.monotonic()
-                self.pending[msg.seq] = [server, frames, now]
-                if not self._awaited[server]:
-                    self._heard[server] = now  # silence counts from when we begin to wait
-                self._awaited[server] += 1
+                self._track(server, msg.seq, frames)
         return msg.seq
+
+    def _track(self, server: int, seq: int, frames: list[Any]) -> None:
+        """Await the answer to request `seq` (its `frames` kept to resend and to name it)."""
+        now = time.monotonic()
+        self.pending[seq] = [server, frames, now]
+        if not self._awaited[server]:
+            self._heard[server] = now  # silence counts from when we begin to wait
+        self._awaited[server] += 1
 
     def _answered(self, seq: int) -> list[Any] | None:
         """Retire a request: its `pending` entry, None if it was not (or no longer) awaited."""
@@ -286,7 +283,7 @@ class ServerLink:
                 log.warning("dropped a PUSHPULL reply from server %d that answers no request of this worker", server)
                 return None
             offset = 0
-            for seq, n in members or ():
+            for seq, n in members:
                 if self._answered(seq) is not None:
                     self.replies[seq] = P.Message(P.Type.PULL, seq=seq, data=msg.data[offset:offset + n], reply=True)
                     arrived.append(seq)

@@ -203,22 +203,18 @@ class DistStore(KVStore):
             pulls = []
             for k, values in items:  # each pull right behind its push: replies flow while pushes do
                 layout = self._layout(k)[1]
-                if (len(layout.parts) == 1 and self._threshold is None
-                        and self.servers.fusable(4 * layout.size)):
-                    pulls.append(self._pushpull_fused(k, values, outs[k]))
+                if len(layout.parts) == 1 and self._threshold is None and self.servers.fusable(4 * layout.size):
+                    pulls.append(self._pushpull_fused(k, layout, values, outs[k]))
                     continue
                 self._push_key(k, values, hold=True)  # the pull request rides in the push's message
                 pulls.append(self._request_pull(k, outs[k]))
             return pulls
 
-    def _pushpull_fused(self, k: Key, values: list[Any], outs: list[Any]) -> Pull:
+    def _pushpull_fused(self, k: Key, layout: Layout, values: list[Any], outs: list[Any]) -> Pull:
         """A small key's push and pull, staged with its server's other small keys into one
         PUSHPULL request (ServerLink.pushpull)."""
-        _, layout = self._layout(k)
         pull = Pull(k, layout, outs)  # checks the outs before anything is sent
-        flat = self._merge(values)
-        if flat.size != layout.size:
-            raise ValueError(f"key {k!r}: pushed {flat.size} values, it holds {layout.size}")
+        flat = self._flat(k, layout, values)
         server, a, b, skey = layout.parts[0]
         self.push_bytes += flat.nbytes
         pull.expect([(self.servers.pushpull(server, skey, flat), a, b)])
@@ -259,11 +255,16 @@ class DistStore(KVStore):
             raise RuntimeError(f"{self.type} needs an optimizer on the servers (set_optimizer, "
                                "update_on_kvstore=true): without one each push would replace the weights")
 
-    def _push_key(self, k: Key, values: list[Any], hold: bool = False) -> None:
-        kid, layout = self._layout(k)
+    def _flat(self, k: Key, layout: Layout, values: list[Any]) -> np.ndarray:
+        """This machine's values of key `k` summed into one flat float32 array of its size."""
         flat = self._merge(values)
         if flat.size != layout.size:
             raise ValueError(f"key {k!r}: pushed {flat.size} values, it holds {layout.size}")
+        return flat
+
+    def _push_key(self, k: Key, values: list[Any], hold: bool = False) -> None:
+        layout = self._layout(k)[1]
+        flat = self._flat(k, layout, values)
         for server, a, b, skey in layout.parts:
             msg = P.Message(P.Type.PUSH, key=skey, data=flat[a:b], want_ack=self.env.resend)
             if self._threshold is not None:
