@@ -88,9 +88,9 @@ def _launch(cfg: Any, run_dir: Path, overrides: list[str], cwd: Path) -> float:
     Every worker runs this process's config as recorded in config_resolved.yaml (tfkv.worker),
     never one composed again from the overrides: --config-dir, hydra.searchpath and every
     decision made here (the checkpoint resume=true means) reach every host as they are."""
-    from hydra.core.hydra_config import HydraConfig
-
     import signal
+
+    from hydra.core.hydra_config import HydraConfig
 
     from tfkv import checkpoint, knobs, worker
     from tfkv.checkpoint import preemption

@@ -158,10 +158,12 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
             t0 = time.perf_counter()
             for i, (x, y) in enumerate(batches, first + 1):
                 dp.step(x, y)
-                if chief and i < steps and (policy.due((epoch - 1) * steps + i) or preemption.requested):
-                    save(epoch - 1, i)
-                if chief and preemption.requested and i < steps:
-                    raise _preempted(preemption, run_dir, store.distributed)
+                if chief and i < steps:  # mid-epoch (the epoch's end has its own checkpoint below)
+                    stop = preemption.requested
+                    if stop or policy.due((epoch - 1) * steps + i):
+                        save(epoch - 1, i)
+                    if stop:
+                        raise _preempted(preemption, run_dir, store.distributed)
                 if i % cfg.log_every == 0 or i == steps:
                     running = dp.peek_metrics()
                     bar.update(i - bar.n)

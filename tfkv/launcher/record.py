@@ -143,10 +143,6 @@ def write(run_dir: Path, launcher: str, job: Any, argv: Sequence[str], versions:
     return d
 
 
-if __name__ == "__main__":
-    print(json.dumps({**local_versions(), "hostname": platform.node(), "address": ssh_address()}))
-
-
 def restart(run_dir: Path, attempt: int, cause: str) -> None:
     """Add a restart to launch/restarts.json (the job starts attempt `attempt`, counted from 1)."""
     path = Path(run_dir) / "launch" / "restarts.json"
@@ -159,3 +155,8 @@ def restart(run_dir: Path, attempt: int, cause: str) -> None:
         path.write_text(json.dumps(done, indent=1))
     except OSError as e:  # a full disk: the restart goes on, its line is in the job's output
         print(f"tfkv: cannot write {path} ({e.strerror or e})", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    print(json.dumps({**local_versions(), "hostname": platform.node(), "address": ssh_address()}))
+
