@@ -54,7 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from dist_job import (CALIBRATION_STEPS, LR, MOMENTUM, WARMUP_STEPS, Failed, check_agreement,  # noqa: E402
-                      measure, report, run_plan, set_threads, synthetic, weights_checksum)
+                      measure, report, run_plan, security_env, set_threads, synthetic, weights_checksum)
 
 MODELS = {
     # name: (model node, as conf/model/*.yaml, input shape)
@@ -241,14 +241,13 @@ def job_mwms(args, tmp: str) -> None:
 
 
 def job_pss(args, tmp: str) -> None:
+    from tfkv.launcher.plan import Process
     from tfkv.launcher.ports import free_port
 
     cluster = {"chief": [f"127.0.0.1:{free_port()}"], "worker": [f"127.0.0.1:{free_port()}" for _ in range(2)],
                "ps": [f"127.0.0.1:{free_port()}"]}
     tasks = [("chief", 0), ("worker", 0), ("worker", 1), ("ps", 0)]
     envs = [{"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": t, "index": i}})} for t, i in tasks]
-    from tfkv.launcher.plan import Process
-
     plan = [Process(f"PSS {t} {i}", "worker", rank, "127.0.0.1", worker_argv(args, "pss" if t == "chief" else "pss_server",
                                                                               tmp), env)
             for rank, ((t, i), env) in enumerate(zip(tasks, envs))]
@@ -258,13 +257,11 @@ def job_pss(args, tmp: str) -> None:
 def job_dist_sync(args, tmp: str, model: str, secure: bool = True) -> None:
     """One dist_sync job: secure as a launched job is by default (a fresh key for the job), or
     plain (TFKV_SECURE=0, what `cluster.secure=false` gives)."""
-    from tfkv import keys as job_keys
     from tfkv.launcher.plan import make_plan
     from tfkv.launcher.ports import free_port
 
-    extra = job_keys.keys_env(job_keys.new_keys()) if secure else {job_keys.SECURE: "0"}
-    plan = make_plan(2, 1, worker_argv(args, "dist_sync", tmp, models=model),
-                     [sys.executable, "-m", "tfkv.ps.node"], ["127.0.0.1"], "127.0.0.1", free_port(), extra_env=extra)
+    plan = make_plan(2, 1, worker_argv(args, "dist_sync", tmp, models=model), [sys.executable, "-m", "tfkv.ps.node"],
+                     ["127.0.0.1"], "127.0.0.1", free_port(), extra_env=security_env(secure))
     run_plan(plan, args.job_timeout, f"dist_sync {model}{'' if secure else ' (plain)'}")
 
 

@@ -35,14 +35,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import multiprocessing as mp
-import os
 import statistics
-import subprocess
-import sys
 import time
 
 import numpy as np
 import zmq
+from dist_job import start_ps  # benchmarks/, this script's directory
 
 # ResNet18 (CIFAR variant, tfkv.models "resnet18", 32x32x3 -> 10) trainable variable shapes, in
 # model order: tfkv.models.resnet.build_resnet18((32, 32, 3), 10).trainable_variables
@@ -69,19 +67,6 @@ def echo(port_queue: mp.Queue) -> None:
         sock.send_multipart(sock.recv_multipart(copy=False), copy=False)
 
 
-def start_cluster(secure: bool = False) -> tuple[list[subprocess.Popen], dict[str, str]]:
-    """A scheduler and a server: plain (TFKV_SECURE=0) or with a fresh key, as launched jobs are."""
-    from tfkv import keys as job_keys
-    from tfkv.launcher.ports import free_port
-
-    env = {**os.environ, "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(free_port()),
-           "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": "1",
-           **(job_keys.keys_env(job_keys.new_keys()) if secure else {job_keys.SECURE: "0"})}
-    procs = [subprocess.Popen([sys.executable, "-m", "tfkv.ps.node"], env={**env, "DMLC_ROLE": role},
-                              start_new_session=True) for role in ("scheduler", "server")]
-    return procs, env
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seconds", type=float, default=1.5)
@@ -99,8 +84,8 @@ def main() -> None:
     model_bytes = 4 * sum(sizes)
     print(f"ResNet18: {len(shapes)} keys, {sum(sizes):,} float32 ({model_bytes / 1e6:.1f} MB), "
           f"chunks of {chunk:,} bytes, 1 server / 1 worker on 127.0.0.1")
-    procs, env = start_cluster()
-    secure_procs, secure_env = start_cluster(secure=True)
+    procs, env = start_ps(secure=False)
+    secure_procs, secure_env = start_ps(secure=True)
     procs += secure_procs
     try:
         store = DistStore(env=ClusterEnv.from_env({**env, "DMLC_ROLE": "worker"}))

@@ -49,7 +49,7 @@ import time
 
 import numpy as np
 import zmq
-from dist_job import run_plan  # benchmarks/, this script's directory
+from dist_job import run_plan, security_env  # benchmarks/, this script's directory
 
 BIGARRAY_BOUND = 1_000_000  # elements; tfkv's (and MXNet's) default MXNET_KVSTORE_BIGARRAY_BOUND
 CONTROL_KEY = 1 << 20
@@ -183,7 +183,6 @@ def run_tfkv(num_servers: int, num_workers: int, sizes: list[int], seconds: floa
              timeout: float, secure: bool = False, op: str = "pushpull") -> dict[int, float]:
     """GB/s per size of one tfkv job (summed over the workers): plain (TFKV_SECURE=0), as the raw
     baseline is, or secure as a launched job is by default (a fresh key for the job)."""
-    from tfkv import keys as job_keys
     from tfkv.launcher.plan import make_plan
     from tfkv.launcher.ports import free_port
 
@@ -191,9 +190,8 @@ def run_tfkv(num_servers: int, num_workers: int, sizes: list[int], seconds: floa
         outs = [os.path.join(tmp, f"worker{i}.json") for i in range(num_workers)]
         worker = [sys.executable, os.path.abspath(__file__), "--worker", "--seconds", str(seconds), "--op", op,
                   "--sizes", ",".join(str(s) for s in sizes), "--out"]
-        extra = job_keys.keys_env(job_keys.new_keys()) if secure else {job_keys.SECURE: "0"}
         plan = make_plan(num_workers, num_servers, worker, [sys.executable, "-m", "tfkv.ps.node"],
-                         ["127.0.0.1"], "127.0.0.1", free_port(), extra_env=extra)
+                         ["127.0.0.1"], "127.0.0.1", free_port(), extra_env=security_env(secure))
         for p in plan:
             if p.role == "worker":
                 p.argv.append(outs[p.rank])

@@ -22,15 +22,9 @@ import numpy as np
 
 
 def run(secure: bool, sizes_mib: list[float], seconds: float, op: str = "push+pull") -> dict[float, float]:
-    from tfkv.launcher.ports import free_port
-    from tfkv import keys as security
+    from dist_job import start_ps  # benchmarks/, this script's directory
 
-    env = {**os.environ, "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(free_port()),
-           "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
-    env.update(security.keys_env(security.new_keys()) if secure else {"TFKV_SECURE": "0"})
-    procs = [subprocess.Popen([sys.executable, "-m", "tfkv.ps.node"], env={**env, "DMLC_ROLE": role},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-             for role in ("scheduler", "server")]
+    procs, env = start_ps(secure, quiet=True)
     os.environ.clear()
     os.environ.update({**env, "DMLC_ROLE": "worker"})
     from tfkv.ps.cluster_env import ClusterEnv

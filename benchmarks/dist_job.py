@@ -2,7 +2,9 @@
 server, started by tfkv.launcher make_plan + local.run) and its worker, for
 bench_compression_training.py and bench_scaling.py; and the pieces bench_dist_training.py and
 bench_pushpull.py use too (the synthetic batch, the agreed step count, the timed loop, running a
-plan under a time limit, checking that workers agree).
+plan under a time limit, checking that workers agree), and for every benchmark of the parameter
+server, a job's security variables (`security_env`) and a scheduler and server for a worker the
+benchmark itself runs (`start_ps`).
 
 Each worker trains tfkv DataParallel on its slice of one synthetic in-memory global batch with
 SGD (lr 0.01, momentum 0.9, the server runs the optimizer), traces and warms up, times a few
@@ -27,6 +29,7 @@ import json
 import math
 import os
 import signal
+import subprocess
 import sys
 import time
 from typing import Any, Callable
@@ -45,6 +48,28 @@ WARMUP_STEPS, CALIBRATION_STEPS = 3, 3
 
 class Failed(RuntimeError):
     """A benchmark job failed or hung; the message ends with its log's tail."""
+
+
+def security_env(secure: bool) -> dict[str, str]:
+    """What a job's processes get: a fresh key (secure, as tfkv-run launches every job by
+    default), or TFKV_SECURE=0 (plain, `cluster.secure=false`)."""
+    from tfkv import keys as job_keys
+
+    return job_keys.keys_env(job_keys.new_keys()) if secure else {job_keys.SECURE: "0"}
+
+
+def start_ps(secure: bool, quiet: bool = False) -> tuple[list[subprocess.Popen], dict[str, str]]:
+    """A scheduler and one server (`python -m tfkv.ps.node`) on 127.0.0.1 for one worker that the
+    calling benchmark runs itself: (the processes, the worker's environment less DMLC_ROLE). Stop
+    them with tfkv.launcher.supervisor.stop_groups once the worker's store is closed."""
+    from tfkv.launcher.ports import free_port
+
+    env = {**os.environ, "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(free_port()),
+           "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": "1", **security_env(secure)}
+    out = subprocess.DEVNULL if quiet else None
+    procs = [subprocess.Popen([sys.executable, "-m", "tfkv.ps.node"], env={**env, "DMLC_ROLE": role},
+                              stdout=out, stderr=out, start_new_session=True) for role in ("scheduler", "server")]
+    return procs, env
 
 
 # -- inside a worker process ------------------------------------------------------------------
@@ -201,16 +226,14 @@ def run_job(workers: int, model: str, batch: int, seconds: float, tmp: str, tag:
     """Run one job; returns {samples_s, push_bytes (per step, per worker), timings (worker means),
     steps, params, loss}. Raises Failed (with the job's log tail) on any failure or hang. `secure`:
     with a fresh key for the job, as a launched job is by default; else TFKV_SECURE=0."""
-    from tfkv import keys as job_keys
     from tfkv.launcher.plan import make_plan
     from tfkv.launcher.ports import free_port
 
     argv = [sys.executable, os.path.abspath(__file__), "--out", tmp, "--sync-dir", tmp, "--tag", tag,
             "--model", model, "--batch", str(batch), "--seconds", str(seconds), "--compression", compression,
             "--threshold", str(threshold), "--overlap", overlap, "--threads", str(threads)]
-    extra = job_keys.keys_env(job_keys.new_keys()) if secure else {job_keys.SECURE: "0"}
     plan = make_plan(workers, 1, argv, [sys.executable, "-m", "tfkv.ps.node"], ["127.0.0.1"], "127.0.0.1",
-                     free_port(), extra_env=extra)
+                     free_port(), extra_env=security_env(secure))
     run_plan(plan, timeout, tag)
 
     reports = []
