@@ -1,7 +1,8 @@
 """Long jobs (issue 18): checkpoints every N steps, pruned to the newest k, checksummed; an exact
 resume from the middle of an epoch, also after kill -9 of a whole dist_sync job; resume=auto; a
-kill -9 while a checkpoint is written leaves the one before it valid; SIGUSR1 checkpoints at the
-next step and exits 75, resumable; cluster.max_restarts restarts a job that lost a worker."""
+kill -9 while a checkpoint is written leaves the one before it valid; SIGUSR1 (SIGTERM to a single
+run) checkpoints at the next step and exits 75, resumable; under Slurm the job requeues itself and
+goes on; cluster.max_restarts restarts a job that lost a worker."""
 
 import json
 import os
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cluster_daemons import slurm  # noqa: F401
 from conftest import tfkv_run
 from hydra import compose, initialize_config_dir
 
@@ -255,10 +257,10 @@ def test_a_dist_sync_job_preempted_killed_and_restarted_ends_with_the_uninterrup
                                     for r in (run, clean / "run")))
 
 
-# -- preemption of a single process: SIGUSR1 (Slurm's --signal=USR1@<seconds>) -------------------
+# -- preemption of a single process: SIGTERM (SIGUSR1: the Slurm test below) ---------------------
 
 @pytest.mark.slow
-def test_sigusr1_checkpoints_at_the_next_step_exits_75_and_the_same_command_continues_exactly(straight, tmp_path):
+def test_sigterm_to_a_single_run_checkpoints_exits_75_and_the_same_command_continues_exactly(straight, tmp_path):
     """The straight run's command, signalled once its handler is in place (the log's resume line):
     checkpoint after step 1, status 75; the same command again ends with the straight weights."""
     args = [*JOB, "epochs=2", "checkpoint.keep_last=3", "hydra.run.dir=run"]
@@ -269,7 +271,7 @@ def test_sigusr1_checkpoints_at_the_next_step_exits_75_and_the_same_command_cont
         for line in job.stdout:
             lines.append(line)
             if "resume=auto: no checkpoint in" in line:
-                job.send_signal(signal.SIGUSR1)
+                job.send_signal(signal.SIGTERM)
                 break
         lines += job.stdout.readlines()
         job.wait(timeout=120)
@@ -277,7 +279,7 @@ def test_sigusr1_checkpoints_at_the_next_step_exits_75_and_the_same_command_cont
         job.kill()
     assert job.returncode == 75, "".join(lines)[-3000:]
     (line,) = [ln for ln in lines if ln.startswith("tfkv-run:")]
-    assert "preempted (SIGUSR1): checkpoint epoch-0001-step-000001 is in" in line and "resume=auto" in line, line
+    assert "preempted (SIGTERM): checkpoint epoch-0001-step-000001 is in" in line and "resume=auto" in line, line
     assert [p.name for p in checkpoint.all_in(tmp_path / "run")] == ["epoch-0001-step-000001"]
 
     proc = tfkv_run(*args, cwd=tmp_path)  # the same command again, as a requeued job runs it
@@ -285,3 +287,58 @@ def test_sigusr1_checkpoints_at_the_next_step_exits_75_and_the_same_command_cont
     _same_weights(tmp_path / "run" / "checkpoints" / "epoch-0002", straight / "checkpoints" / "epoch-0002")
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert [h["epoch"] for h in metrics["history"]] == [1, 2] and len(metrics["resumes"]) == 1
+
+
+# -- a Slurm batch job preempted (SIGUSR1 ahead of it), requeued, and continued -------------------
+
+def _slurm_job(job_id: str, env: dict[str, str], done, timeout: float = 120) -> dict[str, str]:
+    """`scontrol show job` of `job_id`, polled until `done(fields)`."""
+    from tfkv.launcher import requeue
+
+    deadline = time.monotonic() + timeout
+    while True:
+        fields = requeue.job_fields(job_id, env)
+        if done(fields):
+            return fields
+        assert time.monotonic() < deadline, f"Slurm job {job_id}: {fields}"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_a_slurm_job_signalled_mid_epoch_requeues_itself_and_ends_with_the_uninterrupted_weights(
+        slurm, straight, tmp_path):  # noqa: F811
+    """The README's batch script on the real Slurm daemons: `scancel --signal=USR1 --batch` (what
+    --signal=B:USR1@N sends ahead of a preemption) after the first step checkpoint; tfkv-run
+    checkpoints at the next step, requeues its job (Restarts=1), and the job, started again by
+    Slurm with the same command and run directory, ends with the straight run's weights."""
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\n#SBATCH --requeue --signal=B:USR1@120 --open-mode=append\n"
+                      f"exec tfkv-run {' '.join(JOB)} epochs=2 checkpoint.keep_last=3 "
+                      "'hydra.run.dir=outputs/slurm-${oc.env:SLURM_JOB_ID}'\n")
+    env = {**slurm.env, "PYTHONUNBUFFERED": "1"}
+    job_id = subprocess.run(["sbatch", "--parsable", "-o", "job.out", str(script)], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+    run, log = tmp_path / "outputs" / f"slurm-{job_id}", tmp_path / "job.out"
+    deadline = time.monotonic() + 120
+    # the resume line: the handler is in place and the first step (a second or more: the step is
+    # traced) is ahead; a whole epoch of this job is shorter than scancel's way to the process
+    while "resume=auto: no checkpoint in" not in (log.read_text() if log.exists() else ""):
+        assert time.monotonic() < deadline, log.read_text()[-3000:] if log.exists() else "no output"
+        time.sleep(0.05)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=env, check=True, timeout=60)
+    fields = _slurm_job(job_id, env, lambda f: f.get("Restarts") == "1" and f.get("JobState") == "PENDING")
+    # Slurm holds a requeued job for two minutes (its begin time) before starting it again: the
+    # test makes it eligible now, as `scontrol update` lets an operator do.
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, check=True, timeout=60)
+    fields = _slurm_job(job_id, env, lambda f: f.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"))
+    out = log.read_text()
+    assert (fields["JobState"], fields["Restarts"], fields["ExitCode"]) == ("COMPLETED", "1", "0:0"), out[-3000:]
+    assert f"tfkv-run: requeueing Slurm job {job_id} (restart 1)" in out, out[-3000:]
+    assert "tfkv-run: preempted (SIGUSR1): checkpoint epoch-0001-step-0000" in out  # mid-epoch
+    (restart,) = json.loads((run / "launch" / "restarts.json").read_text())
+    assert (restart["attempt"], restart["cause"]) == (1, f"preempted; requeued Slurm job {job_id}")
+    metrics = json.loads((run / "metrics.json").read_text())
+    (resume,) = metrics["resumes"]
+    assert [h["epoch"] for h in metrics["history"]] == [1, 2] and "-step-" in resume["from"]
+    assert f"resumed from {resume['from']}" in out
+    _same_weights(run / "checkpoints" / "epoch-0002", straight / "checkpoints" / "epoch-0002")

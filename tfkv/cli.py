@@ -22,7 +22,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from tfkv.errors import EXIT_INTERRUPTED, message, report
+from tfkv.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, message, report
 from tfkv.hydra_messages import conf_dir, one_line
 
 _run_dir: Path | None = None  # the job's run directory once known, for the Ctrl-C line
@@ -294,6 +294,21 @@ def run() -> None:
     except KeyboardInterrupt:
         print(f"tfkv-run: {_interrupted()}", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
+    except SystemExit as e:
+        if e.code == EXIT_PREEMPTED:
+            _requeue()
+        raise
+
+
+def _requeue() -> None:
+    """Preempted inside a Slurm batch job: requeue it (tfkv.launcher.requeue); not as a role of
+    a launched job, whose launcher decides."""
+    from tfkv.ps.cluster_env import ClusterEnv
+
+    if ClusterEnv.role_of() is None:
+        from tfkv.launcher import requeue
+
+        requeue.requeue(_run_dir, lambda line: print(f"tfkv-run: {line}", file=sys.stderr, flush=True))
 
 
 if __name__ == "__main__":

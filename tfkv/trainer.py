@@ -70,8 +70,9 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
                           devices=tf_devices)
     trackers: list[Any] = []
     # SIGUSR1 (a batch system's warning) to any process of the job: worker 0 checkpoints at the
-    # end of a step and stops the job, resumable (tfkv.checkpoint.preemption).
-    preemption = checkpoint.Preemption(run_dir)
+    # end of a step and stops the job, resumable (tfkv.checkpoint.preemption); SIGTERM too in a
+    # run that trains alone.
+    preemption = checkpoint.Preemption(run_dir, terminate=checkpoint.takes_sigterm(store.distributed))
     try:
         # Before any key exists; the store decides what compression means for it.
         store.set_gradient_compression({"type": cfg.kvstore.compression.type,

@@ -8,6 +8,12 @@ signal may reach any worker or the launcher (`tfkv-run`) first; whoever gets it 
 file `.preempt` in the run directory, which worker 0 looks for (at most every LOOK seconds). Worker 0
 checkpoints, leaves `.preempted` (its one line) for the launcher and stops; the rest of the job
 stops with it, as after any worker's end.
+
+SIGTERM (what Slurm, `timeout` or `kill` send to stop a process) is taken the same way by a run
+that trains in its own process alone (`takes_sigterm`): it owns its step, finishes it in a blink
+and exits 75 with a checkpoint of where it was. In a parameter-server job SIGTERM keeps its
+meaning, stop now: a launcher's teardown sends it to every role, and Slurm sends it to every
+process of a job at once (servers included), so no step could be finished.
 """
 
 from __future__ import annotations
@@ -48,14 +54,15 @@ class Preemption:
     run directory's flag; `restore()` puts the previous handler back. Only the main thread may
     set a handler: elsewhere nothing changes but the flag is still looked for."""
 
-    def __init__(self, run_dir: Path, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, run_dir: Path, clock: Callable[[], float] = time.monotonic, terminate: bool = False) -> None:
         self.run_dir = Path(run_dir)
         self.signum: int | None = None
         self.clock = clock
         self._looked = clock()
-        self._old: object = None
+        self._old: dict[int, object] = {}
         if threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(SIGNAL, self._note)
+            for sig in (SIGNAL, signal.SIGTERM) if terminate else (SIGNAL,):
+                self._old[sig] = signal.signal(sig, self._note)
 
     def _note(self, signum: int, _frame: object) -> None:
         self.signum = signum
@@ -86,6 +93,18 @@ class Preemption:
         (self.run_dir / FLAG).unlink(missing_ok=True)
 
     def restore(self) -> None:
-        if self._old is not None:
-            signal.signal(SIGNAL, self._old)
-            self._old = None
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+        self._old = {}
+
+
+def takes_sigterm(distributed: bool) -> bool:
+    """Whether this run takes SIGTERM as a preemption: it trains alone (no parameter-server job)
+    as one Hydra run, not a trial of a sweep (a SIGTERM there ends the sweep), and nothing of
+    this process took SIGTERM before (its handler is the default one)."""
+    if distributed or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return False
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return not HydraConfig.initialized() or HydraConfig.get().mode == RunMode.RUN

@@ -7,7 +7,7 @@ job again from that directory alone.
     launch/versions.json  tfkv, TensorFlow and Python versions on each host
     launch/rerun.sh       the command line, run from the recorded working directory
     launch/job.log        the merged output of every role (of every attempt)
-    launch/restarts.json  each restart (cluster.max_restarts): when, which attempt, and why
+    launch/restarts.json  each restart (cluster.max_restarts, a Slurm requeue): when, which attempt, and why
 """
 
 from __future__ import annotations
@@ -152,6 +152,7 @@ def restart(run_dir: Path, attempt: int, cause: str) -> None:
         done = []
     done.append({"attempt": attempt, "cause": cause, "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)  # a single run's first (a requeue)
         path.write_text(json.dumps(done, indent=1))
     except OSError as e:  # a full disk: the restart goes on, its line is in the job's output
         print(f"tfkv: cannot write {path} ({e.strerror or e})", file=sys.stderr)
