@@ -310,6 +310,62 @@ def pushpull(kv, out):
 SCENARIOS["pushpull"] = pushpull
 
 
+def half(kv, out):
+    """float16 and bfloat16 keys over dist_sync (2 workers): exact sums in the key's dtype, kept
+    on pull; a big half key split over both servers; pushpull of half keys among float32 ones
+    (fused); bytes pushed; a float32 push refused; 2-bit compression of half gradients; SGD on
+    the servers without and with multi_precision (the test computes the expected values)."""
+    import ml_dtypes
+
+    r, res = kv.rank, {}
+    dts = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+    for name, dt in dts.items():
+        kv.init([f"{name}", f"{name}_big"], [np.zeros(3, dt), np.zeros(1000, dt)])
+    kv.init([f"f{i}" for i in range(4)], [np.zeros(5, np.float32) for _ in range(4)])
+    res["parts"] = len(kv._layout("float16_big")[1].parts)
+    for name, dt in dts.items():
+        before = kv.push_bytes
+        # 0.25 + 0.5 per element from workers 0 and 1: exact in half
+        kv.push([name, f"{name}_big"], [np.full(3, 0.25 * (r + 1), dt), np.full(1000, 0.25 * (r + 1), dt)])
+        res[f"{name}_bytes"] = kv.push_bytes - before
+        small, big = kv.pull([name, f"{name}_big"])
+        res[name] = [str(small.dtype), small.astype(np.float32).tolist(), str(big.dtype),
+                     float(big.astype(np.float32).min()), float(big.astype(np.float32).max())]
+        try:
+            kv.push(name, np.ones(3, np.float32))
+        except ValueError as e:
+            res[f"{name}_f32_push"] = str(e)
+    # pushpull_async of half keys between float32 ones: the float32 keys fuse into a PUSHPULL
+    keys = ["f0", "float16", "f1", "bfloat16", "f2", "f3"]
+    values = [np.full(3, 1.0 + r, dts[k]) if k in dts else np.full(5, 1.0 + r, np.float32) for k in keys]
+    got = kv.wait([p for k, v in zip(keys, values) for p in kv.pushpull_async(k, [v])])
+    res["mixed"] = {k: [str(got[k].dtype), float(got[k].astype(np.float32)[0])] for k in keys}
+    # 2-bit compression of half gradients: 0.3 then 0.3 (0.6 in the float32 residual: 0.5 sent)
+    kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
+    for name, dt in dts.items():
+        seen = []
+        for _ in range(2):
+            kv.push(name, np.full(3, 0.3, dt))
+            got = kv.pull(name)
+            seen.append([str(got.dtype), float(got.astype(np.float32)[0])])
+        res[f"{name}_2bit"] = seen
+    kv.set_gradient_compression({"type": "none"})
+    g = {"float16": 2.0 ** -13, "bfloat16": 2.0 ** -10}  # a quarter of each dtype's resolution below 1
+    for mp in (False, True):
+        kv.set_optimizer(optim.SGD(schedule=optim.Schedule(lr=1.0), momentum=0.5, multi_precision=mp))
+        for name, dt in dts.items():
+            key = f"{name}_w{int(mp)}"
+            kv.init(key, np.ones(2, dt))
+            for _ in range(8):  # a step: push (the two workers' sum: g), pull
+                kv.push(key, np.full(2, g[name] / 2, dt))
+                got = kv.pull(key)
+            res[key] = [str(got.dtype), got.astype(np.float32).tolist()]
+    json.dump(res, out)
+
+
+SCENARIOS["half"] = half
+
+
 def ends_without_close(kv, out):
     """An MXNet-style script: it works, then ends without close() (MXNet's store leaves in its
     destructor); main() below skips the close for it."""

@@ -165,6 +165,19 @@ def server_cases(sender, next_seq, key, size):
     yield "2-bit PUSH without compression", [P.HEADER.pack(P.MAGIC, P.VERSION, int(T.PUSH), P.FLAG_DATA,
                                                            int(P.DType.TWOBIT), sender, next_seq(), key, size),
                                              b"\0" * 4 * ((size + 15) // 16)]
+    # Half precision (the job's keys are float32): another dtype than the key's, half payloads
+    # one byte short, and half codes on messages that carry float32 only.
+    for code, name in ((P.DType.FLOAT16, "float16"), (P.DType.BFLOAT16, "bfloat16")):
+        half = np.ones(size, P.dtypes.BFLOAT16 if name == "bfloat16" else np.float16)
+        yield f"{name} PUSH to a float32 key", frames(T.PUSH, sender, next_seq(), data=half, key=key)
+        for type_, meta in ((T.PUSH, None), (T.INIT, None), (T.SET_STATE, {"names": [], "count": 0}),
+                            (T.PUSHPULL, {"keys": [key]})):
+            header = P.HEADER.pack(P.MAGIC, P.VERSION, int(type_), P.FLAG_DATA | (P.FLAG_META if meta else 0),
+                                   int(code), sender, next_seq(), key, size)
+            body = [json.dumps(meta).encode()] if meta else []
+            yield f"{name} {type_.name} one byte short", [header, *body, b"\0" * (2 * size - 1)]
+            if type_ in (T.SET_STATE, T.PUSHPULL):
+                yield f"{name} {type_.name}", [header, *body, b"\0" * (2 * size)]
 
 
 def scheduler_cases(sender):

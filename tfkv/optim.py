@@ -94,6 +94,9 @@ class SGD:
     wd: float = 0.0
     rescale_grad: Optional[float] = None
     clip_gradient: Optional[float] = None
+    # MXNet's: a half-precision key's update runs on a float32 master copy of the weight with a
+    # float32 state, and the key holds its cast (without: the update reads and writes half)
+    multi_precision: bool = False
     name: str = "sgd"
 
     def __post_init__(self) -> None:
@@ -126,6 +129,7 @@ class Adam:
     wd: float = 0.0
     rescale_grad: Optional[float] = None
     clip_gradient: Optional[float] = None
+    multi_precision: bool = False  # as SGD's
     name: str = "adam"
 
     def __post_init__(self) -> None:
@@ -201,6 +205,7 @@ _RANGES: dict[str, tuple[Any, str]] = {
     "epsilon": (lambda v: v > 0, "above 0"),
     "rescale_grad": (lambda v: v is None or v > 0, "above 0, or null (see SGD)"),
     "clip_gradient": (lambda v: v is None or v > 0, "above 0, or null for no clipping"),
+    "multi_precision": (lambda v: isinstance(v, bool), "true or false"),
 }
 
 
@@ -255,7 +260,8 @@ def from_config(cfg: Any, steps_per_epoch: int, epochs: int) -> Optimizer:
         total=max(1, epochs * steps_per_epoch),
         warmup=int(s.warmup_epochs * steps_per_epoch),
     )
-    scaling = {"rescale_grad": _maybe_float(cfg.rescale_grad), "clip_gradient": _maybe_float(cfg.clip_gradient)}
+    scaling = {"rescale_grad": _maybe_float(cfg.rescale_grad), "clip_gradient": _maybe_float(cfg.clip_gradient),
+               "multi_precision": bool(getattr(cfg, "multi_precision", False))}
     if cfg.name == "sgd":
         return SGD(schedule=schedule, momentum=float(cfg.momentum), wd=float(cfg.wd), **scaling)
     return Adam(schedule=schedule, beta1=float(cfg.beta1), beta2=float(cfg.beta2),
@@ -274,8 +280,8 @@ def with_rescale(opt: Optimizer, examples: int) -> Optimizer:
 
 # MXNet's constructor arguments (mx.optimizer.create(name, **kwargs)) and tfkv's field for each.
 _MXNET_ARGS = {
-    "sgd": ("learning_rate", "momentum", "wd", "rescale_grad", "clip_gradient"),
-    "adam": ("learning_rate", "beta1", "beta2", "epsilon", "wd", "rescale_grad", "clip_gradient"),
+    "sgd": ("learning_rate", "momentum", "wd", "rescale_grad", "clip_gradient", "multi_precision"),
+    "adam": ("learning_rate", "beta1", "beta2", "epsilon", "wd", "rescale_grad", "clip_gradient", "multi_precision"),
 }
 _MXNET_LR = {"sgd": 0.01, "adam": 0.001}  # MXNet's default learning rates
 

@@ -3,6 +3,7 @@
 import json
 import struct
 
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -372,3 +373,35 @@ def test_the_server_sends_full_payload_frames_without_a_copy():
     from tfkv.ps import server
 
     assert server.COPY_THRESHOLD < 1 << 20
+
+
+HALVES = [(P.DType.FLOAT16, np.float16), (P.DType.BFLOAT16, ml_dtypes.bfloat16)]
+
+
+@pytest.mark.parametrize("code,dtype", HALVES)
+def test_half_precision_travels_in_its_dtype_at_two_bytes_a_value(code, dtype):
+    data = (np.arange(1000) % 64 - 32).astype(dtype)  # integers: exact in both
+    frames = P.encode(P.Message(P.Type.PUSH, key=5, data=data))
+    assert P.HEADER.unpack(bytes(frames[0]))[4] == int(code)
+    assert memoryview(frames[1]).nbytes == 2 * data.size  # half of float32's 4000 bytes
+    assert np.shares_memory(np.frombuffer(frames[1], np.uint16), data.view(np.uint16))  # sent without a copy
+    back = P.decode([bytes(f) for f in frames])
+    assert back.data.dtype == np.dtype(dtype) and back.dtype == code
+    np.testing.assert_array_equal(back.data.view(np.uint16), data.view(np.uint16))
+    # Other dtypes still go as float32 (as before): only a half array keeps its own.
+    assert P.HEADER.unpack(bytes(P.encode(P.Message(P.Type.PUSH, data=np.ones(3)))[0]))[4] == int(P.DType.FLOAT32)
+
+
+@pytest.mark.parametrize("code,dtype", HALVES)
+def test_malformed_half_precision_frames_are_refused(code, dtype):
+    with pytest.raises(P.ProtocolError, match=f"payload is 7 bytes, header says 4 {np.dtype(dtype).name}"):
+        P.decode([_header(dtype=int(code), count=4), b"\0" * 7])
+    for type_, flags, meta in ((P.Type.SET_STATE, P.FLAG_META, [b'{"names":[],"count":0}']),
+                               (P.Type.GET_STATE, 0, []), (P.Type.PUSHPULL, P.FLAG_META, [b'{"keys":[1]}'])):
+        with pytest.raises(P.ProtocolError, match="half-precision payloads are only for INIT, PUSH and PULL"):
+            P.decode([_header(type=int(type_), flags=P.FLAG_DATA | flags, dtype=int(code), count=4), *meta,
+                      b"\0" * 8])
+    # The limit counts float32 values: a half payload may hold twice as many (the same bytes).
+    assert P.decode([_header(dtype=int(code), count=8), b"\0" * 16], max_count=4).data.size == 8
+    with pytest.raises(P.ProtocolError, match="exceed the limit"):
+        P.decode([_header(dtype=int(code), count=9), b"\0" * 18], max_count=4)

@@ -66,6 +66,7 @@ def run(kv: Any, devices: int, state_dir: str) -> dict[str, Any]:
         seen["pull_into_out"] = _arr(out)
 
     seen["without_optimizer"] = _raises(no_optimizer)
+    seen.update(half_sums(kv, devices))
 
     # the optimizer on the store (or its servers): SGD with momentum, applied on every push
     kv.set_optimizer(optim.SGD(schedule=optim.Schedule(lr=0.5), momentum=0.5))
@@ -85,6 +86,89 @@ def run(kv: Any, devices: int, state_dir: str) -> dict[str, Any]:
         seen["state_round_trip"] = sorted(a.files) == sorted(b.files) and all(
             np.array_equal(a[k], b[k]) for k in a.files)
     seen["load_missing"] = _raises(lambda: kv.load_optimizer_states(os.path.join(state_dir, "missing.npz")))
+    seen.update(half_updates(kv, devices, state_dir))
+    return seen
+
+
+HALF = ("float16", "bfloat16")
+
+
+def _half(name: str) -> Any:
+    """The numpy dtype: bfloat16 is ml_dtypes' (numpy has none; TensorFlow uses it)."""
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16 if name == "bfloat16" else np.float16
+
+
+def _resolution(name: str) -> float:
+    """The spacing of the dtype's values just below 1.0."""
+    return 2.0 ** -11 if name == "float16" else 2.0 ** -8
+
+
+HALF_STEPS = 8
+
+
+def sgd_reference(name: str, multi_precision: bool) -> list[float]:
+    """SGD lr=1, momentum 0.5 on a half weight of 1.0, HALF_STEPS updates by a gradient of a
+    quarter of the dtype's resolution: in numpy float32 on a float32 master cast to half at the
+    end (multi_precision), or with weight and momentum rounded to half every update (MXNet's half
+    update, where each step is below half's resolution of the weight and is lost)."""
+    dt, g = _half(name), np.float32(_resolution(name) / 4)
+    w, v = np.ones(2, np.float32), np.zeros(2, np.float32)
+    for _ in range(HALF_STEPS):
+        v = np.float32(0.5) * v - np.float32(1.0) * g
+        w = w + v
+        if not multi_precision:
+            w, v = w.astype(dt).astype(np.float32), v.astype(dt).astype(np.float32)
+    return _arr(w.astype(dt).astype(np.float32))
+
+
+def half_sums(kv: Any, devices: int) -> dict[str, Any]:
+    """float16 and bfloat16 keys without an optimizer: the dtype kept on pull, device values
+    summed exactly where half holds the sum, a pull into a float32 out cast."""
+    seen: dict[str, Any] = {}
+    for i, name in enumerate(HALF):
+        dt = _half(name)
+        kv.init(40 + i, np.arange(4).astype(dt))
+        got = kv.pull(40 + i)
+        seen[f"{name}_init"] = [str(np.asarray(got).dtype), _arr(np.asarray(got).astype(np.float32))]
+
+        def sums() -> None:
+            # 0.25, 0.5, ... per device: every partial sum is exact in half
+            kv.push(40 + i, [np.full(4, 0.25 * (d + 1), dt) for d in range(devices)])
+            got = np.asarray(kv.pull(40 + i))
+            seen[f"{name}_sum"] = [str(got.dtype), _arr(got.astype(np.float32))]
+            out = np.zeros(4, np.float32)
+            kv.pull(40 + i, out=out)  # cast into an out of another dtype, as MXNet's CopyFromTo
+            seen[f"{name}_into_f32"] = _arr(out)
+
+        seen[f"{name}_sums"] = _raises(sums)
+    return seen
+
+
+def half_updates(kv: Any, devices: int, state_dir: str) -> dict[str, Any]:
+    """SGD on the store (or its servers) on half keys, without and with multi_precision
+    (sgd_reference); a float32 push to a half key refused in one line; the state saved and
+    loaded (float32)."""
+    from tfkv import optim
+
+    seen: dict[str, Any] = {}
+    for mp in (False, True):
+        kv.set_optimizer(optim.SGD(schedule=optim.Schedule(lr=1.0), momentum=0.5, multi_precision=mp))
+        for i, name in enumerate(HALF):
+            key, dt = 50 + 2 * i + mp, _half(name)
+            kv.init(key, np.ones(2, dt))
+            g = _resolution(name) / 4
+            for _ in range(HALF_STEPS):
+                kv.push(key, [np.full(2, g / devices, dt) for _ in range(devices)])
+            got = np.asarray(kv.pull(key))
+            seen[f"{name}_sgd_mp{int(mp)}"] = [str(got.dtype), _arr(got.astype(np.float32))]
+            seen[f"{name}_f32_push"] = _raises(lambda: kv.push(key, np.ones(2, np.float32)))
+    path = os.path.join(state_dir, "half.npz")
+    kv.save_optimizer_states(path)
+    kv.load_optimizer_states(path)
+    with np.load(path, allow_pickle=False) as f:
+        seen["half_state"] = [str(f["51/momentum"].dtype), bool(np.all(f["51/momentum"] < 0))]
     return seen
 
 
@@ -95,7 +179,15 @@ def expected(sync: bool, devices: int) -> dict[str, Any]:
         "init_pull": [0.0, 1.0, 2.0, 3.0], "init_pull_list": [[0.0] * 3, [[7.0, 7.0], [7.0, 7.0]]],
         "sgd_two_steps": [-0.25, -0.25], "state_round_trip": True,
     }
+    for name in HALF:
+        want[f"{name}_init"] = [name, [0.0, 1.0, 2.0, 3.0]]
+        for mp in (0, 1):
+            want[f"{name}_sgd_mp{mp}"] = [name, sgd_reference(name, bool(mp))]
+    want["half_state"] = ["float32", True]
     if sync:
+        half_sum = [0.25 * sum(range(1, devices + 1))] * 4
+        for name in HALF:
+            want.update({f"{name}_sums": None, f"{name}_sum": [name, half_sum], f"{name}_into_f32": half_sum})
         total = float(sum(range(1, devices + 1)))
         want.update({"without_optimizer": None, "push_sum": [total] * 3,
                      "pushpull_in_place": [[[2.0 * devices] * 2] * 2] * devices, "pull_into_out": [total] * 3})

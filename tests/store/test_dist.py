@@ -354,3 +354,27 @@ def test_many_keys_every_reply_arrives_exactly(cluster, nkeys, size, steps, fusi
                    timeout=400, TFKV_HEARTBEAT_TIMEOUT="10", TFKV_FUSION_BYTES=str(fusion))
     for r in _results(outs):
         assert r["final"] == expected(steps, nkeys, 2)
+
+
+@pytest.mark.slow
+def test_half_precision_keys_over_dist_sync(cluster):
+    """float16 and bfloat16 keys between two workers and two servers: exact sums kept in their
+    dtype, 2 bytes a value pushed, half keys among fused float32 ones, a float32 push refused in
+    one line, 2-bit compression of half gradients, and SGD on the servers matching numpy's
+    float32 master computation cast to half with multi_precision, and losing each step without."""
+    import kvstore_contract as contract
+
+    _, outs = _job(cluster, "half", num_servers=2, num_workers=2, MXNET_KVSTORE_BIGARRAY_BOUND="100")
+    for r in _results(outs):
+        assert r["parts"] == 2  # the big half key is split over both servers
+        for name in ("float16", "bfloat16"):
+            assert r[name] == [name, [0.75] * 3, name, 0.75, 0.75]
+            assert r[f"{name}_bytes"] == 2 * (3 + 1000)  # float32 would push 4 bytes a value
+            assert r[f"{name}_f32_push"].startswith(f"push of key '{name}': a float32 value for a {name} key")
+            assert "\n" not in r[f"{name}_f32_push"]
+            assert r[f"{name}_2bit"] == [[name, 0.0], [name, 1.0]]  # 0.6 built up: +0.5 from each worker
+            for mp in (0, 1):
+                assert r[f"{name}_w{mp}"] == [name, contract.sgd_reference(name, bool(mp))]
+            assert r[f"{name}_w0"] != r[f"{name}_w1"]
+        assert r["mixed"] == {k: ["float32" if k.startswith("f") and k[1:].isdigit() else k, 3.0]
+                              for k in ("f0", "float16", "f1", "bfloat16", "f2", "f3")}

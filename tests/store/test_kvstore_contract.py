@@ -54,6 +54,9 @@ def _check(seen: dict, kind: str) -> None:
     assert seen["save_without_optimizer"].startswith("RuntimeError: ") and "optimizer" in seen["save_without_optimizer"]
     assert "3/momentum" in seen["state_keys"], seen["state_keys"]  # the key pushed with the optimizer
     assert seen["load_missing"] is not None
+    for name in contract.HALF:  # one line naming the key and both dtypes
+        assert seen[f"{name}_f32_push"].startswith(f"ValueError: push of key {51 + 2 * contract.HALF.index(name)}: "
+                                                   f"a float32 value for a {name} key"), seen[f"{name}_f32_push"]
     if not can.sync:  # servers apply each push as it comes: without an optimizer it would overwrite
         assert seen["without_optimizer"].startswith(f"RuntimeError: {kind} needs an optimizer on the servers")
 
@@ -77,3 +80,12 @@ def test_every_store_type_keeps_the_contract(kind, cluster, tf_devices, tmp_path
 def test_the_contract_covers_every_registered_type_and_the_plug_in():
     assert {"local", "device", "dist_sync", "dist_async", "dist_sync_device", "dist_async_device",
             "contract_echo"} <= set(_types())
+
+
+def test_half_precision_cases_are_ones_that_can_fail():
+    """The contract's half-precision expectations tell the two updates apart: without
+    multi_precision each step is lost in half (the weight stays 1), with it the float32 master
+    moves the weight."""
+    for name in contract.HALF:
+        assert contract.sgd_reference(name, False) == [1.0, 1.0]
+        assert contract.sgd_reference(name, True)[0] < 1.0

@@ -125,6 +125,36 @@ def test_push_and_pull_trace_into_a_tf_function(tf_devices):
         np.testing.assert_array_equal(o.numpy(), [-4.0, -4.0])
 
 
+@pytest.mark.parametrize("kind", ["local", "device"])
+@pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16])
+def test_half_precision_tensors_trace_into_a_tf_function(kind, dtype, tf_devices):
+    """Half tf.Tensors pushed from a traced step: summed in their dtype, pulled into half and
+    float32 variables (cast, as MXNet's CopyFromTo); a float32 tensor is refused while tracing,
+    in one line; the device store's 2-bit compression takes half gradients."""
+    kv = store.create(kind, devices=tf_devices[:2])
+    kv.init(0, tf.zeros(2, dtype))
+    with tf.device(tf_devices[0]):
+        half, wide = tf.Variable(tf.zeros(2, dtype)), tf.Variable(tf.zeros(2))
+
+    @tf.function
+    def step(g):
+        kv.push(0, [g, 2 * g])
+        kv.pull(0, out=[half, wide])
+
+    step(tf.constant([0.25, -3.0], dtype))
+    assert half.dtype == dtype and kv.pull(0).dtype == dtype
+    np.testing.assert_array_equal(wide.numpy(), [0.75, -9.0])
+    np.testing.assert_array_equal(tf.cast(half, tf.float32).numpy(), [0.75, -9.0])
+    with pytest.raises(ValueError, match=f"push of key 0: a float32 value for a {dtype.name} key"):
+        tf.function(lambda g: kv.push(0, [g, g]))(tf.ones(2))
+    if kind == "device":
+        kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
+        # retraced (compression is traced in); 0.3 and 0.6 per device: only the second sends (+/-0.5)
+        tf.function(step.python_function)(tf.constant([0.3, -0.3], dtype))
+        np.testing.assert_array_equal(wide.numpy(), [0.5, -0.5])
+        assert kv.pull(0).dtype == dtype
+
+
 # -- GPU P2P: where a key's device values are summed -----------------------------------------------
 
 @pytest.mark.parametrize("p2p", ["1", "0"])

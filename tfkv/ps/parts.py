@@ -13,6 +13,8 @@ from typing import Any, Hashable
 
 import numpy as np
 
+from tfkv.ps import dtypes
+
 NAMED_KEY_BASE = 1 << 40  # keys that are not ints in [0, 2**40) get ids from here, in init order
 CHUNK_SHIFT = 48  # chunk j > 0 of key id k is key k + (j << 48) on its server (ids stay < 2**48)
 
@@ -22,6 +24,7 @@ class Layout:
     shape: tuple[int, ...]
     size: int
     parts: list[tuple[int, int, int, int]]  # (server, start, end, server-side key) over the flat value
+    dtype: np.dtype = dtypes.FLOAT32  # the key's (tfkv.ps.dtypes): float32, float16 or bfloat16
 
 
 @dataclass
@@ -29,7 +32,8 @@ class Pull:
     """A key's pull requests in flight: `seqs` holds (sequence number, start, end) per part.
 
     `outs` are where the value goes: TensorFlow variables (assigned) or numpy arrays (writable,
-    of the key's shape, a dtype float32 casts to). The first C-contiguous float32 one receives
+    of the key's shape, a dtype the key's casts to: cast as MXNet's CopyFromTo does). The first
+    C-contiguous one of the key's dtype receives
     the parts directly as they arrive (MXNet's `pull(key, out=array)`: no allocation per pull);
     without one, a key of one part is the reply's own read-only buffer (no copy) and a key of
     several parts is assembled in a fresh array."""
@@ -48,10 +52,10 @@ class Pull:
         for o in self.outs:
             if isinstance(o, np.ndarray):
                 if (o.shape != self.layout.shape or not o.flags.writeable
-                        or not np.can_cast(np.float32, o.dtype, "same_kind")):
+                        or not np.can_cast(self.layout.dtype, o.dtype, "same_kind")):
                     raise ValueError(f"pull of key {self.key!r}: out array is {o.dtype}{list(o.shape)}, expected "
                                      f"a writable float{list(self.layout.shape)}")
-                if self._dest is None and o.dtype == np.float32 and o.flags.c_contiguous:
+                if self._dest is None and o.dtype == self.layout.dtype and o.flags.c_contiguous:
                     self._dest = o
 
     def expect(self, seqs: list[tuple[int, int, int]]) -> None:
@@ -59,7 +63,7 @@ class Pull:
         self.seqs, self._left = seqs, len(seqs)
         self._spans = {seq: (a, b) for seq, a, b in seqs}
         if self._dest is None and self._left > 1:
-            self._dest = np.empty(self.layout.shape, np.float32)
+            self._dest = np.empty(self.layout.shape, self.layout.dtype)
 
     def arrive(self, seq: int, data: np.ndarray) -> bool:
         """Take one part's reply; True once the value is complete."""
@@ -81,23 +85,26 @@ class Pull:
                 continue
             if isinstance(o, np.ndarray):
                 np.copyto(o, self.value)
-            else:
+            elif o.dtype == self.value.dtype:
                 o.assign(self.value)
+            else:  # a variable of another dtype: cast, as MXNet's CopyFromTo
+                o.assign(self.value.astype(o.dtype.as_numpy_dtype))
 
 
-def plan(kid: int, shape: tuple[int, ...], servers: int, bigarray_bound: int, chunk_bytes: int) -> Layout:
-    """Where each part of key id `kid` goes: (server, start, end, server-side key) per part."""
+def plan(kid: int, shape: tuple[int, ...], servers: int, bigarray_bound: int, chunk_bytes: int,
+         dtype: np.dtype = dtypes.FLOAT32) -> Layout:
+    """Where each part of key id `kid` (of `dtype`) goes: (server, start, end, server-side key) per part."""
     size = int(np.prod(shape))
     n = servers
     if size < bigarray_bound or n == 1:
         spans = [((kid * 9973) % n, 0, size)]
     else:
         spans = [(i, i * size // n, (i + 1) * size // n) for i in range(n)]
-    per_chunk = max(1, chunk_bytes // 4)
+    per_chunk = max(1, chunk_bytes // dtype.itemsize)
     parts = []
     for server, a, b in spans:
         pieces = max(1, -(-(b - a) // per_chunk))
         for j in range(pieces):
             lo, hi = a + j * (b - a) // pieces, a + (j + 1) * (b - a) // pieces
             parts.append((server, lo, hi, kid + (len(parts) << CHUNK_SHIFT)))
-    return Layout(shape, size, parts)
+    return Layout(shape, size, parts, dtype)

@@ -4,9 +4,10 @@
     frame 1   JSON object, only if FLAG_META is set (control messages; at most MAX_META bytes)
     frame 2   payload, only if FLAG_DATA is set: one frame, sent from the numpy buffer without
               a copy and received without a copy (the array views the received frame). dtype
-              FLOAT32: `count` float32 values (count*4 bytes); dtype TWOBIT: `count` values
-              2-bit compressed (tfkv.ps.compression), ceil(count/16) uint32 words, so a push of
-              n gradients is 16x smaller on the wire
+              FLOAT32: `count` float32 values (count*4 bytes); FLOAT16 and BFLOAT16: `count`
+              half-precision values (count*2 bytes: a half key's push, pull and init; see
+              tfkv.ps.dtypes); TWOBIT: `count` values 2-bit compressed (tfkv.ps.compression),
+              ceil(count/16) uint32 words, so a push of n gradients is 16x smaller on the wire
 
 A ZeroMQ message may carry several protocol messages back to back (`split`): a node sends what it
 has ready for one peer together. A payload is one frame however large (a worker cuts a key's
@@ -38,7 +39,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from tfkv.errors import TfkvError
-from tfkv.ps import schema
+from tfkv.ps import dtypes, schema
 from tfkv.ps.compression import words
 
 MAGIC = 0x4B54  # "TK"
@@ -69,6 +70,8 @@ class DType(enum.IntEnum):
     NONE = 0
     FLOAT32 = 1
     TWOBIT = 2  # 16 values per uint32 word; the receiver decodes with its compression threshold
+    FLOAT16 = 3  # IEEE half, 2 bytes per value
+    BFLOAT16 = 4  # bfloat16 (ml_dtypes), 2 bytes per value
 
 
 class Type(enum.IntEnum):
@@ -98,7 +101,11 @@ class Type(enum.IntEnum):
 
 _TYPES = {int(t): t for t in Type}  # decode's lookups: dicts, not Enum calls (every message)
 _NAMES = {t: t.name for t in Type}
-_DTYPES = {int(DType.FLOAT32): (DType.FLOAT32, np.float32), int(DType.TWOBIT): (DType.TWOBIT, np.uint32)}
+_DTYPES = {int(DType.FLOAT32): (DType.FLOAT32, dtypes.FLOAT32), int(DType.TWOBIT): (DType.TWOBIT, np.dtype(np.uint32)),
+           int(DType.FLOAT16): (DType.FLOAT16, dtypes.FLOAT16),
+           int(DType.BFLOAT16): (DType.BFLOAT16, dtypes.BFLOAT16)}
+# A half-precision array is sent as it is, with its dtype's code; any other is sent as float32.
+_HALF_CODES = {dtypes.FLOAT16: DType.FLOAT16, dtypes.BFLOAT16: DType.BFLOAT16}
 _FLAGS = FLAG_META | FLAG_DATA | FLAG_REPLY | FLAG_ACK
 
 
@@ -113,8 +120,8 @@ class Message:
     seq: int = 0
     key: int = 0
     meta: dict[str, Any] | None = None
-    data: np.ndarray | None = None  # float32, 1-D; uint32 words when dtype is TWOBIT
-    dtype: DType = DType.FLOAT32  # of `data`
+    data: np.ndarray | None = None  # float32 or half, 1-D; uint32 words when dtype is TWOBIT
+    dtype: DType = DType.FLOAT32  # of `data` (encode takes a half array's own: FLOAT16, BFLOAT16)
     count: int = 0  # TWOBIT only: how many values the words represent
     reply: bool = False
     want_ack: bool = True
@@ -139,9 +146,12 @@ def encode(msg: Message) -> list[Any]:
                 raise ValueError(f"{data.size} words cannot hold {msg.count} 2-bit values")
             count, dtype = msg.count, DType.TWOBIT
         else:
-            data = np.ascontiguousarray(msg.data, dtype=np.float32).reshape(-1)
-            count, dtype = data.size, DType.FLOAT32
-        frames.append(_received_frame(data) or memoryview(data).cast("B"))
+            dtype = _HALF_CODES.get(msg.data.dtype, DType.FLOAT32)
+            data = np.ascontiguousarray(msg.data, dtype=_DTYPES[dtype][1]).reshape(-1)
+            count = data.size
+        # bfloat16 has no buffer-protocol format: its bytes go as uint16 (a view, no copy).
+        frames.append(_received_frame(data) or memoryview(data if dtype != DType.BFLOAT16 else data.view(np.uint16))
+                      .cast("B"))
     frames[0] = HEADER.pack(MAGIC, VERSION, int(msg.type), flags, int(dtype), msg.sender,
                             msg.seq & 0xFFFFFFFF, msg.key, count)
     return frames
@@ -205,14 +215,19 @@ def decode(frames: Sequence[Any], max_count: int | None = None) -> Message:
     nbytes = 0
     if flags & FLAG_DATA:
         if dtype not in _DTYPES:
-            raise ProtocolError(f"{kind.name}: dtype code {dtype} is not supported (float32, 2-bit)")
+            raise ProtocolError(f"{kind.name}: dtype code {dtype} is not supported (float32, float16, bfloat16, "
+                                "2-bit)")
+        itemsize = _DTYPES[dtype][1].itemsize
         # For TWOBIT, count is the number of values represented: the limit bounds what decoding
-        # them will allocate, not only the bytes received.
-        if max_count is not None and count > max_count:
+        # them will allocate, not only the bytes received. max_count counts float32 values: a
+        # half payload may hold twice as many (the same bytes).
+        if max_count is not None and count > (max_count * 2 if itemsize == 2 else max_count):
             raise ProtocolError(f"{kind.name}: {count} elements exceed the limit of {max_count}")
         if dtype == DType.TWOBIT and kind != Type.PUSH:
             raise ProtocolError(f"{kind.name}: 2-bit payloads are only for PUSH")
-        nbytes = words(count) * 4 if dtype == DType.TWOBIT else count * 4
+        if itemsize == 2 and kind not in (Type.INIT, Type.PUSH, Type.PULL):
+            raise ProtocolError(f"{kind.name}: half-precision payloads are only for INIT, PUSH and PULL")
+        nbytes = words(count) * 4 if dtype == DType.TWOBIT else count * itemsize
     elif count or dtype:
         raise ProtocolError(f"{kind.name}: count/dtype set without a payload")
     expected = 1 + bool(flags & FLAG_META) + bool(flags & FLAG_DATA)
@@ -237,7 +252,8 @@ def decode(frames: Sequence[Any], max_count: int | None = None) -> Message:
     if flags & FLAG_DATA:
         raw = _buffer(frames[i])
         if len(raw) != nbytes:
-            what = f"{count} 2-bit values ({nbytes} bytes)" if dtype == DType.TWOBIT else f"{count} float32"
+            what = (f"{count} 2-bit values ({nbytes} bytes)" if dtype == DType.TWOBIT
+                    else f"{count} {_DTYPES[dtype][1].name}")
             raise ProtocolError(f"{kind.name}: payload is {len(raw)} bytes, header says {what}")
         msg.dtype, array_type = _DTYPES[dtype]
         msg.data = np.frombuffer(raw, array_type)  # the received buffer itself: no copy

@@ -12,6 +12,13 @@ threshold a worker announced (SET_COMPRESSION) before they are summed. Summing a
 least the big-array bound uses MXNET_KVSTORE_REDUCTION_NTHREADS threads, one slice each (numpy
 releases the GIL in np.add), smaller ones stay on the serving thread.
 
+A key holds the dtype its INIT carried (float32, float16 or bfloat16; tfkv.ps.dtypes) and takes
+pushes of that dtype only. A half key's pushes are summed in float32 (as MXNet's servers may: the
+sum of the workers' half values is then rounded once, at the end, not after every addition),
+then stored, sent and updated in its dtype: without `multi_precision` the update
+reads and writes half weights and state (MXNet's float16 update); with it the updater keeps a
+float32 master copy (tfkv.ps.updater).
+
 Requests are handled by one thread, in the order each connection delivers them. A malformed or
 wrong-size request gets an ERROR reply and the server carries on; a connection no worker of the
 job spoke on gets a few such replies, then none (tfkv.ps.strangers). A request seen before (same sender and sequence number, as resent
@@ -31,7 +38,7 @@ import zmq
 
 from tfkv import optim
 from tfkv.errors import TfkvError
-from tfkv.ps import channel, compression
+from tfkv.ps import channel, compression, dtypes
 from tfkv.ps import protocol as P
 from tfkv.ps import security
 from tfkv.ps.cluster_env import ClusterEnv
@@ -43,6 +50,7 @@ from tfkv.ps.strangers import Strangers
 log = logging.getLogger("tfkv.ps")
 
 _DEDUP_WINDOW = 4096
+_F32 = dtypes.FLOAT32
 COPY_THRESHOLD = 64 << 10  # bytes: pyzmq's own default; frames from here up are sent zero-copy
 
 
@@ -270,7 +278,7 @@ class Server:
         count = msg.count if msg.dtype == P.DType.TWOBIT else msg.data.size
         if size is not None and count != size:
             raise RequestError(f"key {msg.key}: {count} values pushed, the key holds {size}")
-        if msg.dtype == P.DType.TWOBIT:
+        if msg.dtype == P.DType.TWOBIT:  # decoded to float32, whatever the key's dtype
             if self.threshold is None:
                 raise RequestError("a 2-bit compressed push, but no worker set gradient compression")
             try:
@@ -318,7 +326,11 @@ class Server:
         self.reply(identity, P.ack(msg))
 
     def on_push(self, identity: bytes, msg: P.Message) -> None:
-        data = self._payload(msg, self._value(msg.key).size)
+        value = self._value(msg.key)
+        data = self._payload(msg, value.size)
+        if data.dtype != value.dtype and msg.dtype != P.DType.TWOBIT:
+            raise RequestError(f"key {msg.key}: a {data.dtype.name} push to a {value.dtype.name} key (a key's dtype "
+                               "is fixed at init)")
         if not self.sync:
             if self.updater is None:
                 raise RequestError("dist_async needs an optimizer on the servers: without one each "
@@ -336,7 +348,8 @@ class Server:
         # closes, and no stored value is ever written into (a reply may still be sending one).
         # A fresh array per round cost a 16 MiB key an allocation and its page faults per step.
         if r.merged is None:
-            r.merged = data
+            # A half key's sum is taken in float32 (a fresh array, writable): see the docstring.
+            r.merged = data if data.dtype == _F32 else data.astype(_F32)
         elif r.merged.flags.writeable:
             self.add(r.merged, data, out=r.merged)
         else:  # a read-only buffer (bytes): the sum goes into a fresh array, later pushes into it
@@ -354,10 +367,11 @@ class Server:
 
     def _close_round(self, key: int, r: Round) -> None:
         assert r.merged is not None
+        value = self.values[key]
         if self.updater is not None:
-            self.values[key] = self.updater.update(key, self.values[key], r.merged)
+            self.values[key] = self.updater.update(key, value, r.merged)
         else:
-            self.values[key] = r.merged
+            self.values[key] = r.merged if value.dtype == _F32 else r.merged.astype(value.dtype)
         pulls, held = r.pulls, r.held
         self.rounds[key] = Round()
         for identity, pull in pulls:
@@ -399,7 +413,10 @@ class Server:
             raise RequestError("PUSHPULL carries float32 values")
         if len(set(keys)) != len(keys):
             raise RequestError("PUSHPULL names a key twice")
-        sizes = [self._value(k).size for k in keys]
+        held = [self._value(k) for k in keys]
+        if any(v.dtype != _F32 for v in held):
+            raise RequestError("PUSHPULL names a half-precision key; those go as PUSH and PULL")
+        sizes = [v.size for v in held]
         if sum(sizes) != msg.data.size:
             raise RequestError(f"PUSHPULL of {len(keys)} keys holding {sum(sizes)} values carries {msg.data.size}")
         group, offset = Fused(identity, msg, keys), 0

@@ -4,6 +4,14 @@ Updates return a new weight array instead of writing in place, because the previ
 still be in flight in a zero-copy send. Optimizer state is never sent, so SGD (the common case)
 updates its momentum in place with one reusable scratch buffer per key: on a server the update
 of a large key is memory-bound, and fresh multi-megabyte temporaries cost page faults.
+
+A half-precision key (float16, bfloat16) is updated by the same float32 arithmetic: without the
+optimizer's `multi_precision` its weight and state are read from and rounded back to the key's
+dtype every update (MXNet's float16 update: an lr*grad below half's resolution of the weight is
+lost); with it a float32 master copy of the weight and a float32 state are kept here, and the
+key holds the master's cast (MXNet's multi_precision). State is held in float32 containers
+either way, so GET_STATE and checkpoints are float32 for every key; the master copy is not
+part of them (a restarted server starts it from the half weight).
 """
 
 from __future__ import annotations
@@ -19,8 +27,26 @@ class NumpyUpdater:
         self.state: dict[int, tuple[np.ndarray, ...]] = {}
         self.count: dict[int, int] = {}
         self._scratch: dict[int, np.ndarray] = {}
+        self.master: dict[int, np.ndarray] = {}  # multi_precision: a half key's float32 weight
 
     def update(self, key: int, weight: np.ndarray, grad: np.ndarray) -> np.ndarray:
+        """The new weight of `key` (of `weight`'s dtype) after `grad`."""
+        if weight.dtype != np.float32:
+            return self._update_half(key, weight, grad)
+        return self._update32(key, weight, grad)
+
+    def _update_half(self, key: int, weight: np.ndarray, grad: np.ndarray) -> np.ndarray:
+        grad = grad.astype(np.float32, copy=False)
+        if getattr(self.optimizer, "multi_precision", False):
+            master = self.master.get(key)
+            new = self._update32(key, weight.astype(np.float32) if master is None else master, grad)
+            self.master[key] = new
+        else:
+            new = self._update32(key, weight.astype(np.float32), grad)
+            self.state[key] = tuple(s.astype(weight.dtype).astype(np.float32) for s in self.state[key])
+        return new.astype(weight.dtype)
+
+    def _update32(self, key: int, weight: np.ndarray, grad: np.ndarray) -> np.ndarray:
         if key not in self.state:
             self.state[key] = tuple(np.zeros_like(weight) for _ in self.optimizer.state_names)
             self.count[key] = 0

@@ -32,7 +32,7 @@ from typing import Any, Hashable, Iterator, Sequence
 import numpy as np
 
 from tfkv import optim
-from tfkv.ps import compression, parts
+from tfkv.ps import compression, dtypes, parts
 from tfkv.ps import protocol as P
 from tfkv.ps.cluster_env import ClusterEnv
 from tfkv.ps.parts import Layout, Pull
@@ -118,15 +118,19 @@ class DistStore(KVStore):
             raise KeyError(f"key {key!r} was not initialised; call init({key!r}, value) first")
         return kid, self._layouts[kid]
 
-    def _merge(self, values: list[Any]) -> np.ndarray:
-        """One flat float32 array: the sum of this machine's device values."""
+    def _merge(self, k: Key, values: list[Any], dtype: np.dtype) -> np.ndarray:
+        """One flat array of the key's `dtype`: the sum of this machine's device values (a half
+        key's summed in its dtype, as MXNet's; each checked to be of it, tfkv.ps.dtypes)."""
+        if dtype is not dtypes.FLOAT32 or any(dtypes.is_half(getattr(v, "dtype", dtype)) for v in values):
+            for v in values:
+                dtypes.check(k, dtype, v)
         if len(values) > 1 and self.sum_on_device:
             # GPU P2P: sum on the first device; without it the values are summed below, in host memory.
             import tensorflow as tf
 
             with tf.device(self._devices[0] if self._devices else "/device:CPU:0"):
                 values = [tf.add_n([tf.identity(v) for v in values])]
-        arrays = [np.asarray(v, dtype=np.float32) for v in values]
+        arrays = [np.asarray(v, dtype=dtype) for v in values]
         total = arrays[0] if len(arrays) == 1 else np.add(arrays[0], arrays[1])
         for a in arrays[2:]:
             np.add(total, a, out=total)
@@ -145,9 +149,10 @@ class DistStore(KVStore):
             kid = self._id(k)
             if kid in self._layouts:
                 raise ValueError(f"key {k!r} is already initialised")
-            flat = self._merge(values[:1])
+            dtype = dtypes.key_dtype(values[0])
+            flat = self._merge(k, values[:1], dtype)
             self._layouts[kid] = layout = parts.plan(kid, tuple(np.shape(values[0])), self.servers.count,
-                                                           self.env.bigarray_bound, self.env.chunk_bytes)
+                                                     self.env.bigarray_bound, self.env.chunk_bytes, dtype)
             if self.rank == 0:  # worker 0's value wins; the others wait at the barrier
                 for server, a, b, skey in layout.parts:
                     self.servers.send(server, P.Message(P.Type.INIT, key=skey, data=flat[a:b]))
@@ -203,7 +208,10 @@ class DistStore(KVStore):
             pulls = []
             for k, values in items:  # each pull right behind its push: replies flow while pushes do
                 layout = self._layout(k)[1]
-                if len(layout.parts) == 1 and self._threshold is None and self.servers.fusable(4 * layout.size):
+                # Only float32 keys are fused: a PUSHPULL carries one dtype (half keys go as a PUSH
+                # and a PULL each, still batched into one ZeroMQ message per server).
+                if (len(layout.parts) == 1 and self._threshold is None and layout.dtype is dtypes.FLOAT32
+                        and self.servers.fusable(4 * layout.size)):
                     pulls.append(self._pushpull_fused(k, layout, values, outs[k]))
                     continue
                 self._push_key(k, values, hold=True)  # the pull request rides in the push's message
@@ -256,8 +264,8 @@ class DistStore(KVStore):
                                "update_on_kvstore=true): without one each push would replace the weights")
 
     def _flat(self, k: Key, layout: Layout, values: list[Any]) -> np.ndarray:
-        """This machine's values of key `k` summed into one flat float32 array of its size."""
-        flat = self._merge(values)
+        """This machine's values of key `k` summed into one flat array of its size and dtype."""
+        flat = self._merge(k, values, layout.dtype)
         if flat.size != layout.size:
             raise ValueError(f"key {k!r}: pushed {flat.size} values, it holds {layout.size}")
         return flat

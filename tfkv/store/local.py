@@ -6,6 +6,14 @@ as the forward and backward passes: one graph per step, no Python between device
 Python updater is set, MXNet's `_set_updater`, which runs in a `tf.numpy_function`). The
 `device` store also takes MXNet's 2-bit gradient compression: each device quantises its value
 with its own residual and only the 2-bit words travel to the device that sums.
+
+Keys may hold float16 or bfloat16 values (numpy, `ml_dtypes.bfloat16`, or tf tensors): a key
+keeps the dtype it was initialised with, device values are summed in it (as MXNet's), a push of
+another dtype to a half key (or a half value to a float32 key) is refused naming both
+(tfkv.ps.dtypes), and a pull into an `out` of another dtype casts, as MXNet's CopyFromTo. An
+optimizer in the store updates a half key in float32 (tfkv.store.tf_updater: rounded to half
+each update, or on a float32 master copy with `multi_precision`). 2-bit compression keeps its
+residuals in float32 and the decoded sum is cast back to the key's dtype.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfkv.store import tf_compression
-from tfkv.ps import compression
+from tfkv.ps import compression, dtypes
 from tfkv.store.base import Key, KVStore, Updater, gpu_p2p, pairs
 from tfkv.store.tf_updater import TFUpdater
 
@@ -65,6 +73,9 @@ class LocalStore(KVStore):
     def push(self, key: Key | Sequence[Key], value: Any, priority: int = 0) -> None:
         for k, values in pairs(key, value):
             var = self._var(k)
+            held = dtypes.of(var)
+            for v in values:
+                dtypes.check(k, held, v)
             merged = self._merge(k, values)
             with tf.device(self._home[k]):
                 if self._py_updater is not None:
@@ -102,7 +113,7 @@ class LocalStore(KVStore):
             var = self._var(k)
             for o in outs:
                 if not isinstance(o, np.ndarray):
-                    o.assign(var)
+                    o.assign(var if o.dtype == var.dtype else tf.cast(var, o.dtype))  # cast: MXNet's CopyFromTo
                 elif tf.executing_eagerly():  # MXNet's out= may be a host array: written in place
                     np.copyto(o, var.numpy())
                 else:
@@ -198,4 +209,4 @@ class DeviceStore(LocalStore):
         with tf.device(self._home[key] if self._sum_on_home else "/device:CPU:0"):
             decoded = [tf_compression.unpack(w, size, self._threshold) for w in words]
             total = decoded[0] if len(decoded) == 1 else tf.add_n(decoded)
-            return tf.reshape(total, var.shape)
+            return tf.reshape(tf.cast(total, var.dtype), var.shape)  # float32 decoded; a half key's back to half
