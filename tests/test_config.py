@@ -200,7 +200,7 @@ def test_cluster_options_are_defined_once():
 # run directory and config): set by the launcher per role, never a knob.
 WIRING = {"TFKV_ROLE", "TFKV_RANK_HINT", "TFKV_RUN_DIR", "TFKV_CONFIG", "TFKV_SCHEDULER_HOST", "TFKV_SCHEDULER_PORT",
           "TFKV_NUM_SERVER", "TFKV_NUM_WORKER", "TFKV_CURVE_PUBLIC", "TFKV_CURVE_SECRET", "TFKV_CURVE_KEYFILE",
-          "TFKV_SECURE", "TFKV_SECRETS_ON_STDIN", "TFKV_ADVERTISE_ADDRESS"}
+          "TFKV_SECURE", "TFKV_SECRETS_ON_STDIN", "TFKV_ADVERTISE_ADDRESS", "TFKV_LOCAL_RANK", "TFKV_LOCAL_SIZE"}
 
 
 def test_every_backend_knob_has_one_row_and_one_reader():

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cluster_daemons import slurm  # noqa: F401
+from cluster_hosts import netns_hosts, ssh_site  # noqa: F401
 from conftest import tfkv_run
 from hydra import compose, initialize_config_dir
 
@@ -342,3 +343,75 @@ def test_a_slurm_job_signalled_mid_epoch_requeues_itself_and_ends_with_the_unint
     assert [h["epoch"] for h in metrics["history"]] == [1, 2] and "-step-" in resume["from"]
     assert f"resumed from {resume['from']}" in out
     _same_weights(run / "checkpoints" / "epoch-0002", straight / "checkpoints" / "epoch-0002")
+
+
+# -- cluster.spare_hosts ----------------------------------------------------------------------------
+
+def test_a_host_whose_roles_failed_in_two_attempts_gives_way_to_the_next_spare(tmp_path):
+    """The planning step: failures counted per host over attempts (a line names each blamed role
+    with its host), the host left out at its second, every line of it moved, spares in order."""
+    from tfkv.launcher import spares
+
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node1  # the scheduler's\nroot@node2:2222\nnode1\n")
+    names = ["node1", "node2", "node1"]
+    spare = spares.Spares(spares.check("ssh", str(hostfile), ["node3", "me@node4:22"]))
+    assert spare.failed("worker 1 @node2 exited with status 5", names) == ["node2"]
+    assert spare.replace(names) == []  # once: the same hosts again
+    assert spare.failed("server 0 @node1 and worker 1 @node2 stopped answering (...)", names) == ["node1", "node2"]
+    assert spare.replace(names) == [("node2", "node3")]  # node1 failed once only
+    assert spare.hosts_file(hostfile, tmp_path / "next").read_text() == \
+        "node1  # the scheduler's\nnode3\nnode1\n"
+    spare.failed("worker 0 @node1 was killed by SIGKILL", names)
+    spare.failed("worker 1 @node3 exited with status 1", names)  # the spare's first
+    assert spare.replace(names) == [("node1", "node4")]
+    assert spare.hosts_file(hostfile, tmp_path / "next").read_text() == \
+        "me@node4:22  # the scheduler's\nnode3\nme@node4:22\n"
+    spare.failed("worker 1 @node3 exited with status 1", names)
+    assert spare.replace(names) == []  # node3 failed twice, but no spare is left: it stays
+
+
+@pytest.mark.parametrize("launcher,hostfile,spare,message", [
+    ("slurm", "hosts", ["node3"], "cluster.spare_hosts: the slurm launcher does not place roles on hosts"),
+    ("ssh", "hosts", ["node1"], "cluster.spare_hosts: node1 is already a host of"),
+    ("mpi", "hosts", ["node3", "node3"], "cluster.spare_hosts: node3 is listed twice"),
+    ("mpi", None, ["node3"], "cluster.spare_hosts needs a hosts file"),
+    ("ssh", "hosts", ["no de"], "cluster.spare_hosts:1: 'no de' is not a host"),
+])
+def test_bad_spare_hosts_are_one_line_before_anything_starts(tmp_path, launcher, hostfile, spare, message):
+    (tmp_path / "hosts").write_text("node1\nnode2\n")
+    from tfkv.launcher import job
+
+    opts = job.Options(launcher, 1, 1, str(tmp_path / hostfile) if hostfile else None, spare_hosts=spare,
+                       max_restarts=2)
+    with pytest.raises(ConfigError) as e:
+        job.launch(opts, ["true"], tmp_path, tmp_path / "run", ["tfkv-launch"], sys.stdout)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+    assert not (tmp_path / "run").exists()  # nothing planned, nothing recorded
+
+
+@pytest.mark.slow
+def test_a_host_that_failed_twice_is_replaced_by_a_spare_over_ssh(netns_hosts, ssh_site, tmp_path):  # noqa: F811
+    """tfkv-launch over real ssh, hosts file node1, spare node2: the job's worker fails wherever
+    the host is node1 (its own hostname); after its second failure the third attempt runs every
+    role on node2 and the job ends well."""
+    (tmp_path / "hosts").write_text("node1\n")
+    shutil.copy(Path(__file__).parent / "dist_worker.py", tmp_path)
+    worker = f'[ "$(hostname)" = node1 ] && exit 5; exec {sys.executable} dist_worker.py updates out{{rank}}.json 2'
+    proc = subprocess.run(["tfkv-launch", "-n", "1", "-s", "1", "-H", "hosts", "--launcher", "ssh", "--python",
+                           sys.executable, "--run-dir", "rec", "--max-restarts", "2", "--spare-hosts", "node2", "--",
+                           "sh", "-c", worker], cwd=tmp_path, env={**os.environ, **ssh_site.env()},
+                          capture_output=True, text=True, timeout=180)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "tfkv: restart 1 of 2: worker 0 @node1 exited with status 5\n" in out
+    assert ("tfkv: restart 2 of 2: worker 0 @node1 exited with status 5; node1 failed in 2 attempts, spare host "
+            "node2 takes its place") in out
+    assert out.count("tfkv: ssh job, 1 server(s), 1 worker(s) - node1: scheduler, server 0, worker 0") == 2, out
+    assert "tfkv: ssh job, 1 server(s), 1 worker(s) - node2: scheduler, server 0, worker 0" in out
+    plan = json.loads((tmp_path / "rec" / "launch" / "plan.json").read_text())["processes"]
+    assert {p["host"] for p in plan} == {"node2"}
+    first, second = json.loads((tmp_path / "rec" / "launch" / "restarts.json").read_text())
+    assert "replaced" not in first and second["replaced"] == {"node1": "node2"}
+    assert (tmp_path / "rec" / "launch" / "hosts").read_text() == "node2\n"  # the record: the last attempt's
+    assert json.loads((tmp_path / "out0.json").read_text())["final"]

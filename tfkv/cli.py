@@ -76,6 +76,9 @@ def _job(cfg: Any) -> float:
         knobs.record(run_dir, values)
         if store.capabilities(cfg.kvstore.type).distributed and not cfg.eval_only:  # eval_only: here, alone
             return _launch(cfg, run_dir, list(hc.overrides.task), Path(hc.runtime.cwd))
+    from tfkv.parallel import binding
+
+    cfg.devices = binding.bind(cfg.devices)  # {local_rank}: this process's GPU, before TensorFlow sees any
     from tfkv.trainer import objective, train
 
     final = train(cfg, run_dir, list(hc.overrides.task), search_root=Path(hc.runtime.cwd))

@@ -106,6 +106,9 @@ def run(environ: MutableMapping[str, str] = os.environ) -> dict[str, Any]:
                           f"{RUN_DIR} is unset); start the job with tfkv-run kvstore=dist_sync cluster=local")
     config, hydra = decode(value)
     environ.update({k: str(v) for k, v in (hydra.get("env_set") or {}).items()})
+    from tfkv.parallel import binding
+
+    config["devices"] = binding.bind(config["devices"], environ)  # before TensorFlow sees the GPUs
     # The project's own package (model and data factories named by _target_) imports from the
     # working directory: the launcher's, or its rsynced copy on a remote host. `python -m` puts
     # it on sys.path too, but not under PYTHONSAFEPATH, and only as a relative ''.

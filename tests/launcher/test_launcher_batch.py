@@ -238,7 +238,8 @@ def test_yarn_submits_servers_and_workers_as_distributed_shell_applications():
     from tfkv.launcher.yarn import Resources, submissions
 
     plan = make_plan(3, 2, ["python3", "train.py", "--kv-store", "dist_sync"], ["python3", "-m", "tfkv.ps.node"],
-                     ["10.0.0.1"], "10.0.0.1", 9100, {"TFKV_HEARTBEAT_TIMEOUT": "4.0"})
+                     ["10.0.0.1"], "10.0.0.1", 9100, {"TFKV_HEARTBEAT_TIMEOUT": "4.0"},
+                     local_ranks=False)  # as plan_job makes it: YARN picks the nodes
     job = base.Job(plan=plan, workdir=Path("/work"))
     jar = "/opt/hadoop/share/hadoop/yarn/hadoop-yarn-applications-distributedshell-3.3.6.jar"
     subs = submissions(job, jar, "tfkv-job", Resources(queue="ml"), environ={"TFKV_TEST_TAG": "t", "HOME": "/r"})
@@ -246,7 +247,7 @@ def test_yarn_submits_servers_and_workers_as_distributed_shell_applications():
         ("servers", ["yarn", "jar", jar, "-jar", jar, "-appname", "tfkv-job-servers", "-num_containers", "2",
                      "-container_memory", "1024", "-container_vcores", "1", "-timeout", "2147483647",
                      "-queue", "ml", "-shell_command", "python3 -m tfkv.ps.node",
-                     "-shell_env", "DMLC_NUM_SERVER=2", "-shell_env", "DMLC_NUM_WORKER=3",
+                     "-shell_env", "CUDA_VISIBLE_DEVICES=-1", "-shell_env", "DMLC_NUM_SERVER=2", "-shell_env", "DMLC_NUM_WORKER=3",
                      "-shell_env", "DMLC_PS_ROOT_PORT=9100", "-shell_env", "DMLC_PS_ROOT_URI=10.0.0.1",
                      "-shell_env", "DMLC_ROLE=server", "-shell_env", "TFKV_HEARTBEAT_TIMEOUT=4.0",
                      "-shell_env", "TFKV_TEST_TAG=t"]),

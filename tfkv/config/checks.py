@@ -27,6 +27,39 @@ def parse_device(spec: str) -> tuple[str, int]:
     return m.group(1), int(m.group(2))
 
 
+# A device whose index is the worker's place in the job: `gpu:{local_rank}` (its index among the
+# workers on its host, TFKV_LOCAL_RANK) or `gpu:{rank}` (its rank in the job). Each worker expands
+# them when it starts (tfkv.parallel.binding), so one config serves every worker of a job.
+DEVICE_PLACEHOLDERS = ("rank", "local_rank")
+# The variables a launched worker finds them in: set by tfkv.launcher.plan (and the role helper
+# under Slurm), read by tfkv.parallel.binding; a worker's own script may read them too.
+LOCAL_RANK = "TFKV_LOCAL_RANK"  # the worker's index among the workers on its host, in rank order
+LOCAL_SIZE = "TFKV_LOCAL_SIZE"  # how many workers its host runs
+_TEMPLATE = re.compile(r"^(cpu|gpu):\{([^{}]*)\}$")
+
+
+def device_template(spec: str) -> tuple[str, str] | None:
+    """`gpu:{local_rank}` -> ("gpu", "local_rank"); None for a device without a placeholder; a
+    ConfigError for a placeholder that is not one of DEVICE_PLACEHOLDERS."""
+    m = _TEMPLATE.match(str(spec).strip().lower())
+    if not m:
+        return None
+    if m.group(2) not in DEVICE_PLACEHOLDERS:
+        raise ConfigError(f"devices: {spec!r} names {{{m.group(2)}}}; a device index may be a number, {{rank}} "
+                          "(the worker's rank in the job) or {local_rank} (its index among the workers on its host)")
+    return m.group(1), m.group(2)
+
+
+def expand_devices(devices: List[str], rank: int, local_rank: int) -> list[str]:
+    """`devices` with {rank} and {local_rank} replaced by this worker's numbers."""
+    places = {"rank": rank, "local_rank": local_rank}
+    out = []
+    for spec in devices:
+        template = device_template(spec)
+        out.append(f"{template[0]}:{places[template[1]]}" if template else str(spec))
+    return out
+
+
 def split_batch(batch_size: int, work_load_list: Optional[List[float]], num_devices: int) -> list[int]:
     """Examples per device, MXNet's rule: proportional to the work load, the remainder to the last."""
     loads = list(work_load_list) if work_load_list else [1.0] * num_devices
@@ -110,9 +143,12 @@ def workload(cfg: Any) -> None:
     devices = list(cfg.devices)
     if not devices:
         raise ConfigError("devices is empty; give at least one, e.g. devices=[cpu:0]")
-    parsed = [parse_device(d) for d in devices]
+    parsed = [device_template(d) or parse_device(d) for d in devices]
     if len(set(parsed)) != len(parsed):
         raise ConfigError(f"devices={devices} names a device twice; list each device once")
+    if cfg.placement is not None and any(isinstance(i, str) for _, i in parsed):
+        raise ConfigError(f"devices={devices} has a placeholder, which binds each data-parallel worker to its "
+                          "GPU; a model split over devices (placement) names them: write gpu:N, or placement=null")
     if not 0 <= cfg.seed < 2**32:
         raise ConfigError(f"seed={cfg.seed} must be between 0 and {2**32 - 1} (numpy's and TensorFlow's range)")
     if cfg.steps_per_epoch is not None and cfg.steps_per_epoch < 1:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from tfkv import knobs
 
@@ -64,6 +64,8 @@ class RemoteCluster(ClusterConfig):
     hostfile: Optional[str] = setting(None, "hosts file, one host per line: host, host:port or user@host "
                                             "(required by ssh; mpi without one runs on this machine)", "-H")
     python: str = setting("python3", "the Python interpreter on the hosts")
+    spare_hosts: Optional[List[str]] = setting(None, "hosts that take the place of a host whose roles failed "
+                                                     "twice, on a restart (cluster.max_restarts; ssh and mpi)")
 
 
 @dataclass

@@ -65,6 +65,8 @@ def parser() -> argparse.ArgumentParser:
         flags = [f.metadata["short"]] if f.metadata.get("short") else []
         kind = next((t for t in typing.get_args(types[f.name]) if t is not type(None)), types[f.name])
         extra: dict[str, Any] = {"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind}
+        if typing.get_origin(kind) is list:  # --spare-hosts node3 node4 (before the command's --)
+            extra = {"nargs": "+", "type": typing.get_args(kind)[0]}
         if f.name == "launcher":
             extra["choices"] = REGISTRY.names()
         p.add_argument(*flags, "--" + f.name.replace("_", "-"), default=own.get("default", f.default),

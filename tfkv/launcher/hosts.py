@@ -1,20 +1,22 @@
-"""The hosts file: one host per line as `host`, `host:port` or `user@host[:port]`, `#` comments.
+"""The hosts file: one host per line as `host`, `host:port` or `user@host[:port]`, then optionally
+`slots=N` (Open MPI's hostfile word: how many workers the host takes), `#` comments.
 
 A bad line is a `HostsError` naming the file, the line number and what is wrong. A host may be
-listed more than once (more processes go there), but always with the same user and port: the
-launchers tell hosts apart by name, so two ssh servers behind one name need an alias each in
-the ssh config.
+listed more than once (more processes go there; its slots add up: a line without slots= is one
+slot), but always with the same user and port: the launchers tell hosts apart by name, so two ssh
+servers behind one name need an alias each in the ssh config.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tfkv.errors import ConfigError
 
-_LINE = re.compile(r"^(?:(?P<user>[A-Za-z0-9._-]+)@)?(?P<host>[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\])(?::(?P<port>\d+))?$")
+_LINE = re.compile(r"^(?:(?P<user>[A-Za-z0-9._-]+)@)?(?P<host>[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\])(?::(?P<port>\d+))?"
+                   r"(?:\s+slots\s*=\s*(?P<slots>\S+))?$")
 
 
 class HostsError(ConfigError):
@@ -26,12 +28,14 @@ class Host:
     name: str  # hostname or address, as written
     user: str | None = None
     port: int | None = None  # the ssh port
+    slots: int | None = field(default=None, compare=False)  # `slots=N`: workers it takes; None: not said
 
     def __str__(self) -> str:
         return (f"{self.user}@" if self.user else "") + self.name + (f":{self.port}" if self.port else "")
 
 
 def parse_hosts(text: str, source: str = "hosts") -> list[Host]:
+    """The file's hosts, one entry per line, in order."""
     hosts: list[Host] = []
     first: dict[str, tuple[int, Host]] = {}
     for number, raw in enumerate(text.splitlines(), 1):
@@ -41,11 +45,14 @@ def parse_hosts(text: str, source: str = "hosts") -> list[Host]:
         m = _LINE.match(line)
         if not m:
             raise HostsError(f"{source}:{number}: {raw.strip()!r} is not a host; write host, host:port or "
-                             "user@host[:port], one per line")
+                             "user@host[:port], then optionally slots=N, one per line")
         port = int(m["port"]) if m["port"] else None
         if port is not None and not 0 < port < 65536:
             raise HostsError(f"{source}:{number}: port {port} is out of range 1-65535")
-        host = Host(m["host"].strip("[]"), m["user"], port)
+        slots = m["slots"]
+        if slots is not None and not (slots.isdigit() and int(slots) > 0):
+            raise HostsError(f"{source}:{number}: slots={slots} is not a number of workers; write slots=N, N >= 1")
+        host = Host(m["host"].strip("[]"), m["user"], port, int(slots) if slots else None)
         seen = first.setdefault(host.name, (number, host))
         if seen[1] != host:
             raise HostsError(f"{source}:{number}: {host} and {seen[1]} (line {seen[0]}) are one host name with "
@@ -64,3 +71,14 @@ def read_hosts(path: str | Path) -> list[Host]:
     except OSError as e:
         raise HostsError(f"hosts file {p}: {e.strerror}; pass an existing file with -H / cluster.hostfile") from None
     return parse_hosts(text, str(p))
+
+
+def slots(hosts: list[Host]) -> dict[str, int] | None:
+    """Each host's slots (lines add up; a line without slots= is one), in hosts-file order; None
+    when no line says slots=, so that placement stays the round robin of the lines."""
+    if all(h.slots is None for h in hosts):
+        return None
+    total: dict[str, int] = {}
+    for h in hosts:
+        total[h.name] = total.get(h.name, 0) + (h.slots or 1)
+    return total

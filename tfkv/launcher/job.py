@@ -13,7 +13,7 @@ from typing import IO, Any, Callable, Mapping, Sequence
 from tfkv import knobs
 from tfkv.config import cluster
 from tfkv.errors import ConfigError
-from tfkv.launcher import base, record, signals
+from tfkv.launcher import base, record, signals, spares
 from tfkv.launcher.hosts import Host, read_hosts
 from tfkv.launcher.plan import RUN_DIR, make_plan
 from tfkv.launcher.ports import free_port, release_port
@@ -117,19 +117,30 @@ def launch(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path, 
     With `opts.max_restarts`, a job that failed (not one a signal stopped) is torn down as ever,
     then planned and started again, up to that many times: each restart is a line naming the
     cause and an entry of launch/restarts.json. `again(result)` gives the roles' `env` for the
-    next attempt (tfkv-run: the newest checkpoint to resume), or None for no restart."""
-    restarts = 0
+    next attempt (tfkv-run: the newest checkpoint to resume), or None for no restart. A host
+    whose roles failed twice is left out of the next attempt for one of `opts.spare_hosts`
+    (tfkv.launcher.spares), said in the restart's line and entry."""
+    spare = spares.Spares(spares.check(opts.launcher, opts.hostfile, opts.spare_hosts))
+    hosts = [h.name for h in read_hosts(opts.hostfile)] if spare.left else []
+    attempt_opts, restarts = opts, 0
     while True:
-        result = _attempt(opts, worker_argv, workdir, run_dir, argv, out, env, settings)
+        result = _attempt(attempt_opts, worker_argv, workdir, run_dir, argv, out, env, settings)
         if result.failure is None or result.returncode > 128 or restarts >= opts.max_restarts:
             return result
         following = again(result) if again is not None else dict(env or {})  # the same job again
         if following is None:
             return result
         restarts += 1
-        out.write(f"tfkv: restart {restarts} of {opts.max_restarts}: {result.failure}\n")
+        spare.failed(result.failure, hosts)
+        swaps = spare.replace(hosts)
+        if swaps:
+            attempt_opts = dataclasses.replace(opts, hostfile=str(spare.hosts_file(
+                opts.hostfile, Path(run_dir) / "launch" / f"hosts.attempt-{restarts + 1}")))
+        said = "".join(f"; {host} failed in {spares.FAILURES} attempts, spare host {new} takes its place"
+                       for host, new in swaps)
+        out.write(f"tfkv: restart {restarts} of {opts.max_restarts}: {result.failure}{said}\n")
         out.flush()
-        record.restart(run_dir, restarts, result.failure)
+        record.restart(run_dir, restarts, result.failure, dict(swaps))
         env = following
 
 

@@ -2,13 +2,23 @@
 
 Placement follows MXNet's launch.py: the scheduler on the first host; servers, then workers,
 cycling through the hosts (5 hosts, 3 servers, 3 workers: servers on hosts 1-3, workers on
-hosts 4, 5, 1).
+hosts 4, 5, 1). With worker slots (`slots=N` in the hosts file, or cluster.workers_per_host),
+workers fill the hosts' slots in hosts-file order instead (8 workers, `a slots=4` and `b slots=4`:
+workers 0-3 on a, 4-7 on b), as mpirun's by-slot mapping does; servers still cycle from the
+first host and take no slot.
+
+Every worker learns its index among the workers on its host (TFKV_LOCAL_RANK) and their number
+(TFKV_LOCAL_SIZE), for `devices=[gpu:{local_rank}]`; the scheduler and the servers get
+CUDA_VISIBLE_DEVICES=-1, so that they never hold GPU memory.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
+
+from tfkv.config.checks import LOCAL_RANK, LOCAL_SIZE
+from tfkv.errors import ConfigError
 
 # The job's run directory as the roles see it, in every role's environment: a worker that runs
 # tfkv-run writes there (see worker_overrides) instead of making a Hydra run directory of its own.
@@ -30,7 +40,9 @@ NOT_FORWARDED = frozenset({
     "DMLC_ROLE", "TFKV_ROLE", "TFKV_RANK_HINT", "DMLC_PS_ROOT_URI", "TFKV_SCHEDULER_HOST", "DMLC_PS_ROOT_PORT",
     "TFKV_SCHEDULER_PORT", "DMLC_NUM_SERVER", "TFKV_NUM_SERVER", "DMLC_NUM_WORKER", "TFKV_NUM_WORKER",
     "TFKV_CURVE_PUBLIC", "TFKV_CURVE_SECRET", "TFKV_CURVE_KEYFILE", "TFKV_SECRETS_ON_STDIN",
-    "TFKV_SSH_CONFIG", "TFKV_ADVERTISE_ADDRESS", RUN_DIR, CONFIG})
+    "TFKV_SSH_CONFIG", "TFKV_ADVERTISE_ADDRESS", RUN_DIR, CONFIG, LOCAL_RANK, LOCAL_SIZE})
+# What the scheduler and servers get: no GPU (CUDA and TensorFlow stop at the first bad index).
+NO_GPU = {"CUDA_VISIBLE_DEVICES": "-1"}
 
 
 def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
@@ -49,11 +61,40 @@ class Process:
     env: dict[str, str] = field(default_factory=dict)
 
 
+def worker_hosts(num_workers: int, num_servers: int, hosts: list[str], workers_per_host: int | None = None,
+                 slots: Mapping[str, int] | None = None, source: str = "the hosts file") -> list[str]:
+    """Each worker's host: MXNet's round robin after the servers; or, with `slots` (host -> slots,
+    hosts-file order) or `workers_per_host`, the hosts' slots filled in order. More workers than
+    slots, or workers_per_host above a host's slots, is a ConfigError naming `source`."""
+    if workers_per_host is None and slots is None:
+        return [hosts[(num_servers + i) % len(hosts)] for i in range(num_workers)]
+    distinct = list(dict.fromkeys(hosts))
+    if workers_per_host is not None:
+        over = [h for h in distinct if slots and workers_per_host > slots[h]]
+        if over:
+            raise ConfigError(f"cluster.workers_per_host={workers_per_host} is above the {slots[over[0]]} slot(s) of "
+                              f"host {over[0]} in {source}; raise its slots= or lower workers_per_host")
+        capacity = {h: workers_per_host for h in distinct}
+        why = f"cluster.workers_per_host={workers_per_host} on each of its {len(distinct)} host(s)"
+    else:
+        capacity = dict(slots or {})
+        why = ", ".join(f"{h}: {n}" for h, n in capacity.items())
+    total = sum(capacity.values())
+    if num_workers > total:
+        raise ConfigError(f"cluster.num_workers={num_workers} is more than the {total} worker slot(s) of {source} "
+                          f"({why}); add hosts or slots=, or lower num_workers")
+    return [h for h in distinct for _ in range(capacity[h])][:num_workers]
+
+
 def make_plan(num_workers: int, num_servers: int, worker_argv: list[str], node_argv: list[str],
               hosts: list[str], scheduler_host: str, scheduler_port: int,
-              extra_env: dict[str, str] | None = None, show_host: bool = False) -> list[Process]:
-    """The scheduler, `num_servers` servers and `num_workers` workers, placed on `hosts`; with
-    `show_host`, names (and so output prefixes) carry the host: "worker 1 @node2"."""
+              extra_env: dict[str, str] | None = None, show_host: bool = False,
+              placed_workers: list[str] | None = None, local_ranks: bool = True) -> list[Process]:
+    """The scheduler, `num_servers` servers and `num_workers` workers, placed on `hosts`
+    (the workers on `placed_workers` when given: see `worker_hosts`); with `show_host`, names (and
+    so output prefixes) carry the host: "worker 1 @node2". `local_ranks`: whether the plan's hosts
+    are where the workers run, so that it can tell each its local rank (not so where a resource
+    manager picks the nodes: the role helper finds it there, see tfkv.launcher.role)."""
     base = {
         "DMLC_PS_ROOT_URI": scheduler_host, "DMLC_PS_ROOT_PORT": str(scheduler_port),
         "DMLC_NUM_SERVER": str(num_servers), "DMLC_NUM_WORKER": str(num_workers), **(extra_env or {}),
@@ -65,14 +106,17 @@ def make_plan(num_workers: int, num_servers: int, worker_argv: list[str], node_a
     def name(role: str, host: str) -> str:
         return f"{role} @{host}" if show_host else role
 
-    plan = [Process(name("scheduler", hosts[0]), "scheduler", 0, hosts[0], list(node_argv), env("scheduler", 0))]
+    plan = [Process(name("scheduler", hosts[0]), "scheduler", 0, hosts[0], list(node_argv),
+                    {**env("scheduler", 0), **NO_GPU})]
     for i in range(num_servers):
         host = hosts[i % len(hosts)]
-        plan.append(Process(name(f"server {i}", host), "server", i, host, list(node_argv), env("server", i)))
-    for i in range(num_workers):
-        host = hosts[(num_servers + i) % len(hosts)]
+        plan.append(Process(name(f"server {i}", host), "server", i, host, list(node_argv),
+                            {**env("server", i), **NO_GPU}))
+    placed = placed_workers or worker_hosts(num_workers, num_servers, hosts)
+    for i, host in enumerate(placed):
         argv = [a.replace("{rank}", str(i)) for a in worker_argv]  # e.g. a per-worker log name
-        plan.append(Process(name(f"worker {i}", host), "worker", i, host, argv, env("worker", i)))
+        local = {LOCAL_RANK: str(placed[:i].count(host)), LOCAL_SIZE: str(placed.count(host))} if local_ranks else {}
+        plan.append(Process(name(f"worker {i}", host), "worker", i, host, argv, {**env("worker", i), **local}))
     return plan
 
 

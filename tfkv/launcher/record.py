@@ -143,14 +143,16 @@ def write(run_dir: Path, launcher: str, job: Any, argv: Sequence[str], versions:
     return d
 
 
-def restart(run_dir: Path, attempt: int, cause: str) -> None:
-    """Add a restart to launch/restarts.json (the job starts attempt `attempt`, counted from 1)."""
+def restart(run_dir: Path, attempt: int, cause: str, replaced: dict[str, str] | None = None) -> None:
+    """Add a restart to launch/restarts.json (the job starts attempt `attempt`, counted from 1;
+    `replaced`: each host left out -> the spare host in its place, cluster.spare_hosts)."""
     path = Path(run_dir) / "launch" / "restarts.json"
     try:
         done = json.loads(path.read_text())
     except (OSError, ValueError):
         done = []
-    done.append({"attempt": attempt, "cause": cause, "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    done.append({"attempt": attempt, "cause": cause, "at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                 **({"replaced": replaced} if replaced else {})})
     try:
         path.parent.mkdir(parents=True, exist_ok=True)  # a single run's first (a requeue)
         path.write_text(json.dumps(done, indent=1))

@@ -8,6 +8,11 @@ of its output with the role's name, so the job's output reads as `tfkv-launch --
 When the role ends it prints one line, `[worker 1] tfkv-role: worker 1 exited with status 1`,
 from which the launcher learns which role failed first.
 
+A worker's local rank (TFKV_LOCAL_RANK, TFKV_LOCAL_SIZE: its index among the workers on its node)
+comes with the plan where the plan placed it (mpi). Under srun, which picks the nodes, the helper
+works it out from SLURM_PROCID, SLURM_LOCALID and SLURM_STEP_TASKS_PER_NODE: srun's default
+(block) distribution gives each node consecutive ranks, and the workers are the plan's last ranks.
+
 Two ways to say which command each rank runs:
 
     --plan JSON      what the launchers pass: {"env": {...}, "first": R, "procs": [{"name", "argv",
@@ -39,6 +44,7 @@ import subprocess
 import sys
 from typing import Any, Sequence
 
+from tfkv.config.checks import LOCAL_RANK, LOCAL_SIZE
 from tfkv.errors import TfkvError
 from tfkv.launcher.plan import Process, make_plan
 from tfkv.launcher.process import die_with_parent, signal_group, status_text
@@ -127,6 +133,32 @@ def slurm_first_node_address(env: dict[str, str]) -> str:
         return addr
 
 
+def tasks_per_node(value: str) -> list[int]:
+    """Slurm's `2(x3),1` -> [2, 2, 2, 1]."""
+    counts: list[int] = []
+    for part in value.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            raise RoleError(f"SLURM_STEP_TASKS_PER_NODE={value!r} is not Slurm's tasks-per-node list")
+        counts += [int(m[1])] * int(m[2] or 1)
+    return counts
+
+
+def slurm_local_rank(env: dict[str, str], rank: int, workers: range) -> dict[str, str]:
+    """A worker's TFKV_LOCAL_RANK and TFKV_LOCAL_SIZE under srun (block distribution: each node
+    runs consecutive ranks); `workers`: the ranks of the job's workers."""
+    node_first = rank - int(env["SLURM_LOCALID"])
+    local = {LOCAL_RANK: str(rank - max(node_first, workers.start))}
+    per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    if per_node:
+        starts, first = {}, 0
+        for n in tasks_per_node(per_node):
+            starts[first], first = n, first + n
+        node_end = node_first + starts.get(node_first, 0)
+        local[LOCAL_SIZE] = str(max(0, min(node_end, workers.stop) - max(node_first, workers.start)))
+    return local
+
+
 def exit_line(name: str, code: int) -> str:
     return f"[{name}] tfkv-role: {name} {status_text(code)}"
 
@@ -143,7 +175,7 @@ def _pick(args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
         except (KeyError, ValueError):
             raise RoleError("DMLC_NUM_SERVER and DMLC_NUM_WORKER must be set to numbers") from None
         plan = make_plan(workers, servers, args.argv, [sys.executable, "-m", "tfkv.ps.node"], ["-"],
-                         env.get("DMLC_PS_ROOT_URI", ""), int(env.get("DMLC_PS_ROOT_PORT") or 0))
+                         env.get("DMLC_PS_ROOT_URI", ""), int(env.get("DMLC_PS_ROOT_PORT") or 0), local_ranks=False)
         spec = table(plan)
         spec["env"] = {}  # the environment already holds the job's variables
     rank = args.index if args.index is not None else rank_from_env(env, args.rank_var)
@@ -153,7 +185,12 @@ def _pick(args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
         raise RoleError(f"rank {rank} has no role: this job has {len(procs)} process(es) from rank "
                         f"{spec.get('first', 0)}; start exactly that many")
     entry = procs[index]
-    return {"name": entry["name"], "argv": entry["argv"], "env": {**spec.get("env", {}), **entry["env"]}}
+    own = {**spec.get("env", {}), **entry["env"]}
+    if own.get("DMLC_ROLE") == "worker" and LOCAL_RANK not in own and "SLURM_LOCALID" in env:
+        first = int(spec.get("first", 0))
+        roles = [{**spec.get("env", {}), **p["env"]}.get("DMLC_ROLE") for p in procs]
+        own.update(slurm_local_rank(env, rank, range(first + roles.index("worker"), first + len(procs))))
+    return {"name": entry["name"], "argv": entry["argv"], "env": own}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
