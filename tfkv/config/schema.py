@@ -36,6 +36,9 @@ class OptimizerConfig:
     # [-clip_gradient, clip_gradient] (null: no clipping)
     rescale_grad: Optional[float] = None
     clip_gradient: Optional[float] = None
+    # MXNet's: the store (or its servers) keeps float32 master weights and optimizer state for
+    # half-precision (float16/bfloat16) keys and hands out their cast; false: the update runs in half
+    multi_precision: bool = False
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
 
 
