@@ -130,7 +130,7 @@ def _launch(cfg: Any, run_dir: Path, overrides: list[str], cwd: Path) -> float:
 
     try:
         result = job.launch(opts, [python, "-m", "tfkv.worker"], cwd, run_dir, _command_line(hc, overrides),
-                            sys.stdout, env, knobs.settings(cfg), again=again)
+                            sys.stdout, env, knobs.settings(cfg), again=again, devices=list(cfg.devices))
     finally:
         signal.signal(preemption.SIGNAL, asked)
     preempted = preemption.done(run_dir)

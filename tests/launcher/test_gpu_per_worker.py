@@ -19,6 +19,7 @@ from cluster_daemons import slurm  # noqa: F401  (session fixture)
 from cluster_hosts import netns_hosts, ssh_site  # noqa: F401  (session fixtures)
 from conftest import TAG, tagged_pids, tfkv_run
 
+from tfkv import gpus
 from tfkv.config.checks import LOCAL_RANK, LOCAL_SIZE
 from tfkv.errors import ConfigError
 from tfkv.launcher import job as launch_job
@@ -217,6 +218,26 @@ def test_tfkv_run_binds_before_tensorflow_and_names_a_missing_gpu(tmp_path):
         "the hosts file) or name GPUs that exist")
 
 
+def test_the_preflight_refuses_a_local_rank_beyond_the_hosts_gpus(tmp_path):
+    """cluster=local, 2 workers of gpu:{local_rank} where one GPU is visible: one line naming the
+    worker, before any role starts."""
+    proc = tfkv_run("kvstore=dist_sync", "cluster=local", 'devices=["gpu:{local_rank}"]', cwd=tmp_path, check=False,
+                    env={"CUDA_VISIBLE_DEVICES": "0"})
+    assert proc.returncode == 2 and "[scheduler]" not in proc.stdout
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "tfkv-run: worker 1 (local rank 1): devices ['gpu:{local_rank}'] name gpu:1, but the pre-flight on 127.0.0.1 "
+        "shows 1 GPU(s); run fewer workers on this host (cluster.workers_per_host, slots= in the hosts file) or name "
+        "GPUs that exist")
+
+
+def test_gpus_are_counted_as_cuda_would_see_them(tmp_path):
+    driver = tmp_path / "gpus"  # stands in for /proc/driver/nvidia/gpus, which this machine lacks
+    for bus in ("0000:17:00.0", "0000:65:00.0", "0000:ca:00.0"):
+        (driver / bus).mkdir(parents=True)
+    assert gpus.count({}, driver) == 3 and gpus.count({}, tmp_path / "none") is None
+    assert [gpus.count({"CUDA_VISIBLE_DEVICES": v}, driver) for v in ("1,2", "", "-1", "0,-1,1")] == [2, 0, 0, 1]
+
+
 # -- slow: real launchers --------------------------------------------------------------------------
 
 # A real role of the job: once its store is up, every server has registered (the scheduler waits for
@@ -287,18 +308,20 @@ def test_slots_over_ssh_two_hosts_two_workers_each(netns_hosts, ssh_site, tmp_pa
 
 
 @pytest.mark.slow
-def test_each_worker_of_a_tfkv_run_job_names_the_gpu_it_lacks(tmp_path):
-    """`tfkv-run cluster=local` with devices=[gpu:{local_rank}] where no GPU is visible: every
-    worker (tfkv.worker) stops at its binding with its own line, and the job fails."""
-    proc = tfkv_run("kvstore=dist_sync", "cluster=local", 'devices=["gpu:{local_rank}"]', "progress=false",
-                    cwd=tmp_path, check=False, env={"CUDA_VISIBLE_DEVICES": "", TAG: f"gpu-run-{tmp_path.name}"})
+def test_each_worker_of_a_tfkv_run_job_under_slurm_names_the_gpu_it_lacks(slurm, tmp_path):  # noqa: F811
+    """Under srun the plan has no local ranks, so the pre-flight cannot check: each worker
+    (python -m tfkv.worker) stops at its binding, before TensorFlow, with its own line."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "SLURM_CONF": str(slurm.conf),
+           "CUDA_VISIBLE_DEVICES": "", TAG: f"gpu-run-{tmp_path.name}"}
+    proc = subprocess.run(["timeout", "170", "salloc", "-n", "4", "tfkv-run", "kvstore=dist_sync", "cluster=slurm",
+                           'devices=["gpu:{local_rank}"]', "progress=false", f"cluster.python={PY}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode != 0
     for rank in (0, 1):
         assert (f"[worker {rank}] tfkv-run: worker {rank} (local rank {rank}) on {os.uname().nodename}: devices "
                 f"['gpu:{{local_rank}}'] name gpu:{rank}, but CUDA_VISIBLE_DEVICES='' shows 0 GPU(s)") in proc.stdout
-    assert "the dist_sync job failed: worker" in proc.stderr
-    assert not tagged_pids(f"gpu-run-{tmp_path.name}", wait=15)
-
+    assert "the dist_sync job failed: worker" in proc.stderr, proc.stderr[-2000:]
+    assert not tagged_pids(env[TAG], wait=15)
 
 @pytest.mark.slow
 def test_under_real_slurm_the_helper_gives_each_worker_its_local_rank(slurm, tmp_path):  # noqa: F811

@@ -55,6 +55,9 @@ class ClusterConfig(NoCluster):
                                  "(--no-secure: plain TCP, for a trusted single machine only)")
     max_restarts: int = setting(0, "start a failed job again, up to this many times (tfkv-run: from its "
                                    "newest checkpoint)")
+    workers_per_host: Optional[int] = setting(None, "workers on each host, filling the hosts in hosts-file order "
+                                                    "(e.g. one per GPU with devices=[gpu:{local_rank}]); default: "
+                                                    "round robin, or the hosts file's slots=")
 
 
 @dataclass

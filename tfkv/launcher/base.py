@@ -32,6 +32,9 @@ class Job:
     # pre-flight (ssh: the address its sshd was reached at). The scheduler binds it, every role
     # connects to it: an ssh alias means nothing to bind() or to the other hosts' resolvers.
     addresses: dict[str, str] = field(default_factory=dict)
+    # The workers' devices when the launcher knows them (tfkv-run's config): the pre-flight checks
+    # that a {local_rank} device exists on its host (tfkv.launcher.job.check_gpus).
+    devices: list[str] | None = None
 
 
 @dataclass

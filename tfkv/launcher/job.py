@@ -10,12 +10,14 @@ import sys
 from pathlib import Path
 from typing import IO, Any, Callable, Mapping, Sequence
 
-from tfkv import knobs
+from tfkv import gpus, knobs
 from tfkv.config import cluster
+from tfkv.config.checks import LOCAL_RANK, bound_gpus
 from tfkv.errors import ConfigError
 from tfkv.launcher import base, record, signals, spares
 from tfkv.launcher.hosts import Host, read_hosts
-from tfkv.launcher.plan import RUN_DIR, make_plan
+from tfkv.launcher.hosts import slots as host_slots
+from tfkv.launcher.plan import RUN_DIR, make_plan, worker_hosts
 from tfkv.launcher.ports import free_port, release_port
 from tfkv import keys as jobkeys
 
@@ -45,6 +47,24 @@ def knob_values(opts: Options, settings: Mapping[str, Any] | None = None) -> dic
     given = {k.key: getattr(opts, k.setting) for k in knobs.KNOBS
              if k.key.startswith("cluster.") and hasattr(opts, k.setting)}
     return knobs.resolve({**given, **(settings or {})}, os.environ)
+
+
+# The launchers whose resource manager picks the nodes: the hosts file does not place roles there.
+CHOOSE_NODES = ("slurm", "sge", "yarn")
+
+
+def place_workers(opts: Options, hosts: list[Host]) -> list[str]:
+    """Each worker's host (tfkv.launcher.plan.worker_hosts) with the job's slots and
+    cluster.workers_per_host; those two are refused where a resource manager picks the nodes."""
+    per_host, slots = opts.workers_per_host, host_slots(hosts)
+    if opts.launcher in CHOOSE_NODES and (per_host is not None or slots):
+        what = f"cluster.workers_per_host={per_host}" if per_host is not None else f"slots= in {opts.hostfile}"
+        raise ConfigError(f"{what} places workers on hosts, but with --launcher {opts.launcher} the resource "
+                          "manager picks the nodes; ask it for tasks per node instead (e.g. srun_args=--ntasks-per-node=N)")
+    if per_host is not None and per_host < 1:
+        raise ConfigError(f"cluster.workers_per_host={per_host} must be at least 1, or null (round robin)")
+    source = f"hosts file {opts.hostfile}" if opts.hostfile else f"this machine ({opts.host}, no hosts file)"
+    return worker_hosts(opts.num_workers, opts.num_servers, [h.name for h in hosts], per_host, slots, source)
 
 
 def plan_job(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path,
@@ -82,8 +102,10 @@ def plan_job(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path
         extra[jobkeys.SECURE] = "0"
     # Only ssh and mpi place roles on the hosts file's hosts; Slurm, SGE and YARN choose the nodes.
     placed = bool(opts.hostfile) and opts.launcher in ("ssh", "mpi")
+    workers = place_workers(opts, hosts)
     plan = make_plan(opts.num_workers, opts.num_servers, worker_argv, [python, "-m", "tfkv.ps.node"],
-                     [h.name for h in hosts], scheduler_host, port, extra, show_host=placed)
+                     [h.name for h in hosts], scheduler_host, port, extra, show_host=placed,
+                     placed_workers=workers, local_ranks=opts.launcher not in CHOOSE_NODES)
     return base.Job(plan=plan, hosts=hosts if opts.hostfile else [], workdir=workdir,
                     sync_dst_dir=opts.sync_dst_dir, run_dir=run_dir, python=python,
                     remote_run_dir=remote_path(opts, workdir, run_dir))
@@ -99,6 +121,22 @@ def pin_scheduler(job: base.Job) -> None:
             p.env["DMLC_PS_ROOT_URI"] = address
 
 
+def check_gpus(launcher: str, job: base.Job, versions: Mapping[str, Mapping[str, Any]]) -> None:
+    """Before anything starts: no worker's devices ({local_rank}, {rank}) name a GPU its host
+    lacks, as the pre-flight counted them there (tfkv.gpus; the local launcher's host reports as
+    "localhost"). Where the plan gives no local rank (Slurm, SGE, YARN) or a host's count is
+    unknown, each worker checks for itself when it binds (tfkv.parallel.binding)."""
+    for p in job.plan:
+        if p.role != "worker" or LOCAL_RANK not in p.env or not job.devices:
+            continue
+        local_rank = int(p.env[LOCAL_RANK])
+        wanted = bound_gpus(job.devices, p.rank, local_rank)
+        found = (versions.get(p.host) or (versions.get("localhost") if launcher == "local" else None) or {}).get("gpus")
+        if wanted is not None and found is not None and max(wanted) >= found:
+            raise gpus.beyond(job.devices, wanted, found, f"{p.name} (local rank {local_rank})",
+                              f"the pre-flight on {p.host}")
+
+
 def describe(job: base.Job) -> str:
     by_host: dict[str, list[str]] = {}
     for p in job.plan:
@@ -109,9 +147,11 @@ def describe(job: base.Job) -> str:
 def launch(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path, argv: Sequence[str],
            out: IO[str], env: Mapping[str, str] | None = None,
            settings: Mapping[str, Any] | None = None,
-           again: Callable[[base.Result], Mapping[str, str] | None] | None = None) -> base.Result:
+           again: Callable[[base.Result], Mapping[str, str] | None] | None = None,
+           devices: Sequence[str] | None = None) -> base.Result:
     """Plan, print the plan, check every host, write the record (and knobs.json), run the job
-    (`env`: more variables for every role; `settings`: the config's knobs, see `knob_values`).
+    (`env`: more variables for every role; `settings`: the config's knobs, see `knob_values`;
+    `devices`: the workers', checked against each host's GPUs, see `check_gpus`).
     The result's returncode is 128 + N when signal N (Ctrl-C, SIGTERM) stopped the job.
 
     With `opts.max_restarts`, a job that failed (not one a signal stopped) is torn down as ever,
@@ -124,7 +164,7 @@ def launch(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path, 
     hosts = [h.name for h in read_hosts(opts.hostfile)] if spare.left else []
     attempt_opts, restarts = opts, 0
     while True:
-        result = _attempt(attempt_opts, worker_argv, workdir, run_dir, argv, out, env, settings)
+        result = _attempt(attempt_opts, worker_argv, workdir, run_dir, argv, out, env, settings, devices)
         if result.failure is None or result.returncode > 128 or restarts >= opts.max_restarts:
             return result
         following = again(result) if again is not None else dict(env or {})  # the same job again
@@ -145,8 +185,10 @@ def launch(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path, 
 
 
 def _attempt(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path, argv: Sequence[str],
-             out: IO[str], env: Mapping[str, str] | None, settings: Mapping[str, Any] | None) -> base.Result:
+             out: IO[str], env: Mapping[str, str] | None, settings: Mapping[str, Any] | None,
+             devices: Sequence[str] | None = None) -> base.Result:
     job = plan_job(opts, worker_argv, workdir, run_dir, env, settings)
+    job.devices = list(devices) if devices else None
     knobs.record(run_dir, knob_values(opts, settings))
     try:
         return _launch(opts, job, run_dir, argv, out)
@@ -161,6 +203,7 @@ def _launch(opts: Options, job: base.Job, run_dir: Path, argv: Sequence[str], ou
     out.flush()
     launcher = base.create(opts.launcher)
     versions = launcher.preflight(job)
+    check_gpus(opts.launcher, job, versions)
     pin_scheduler(job)
     record.write(run_dir, opts.launcher, job, argv, versions, opts.hostfile)
     tee = record.Tee(out, run_dir / "launch" / "job.log")

@@ -22,14 +22,15 @@ import time
 from pathlib import Path
 from typing import IO, Any, Sequence
 
+from tfkv import gpus
 from tfkv.launcher.plan import CONFIG
 
 # Never part of the synced tree: run outputs, VCS data, caches.
 EXCLUDE = ("outputs", "multirun", ".git", "__pycache__", ".pytest_cache", "launch")
 
-def local_versions() -> dict[str, str]:
-    """Versions on this host; `python -m tfkv.launcher.record` prints them as JSON for a remote
-    pre-flight check."""
+def local_versions() -> dict[str, Any]:
+    """Versions on this host, and how many GPUs a role started here would see (tfkv.gpus; None:
+    unknown); `python -m tfkv.launcher.record` prints them as JSON for a remote pre-flight check."""
     from importlib.metadata import PackageNotFoundError, version
 
     import tfkv
@@ -41,7 +42,7 @@ def local_versions() -> dict[str, str]:
             break
         except PackageNotFoundError:
             continue
-    return {"python": platform.python_version(), "tfkv": tfkv.__version__, "tensorflow": tf}
+    return {"python": platform.python_version(), "tfkv": tfkv.__version__, "tensorflow": tf, "gpus": gpus.count()}
 
 
 def ssh_address(environ: dict[str, str] | None = None) -> str | None:
