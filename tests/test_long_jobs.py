@@ -415,3 +415,25 @@ def test_a_host_that_failed_twice_is_replaced_by_a_spare_over_ssh(netns_hosts, s
     assert "replaced" not in first and second["replaced"] == {"node1": "node2"}
     assert (tmp_path / "rec" / "launch" / "hosts").read_text() == "node2\n"  # the record: the last attempt's
     assert json.loads((tmp_path / "out0.json").read_text())["final"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("submit,said", [
+    (["sbatch", "--parsable", "--no-requeue", "--wrap", "sleep 60"], "is not requeueable; submit it with sbatch --requeue"),
+    (["salloc", "--no-shell", "-n", "1"], "is not a batch job (salloc or srun)"),
+])
+def test_a_job_slurm_may_not_requeue_is_left_alone_in_one_line(slurm, tmp_path, submit, said):  # noqa: F811
+    """tfkv.launcher.requeue as a preempted tfkv-run runs it, inside a job Slurm will not requeue:
+    one line why, no restart recorded, the job untouched."""
+    from tfkv.launcher import requeue
+
+    proc = subprocess.run(submit, cwd=tmp_path, env=slurm.env, capture_output=True, text=True, timeout=60, check=True)
+    job_id = (proc.stdout.strip() or proc.stderr.split("Granted job allocation")[1].split()[0]).split(";")[0]
+    try:
+        lines: list[str] = []
+        assert not requeue.requeue(tmp_path, lines.append, {**slurm.env, "SLURM_JOB_ID": job_id})
+        assert len(lines) == 1 and said in lines[0] and f"Slurm job {job_id} " in lines[0], lines
+        assert not (tmp_path / "launch" / "restarts.json").exists()
+        assert requeue.job_fields(job_id, slurm.env)["Restarts"] == "0"
+    finally:
+        subprocess.run(["scancel", job_id], env=slurm.env, timeout=60)
