@@ -521,6 +521,39 @@ def criterion_kinds(kv, out):
 SCENARIOS["criterion_kinds"] = criterion_kinds
 
 
+def overflow(kv, out):
+    """mixed_float16 on 2 workers, 4 steps; at step 2 worker 1's batch overflows float16 (worker
+    0's does not). Per step: the loss scale and the weights (the test compares the workers)."""
+    import keras
+    import tensorflow as tf
+
+    from tfkv.models import mlp
+    from tfkv.parallel import devices
+    from tfkv.parallel.data_parallel import DataParallel
+    from tfkv.parallel.precision import LossScale, set_policy
+
+    devs = devices.setup(["cpu:0"])
+    set_policy("mixed_float16")
+    keras.utils.set_random_seed(7)
+    scale = LossScale(initial=2.0**10)
+    dp = DataParallel(lambda: mlp.build((8, 8, 1), 10, hidden=[16]), devs, kv,
+                      optim.SGD(schedule=optim.Schedule(lr=0.1), momentum=0.9), [16],
+                      update_on_kvstore=sys.argv[3] == "1", loss_scale=scale)
+    rng = np.random.default_rng(kv.rank)
+    res: dict = {"scale": []}
+    for step in range(4):
+        x = rng.normal(size=(16, 8, 8, 1)).astype(np.float32)
+        if step == 1 and kv.rank == 1:
+            x[0] = 1e5  # above float16's 65504
+        dp.step(tf.constant(x), tf.constant(rng.integers(0, 10, 16).astype(np.int32)))
+        res["scale"].append(float(scale.scale.numpy()))
+        np.savez(f"{out.name}.{step}.npz", *dp.get_weights())
+    json.dump(res, out)
+
+
+SCENARIOS["overflow"] = overflow
+
+
 if __name__ == "__main__":
     scenario, path = sys.argv[1], sys.argv[2]
     kind = os.environ.get("TEST_KVSTORE", "dist_sync")
@@ -528,7 +561,7 @@ if __name__ == "__main__":
     if os.environ.get("TEST_SHOWN_EXCEPTION"):
         # What IPython/Jupyter leave after displaying an earlier cell's traceback: not this exit's.
         sys.last_value = RuntimeError("shown in an earlier cell")
-    if scenario in ("train", "criterion_kinds"):
+    if scenario in ("train", "criterion_kinds", "overflow"):
         # TensorFlow's import holds the GIL for seconds while it loads its libraries; done after
         # the store joins the job, it starves the heartbeat thread past the tests' 3 s timeout on
         # a loaded machine (CI saw this). tfkv-run imports TensorFlow before it creates a store.

@@ -83,9 +83,10 @@ def test_schema_rejects_typos_and_wrong_types():
     (["+model.hiden=[3]"], "model.hiden is not an argument of tfkv.models.mlp.build; did you mean model.hidden?"),
     # a key the chosen option does not have (another option's, or a typo added with +)
     (["optimizer=adam", "+optimizer.momentum=0.9"],
-     "optimizer.momentum is not a setting of optimizer=adam; its settings: beta1, beta2, clip_gradient, epsilon, lr"),
+     "optimizer.momentum is not a setting of optimizer=adam; its settings: beta1, beta2, clip_gradient, clipnorm, "
+     "epsilon, lr"),
     (["+optimizer.lrr=0.5"], "optimizer.lrr is not a setting of optimizer=sgd (did you mean optimizer.lr?); "
-                             "its settings: clip_gradient, lr, momentum"),
+                             "its settings: clip_gradient, clipnorm, lr, momentum"),
     (["model=mlp", "+model.width=8"], "model.width is not an argument of tfkv.models.mlp.build; "
                                       "its arguments: dropout, hidden"),
     (["+cluster.num_servers=4"], "cluster.num_servers is not a setting of cluster=none; its settings: launcher"),
@@ -99,6 +100,15 @@ def test_schema_rejects_typos_and_wrong_types():
     (["kvstore.type=nccl"], "kvstore.type='nccl': KVStore type 'nccl' is MXNet's, not tfkv's; use device"),
     (["optimizer.rescale_grad=0"], "optimizer.rescale_grad=0.0 must be positive"),
     (["optimizer.clip_gradient=-1"], "optimizer.clip_gradient=-1.0 must be positive"),
+    (["optimizer.clipnorm=0"], "optimizer.clipnorm=0.0 must be positive"),
+    (["precision=float16"], "precision='float16' is not a policy tfkv trains with; choose one of float32, "
+                            "mixed_float16, mixed_bfloat16"),
+    (["model=lstm_lm", "dataset=ptb", "devices=[cpu:0,cpu:1]", "placement=auto", "precision=mixed_float16"],
+     "precision=mixed_float16 needs loss scaling, which model parallelism (placement) does not have"),
+    (["model=lstm_lm", "dataset=ptb", "devices=[cpu:0,cpu:1]", "placement=auto", "jit_compile=true"],
+     "jit_compile=true compiles each model copy's step"),
+    (["model=lstm_lm", "dataset=ptb", "devices=[cpu:0,cpu:1]", "placement=auto", "optimizer.clipnorm=1"],
+     "optimizer.clipnorm clips each model copy's gradient (data parallelism)"),
     (["optimizer.momentum=-1"], "sgd.momentum=-1.0 must be at least 0"),
     (["optimizer=adam", "optimizer.beta1=1"], "adam.beta1=1.0 must be from 0 to below 1"),
     (["kvstore=dist_sync", "cluster=local", "kvstore.compression.type=2bit", "kvstore.compression.threshold=0"],

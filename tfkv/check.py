@@ -14,7 +14,7 @@ from typing import Any
 
 from tfkv.config import checks
 from tfkv.config.cluster import CLUSTER_SCHEMAS, ClusterConfig
-from tfkv.config.schema import ALWAYS_REPORTED, LOGGERS, OPTIMIZER_SCHEMAS, Config
+from tfkv.config.schema import ALWAYS_REPORTED, LOGGERS, OPTIMIZER_SCHEMAS, PRECISIONS, Config
 from tfkv.errors import ConfigError
 
 
@@ -51,6 +51,7 @@ def validate(cfg: Any) -> None:
         raise ConfigError(f"optimizer: {e}; fix it with optimizer.<setting>=...") from None
     _cluster(cfg)
     _placement(cfg)
+    checks.step_options(cfg, PRECISIONS)
     checks.resume(cfg, checkpoint.NO)
     checks.checkpointing(cfg.checkpoint)
 

@@ -46,7 +46,25 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
     """Train as `cfg` (a validated `tfkv.config.Config`) says; return the final metrics."""
     from tfkv.tfimport import import_tensorflow
 
-    tf = import_tensorflow()  # first, before keras imports it: without TF's load-time log lines
+    import_tensorflow()  # first, before keras imports it: without TF's load-time log lines
+    import keras
+
+    from tfkv.parallel import precision
+
+    # The models of this run are built under its precision; the process's policy is put back
+    # after it (a sweep's next trial, or a test, builds under its own).
+    before = keras.mixed_precision.global_policy().name
+    precision.set_policy(cfg.precision)
+    try:
+        return _train(cfg, run_dir, overrides, search_root)
+    finally:
+        precision.set_policy(before)
+
+
+def _train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | None) -> dict[str, Any]:
+    from tfkv.tfimport import import_tensorflow
+
+    tf = import_tensorflow()
     import keras
     from omegaconf import OmegaConf
     from tqdm import tqdm
@@ -56,10 +74,12 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
     from tfkv.parallel import devices as devices_mod
     from tfkv.parallel.criterion import Criterion
     from tfkv.parallel.data_parallel import DataParallel
+    from tfkv.parallel.precision import LossScale, check_devices, gpu_capabilities
     from tfkv.tracking.tensorboard import writer as summary_writer
 
     run_dir = Path(run_dir)
     tf_devices = devices_mod.setup(cfg.devices)
+    check_devices(cfg.precision, gpu_capabilities(cfg.devices, tf_devices))
     keras.utils.set_random_seed(cfg.seed)
     if cfg.deterministic:
         tf.config.experimental.enable_op_determinism()
@@ -102,6 +122,8 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
                     update_on_kvstore=cfg.kvstore.update_on_kvstore,
                     initial_weights=ckpt.weights if ckpt else None,
                     criterion=criterion,
+                    loss_scale=LossScale() if cfg.precision == "mixed_float16" else None,
+                    clipnorm=cfg.optimizer.clipnorm, jit_compile=cfg.jit_compile,
                 )
             if ckpt and not cfg.eval_only:  # evaluation needs no optimizer state (a dist_* one fits no other store)
                 dp.load_optimizer(ckpt.optimizer, run_dir)
@@ -269,9 +291,11 @@ def _preempted(preemption: Any, run_dir: Path, launched: bool) -> Preempted:
 
 
 def _random_generators(dp: Any) -> list[Any]:
-    """The models' random-generator states (Keras SeedGenerators: dropout's masks), every copy's."""
+    """The models' random-generator states (Keras SeedGenerators: dropout's masks), every copy's,
+    then the step's own state (mixed_float16's loss scale), which a checkpoint keeps with them."""
     models = getattr(dp, "replicas", None) or getattr(dp, "models", [])
-    return [v for m in models for v in m.variables if v.path.endswith("seed_generator_state")]
+    step_state = dp.step_state() if hasattr(dp, "step_state") else []
+    return [v for m in models for v in m.variables if v.path.endswith("seed_generator_state")] + step_state
 
 
 def _rng_state(dp: Any) -> dict[str, np.ndarray]:

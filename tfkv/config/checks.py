@@ -60,16 +60,6 @@ def expand_devices(devices: List[str], rank: int, local_rank: int) -> list[str]:
     return out
 
 
-def bound_gpus(devices: List[str], rank: int, local_rank: int) -> list[int] | None:
-    """The GPUs a worker is bound to (made the only ones it sees, tfkv.parallel.binding): those
-    its expanded devices name, in order, when a GPU entry has a placeholder; else None (devices
-    as written, nothing bound)."""
-    if not any((device_template(d) or ("",))[0] == "gpu" for d in devices):
-        return None
-    parsed = [parse_device(d) for d in expand_devices(devices, rank, local_rank)]
-    return list(dict.fromkeys(i for kind, i in parsed if kind == "gpu"))
-
-
 def split_batch(batch_size: int, work_load_list: Optional[List[float]], num_devices: int) -> list[int]:
     """Examples per device, MXNet's rule: proportional to the work load, the remainder to the last."""
     loads = list(work_load_list) if work_load_list else [1.0] * num_devices
@@ -188,6 +178,10 @@ def workload(cfg: Any) -> None:
         value = getattr(cfg.optimizer, key)
         if value is not None and not 0 < value < float("inf"):
             raise ConfigError(f"optimizer.{key}={value} must be positive, or null for MXNet's default")
+    clipnorm = cfg.optimizer.get("clipnorm")
+    if clipnorm is not None and not 0 < clipnorm < float("inf"):
+        raise ConfigError(f"optimizer.clipnorm={clipnorm} must be positive (the largest global gradient norm "
+                          "a worker pushes), or null for no clipping")
 
 
 def cluster_sizes(c: Any) -> None:
@@ -224,6 +218,23 @@ def placement_shape(cfg: Any) -> None:
     if cfg.micro_batches > cfg.batch_size:
         raise ConfigError(f"micro_batches={cfg.micro_batches} is more than batch_size={cfg.batch_size}; every "
                           "micro-batch needs at least one example")
+
+
+def step_options(cfg: Any, names: tuple[str, ...]) -> None:
+    """`precision` is one of `names` (Keras's policies tfkv trains with); loss scaling, clipnorm
+    and XLA are data parallelism's (a model split over devices has none of them)."""
+    if cfg.precision not in names:
+        raise ConfigError(f"precision={cfg.precision!r} is not a policy tfkv trains with; choose one of "
+                          f"{', '.join(names)} (e.g. precision=mixed_bfloat16)")
+    if cfg.placement is not None and cfg.precision == "mixed_float16":
+        raise ConfigError("precision=mixed_float16 needs loss scaling, which model parallelism (placement) does "
+                          "not have; use precision=mixed_bfloat16 (no loss scale) or placement=null")
+    if cfg.placement is not None and cfg.jit_compile:
+        raise ConfigError("jit_compile=true compiles each model copy's step (data parallelism); a model split "
+                          "over devices (placement) is not compiled with XLA: set jit_compile=false or placement=null")
+    if cfg.placement is not None and cfg.optimizer.get("clipnorm") is not None:
+        raise ConfigError("optimizer.clipnorm clips each model copy's gradient (data parallelism); a model split "
+                          "over devices (placement) is not clipped by norm: use optimizer.clip_gradient or placement=null")
 
 
 def checkpointing(c: Any) -> None:

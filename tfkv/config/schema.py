@@ -36,6 +36,10 @@ class OptimizerConfig:
     # [-clip_gradient, clip_gradient] (null: no clipping)
     rescale_grad: Optional[float] = None
     clip_gradient: Optional[float] = None
+    # null, or the most the global L2 norm of each worker's gradient (of its mean loss over its
+    # batch, all its devices together) may be: scaled down to it before it is pushed (Keras's
+    # global_clipnorm, per worker; see README "Precision, clipping and XLA")
+    clipnorm: Optional[float] = None
     # MXNet's: the store (or its servers) keeps float32 master weights and optimizer state for
     # half-precision (float16/bfloat16) keys and hands out their cast; false: the update runs in half
     multi_precision: bool = False
@@ -124,6 +128,9 @@ class LoggerConfig:
 # logger=<name>: the loggers beside TensorBoard (tfkv.tracking)
 LOGGERS = ("none", "mlflow")
 
+# precision=<name>: Keras's mixed-precision policies tfkv trains with (tfkv.parallel.precision)
+PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
+
 
 @dataclass
 class Config:
@@ -165,6 +172,10 @@ class Config:
     # mapping group -> device, e.g. {embed: gpu:0, lstm1: gpu:0, lstm2: gpu:1, decoder: gpu:1}.
     placement: Any = None
     micro_batches: int = 1  # with placement: pipeline each batch as this many micro-batches
+    # float32 | mixed_float16 (with dynamic loss scaling) | mixed_bfloat16: Keras's dtype policy
+    # the model is built under (variables, gradients and the store stay float32)
+    precision: str = "float32"
+    jit_compile: bool = False  # compile each device's forward and backward pass with XLA
     sweep: SweepConfig = field(default_factory=SweepConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
 

@@ -28,20 +28,33 @@ inside one worker each update their own on their slice, and `sync_non_trainable`
 calls it at each epoch's end, before evaluating) sets them all to their average. Across the
 workers of a `dist_*` job nothing is exchanged: each worker keeps its own statistics, and
 worker 0's are the ones its evaluation reports and its checkpoint and export hold.
+
+Precision, clipping, XLA (README "Precision, clipping and XLA"): with a `loss_scale`
+(mixed_float16) the loss is scaled before backprop and the gradients unscaled after; a step
+whose gradients are not all finite on any device, or, with a synchronous `dist_*` store, on any
+worker (a vote through the store before anything is pushed: `KVStore.all_workers`), is skipped
+everywhere and the scale halved. `clipnorm` scales this worker's gradients down so that the
+global norm of their sum over its devices, divided by its examples (the gradient of its mean
+loss, what Keras's global_clipnorm bounds), is at most `clipnorm`, before they are pushed.
+`jit_compile` compiles each device's forward and backward pass with XLA.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import re
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import tensorflow as tf
 
 from tfkv import optim
+from tfkv.errors import ConfigError
 from tfkv.parallel.base import Parallel
 from tfkv.parallel.criterion import Criterion, regularization
+from tfkv.parallel.precision import LossScale, all_finite
 from tfkv.store.base import KVStore
 from tfkv.store.tf_updater import TFUpdater
 
@@ -57,10 +70,13 @@ class DataParallel(Parallel):
         update_on_kvstore: bool = True,
         initial_weights: Sequence[np.ndarray] | None = None,
         criterion: Criterion | None = None,
+        loss_scale: LossScale | None = None,
+        clipnorm: float | None = None,
+        jit_compile: bool = False,
     ):
         """`devices` are TensorFlow device names; `batch_sizes[i]` examples go to device i;
         `criterion`: the loss and metrics (default: sparse categorical crossentropy on logits,
-        accuracy).
+        accuracy); `loss_scale`, `clipnorm`, `jit_compile`: see the module docstring.
 
         As in MXNet, what is pushed is the gradient of the loss summed over the examples (an
         example's loss is the mean over its positions, e.g. tokens), plus the examples' count
@@ -101,13 +117,23 @@ class DataParallel(Parallel):
                 store.broadcast(k, self.params[0][k], out=[p[k] for p in self.params], priority=-k)
         self._sync_non_trainable(source=0)
 
-        self._streams = self.uses_store and store.async_pushpull
+        self.loss_scale = loss_scale
+        self.clipnorm = clipnorm
+        self.jit_compile = jit_compile
+        self._compiled = False
+        self._device_grads = [
+            tf.function(functools.partial(self._device_gradients, model, n), jit_compile=True) if jit_compile
+            else functools.partial(self._device_gradients, model, n)
+            for model, n in zip(self.replicas, self.batch_sizes)]
+        # Loss scaling decides after the whole backprop whether anything is pushed, so the
+        # pushes cannot start from inside it.
+        self._streams = self.uses_store and store.async_pushpull and loss_scale is None
         self._inflight: list[Any] = []  # pulls requested from inside the compiled step
         self._hook_error: BaseException | None = None
         if store.traceable or not self.uses_store:
             self._step = tf.function(self._fused_step)
         else:
-            self._grads = tf.function(self._forward_backward_pushing if self._streams else self._forward_backward)
+            self._grads = tf.function(self._forward_backward_pushing if self._streams else self._checked_gradients)
             self._set_weights = tf.function(self._assign_all)
             self._apply = tf.function(self._apply_aggregated)
         self._eval = tf.function(self._eval_step)
@@ -122,6 +148,14 @@ class DataParallel(Parallel):
 
     def step(self, x: Any, y: Any) -> None:
         """Train on one batch (x, y) of sum(batch_sizes) examples."""
+        if self.jit_compile and not self._compiled:
+            with _xla_refusal():  # the first step is where XLA compiles
+                self._step_once(x, y)
+            self._compiled = True
+            return
+        self._step_once(x, y)
+
+    def _step_once(self, x: Any, y: Any) -> None:
         self.metrics.prepare(y)
         if self.store.traceable or not self.uses_store:
             self._step(x, y)
@@ -136,8 +170,15 @@ class DataParallel(Parallel):
                 raise error
             t1 = t2 = clock()
         else:
-            grads = self._grads(x, y)
+            grads, finite = self._grads(x, y)
             t1 = clock()
+            if self.loss_scale is not None:
+                finite = self._every_worker_finite(bool(finite))
+                self.loss_scale.update(finite)
+                if not finite:
+                    tm["compute"] += t1 - t0
+                    tm["steps"] += 1
+                    return
             # Priority k: backprop's order, the last layer first (the order the gradients came).
             self._inflight = self.store.pushpull_async(self.keys, [[g[k] for g in grads] for k in self.keys],
                                                        priority=list(self.keys))
@@ -150,6 +191,12 @@ class DataParallel(Parallel):
         tm["pull"] += waited
         tm["assign"] += t3 - t2 - waited
         tm["steps"] += 1
+
+    def _every_worker_finite(self, finite: bool) -> bool:
+        """Whether no worker of a synchronous job saw a non-finite gradient this step (a vote
+        through the store before anything is pushed), so every worker skips the same steps and
+        the weights stay alike. dist_async's workers do not wait for each other: each skips its own."""
+        return self.store.all_workers(finite)
 
     def _forward_backward_pushing(self, x: Any, y: Any) -> None:
         grads = self._forward_backward(x, y)
@@ -176,22 +223,59 @@ class DataParallel(Parallel):
         return np.int32(0)
 
     def _forward_backward(self, x: Any, y: Any) -> list[list[Any]]:
+        """Every device's gradients of its slice's summed loss (unscaled), clipped (clipnorm)."""
         grads, offset = [], 0
-        for d, model, n in zip(self.devices, self.replicas, self.batch_sizes):
+        scale = self.loss_scale.scale.read_value() if self.loss_scale is not None else tf.constant(1.0)
+        for d, n, device_grads in zip(self.devices, self.batch_sizes, self._device_grads):
             with tf.device(d):
                 xs, ys = (tf.nest.map_structure(lambda t: t[offset:offset + n], v) for v in (x, y))
-                with tf.GradientTape() as tape:
-                    pred = model(xs, training=True)
-                    losses = self.criterion.losses(ys, pred)
-                    reg = regularization(model)
-                    loss = tf.add_n([tf.reduce_sum(v) for v in losses.values()]) + n * reg
-                grads.append(tape.gradient(loss, model.trainable_variables))
+                g, pred, losses, reg = device_grads(xs, ys, scale)
+                grads.append(g)
                 self.metrics.add(ys, pred, losses, n, reg)
             offset += n
-        return grads
+        return self._clipped(grads) if self.clipnorm else grads
+
+    def _device_gradients(self, model: Any, n: int, xs: Any, ys: Any, scale: Any) -> tuple[Any, ...]:
+        """One copy's forward and backward pass (what jit_compile compiles): the gradients of
+        its examples' summed loss; with loss scaling, backprop runs from the mean loss times
+        `scale` (Keras's meaning of the scale) and the gradients are brought back after."""
+        with tf.GradientTape() as tape:
+            pred = model(xs, training=True)
+            losses = self.criterion.losses(ys, pred)
+            reg = regularization(model)
+            loss = tf.add_n([tf.reduce_sum(v) for v in losses.values()]) + n * reg
+            if self.loss_scale is not None:  # the scale is of the mean loss, as in Keras
+                loss = loss * (scale / n)
+        grads = tape.gradient(loss, model.trainable_variables)
+        if self.loss_scale is not None:
+            grads = [g * (n / scale) for g in grads]
+        return grads, pred, losses, reg
+
+    def _clipped(self, grads: list[list[Any]]) -> list[list[Any]]:
+        """Every device's gradients times clipnorm / max(norm, clipnorm), norm the global norm of
+        this worker's gradient of its mean loss: tf.clip_by_global_norm of the summed gradient
+        over the worker's examples (linear, so each device's share scales alike)."""
+        with tf.device(self.devices[0]):
+            summed = [tf.add_n([g[k] for g in grads]) for k in self.keys]
+            norm = tf.linalg.global_norm(summed) / float(sum(self.batch_sizes))
+            factor = self.clipnorm / tf.maximum(norm, self.clipnorm)
+        return [[v * tf.cast(factor, v.dtype) for v in g] for g in grads]
+
+    def _checked_gradients(self, x: Any, y: Any) -> tuple[list[list[Any]], Any]:
+        grads = self._forward_backward(x, y)
+        return grads, all_finite(grads) if self.loss_scale is not None else tf.constant(True)
 
     def _fused_step(self, x: Any, y: Any) -> None:
         grads = self._forward_backward(x, y)
+        if self.loss_scale is None:
+            self._exchange(grads)
+            return
+        finite = all_finite(grads)  # this machine's devices: one graph, nothing to agree on
+        tf.cond(finite, lambda: self._exchange(grads), lambda: None)
+        self.loss_scale.update(finite)
+
+    def _exchange(self, grads: list[list[Any]]) -> None:
+        """The update of one step: through the store, or the one device's own."""
         if not self.uses_store:
             self._apply_aggregated(grads[0])
             return
@@ -226,6 +310,11 @@ class DataParallel(Parallel):
             self.test_metrics.add(y, pred, self.criterion.losses(y, pred), tf.shape(tf.nest.flatten(y)[0])[0],
                                   regularization(model))
 
+    def step_state(self) -> list[tf.Variable]:
+        """Variables of the training run beyond weights and optimizer (the loss scale), which a
+        checkpoint keeps so that a resumed run continues exactly."""
+        return self.loss_scale.variables if self.loss_scale is not None else []
+
     def sync_non_trainable(self) -> None:
         """Average state that gradients do not move (BatchNorm statistics) across this worker's
         copies (not across workers: see the module docstring)."""
@@ -245,3 +334,19 @@ class DataParallel(Parallel):
 
     def weight_names(self) -> list[str]:
         return [f"{i:04d}/{v.path}" for i, v in enumerate(self.replicas[0].weights)]
+
+
+
+@contextlib.contextmanager
+def _xla_refusal() -> Iterator[None]:
+    """XLA's refusal to compile the step (an op it has no kernel for) as one line naming the op."""
+    try:
+        yield
+    except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as e:
+        text = str(e)
+        if "XLA" not in text:
+            raise
+        ops = re.findall(r"(\w+) \(No registered '\w+' OpKernel for XLA", text)
+        what = f"op {', '.join(dict.fromkeys(ops))}" if ops else text.strip().splitlines()[0][:200]
+        raise ConfigError(f"jit_compile=true: XLA cannot compile this model's step ({what}); "
+                          "set jit_compile=false") from None

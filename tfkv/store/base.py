@@ -163,6 +163,13 @@ class KVStore(ABC):
     def barrier(self) -> None:
         """Wait until every worker reaches this point (a no-op with one worker)."""
 
+    def all_workers(self, ok: bool) -> bool:
+        """True when every worker of the job passed True at this call, which every worker of a
+        synchronous job makes at the same point: a vote, one tiny round trip to a server (a
+        step's, where sum_over_workers' scheduler barrier costs tens of ms). With one worker,
+        or dist_async (whose workers never wait for each other), this worker's own `ok`."""
+        return bool(ok)
+
     @abstractmethod
     def save_optimizer_states(self, fname: str) -> None:
         """Write the optimizer state held by the store (npz, no pickle)."""
