@@ -35,6 +35,16 @@ def is_half(dtype: Any) -> bool:
     return np.dtype(getattr(dtype, "as_numpy_dtype", dtype)) in HALF
 
 
+def any_half(values: Any) -> bool:
+    """Whether any of `values` is half precision; a float32 numpy array is passed over at the
+    cost of an identity check (a dist_* push checks every value it sends)."""
+    for v in values:
+        dtype = getattr(v, "dtype", None)
+        if dtype is not FLOAT32 and dtype is not None and is_half(dtype):
+            return True
+    return False
+
+
 def key_dtype(value: Any) -> np.dtype:
     """The dtype a key initialised with `value` holds: its own if half, else float32."""
     dtype = of(value)

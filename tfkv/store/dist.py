@@ -16,6 +16,10 @@ backprop produces the gradients (hence the link's lock: the sockets are used fro
 thread). With `set_gradient_compression` pushes are 2-bit compressed (`tfkv.ps.compression`)
 with one residual per key chunk kept on the worker.
 
+A key initialised with a float16 or bfloat16 value holds that dtype (tfkv.ps.dtypes): this
+machine's values are summed in it and travel at 2 bytes a value; a value of another dtype is
+refused naming both. Only float32 keys are fused into a PUSHPULL (it carries one dtype).
+
 Creating a store in a process whose role is `server` or `scheduler` runs that role and exits,
 as MXNet does, so one command can be started for every role of a job. A worker's store leaves
 when the interpreter exits, as MXNet's does in its destructor (see `_at_exit`).
@@ -121,7 +125,7 @@ class DistStore(KVStore):
     def _merge(self, k: Key, values: list[Any], dtype: np.dtype) -> np.ndarray:
         """One flat array of the key's `dtype`: the sum of this machine's device values (a half
         key's summed in its dtype, as MXNet's; each checked to be of it, tfkv.ps.dtypes)."""
-        if dtype is not dtypes.FLOAT32 or any(dtypes.is_half(getattr(v, "dtype", dtype)) for v in values):
+        if dtype is not dtypes.FLOAT32 or dtypes.any_half(values):
             for v in values:
                 dtypes.check(k, dtype, v)
         if len(values) > 1 and self.sum_on_device:
