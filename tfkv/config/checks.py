@@ -60,6 +60,16 @@ def expand_devices(devices: List[str], rank: int, local_rank: int) -> list[str]:
     return out
 
 
+def bound_gpus(devices: List[str], rank: int, local_rank: int) -> list[int] | None:
+    """The GPUs a worker is bound to (made the only ones it sees, tfkv.parallel.binding): those
+    its expanded devices name, in order, when a GPU entry has a placeholder; else None (devices
+    as written, nothing bound)."""
+    if not any((device_template(d) or ("",))[0] == "gpu" for d in devices):
+        return None
+    parsed = [parse_device(d) for d in expand_devices(devices, rank, local_rank)]
+    return list(dict.fromkeys(i for kind, i in parsed if kind == "gpu"))
+
+
 def split_batch(batch_size: int, work_load_list: Optional[List[float]], num_devices: int) -> list[int]:
     """Examples per device, MXNet's rule: proportional to the work load, the remainder to the last."""
     loads = list(work_load_list) if work_load_list else [1.0] * num_devices
