@@ -22,12 +22,16 @@ examples:
 
 Placement, as MXNet's launch.py: the scheduler on the first host; servers, then workers, cycle
 through the hosts file (5 hosts, -n 3: servers on hosts 1-3, workers on hosts 4, 5 and 1).
-Hosts file lines: host, host:port or user@host[:port]; '#' starts a comment. Every role gets
-DMLC_ROLE, DMLC_PS_ROOT_URI, DMLC_PS_ROOT_PORT, DMLC_NUM_SERVER and DMLC_NUM_WORKER; servers
-and the scheduler run `python3 -m tfkv.ps.node`, workers run the command. "{rank}" in the
-command becomes the worker's index. The job's record (plan, hosts, tree hash, versions, merged
-log, rerun.sh) goes to --run-dir, which every role gets as TFKV_RUN_DIR (tfkv-run workers write
-their metrics, checkpoints and logs there). Hosts may be ssh aliases: the scheduler listens on the
+Hosts file lines: host, host:port or user@host[:port], then optionally slots=N; '#' starts a
+comment. With slots= (or --workers-per-host N) workers fill the hosts' slots in order instead.
+Every role gets DMLC_ROLE, DMLC_PS_ROOT_URI, DMLC_PS_ROOT_PORT, DMLC_NUM_SERVER and
+DMLC_NUM_WORKER; every worker TFKV_LOCAL_RANK and TFKV_LOCAL_SIZE (its index among, and the
+number of, the workers on its host, for one GPU each; not under sge and yarn, which give tasks
+no host index); servers and the scheduler run `python3 -m
+tfkv.ps.node` with CUDA_VISIBLE_DEVICES=-1, workers run the command. "{rank}" in the command
+becomes the worker's index. The job's record (plan, hosts, tree hash, versions, merged log,
+rerun.sh) goes to --run-dir, which every role gets as TFKV_RUN_DIR (tfkv-run workers write their
+metrics, checkpoints and logs there). Hosts may be ssh aliases: the scheduler listens on the
 address its host reports over ssh.
 
 Every role, on every backend, also gets these variables of this shell: TFKV_*, DMLC_*, PS_*,
