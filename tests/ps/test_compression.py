@@ -87,3 +87,16 @@ def test_tensorflow_ops_pack_the_same_words_as_numpy(n):
     np.testing.assert_array_equal(got.numpy(), words)
     np.testing.assert_array_equal(var.numpy(), residual)
     np.testing.assert_array_equal(T.unpack(got, n, 0.5).numpy(), C.unpack(words, n, 0.5))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_gradients_compress_with_a_float32_residual(dtype):
+    """A half gradient packs as its float32 value would; what is held back stays in a float32
+    residual (half would round small leftovers away)."""
+    import ml_dtypes
+
+    half = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+    grad = (np.arange(40, dtype=np.float32) / 16 - 1.2).astype(half)
+    r16, r32 = np.zeros(40, np.float32), np.zeros(40, np.float32)
+    assert C.pack(grad, r16, 0.5).tolist() == C.pack(grad.astype(np.float32), r32, 0.5).tolist()
+    assert r16.dtype == np.float32 and r16.tolist() == r32.tolist()

@@ -155,6 +155,23 @@ def test_half_precision_tensors_trace_into_a_tf_function(kind, dtype, tf_devices
         assert kv.pull(0).dtype == dtype
 
 
+def test_a_dist_pull_casts_into_a_variable_of_another_dtype():
+    """A pulled half value delivered into float32 and bfloat16 variables (the dist_* stores'
+    Pull): cast, as MXNet's CopyFromTo; numpy outs are checked and cast the same way."""
+    from tfkv.ps.parts import Pull, plan
+
+    layout = plan(7, (2,), 1, 10**6, 1 << 20, np.dtype(np.float16))
+    wide, bf = tf.Variable(tf.zeros(2)), tf.Variable(tf.zeros(2, tf.bfloat16))
+    host = np.zeros(2, np.float64)
+    pull = Pull(7, layout, [wide, bf, host])
+    pull.expect([(1, 0, 2)])
+    assert pull.arrive(1, np.array([0.5, -3.0], np.float16))
+    pull.deliver()
+    assert pull.value.dtype == np.float16 and wide.dtype == tf.float32 and bf.dtype == tf.bfloat16
+    for got in (wide.numpy(), tf.cast(bf, tf.float32).numpy(), host):
+        np.testing.assert_array_equal(got, [0.5, -3.0])
+
+
 # -- GPU P2P: where a key's device values are summed -----------------------------------------------
 
 @pytest.mark.parametrize("p2p", ["1", "0"])
