@@ -141,9 +141,10 @@ def test_eval_only_without_resume_is_one_line(tmp_path, args):
 @pytest.mark.slow
 def test_eval_only_of_a_dist_sync_command_evaluates_in_one_process(tmp_path):
     """The command of a dist_sync job plus eval_only: no job starts; the checkpoint (its optimizer
-    state the servers' own) is evaluated here and gives the job's final test metrics."""
+    state the servers' own) is evaluated here, the whole test split in one process, and gives the
+    job's final test metrics, which its two workers evaluated half of the split each."""
     job = ["kvstore=dist_sync", "cluster=local", "cluster.num_workers=2", "cluster.num_servers=1", "epochs=1",
-           "progress=false"]
+           "progress=false", "eval_batch_size=100"]  # digits' 359 test examples: 179 and 180, in batches of 100
     tfkv_run(*job, "hydra.run.dir=outputs/a/train", cwd=tmp_path, timeout=240)
     run = tmp_path / "outputs" / "a" / "train"
     assert (run / "model.keras").is_file() and (run / "launch").is_dir()
@@ -152,5 +153,8 @@ def test_eval_only_of_a_dist_sync_command_evaluates_in_one_process(tmp_path):
     ev = tmp_path / "outputs" / "a" / "eval"
     evaluated = json.loads((ev / "metrics.json").read_text())
     assert evaluated["checkpoint"] == str(run / "checkpoints" / "epoch-0001")
-    assert evaluated["test_accuracy"] == pytest.approx(trained["test_accuracy"], abs=1e-6)
+    assert evaluated["test_accuracy"] == trained["test_accuracy"]  # the same examples counted right
+    assert evaluated["test_loss"] == pytest.approx(trained["test_loss"], rel=1e-5)
+    assert evaluated["evaluated_examples"] == trained["history"][-1]["evaluated_examples"] == 359
+    assert trained["history"][-1]["worker_evaluated_examples"] == 179  # worker 0's part; worker 1's: 180
     assert not (ev / "launch").exists()  # no job was launched

@@ -106,8 +106,9 @@ def evaluate(cfg: Any, source: Any, parallel: Any, ckpt: Any, run_dir: Path) -> 
     if ckpt is None:  # resume=true found no earlier run of this command (find_resume warned)
         raise ConfigError("eval_only=true: no checkpoint to evaluate; give resume=<run directory or "
                           "checkpoint directory>")
-    metrics = {"epoch": ckpt.epoch, "checkpoint": str(ckpt.path),
-               **{f"test_{k}": float(v) for k, v in parallel.evaluate(source.test()).items()}}
+    test = parallel.evaluate_split(source.test)  # alone: the whole split in this process
+    metrics = {"epoch": ckpt.epoch, "checkpoint": str(ckpt.path), **{f"test_{k}": float(v) for k, v in test.items()},
+               "evaluated_examples": parallel.evaluated[1]}
     write_metrics(run_dir, metrics)
     log.info("eval_only: checkpoint %s (epoch %d) on the test split: %s", ckpt.path, ckpt.epoch,
              "  ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith("test_")))

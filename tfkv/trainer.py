@@ -5,7 +5,8 @@ state), so every KVStore type, local or distributed, runs through it unchanged. 
 picks model parallelism (`tfkv.parallel.model_parallel`) instead of data parallelism; both
 have the same interface. Every value the criterion reports (`loss`, each metric, per-output
 losses, `perplexity` for sequence labels with a crossentropy loss: see `tfkv.parallel.metrics`)
-goes to the progress line, TensorBoard and metrics.json as `train_<name>` / `test_<name>`.
+goes to the progress line, TensorBoard and metrics.json as `train_<name>` / `test_<name>`; the
+test values are of the whole test split, each worker of a job evaluating its part of it.
 Worker 0 checkpoints at every epoch's end and where `checkpoint.every_steps`/`every_minutes` say
 (tfkv.checkpoint); a run resumed from the middle of an epoch skips that epoch's batches already
 taken, so it sees the batches, dropout masks and updates an uninterrupted run would have.
@@ -202,7 +203,8 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | No
             train, seen = dp.take_metrics()
             # BatchNorm statistics: this worker's copies averaged; worker 0's are evaluated and saved.
             dp.sync_non_trainable()
-            test = dp.evaluate(source.test())
+            # Each worker evaluates its part of the test split; the parts' tallies are summed.
+            test = dp.evaluate_split(source.test)
             # Workers of a synchronous job move in step: the job's rate is this worker's times
             # the number of workers.
             record = {
@@ -213,6 +215,8 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | No
                 "worker_samples_per_sec": seen / seconds,
                 "samples": seen * store.num_workers, "train_seconds": seconds,
                 "lr": lr_at(epoch * steps),  # of the epoch's last update
+                # the test split's examples, and how many of them this worker evaluated
+                "evaluated_examples": dp.evaluated[1], "worker_evaluated_examples": dp.evaluated[0],
             }
             if first:  # the training values are of the steps after the checkpoint
                 record["resumed_at_step"] = first

@@ -55,10 +55,20 @@ def not_pairs(split: str):
     return tf.data.Dataset.from_tensor_slices(np.zeros((4, 2), np.float32))
 
 
+def batched(split: str, batch_size: int):
+    """Batches itself, shards nothing."""
+    return examples(split).batch(batch_size)
+
+
+def dealt(split: str, rank: int, num_workers: int):
+    """Shards itself: round robin, every example in one shard (the test split's rule)."""
+    return examples(split).shard(num_workers, rank)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def package():
     module = types.ModuleType("sourcepkg")
-    for f in (examples, unknown_length, uneven_shards, epoch_order, arrays, with_classes, not_pairs):
+    for f in (examples, unknown_length, uneven_shards, epoch_order, arrays, with_classes, not_pairs, batched, dealt):
         setattr(module, f.__name__, f)
     sys.modules["sourcepkg"] = module
     yield
@@ -78,6 +88,18 @@ def test_tfkv_shards_a_factory_that_does_not_disjointly_and_every_worker_runs_th
     flat = [v for part in seen for v in part]
     assert len(flat) == len(set(flat))  # disjoint
     assert xs(sources[0].test()) == list(range(10))  # every worker: the whole test split, in order
+
+
+@pytest.mark.parametrize("factory, n", [("examples", 10), ("arrays", 16), ("batched", 10), ("dealt", 10)])
+@pytest.mark.parametrize("parts", [2, 3])
+def test_the_parts_of_the_test_split_hold_every_example_once(factory: str, n: int, parts: int) -> None:
+    """What each worker of a job evaluates (tfkv.parallel.base.Parallel.evaluate_split)."""
+    source = Source({"_target_": f"sourcepkg.{factory}"}, 0, 4, 4, num_workers=parts, rank=0)
+    shares = [xs(source.test(parts, i)) for i in range(parts)]
+    whole = xs(source.test())  # (1, 0): the whole split, in order
+    assert len(whole) == n * (2 if factory == "arrays" else 1) and len(set(whole)) == len(whole)
+    assert sorted(v for share in shares for v in share) == sorted(whole)
+    assert max(map(len, shares)) - min(map(len, shares)) <= (8 if factory == "arrays" else 4)  # balanced
 
 
 def test_unknown_cardinality_is_counted_once() -> None:

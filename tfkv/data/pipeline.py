@@ -93,12 +93,18 @@ def train_dataset(ds: DataSet, batch_size: int, epoch: int, seed: int, num_parts
     return data.prefetch(tf.data.AUTOTUNE)
 
 
-def test_dataset(ds: DataSet, batch_size: int) -> tf.data.Dataset:
-    """The whole test set in order, the last batch possibly smaller, normalised like training."""
+def test_dataset(ds: DataSet, batch_size: int, num_parts: int = 1, part_index: int = 0) -> tf.data.Dataset:
+    """Part `part_index` of `num_parts` contiguous parts of the test set (sizes differing by at
+    most one example, none dropped; default: the whole set), in order, the last batch possibly
+    smaller, normalised like training."""
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size} must be at least 1")
+    if not 0 <= part_index < num_parts:
+        raise ValueError(f"part_index={part_index} must be in [0, num_parts={num_parts})")
     to_unit, standardize = _to_unit(ds), _standardize(ds)
-    data = tf.data.Dataset.from_tensor_slices((ds.x_test, ds.y_test.astype(np.int32)))
+    n = len(ds.x_test)
+    start, end = n * part_index // num_parts, n * (part_index + 1) // num_parts
+    data = tf.data.Dataset.from_tensor_slices((ds.x_test[start:end], ds.y_test[start:end].astype(np.int32)))
     data = data.batch(batch_size).map(lambda xb, yb: (standardize(to_unit(xb)), yb),
                                       num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     return data.prefetch(tf.data.AUTOTUNE)

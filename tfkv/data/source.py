@@ -13,8 +13,14 @@ it does itself, and tfkv does the rest:
 
 It returns a `tf.data.Dataset` of (x, y) pairs (x and y may be dicts: several inputs or
 outputs), a pair of numpy arrays (x, y), `Split(either, num_classes=N)` to say how many classes
-there are, or, for the built-in in-memory sets, a `DataSet` holding both splits. For the test
-split tfkv asks for the whole split (rank 0 of 1): every worker evaluates the same test set.
+there are, or, for the built-in in-memory sets, a `DataSet` holding both splits.
+
+The test split is evaluated in parts, one per worker (`test(parts, index)`; the trainer combines
+the parts' tallies: `Parallel.evaluate_split`): every example of the split in exactly one part,
+in order, none dropped, the last batch of a part possibly smaller. tfkv cuts in-memory sets into
+contiguous parts and other data round robin by example (by batch where the factory batches);
+a factory that shards itself is asked for part `rank` of `num_workers` of the test split, and
+must keep that rule (the built-in readers deal records round robin). (1, 0): the whole split.
 
 Every worker runs the same number of steps per epoch (they meet at every push): the fewest
 full batches any worker's shard holds, from the data's cardinality when it is known (a reader
@@ -175,18 +181,23 @@ class Source:
             data = data.batch(self.batch_size, drop_remainder=True)
         return data.take(self.steps).prefetch(tf.data.AUTOTUNE)
 
-    def test(self) -> Any:
-        """The whole test split in order, in batches of eval_batch_size (the last may be smaller)."""
+    def test(self, parts: int = 1, index: int = 0) -> Any:
+        """Part `index` of `parts` of the test split (see the module docstring; default: the
+        whole split) in order, in batches of eval_batch_size (the last may be smaller)."""
         import tensorflow as tf
 
         from tfkv.data import pipeline
 
         if self.memory is not None:
-            return pipeline.test_dataset(self.memory, self.eval_batch_size)
+            return pipeline.test_dataset(self.memory, self.eval_batch_size, parts, index)
+        if self.shards_itself:
+            return self._checked(self._call(Context("test", self.seed, 1, self.eval_batch_size, index, parts)))
         data = self._checked(self._call(Context("test", self.seed, 1, self.eval_batch_size, 0, 1)))
-        if not self.batches_itself:
-            data = data.batch(self.eval_batch_size)
-        return data.prefetch(tf.data.AUTOTUNE)
+        if self.batches_itself:
+            return data.shard(parts, index).prefetch(tf.data.AUTOTUNE) if parts > 1 else data
+        if parts > 1:
+            data = data.shard(parts, index)
+        return data.batch(self.eval_batch_size).prefetch(tf.data.AUTOTUNE)
 
     # -- inside ------------------------------------------------------------------------------------
 

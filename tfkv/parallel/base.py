@@ -10,6 +10,7 @@ kept inside the compiled step, one `tfkv.parallel.metrics.Tally` per phase, read
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import time
@@ -20,10 +21,11 @@ import numpy as np
 
 from tfkv import optim
 from tfkv.parallel.criterion import Criterion
-from tfkv.parallel.metrics import Tally, evaluate
+from tfkv.parallel.metrics import Tally, assign_flat, evaluate, flat, numpy_dtype
 from tfkv.store.base import KVStore
 from tfkv.store.tf_updater import TFUpdater
 
+log = logging.getLogger("tfkv")
 
 class Parallel:
     store: KVStore
@@ -73,7 +75,63 @@ class Parallel:
 
     def evaluate(self, batches: Any) -> dict[str, float]:
         """{name: value} (the names `take_metrics` gives) over an iterable of (x, y) batches."""
-        return evaluate(self.test_metrics, self._eval, batches)
+        return evaluate(self.test_metrics, self._eval, batches)[0]
+
+    def evaluate_split(self, share: Callable[[int, int], Any]) -> dict[str, float]:
+        """`evaluate` of a whole split, `share(parts, index)` giving part `index` of `parts`
+        disjoint parts of it. Each worker of a job evaluates its own part with worker 0's weights
+        and the tallies are summed over the workers (store.sum_over_workers): every worker gets
+        the values one process would get from `share(1, 0)`. Alone, or when a metric's state is
+        not a sum (Tally.unsummable), this worker evaluates `share(1, 0)` with its own weights.
+        Sets `evaluated`: (examples this worker evaluated, examples of the split)."""
+        if self.store.num_workers == 1 or self._unsummable():
+            values, own, total = evaluate(self.test_metrics, self._eval, share(1, 0))
+        else:
+            self._same_weights_everywhere()
+            values, own, total = evaluate(self.test_metrics, self._eval,
+                                          share(self.store.num_workers, self.store.rank), self.store.sum_over_workers)
+        self.evaluated = (own, total)
+        return values
+
+    evaluated: tuple[int, int] = (0, 0)
+
+    def _unsummable(self) -> list[str]:
+        """The metrics that keep the evaluation whole on every worker (logged once); all of them
+        while none exists yet (no step has run: nothing says which classes they are)."""
+        tally = next((t for t in (self.metrics, self.test_metrics) if t.prepared), None)
+        if tally is None:
+            return ["(not built yet)"]
+        names = tally.unsummable()
+        if names and not self._warned_unsummable:
+            self._warned_unsummable = True
+            log.warning("metrics %s are not Keras's own classes: their state may not be a sum over examples, so "
+                        "every worker evaluates the whole test split and worker 0's values are reported",
+                        ", ".join(names))
+        return names
+
+    _warned_unsummable = False
+
+    def _same_weights_everywhere(self) -> None:
+        """Worker 0's weights in every worker, for a split evaluation. A synchronous job's
+        trainable weights are alike already; dist_async's are each worker's last pull, so every
+        worker, worker 0 too, takes the servers' (once every worker's last push is applied: the
+        barrier). State that gradients do not move (BatchNorm's statistics) is each worker's
+        own: worker 0's goes to all, through the store's sum (the others add zeros)."""
+        if not self.store.sync and self.update_on_kvstore:
+            self.store.barrier()
+            self.store.pull(self.keys, out=self._copies_of_keys())
+        state = [copies for copies in self._copies_of_state() if np.issubdtype(numpy_dtype(copies[0]), np.floating)]
+        if state:
+            mine = flat([copies[0] for copies in state])
+            assign_flat(state, self.store.sum_over_workers(mine if self.store.rank == 0 else np.zeros_like(mine)))
+
+    def _copies_of_keys(self) -> list[list[Any]]:
+        """Per key, its variable in every copy of the model (what a pull of every key fills)."""
+        raise NotImplementedError
+
+    def _copies_of_state(self) -> list[list[Any]]:
+        """Per variable that gradients do not move, that variable in every copy of the model."""
+        raise NotImplementedError
 
     def optimizer_states(self) -> dict[str, np.ndarray]:
         if self.update_on_kvstore:

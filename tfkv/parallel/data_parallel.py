@@ -26,8 +26,9 @@ criterion's (`tfkv.parallel.criterion`), the model's regularisation losses inclu
 State that gradients do not move (BatchNorm's moving statistics) is not pushed. The copies
 inside one worker each update their own on their slice, and `sync_non_trainable` (the trainer
 calls it at each epoch's end, before evaluating) sets them all to their average. Across the
-workers of a `dist_*` job nothing is exchanged: each worker keeps its own statistics, and
-worker 0's are the ones its evaluation reports and its checkpoint and export hold.
+workers of a `dist_*` job nothing is exchanged while training: each worker keeps its own
+statistics; before a split evaluation every worker takes worker 0's (`Parallel.evaluate_split`),
+the ones its checkpoint and export hold.
 
 Precision, clipping, XLA (README "Precision, clipping and XLA"): with a `loss_scale`
 (mixed_float16) the loss is scaled before backprop and the gradients unscaled after; a step
@@ -319,6 +320,12 @@ class DataParallel(Parallel):
         """Average state that gradients do not move (BatchNorm statistics) across this worker's
         copies (not across workers: see the module docstring)."""
         self._sync_non_trainable(source=None)
+
+    def _copies_of_keys(self) -> list[list[Any]]:
+        return [[p[k] for p in self.params] for k in self.keys]
+
+    def _copies_of_state(self) -> list[list[Any]]:
+        return [list(vs) for vs in zip(*(r.non_trainable_variables for r in self.replicas))]
 
     def _sync_non_trainable(self, source: int | None) -> None:
         if len(self.replicas) == 1:

@@ -4,12 +4,19 @@ Shared by data and model parallelism, so both count the same way: summed example
 regularisation, n examples x sum(model.losses), as training adds it), examples seen, and the
 criterion's Keras metric objects, all with their state on the CPU. They are read back to Python
 only when the trainer asks (`take`).
+
+Every value here is a sum over examples (Keras's own metrics keep totals, counts and confusion
+counts), so the tallies of disjoint shards of a split, summed variable by variable (`state`,
+`set_state`), are the tally of the whole split: how the workers of a job combine their shares of
+an evaluation (`evaluate`). A metric of another class may keep state that is not a sum (a running
+maximum): `unsummable` names it, and its evaluation is not split.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from tfkv.parallel.criterion import Criterion, perplexity
@@ -88,13 +95,87 @@ class Tally:
         for _, _, m in self._metrics:
             m.reset_state()
 
+    @property
+    def prepared(self) -> bool:
+        """Whether the metric objects exist (after the first `prepare`)."""
+        return self._outputs is not None
+
+    def unsummable(self) -> list[str]:
+        """The reported names of the metrics whose state tfkv cannot sum over shards: those of a
+        class that is not Keras's own (a subclass may keep anything)."""
+        return [name for name, _, m in self._metrics if not type(m).__module__.startswith("keras.")]
+
+    def _variables(self) -> list[Any]:
+        """Every variable of the tally, in an order every worker shares."""
+        return [self._reg, self._seen, *(self._loss[n] for n in self._outputs or []),
+                *(v for _, _, m in self._metrics for v in m.variables)]
+
+    def state(self) -> np.ndarray:
+        """Every variable's value, flattened into one float64 vector (counts exact up to 2**53)."""
+        return flat(self._variables())
+
+    def set_state(self, state: np.ndarray) -> None:
+        """The inverse of `state`."""
+        assign_flat([[v] for v in self._variables()], state)
 
 
-def evaluate(tally: Tally, eval_step: Callable[[Any, Any], None],
-             batches: Iterable[tuple[Any, Any]]) -> dict[str, float]:
-    """Every value of `tally` per example over (x, y) batches; `eval_step(x, y)` adds a batch."""
+def numpy_dtype(variable: Any) -> np.dtype:
+    """A tf.Variable's or a Keras variable's dtype as numpy's."""
+    return np.dtype(getattr(variable.dtype, "as_numpy_dtype", variable.dtype))
+
+
+def flat(variables: Sequence[Any]) -> np.ndarray:
+    """The variables' values end to end, as one float64 vector."""
+    values = [np.asarray(v.numpy(), dtype=np.float64).reshape(-1) for v in variables]
+    return np.concatenate(values) if values else np.zeros(0)
+
+
+def assign_flat(copies: Sequence[Sequence[Any]], values: np.ndarray) -> None:
+    """The inverse of `flat`: each group of `copies` (one variable's copies) takes its piece of
+    `values`, in each variable's own dtype."""
+    offset = 0
+    for group in copies:
+        shape = tuple(group[0].shape)
+        n = int(np.prod(shape))
+        piece = np.asarray(values[offset:offset + n]).reshape(shape)
+        for v in group:
+            v.assign(piece.astype(numpy_dtype(v)))
+        offset += n
+    if offset != len(values):
+        raise ValueError(f"{len(values)} values for variables of {offset}")
+
+def evaluate(tally: Tally, eval_step: Callable[[Any, Any], None], batches: Iterable[tuple[Any, Any]],
+             combine: Callable[[np.ndarray], np.ndarray] | None = None) -> tuple[dict[str, float], int, int]:
+    """Every value of `tally` per example over (x, y) batches; `eval_step(x, y)` adds a batch.
+    With `combine` (every worker's state vector -> their sum), the batches are this worker's
+    share of the split and the values are of every worker's together. Returns (values, examples
+    of this worker, examples of all)."""
     tally.reset()
+    empty = True
     for x, y in batches:
         tally.prepare(y)
         eval_step(x, y)
-    return tally.take()[0]
+        empty = False
+    if combine is None:
+        values, seen = tally.take()
+        return values, seen, seen
+    if empty:
+        # An empty share (fewer examples than workers): one batch of none still makes every
+        # variable the others have (a metric may make its own at its first update).
+        x, y = _no_examples(batches)
+        tally.prepare(y)
+        eval_step(x, y)
+    own = tally.peek()[1]
+    tally.set_state(combine(tally.state()))
+    values, seen = tally.take()
+    return values, own, seen
+
+
+def _no_examples(batches: Any) -> tuple[Any, Any]:
+    """A batch of zero examples shaped as `batches`' (a tf.data.Dataset: its element_spec)."""
+    spec = getattr(batches, "element_spec", None)
+    if spec is None:
+        raise ValueError("a worker's share of the test split is empty and its batches do not say their shape; "
+                         "give a tf.data.Dataset")
+    return tuple(tf.nest.map_structure(
+        lambda s: tf.zeros([0, *(d if d is not None else 1 for d in s.shape[1:])], s.dtype), part) for part in spec)

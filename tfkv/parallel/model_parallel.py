@@ -210,6 +210,12 @@ class ModelParallel(Parallel):
     def sync_non_trainable(self) -> None:
         """Nothing to do: there is one copy of every variable."""
 
+    def _copies_of_keys(self) -> list[list[Any]]:
+        return [[v] for v in self.params]
+
+    def _copies_of_state(self) -> list[list[Any]]:
+        return [[v] for m in self.models for v in m.non_trainable_variables]
+
     def get_weights(self) -> list[np.ndarray]:
         """Every group's variables, groups in order (the order of the chained model's weights)."""
         return [np.asarray(w) for m in self.models for w in m.get_weights()]

@@ -2,7 +2,8 @@
 
 It waits for every server and worker to register, gives each a rank and the address book
 (where every server listens), then watches heartbeats. Barriers are released when every worker
-has arrived. When a node goes silent for longer than the heartbeat timeout, every remaining node
+has arrived; a barrier whose workers each bring a vector releases them with its sum
+(`tfkv.ps.sums`). When a node goes silent for longer than the heartbeat timeout, every remaining node
 is told which one failed and the scheduler exits non-zero; when every worker reports DONE, the
 servers are told to shut down and it exits 0. No TensorFlow here.
 """
@@ -18,7 +19,7 @@ import zmq
 
 from tfkv.errors import EXIT_PEER_FAILED
 from tfkv.ps import protocol as P
-from tfkv.ps import security
+from tfkv.ps import security, sums
 from tfkv.ps.cluster_env import ClusterEnv
 from tfkv.ps.scheduler_link import node_name
 from tfkv.ps.strangers import Strangers
@@ -158,7 +159,7 @@ class Scheduler:
         return EXIT_PEER_FAILED
 
     def _watch(self) -> int:
-        waiting: set[bytes] = set()
+        waiting: dict[bytes, dict[str, Any] | None] = {}  # who is at the barrier, and the sum they bring
         workers = [n for n in self.nodes.values() if n.role == "worker"]
         while True:
             got = self._recv(self.env.heartbeat_interval * 500)
@@ -172,10 +173,15 @@ class Scheduler:
                 if msg.type == P.Type.HEARTBEAT:
                     self._send(node, P.Message(P.Type.HEARTBEAT, reply=True))
                 elif msg.type == P.Type.BARRIER and node.role == "worker":
-                    waiting.add(identity)
+                    waiting[identity] = msg.meta
                     if len(waiting) == len(workers):
+                        ranked = sorted(workers, key=lambda n: n.rank)
+                        try:
+                            meta = sums.release([waiting[w.identity] for w in ranked], [w.name for w in ranked])
+                        except ValueError as e:
+                            return self._fail(node.name, str(e))
                         for w in workers:
-                            self._send(w, P.Message(P.Type.BARRIER_DONE))
+                            self._send(w, P.Message(P.Type.BARRIER_DONE, meta=meta))
                         waiting.clear()
                 elif msg.type == P.Type.DONE and node.role == "worker":
                     node.done = True

@@ -1,5 +1,6 @@
 """A server's or worker's line to the scheduler: registration, the address book, heartbeats,
-barriers, and leaving at once when the scheduler reports that a node failed.
+barriers (which may also sum a small vector over the workers: tfkv.ps.sums), and leaving at
+once when the scheduler reports that a node failed.
 
 After registering, a background thread owns the socket: it heartbeats, answers the
 scheduler's heartbeats, releases barriers, and when a node fails (or the scheduler goes
@@ -18,11 +19,12 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 import zmq
 
 from tfkv.errors import EXIT_PEER_FAILED, TfkvError
 from tfkv.ps import protocol as P
-from tfkv.ps import security
+from tfkv.ps import security, sums
 from tfkv.ps.cluster_env import ClusterEnv
 
 log = logging.getLogger("tfkv.ps")
@@ -64,6 +66,7 @@ class SchedulerLink:
                      ", ".join(f"{s['host']}:{s['port']}" for s in self.servers))
         self.shutdown = threading.Event()
         self._barrier = threading.Event()
+        self._released: dict[str, Any] | None = None  # the last BARRIER_DONE's metadata (its sum)
         self._outbox: queue.Queue[P.Message] = queue.Queue()
         self._closed = False
         self._aborting = False
@@ -72,12 +75,24 @@ class SchedulerLink:
 
     # -- main-thread API -----------------------------------------------------------------------
 
-    def barrier(self) -> None:
-        """Block until every worker has called barrier()."""
+    def barrier(self, values: Any = None) -> np.ndarray | None:
+        """Block until every worker has called barrier(). With `values` (every worker gives a
+        vector of the same length) return their elementwise sum, the same on every worker, one
+        barrier per tfkv.ps.sums.CHUNK values."""
+        if values is None:
+            self._meet(None)
+            return None
+        pieces = sums.chunks(values)
+        of = sum(p.size for p in pieces)
+        return np.concatenate([self._meet({"sum": sums.encode(p), "of": of}) for p in pieces])
+
+    def _meet(self, meta: dict[str, Any] | None) -> Any:
         self._barrier.clear()
-        self._outbox.put(P.Message(P.Type.BARRIER, sender=self.id))
+        self._released = None
+        self._outbox.put(P.Message(P.Type.BARRIER, sender=self.id, meta=meta))
         while not self._barrier.wait(0.2):
             pass
+        return sums.decode(self._released["sum"]) if meta is not None and self._released else None
 
     def done(self) -> None:
         """Tell the scheduler this worker finished cleanly, then stop heartbeating."""
@@ -144,6 +159,7 @@ class SchedulerLink:
                     continue
                 last_heard = time.monotonic()
                 if msg.type == P.Type.BARRIER_DONE:
+                    self._released = msg.meta
                     self._barrier.set()
                 elif msg.type == P.Type.SHUTDOWN:
                     self.shutdown.set()

@@ -106,6 +106,7 @@ def built_by(builder: Callable[[Any], Any]) -> Check:
 class Schema:
     meta: Check | None = None  # None: the message carries no metadata
     data: str = "none"  # none | required | optional: whether a payload may come with it
+    meta_optional: bool = False  # the metadata may also be left out (a plain BARRIER)
 
 
 def _optimizer(d: Any) -> Any:
@@ -126,6 +127,12 @@ def _compression(d: Any) -> Any:
     return compression.parse(d)
 
 
+def _sum(text: Any) -> Any:
+    from tfkv.ps import sums
+
+    return sums.decode(text)
+
+
 MAX_FUSED_KEYS = 4096  # keys in one PUSHPULL (a worker sends at most tfkv.ps.worker.MAX_FUSED)
 _HOST = text(255)
 _PORT = integer(0, 65535)
@@ -133,6 +140,7 @@ _ID = integer(0, 65535)  # node ids travel in the header's 16-bit sender field
 _RANK = integer(0, 65535)
 _PID = integer(0, (1 << 32) - 1)
 _STATE = obj({"names": array(text(64), 16), "count": integer()})
+_SUM = obj({"sum": built_by(_sum), "of": integer()})
 
 # The schema of every message, keyed by (type name, is a reply). A type missing from the table
 # is never valid in that direction.
@@ -148,8 +156,9 @@ SCHEMAS: dict[tuple[str, bool], Schema] = {
                             "hostname": _HOST, "pid": _PID}))})),
     ("HEARTBEAT", False): Schema(),
     ("HEARTBEAT", True): Schema(),
-    ("BARRIER", False): Schema(),
-    ("BARRIER_DONE", False): Schema(),
+    # a barrier that also sums every worker's vector (tfkv.ps.sums): a chunk of `of` values
+    ("BARRIER", False): Schema(_SUM, meta_optional=True),
+    ("BARRIER_DONE", False): Schema(_SUM, meta_optional=True),
     ("DONE", False): Schema(),
     ("SHUTDOWN", False): Schema(),
     ("FAILED", False): Schema(obj({"node": text(200), "reason": text(2000)}, optional_fields=("node",))),
@@ -182,7 +191,7 @@ def check(kind: str, reply: bool, meta: dict[str, Any] | None, has_data: bool) -
     if schema is None:
         raise SchemaError(f"{kind} is not a {'reply' if reply else 'request'} in this protocol")
     if meta is None:
-        if schema.meta is not None:
+        if schema.meta is not None and not schema.meta_optional:
             raise SchemaError(f"{kind} needs metadata")
     elif schema.meta is None:
         raise SchemaError(f"{kind} carries no metadata")

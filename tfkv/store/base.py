@@ -144,6 +144,12 @@ class KVStore(ABC):
         self.init(key, value)
         self.pull(key, out, priority)
 
+    def sum_over_workers(self, values: Any) -> np.ndarray:
+        """Every worker's `values` (a float vector of the same length on each) summed elementwise
+        in float64, the same result on every worker; a barrier too. For small control values (an
+        evaluation's metric state), not gradients. With one worker: `values` as float64."""
+        return np.array(values, dtype=np.float64).reshape(-1)
+
     @abstractmethod
     def set_optimizer(self, optimizer: Any) -> None:
         """Run `optimizer` (a `tfkv.optim` rule) inside the store on every push."""

@@ -254,6 +254,12 @@ class DistStore(KVStore):
         """Every pull's value, by key, once all have arrived."""
         return dict(self.arrivals(pulls))
 
+    def sum_over_workers(self, values: Any) -> np.ndarray:
+        """Through the scheduler's barrier (tfkv.ps.sums): exact and alike for dist_sync and
+        dist_async, whose servers would apply a push rather than sum it."""
+        self.servers.wait()
+        return self.link.barrier(np.asarray(values, dtype=np.float64).reshape(-1))
+
     def _finish(self, key: Key | Sequence[Key], out: Any, pulls: list[Pull]) -> Any:
         results = self.wait(pulls)
         if out is not None:
