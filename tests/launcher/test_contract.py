@@ -101,9 +101,11 @@ def _mpi_checks(cwd: Path, out: str) -> None:
 
 
 def _slurm_checks(cwd: Path, out: str) -> None:
-    """Outside an allocation: one batch job running one srun of every task."""
+    """Outside an allocation: one batch job running one srun of every task, its USR1 (Slurm's
+    warning ahead of a preemption) the run directory's preemption flag."""
     script = (cwd / "rec" / "launch" / "slurm" / "job.sh").read_text()
-    assert f"exec srun -n {WORKERS + SERVERS + 1} --kill-on-bad-exit=1" in script
+    assert f"\nsrun -n {WORKERS + SERVERS + 1} --kill-on-bad-exit=1" in script
+    assert f"trap 'touch {cwd / 'rec' / '.preempt'}' USR1" in script
 
 
 def _sge_checks(cwd: Path, out: str) -> None:

@@ -19,7 +19,9 @@ anything starts.
 Outside an allocation the launcher submits a batch script that runs the same srun
 (`sbatch --wait`, so the launcher waits for the job and gets its exit code) and streams the job's
 output file back, which therefore has to be on a file system the launcher sees (the run directory's
-launch/slurm/, or /tmp when there is none).
+launch/slurm/, or /tmp when there is none). That script passes Slurm's warning ahead of a
+preemption (`--signal=B:USR1@N`) on as the run directory's preemption flag (`batch_script`); a
+preempted tfkv-run inside an allocation requeues the allocation's job (tfkv.launcher.requeue).
 
 Teardown: `--kill-on-bad-exit=1` makes Slurm kill every task as soon as one exits non-zero. On
 Ctrl-C (or SIGTERM) the launcher cancels the job (`scancel --name`, as the job's unique name is
@@ -38,9 +40,11 @@ import signal
 import subprocess
 import threading
 import time
+from pathlib import Path
 from typing import IO
 
 from tfkv import knobs
+from tfkv.checkpoint import preemption
 from tfkv.errors import ConfigError
 from tfkv.launcher import batch, role, supervisor
 from tfkv.launcher.base import Job, Result
@@ -127,9 +131,18 @@ def srun_argv(job: Job, name: str, environ: dict[str, str] | None = None) -> lis
 
 
 def batch_script(job: Job, name: str, environ: dict[str, str] | None = None) -> str:
+    """The batch job: the srun of every role. Slurm's warning ahead of a preemption or the time
+    limit (`--signal=B:USR1@N` in cluster.sbatch_args) comes to this script alone, which leaves
+    the run directory's preemption flag for worker 0 (tfkv.checkpoint.preemption): it
+    checkpoints at its next step and stops the job, and tfkv-run exits 75. (srun would pass the
+    signal to every task, and a server or the scheduler dies of it.)"""
+    flag = shlex.quote(str(Path(job.remote_run_dir or job.run_dir or ".") / preemption.FLAG))
     return ("#!/bin/bash\n"
             f"# tfkv: every role of the job as one srun step; SLURM_PROCID decides the role.\n"
-            f"exec {shlex.join(srun_argv(job, name, environ))}\n")
+            f"trap 'touch {flag}' USR1\n"
+            f"{shlex.join(srun_argv(job, name, environ))} &\n"
+            "while wait $!; rc=$?; [ $rc -gt 128 ] && kill -0 $! 2>/dev/null; do :; done  # a trap ended a wait\n"
+            "exit $rc\n")
 
 
 def sbatch_argv(job: Job, name: str, script: str, output: str, environ: dict[str, str] | None = None) -> list[str]:
