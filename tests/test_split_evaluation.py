@@ -5,6 +5,7 @@ process evaluating the whole split with the same weights."""
 from __future__ import annotations
 
 import json
+import sys
 import textwrap
 from pathlib import Path
 
@@ -88,6 +89,41 @@ def test_a_barrier_sum_travels_exactly_and_is_checked() -> None:
     assert [c.size for c in sums.chunks(big)] == [sums.CHUNK, sums.CHUNK, 5]
     assert len(P.encode(P.Message(P.Type.BARRIER, meta={"sum": sums.encode(sums.chunks(big)[0]),
                                                          "of": big.size}))[1]) < P.MAX_META
+
+
+SUMMING_WORKER = """
+import json, sys
+import numpy as np
+import tfkv.store
+from tfkv.ps import sums
+
+kv = tfkv.store.create(sys.argv[2])
+factor = kv.rank + 1
+big = kv.sum_over_workers(np.arange(2 * sums.CHUNK + 3, dtype=np.float64) * factor)  # three barriers
+small = kv.sum_over_workers([0.1 * factor, 2.0 ** 52, float(kv.rank)])
+json.dump({"big": bool(np.array_equal(big, np.arange(2 * sums.CHUNK + 3) * 3.0)), "small": small.tolist()},
+          open(sys.argv[1], "w"))
+kv.close()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dist_sync", "dist_async"])
+def test_every_worker_gets_the_same_sum_through_the_scheduler(cluster, tmp_path: Path, kind: str) -> None:
+    """Real scheduler and server, two workers: a vector of three chunks and a small one, summed
+    exactly and alike on both, for both kinds of store (dist_async's servers would apply a push)."""
+    script = tmp_path / "summing.py"
+    script.write_text(SUMMING_WORKER)
+    c = cluster(num_servers=1, num_workers=2)
+    c.start_servers()
+    outs = [tmp_path / f"sum{i}.json" for i in range(2)]
+    for i, out in enumerate(outs):
+        c.start(f"worker {i}", "worker", [sys.executable, str(script), str(out), kind], TFKV_RANK_HINT=str(i))
+    codes = c.wait(60)
+    assert set(codes.values()) == {0}, c.outputs()
+    results = [json.loads(out.read_text()) for out in outs]
+    assert all(r["big"] for r in results)
+    assert results[0]["small"] == results[1]["small"] == [0.1 + 0.2, 2.0 ** 53, 1.0]
 
 
 def _metrics(run: Path) -> dict:
