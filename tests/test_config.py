@@ -104,7 +104,7 @@ def test_schema_rejects_typos_and_wrong_types():
     (["precision=float16"], "precision='float16' is not a policy tfkv trains with; choose one of float32, "
                             "mixed_float16, mixed_bfloat16"),
     (["model=lstm_lm", "dataset=ptb", "devices=[cpu:0,cpu:1]", "placement=auto", "precision=mixed_float16"],
-     "precision=mixed_float16 needs loss scaling, which model parallelism (placement) does not have"),
+     "precision=mixed_float16 is data parallelism's; a model split over devices (placement) trains in float32"),
     (["model=lstm_lm", "dataset=ptb", "devices=[cpu:0,cpu:1]", "placement=auto", "jit_compile=true"],
      "jit_compile=true compiles each model copy's step"),
     (["model=lstm_lm", "dataset=ptb", "devices=[cpu:0,cpu:1]", "placement=auto", "optimizer.clipnorm=1"],

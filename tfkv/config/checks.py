@@ -236,9 +236,11 @@ def step_options(cfg: Any, names: tuple[str, ...]) -> None:
     if cfg.precision not in names:
         raise ConfigError(f"precision={cfg.precision!r} is not a policy tfkv trains with; choose one of "
                           f"{', '.join(names)} (e.g. precision=mixed_bfloat16)")
-    if cfg.placement is not None and cfg.precision == "mixed_float16":
-        raise ConfigError("precision=mixed_float16 needs loss scaling, which model parallelism (placement) does "
-                          "not have; use precision=mixed_bfloat16 (no loss scale) or placement=null")
+    if cfg.placement is not None and cfg.precision != "float32":
+        # the layer groups' inputs are float32 (rounded to the half type they would be cast to:
+        # an embedding's ids above 256 in bfloat16), and float16 needs loss scaling
+        raise ConfigError(f"precision={cfg.precision} is data parallelism's; a model split over devices "
+                          "(placement) trains in float32: set precision=float32 or placement=null")
     if cfg.placement is not None and cfg.jit_compile:
         raise ConfigError("jit_compile=true compiles each model copy's step (data parallelism); a model split "
                           "over devices (placement) is not compiled with XLA: set jit_compile=false or placement=null")
