@@ -66,6 +66,22 @@ def test_summed_tallies_of_the_parts_are_the_tally_of_the_whole() -> None:
         assert combined[name] == pytest.approx(expected[name], rel=1e-6), name
 
 
+class Peak(keras.metrics.SparseCategoricalAccuracy):
+    """A user's metric class: tfkv cannot know that its state is a sum."""
+
+
+def per_example_error(y_true, y_pred):
+    return tf.cast(tf.not_equal(tf.cast(y_true, tf.int64), tf.argmax(y_pred, axis=-1)), tf.float32)
+
+
+def test_only_keras_metric_classes_are_summed() -> None:
+    """A function is averaged by Keras's MeanMetricWrapper (a sum); a class of the user's own
+    keeps the evaluation whole on every worker (Parallel.evaluate_split)."""
+    tally = Tally(Criterion(None, ["accuracy", per_example_error, Peak(name="peak"), "auc"]))
+    tally.prepare(tf.zeros((0,), tf.int32))
+    assert tally.unsummable() == ["peak"]
+
+
 def test_a_barrier_sum_travels_exactly_and_is_checked() -> None:
     values = np.array([0.1, -0.0, 2.0**53, np.inf, np.nan, 1e-300])
     back = sums.decode(sums.encode(values))

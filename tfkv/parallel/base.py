@@ -104,7 +104,7 @@ class Parallel:
         names = tally.unsummable()
         if names and not self._warned_unsummable:
             self._warned_unsummable = True
-            log.warning("metrics %s are not Keras's own classes: their state may not be a sum over examples, so "
+            log.warning("metrics %s: not of Keras's own classes, so their state may not be a sum over examples; "
                         "every worker evaluates the whole test split and worker 0's values are reported",
                         ", ".join(names))
         return names
