@@ -193,11 +193,11 @@ class Source:
         if self.shards_itself:
             return self._checked(self._call(Context("test", self.seed, 1, self.eval_batch_size, index, parts)))
         data = self._checked(self._call(Context("test", self.seed, 1, self.eval_batch_size, 0, 1)))
-        if self.batches_itself:
-            return data.shard(parts, index).prefetch(tf.data.AUTOTUNE) if parts > 1 else data
-        if parts > 1:
+        if parts > 1:  # round robin: by example, or by batch where the factory batches
             data = data.shard(parts, index)
-        return data.batch(self.eval_batch_size).prefetch(tf.data.AUTOTUNE)
+        if not self.batches_itself:
+            data = data.batch(self.eval_batch_size)
+        return data.prefetch(tf.data.AUTOTUNE)
 
     # -- inside ------------------------------------------------------------------------------------
 

@@ -144,6 +144,7 @@ def assign_flat(copies: Sequence[Sequence[Any]], values: np.ndarray) -> None:
     if offset != len(values):
         raise ValueError(f"{len(values)} values for variables of {offset}")
 
+
 def evaluate(tally: Tally, eval_step: Callable[[Any, Any], None], batches: Iterable[tuple[Any, Any]],
              combine: Callable[[np.ndarray], np.ndarray] | None = None) -> tuple[dict[str, float], int, int]:
     """Every value of `tally` per example over (x, y) batches; `eval_step(x, y)` adds a batch.
