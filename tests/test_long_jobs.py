@@ -329,7 +329,10 @@ def test_a_slurm_job_signalled_mid_epoch_requeues_itself_and_ends_with_the_unint
     subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=env, check=True, timeout=60)
     fields = _slurm_job(job_id, env, lambda f: f.get("Restarts") == "1" and f.get("JobState") == "PENDING")
     # Slurm holds a requeued job for two minutes (its begin time) before starting it again: the
-    # test makes it eligible now, as `scontrol update` lets an operator do.
+    # test makes it eligible now, as `scontrol update` lets an operator do, but not within the
+    # second the node revoked the first run's credential (slurmd refuses a new one of that same
+    # second: "Job credential revoked", the job FAILED).
+    time.sleep(1.5)
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, check=True, timeout=60)
     fields = _slurm_job(job_id, env, lambda f: f.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"))
     out = log.read_text()
