@@ -20,6 +20,8 @@ CASES = [
     ("bench_model_parallel.py", ["--seconds", "0.2", "--trials", "1", "--hidden", "32,32", "--vocab", "200",
                                  "--batch", "16", "--seq-len", "5"], "pipelined / naive"),
     ("bench_sweep.py", ["--lrs", "0.1", "--epochs", "1"], "ratio one-by-one / two-at-once"),
+    ("bench_gpu.py", ["--device", "cpu:0", "--rows", "float32", "--epochs", "2", "--num-train", "128", "--width", "4",
+                      "--batch", "32", "--trials", "1"], "tfkv/fit"),
 ]
 
 
