@@ -90,6 +90,7 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | No
     store = stores.create("device" if cfg.eval_only and stores.capabilities(cfg.kvstore.type).distributed else cfg.kvstore.type,
                           devices=tf_devices)
     trackers: list[Any] = []
+    saver: Any = None  # checkpoint.Writer, once training starts
     # SIGUSR1 (a batch system's warning) to any process of the job: worker 0 checkpoints at the
     # end of a step and stops the job, resumable (tfkv.checkpoint.preemption); SIGTERM too in a
     # run that trains alone.
@@ -153,10 +154,12 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | No
             preemption.clear()
         policy = checkpoint.Policy.from_config(cfg.checkpoint)
 
-        def save(epoch: int, step: int = 0) -> None:
-            checkpoint.save(run_dir, epoch, dp.get_weights(), dp.weight_names(), dp.save_optimizer, history,
-                            step=step, rng=_rng_state(dp), config=config_yaml, resumes=resumes,
-                            keep_last=cfg.checkpoint.keep_last)
+        saver = checkpoint.Writer()  # published in the background: training does not wait for the fsyncs
+
+        def save(epoch: int, step: int = 0, background: bool = True) -> None:
+            saver.save(run_dir, epoch, dp.get_weights(), dp.weight_names(), dp.save_optimizer, history,
+                       step=step, rng=_rng_state(dp), config=config_yaml, resumes=resumes,
+                       keep_last=cfg.checkpoint.keep_last, background=background)
             policy.saved()
         if cfg.placement is not None:
             log.info("%s split over %s (batch %d in %d micro-batches), kvstore=%s, %d worker(s), "
@@ -185,7 +188,7 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | No
                 if chief and i < steps:  # mid-epoch (the epoch's end has its own checkpoint below)
                     stop = preemption.requested
                     if stop or policy.due((epoch - 1) * steps + i):
-                        save(epoch - 1, i)
+                        save(epoch - 1, i, background=not stop)  # a preempted job ends on a durable one
                     if stop:
                         raise _preempted(preemption, run_dir, store.distributed)
                 if i % cfg.log_every == 0 or i == steps:
@@ -234,15 +237,19 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | No
             for tracker in trackers:  # after the record is on disk: a pruned trial keeps its epochs
                 tracker.epoch(epoch, record)
             if chief and preemption.requested and epoch < cfg.epochs:
+                saver.wait()
                 raise _preempted(preemption, run_dir, store.distributed)
         if not history:
             raise RuntimeError(f"nothing to train: epochs={cfg.epochs} and the checkpoint is at "
                                f"epoch {start - 1}")
         final = _summary(history, resumes)
         if chief:
+            saver.wait()
             write_metrics(run_dir, final)
         store.barrier()
     except BaseException as e:
+        if saver is not None:
+            saver.close()  # what the run saved last still lands, when it can
         store.abort(f"{type(e).__name__}: {e}")
         tracking.close(trackers, e)
         raise

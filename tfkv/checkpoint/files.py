@@ -100,13 +100,24 @@ def _sha256(file: Path) -> str:
         return hashlib.sha256(f.read()).hexdigest()  # 3.10
 
 
-def save(run_dir: Path, epoch: int, weights: Sequence[np.ndarray], weight_names: Sequence[str],
-         write_optimizer: Callable[[str], None], history: list[dict[str, Any]], *, step: int = 0,
-         rng: dict[str, np.ndarray] | None = None, config: str = "", resumes: list[dict[str, Any]] | None = None,
-         keep_last: int | None = None) -> Path:
-    """Write the checkpoint of position (`epoch` completed, `step` into the next);
-    `write_optimizer(path)` writes the optimizer npz there. With `keep_last`, older checkpoints
-    beyond the newest `keep_last` are removed once this one is published."""
+@dataclass
+class Staged:
+    """A checkpoint whose files are written under their temporary name, not yet durable or
+    visible: `publish` checksums, fsyncs and renames it."""
+
+    tmp: Path
+    final: Path
+    run_dir: Path
+    keep_last: int | None = None
+
+
+def stage(run_dir: Path, epoch: int, weights: Sequence[np.ndarray], weight_names: Sequence[str],
+          write_optimizer: Callable[[str], None], history: list[dict[str, Any]], *, step: int = 0,
+          rng: dict[str, np.ndarray] | None = None, config: str = "", resumes: list[dict[str, Any]] | None = None,
+          keep_last: int | None = None) -> Staged:
+    """Write the files of position (`epoch` completed, `step` into the next) under a temporary
+    name; `write_optimizer(path)` writes the optimizer npz there. What needs the model and the
+    store happens here; what only needs the disk (checksums, fsync) is `publish`'s."""
     root = Path(run_dir) / CHECKPOINTS
     final = root / name(epoch, step)
     tmp = root / f".{final.name}.tmp"
@@ -121,6 +132,19 @@ def save(run_dir: Path, epoch: int, weights: Sequence[np.ndarray], weight_names:
         (tmp / "state.json").write_text(json.dumps(
             {"format": FORMAT, "epoch": epoch, "step": step, "weight_names": list(weight_names),
              "history": history, "resumes": resumes or []}, indent=1))
+    except BaseException as e:
+        error = _failed(e, tmp, final)
+        if error is e:
+            raise
+        raise error from None
+    return Staged(tmp, final, Path(run_dir), keep_last)
+
+
+def publish(staged: Staged) -> Path:
+    """Checksum and fsync a staged checkpoint and rename it into place (then prune, with
+    `keep_last`): until the rename, resume sees the previous checkpoint as the newest."""
+    tmp, final = staged.tmp, staged.final
+    try:
         files = ("weights.npz", "optimizer.npz", "rng.npz", "config.yaml", "state.json")
         (tmp / SUMS).write_text("".join(f"{_sha256(tmp / f)}  {f}\n" for f in files))
         for f in (*files, SUMS):
@@ -128,17 +152,30 @@ def save(run_dir: Path, epoch: int, weights: Sequence[np.ndarray], weight_names:
         _fsync(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        _fsync(root)
+        _fsync(final.parent)
     except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint only fills the disk
-        if isinstance(e, OSError):
-            raise OutputError(f"checkpoint {final.name}: cannot write {e.filename or tmp} "
-                              f"({e.strerror or e}); free space there or pick another "
-                              "hydra.run.dir") from None
-        raise
-    if keep_last:
-        prune(run_dir, keep_last)
+        error = _failed(e, tmp, final)
+        if error is e:
+            raise
+        raise error from None
+    if staged.keep_last:
+        prune(staged.run_dir, staged.keep_last)
     return final
+
+
+def _failed(e: BaseException, tmp: Path, final: Path) -> BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint only fills the disk
+    if isinstance(e, OSError):
+        return OutputError(f"checkpoint {final.name}: cannot write {e.filename or tmp} ({e.strerror or e}); "
+                           "free space there or pick another hydra.run.dir")
+    return e
+
+
+def save(run_dir: Path, epoch: int, weights: Sequence[np.ndarray], weight_names: Sequence[str],
+         write_optimizer: Callable[[str], None], history: list[dict[str, Any]], **kwargs: Any) -> Path:
+    """`stage` and `publish` in one call: the checkpoint is durable and in place when it returns
+    (keyword arguments: `stage`'s)."""
+    return publish(stage(run_dir, epoch, weights, weight_names, write_optimizer, history, **kwargs))
 
 
 def prune(run_dir: Path, keep_last: int) -> list[Path]:
