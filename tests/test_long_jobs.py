@@ -202,15 +202,39 @@ def _worker_pid(job: subprocess.Popen, rank: int) -> int:
     raise AssertionError(f"worker {rank} is not running")
 
 
+def _preempted(job: subprocess.Popen, cwd: Path, signame: str) -> Path:
+    """The checkpoint a preempted job (run in cwd/run) ended at: status 75 and one line naming it."""
+    out = (cwd / "out.txt").read_text()
+    assert job.returncode == 75, out[-3000:]
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("tfkv-run:")]
+    preempted = checkpoint.latest(cwd / "run")
+    assert f"preempted ({signame}): checkpoint {preempted.name} is in" in line, line
+    return preempted
+
+
+@pytest.fixture(scope="module")
+def dist_straight(tmp_path_factory):
+    """An uninterrupted DIST job, started when a test first asks for it and run beside the stopped
+    jobs (the suite's time); calling the fixture's value waits for it and gives its run directory."""
+    root = tmp_path_factory.mktemp("dist_straight")
+    job = _start(DIST, root)
+
+    def done() -> Path:
+        assert job.wait(timeout=240) == 0, (root / "out.txt").read_text()[-3000:]
+        return root / "run"
+    yield done
+    _kill(job)
+
+
 @pytest.mark.slow
-def test_a_dist_sync_job_preempted_killed_and_restarted_ends_with_the_uninterrupted_weights(tmp_path):
+@pytest.mark.xdist_group("dist_straight")  # one worker of pytest-xdist: they share the baseline
+def test_a_dist_sync_job_preempted_killed_and_restarted_ends_with_the_uninterrupted_weights(dist_straight, tmp_path):
     """SIGUSR1 to the launcher: worker 0 checkpoints at a step's end, the job exits 75; the same
     command again is killed -9 whole in the middle of an epoch; the same command once more resumes,
     loses worker 1 to kill -9 mid-epoch, restarts itself (cluster.max_restarts=1) and ends with
     the weights and optimizer state of a job that was never stopped."""
-    clean, crashed = tmp_path / "clean", tmp_path / "crashed"
-    clean.mkdir(), crashed.mkdir()
-    baseline = _start(DIST, clean)  # beside the stopped runs: the suite's time
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
     run = crashed / "run"
 
     job = _start(DIST, crashed)
@@ -220,11 +244,7 @@ def test_a_dist_sync_job_preempted_killed_and_restarted_ends_with_the_uninterrup
         job.wait(timeout=120)
     finally:
         _kill(job)
-    out = (crashed / "out.txt").read_text()
-    assert job.returncode == 75, out[-3000:]
-    (line,) = [ln for ln in out.splitlines() if ln.startswith("tfkv-run:")]
-    preempted = checkpoint.latest(run)
-    assert f"preempted (SIGUSR1): checkpoint {preempted.name} is in" in line, line
+    preempted = _preempted(job, crashed, "SIGUSR1")
     assert not (run / "checkpoints" / "epoch-0002").exists() and not list(run.glob(".preempt*"))
 
     job = _start(DIST, crashed)
@@ -247,15 +267,54 @@ def test_a_dist_sync_job_preempted_killed_and_restarted_ends_with_the_uninterrup
     assert "tfkv: restart 1 of 1: worker 1 was killed by SIGKILL" in out
     (restart,) = json.loads((run / "launch" / "restarts.json").read_text())
     assert restart["cause"] == "worker 1 was killed by SIGKILL"
-    assert baseline.wait(timeout=240) == 0, (clean / "out.txt").read_text()[-3000:]
+    clean = dist_straight()
     metrics = json.loads((run / "metrics.json").read_text())
     assert [h["epoch"] for h in metrics["history"]] == [1, 2]
     assert [r["from"] for r in metrics["resumes"]][:2] == [str(preempted), str(killed_after)], metrics["resumes"]
     assert len(metrics["resumes"]) == 3 and checkpoint.position(Path(metrics["resumes"][2]["from"])) >= \
         checkpoint.position(restarted_after)
-    _same_weights(run / "checkpoints" / "epoch-0002", clean / "run" / "checkpoints" / "epoch-0002")
+    _same_weights(run / "checkpoints" / "epoch-0002", clean / "checkpoints" / "epoch-0002")
     np.testing.assert_array_equal(*(np.load(r / "checkpoints" / "epoch-0002" / "optimizer.npz")["0/momentum"]
-                                    for r in (run, clean / "run")))
+                                    for r in (run, clean)))
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("dist_straight")  # one worker of pytest-xdist: they share the baseline
+def test_sigterm_to_every_process_of_a_dist_sync_job_checkpoints_exits_75_and_the_same_command_continues(
+        dist_straight, tmp_path):
+    """SIGTERM mid-epoch to every process of the job at once, as Slurm sends it (the launcher's
+    group and each role's): the servers and the scheduler serve on, worker 0 checkpoints at its
+    next step, every process ends, status 75; the same command (resume=auto) ends with the weights
+    and optimizer state of a job that was never stopped. (SIGTERM to tfkv-run alone raises the
+    same flag as SIGUSR1 does, above: tests/launcher/test_launcher.py checks it is raised.)"""
+    run = tmp_path / "run"
+    job = _start(DIST, tmp_path)
+    try:
+        _wait_for_checkpoint(job, run)
+        roles = [int(c) for task in Path(f"/proc/{job.pid}/task").iterdir()
+                 for c in (task / "children").read_text().split()]  # each the leader of its own group
+        assert len(roles) == 4, roles  # scheduler, server, 2 workers
+        for group in [job.pid, *roles]:
+            os.killpg(group, signal.SIGTERM)
+        job.wait(timeout=60)
+    finally:
+        _kill(job)
+    preempted = _preempted(job, tmp_path, "SIGTERM")
+    assert "-step-" in preempted.name  # mid-epoch
+    for group in [job.pid, *roles]:  # no process of the job is left, in any of its groups
+        with pytest.raises(ProcessLookupError):
+            os.killpg(group, 0)
+
+    job = _start(DIST, tmp_path)  # the same command again, as a requeued job runs it
+    assert job.wait(timeout=240) == 0, (tmp_path / "out.txt").read_text()[-3000:]
+    assert f"resumed from {preempted}" in (tmp_path / "out.txt").read_text()
+    _same_weights(run / "checkpoints" / "epoch-0002", dist_straight() / "checkpoints" / "epoch-0002")
+    np.testing.assert_array_equal(*(np.load(r / "checkpoints" / "epoch-0002" / "optimizer.npz")["0/momentum"]
+                                    for r in (run, dist_straight())))
 
 
 # -- preemption of a single process: SIGTERM (SIGUSR1: the Slurm test below) ---------------------

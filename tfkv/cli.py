@@ -130,16 +130,17 @@ def _launch(cfg: Any, run_dir: Path, overrides: list[str], cwd: Path) -> float:
 
     try:
         result = job.launch(opts, [python, "-m", "tfkv.worker"], cwd, run_dir, _command_line(hc, overrides),
-                            sys.stdout, env, knobs.settings(cfg), again=again, devices=list(cfg.devices))
+                            sys.stdout, env, knobs.settings(cfg), again=again, devices=list(cfg.devices),
+                            preemptible=checkpoint.takes_sigterm())
     finally:
         signal.signal(preemption.SIGNAL, asked)
     preempted = preemption.done(run_dir)
-    if preempted:  # worker 0 checkpointed and stopped; the rest of the job stopped with it
-        print(f"tfkv-run: {preempted}", file=sys.stderr)
-        sys.exit(EXIT_PREEMPTED)
     if result.returncode > 128:  # stopped by Ctrl-C (130) or SIGTERM (143): exit as a single run does
         print(f"tfkv-run: the {cfg.kvstore.type} job failed: {result.failure}; logs in {run_dir}", file=sys.stderr)
         sys.exit(result.returncode)
+    if preempted:  # worker 0 checkpointed and stopped; the rest of the job stopped with it
+        print(f"tfkv-run: {preempted}", file=sys.stderr)
+        sys.exit(EXIT_PREEMPTED)
     if result.failure:
         raise ClusterFailed(f"the {cfg.kvstore.type} job failed: {result.failure}; logs in {run_dir}")
     return objective(cfg, json.loads((run_dir / "metrics.json").read_text()), run_dir)

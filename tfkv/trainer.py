@@ -91,10 +91,10 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | No
                           devices=tf_devices)
     trackers: list[Any] = []
     saver: Any = None  # checkpoint.Writer, once training starts
-    # SIGUSR1 (a batch system's warning) to any process of the job: worker 0 checkpoints at the
-    # end of a step and stops the job, resumable (tfkv.checkpoint.preemption); SIGTERM too in a
-    # run that trains alone.
-    preemption = checkpoint.Preemption(run_dir, terminate=checkpoint.takes_sigterm(store.distributed))
+    # SIGUSR1 (a batch system's warning) or SIGTERM (its stop) to any process of the job: worker 0
+    # checkpoints at the end of a step and stops the job, resumable (tfkv.checkpoint.preemption);
+    # not SIGTERM in a trial of a sweep.
+    preemption = checkpoint.Preemption(run_dir, terminate=checkpoint.takes_sigterm())
     try:
         # Before any key exists; the store decides what compression means for it.
         store.set_gradient_compression({"type": cfg.kvstore.compression.type,

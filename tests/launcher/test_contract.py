@@ -105,7 +105,8 @@ def _slurm_checks(cwd: Path, out: str) -> None:
     warning ahead of a preemption) the run directory's preemption flag."""
     script = (cwd / "rec" / "launch" / "slurm" / "job.sh").read_text()
     assert f"\nsrun -n {WORKERS + SERVERS + 1} --kill-on-bad-exit=1" in script
-    assert f"trap 'touch {cwd / 'rec' / '.preempt'}' USR1" in script
+    assert f"trap 'echo SIGUSR1 > {cwd / 'rec' / '.preempt'}' USR1" in script
+    assert f"trap 'echo SIGTERM > {cwd / 'rec' / '.preempt'}' TERM" in script
 
 
 def _sge_checks(cwd: Path, out: str) -> None:

@@ -87,31 +87,58 @@ def test_a_taken_port_is_a_clear_failure_not_a_hang(tmp_path):
     assert "the job failed: scheduler exited with status 2" in proc.stderr
 
 
-@pytest.mark.parametrize("first, said, status", [("SIGINT", "interrupted (Ctrl-C)", 130),
-                                                 ("SIGTERM", "stopped by SIGTERM", 143)])
+@pytest.mark.parametrize("first, said, status", [(["SIGINT"], "interrupted (Ctrl-C)", 130),
+                                                 (["SIGTERM", "SIGTERM"], "stopped by SIGTERM", 143)])
 def test_more_signals_during_the_teardown_change_nothing(tmp_path, first, said, status):
-    """Ctrl-C (or SIGTERM) stops the job and the launcher exits as a shell reports a process
-    ended by that signal (130, 143), as a single run does; a Ctrl-C and a SIGTERM more while the
-    roles are being stopped (the worker ignores TERM, so the teardown waits before it kills)
-    neither cut the teardown short nor print a traceback: one failure line, nothing left."""
+    """Ctrl-C (or a second SIGTERM: the first is a preemption, which this command ignores) stops
+    the job and the launcher exits as a shell reports a process ended by that signal (130, 143),
+    as a single run does; a Ctrl-C and a SIGTERM more while the roles are being stopped (SIGHUP,
+    which the worker ignores, so the teardown waits before it kills) neither cut the teardown
+    short nor print a traceback: one failure line, nothing left."""
     import os
     import signal
     import time
 
     env = {**os.environ, TAG: f"signals-{tmp_path.name}"}
-    role = 'trap "echo got TERM" TERM; echo ready; while :; do sleep 0.1; done'
+    role = 'trap "echo got HUP" HUP; trap "echo got TERM" TERM; echo ready; while :; do sleep 0.1; done'
     launching = Launching(["-n", "1", "--launcher", "local", "--run-dir", "rec", "--", "sh", "-c", role],
                           tmp_path, env, timeout=60)
     launching.wait_for("[worker 0] ready")
-    launching.proc.send_signal(getattr(signal, first))
-    launching.wait_for("[worker 0] got TERM")  # the teardown is under way
+    for sig in first:
+        launching.proc.send_signal(getattr(signal, sig))
+        time.sleep(0.3)
+    if first[0] == "SIGTERM":  # the preemption's flag, for worker 0 (a tfkv-run worker) to see
+        assert (tmp_path / "rec" / ".preempt").read_text().strip() == "SIGTERM"
+    launching.wait_for("[worker 0] got HUP")  # the teardown is under way
     launching.proc.send_signal(signal.SIGINT)
     time.sleep(0.2)
     launching.proc.send_signal(signal.SIGTERM)
     rc, out = launching.end(timeout=30)
     assert rc == status and f"tfkv-launch: the job failed: {said}; record in rec" in out, out
-    assert "Traceback" not in out and out.count("the job failed") == 1, out
+    assert "Traceback" not in out and out.count("the job failed") == 1 and "got TERM" not in out, out
     assert not tagged_pids(env[TAG], wait=15)
+
+
+def test_a_first_sigterm_is_a_preemption_and_stops_the_job_after_the_grace():
+    """stop_once(preempt=...): the first SIGTERM calls `preempt` and the job goes on; `grace`
+    seconds later (a job that did not end by itself) it stops as after SIGTERM (143)."""
+    import os
+    import signal
+    import time
+
+    from tfkv.launcher import signals
+
+    asked = []
+    with pytest.raises(signals.Interrupted, match="did not checkpoint and end within 0 s"):
+        with signals.stop_once(preempt=lambda: asked.append(time.monotonic()), grace=0.3) as stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 5:
+                time.sleep(0.01)
+    assert len(asked) == 1 and stop.preempting and stop.status == 143
+    assert 0.2 < time.monotonic() - asked[0] < 2
+    assert signal.getsignal(signal.SIGTERM) is signal.default_int_handler or \
+        signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None)  # put back
 
 
 @pytest.mark.parametrize("value", ["127.0.0.1", "127.0.0.1:", ":9000", "127.0.0.1:http", "127.0.0.1:70000"])
@@ -178,7 +205,7 @@ def test_a_servers_advertised_address_reaches_no_role_from_the_launcher():
 
 def test_the_supervisor_blames_the_first_failure_that_is_not_a_peers_reaction():
     """worker 0 stops because a peer failed (EXIT_PEER_FAILED) before worker 1 fails by itself:
-    worker 1 is named; the server still running is torn down (SIGTERM to its group) after GRACE."""
+    worker 1 is named; the server still running is torn down (SIGHUP to its group) after GRACE."""
     import time
 
     from tfkv.errors import EXIT_PEER_FAILED
@@ -194,5 +221,5 @@ def test_the_supervisor_blames_the_first_failure_that_is_not_a_peers_reaction():
     failure = supervisor.supervise(ends, supervisor.poll(children, ends),
                                    lambda: supervisor.stop_groups(list(children.values())))
     assert failure == "worker 1 exited with status 5"
-    assert children["server 0"].returncode == -15
+    assert children["server 0"].returncode == -supervisor.STOP
     assert time.monotonic() - t0 < supervisor.GRACE + 3

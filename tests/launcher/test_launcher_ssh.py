@@ -207,11 +207,12 @@ def test_a_killed_launcher_leaves_nothing_on_the_hosts(netns_hosts, ssh_site, tm
 
 @pytest.mark.slow
 def test_teardown_terminates_the_others_over_ssh_while_still_listening(netns_hosts, ssh_site, tmp_path):
-    """Roles that would never end by themselves: the launcher's own TERM reaches them while their
-    channels are open (the line they print on TERM comes back), not only the wrappers' fallback."""
+    """Roles that would never end by themselves: the launcher's own HUP (its teardown's signal;
+    TERM would be a preemption) reaches them while their channels are open (the line they print
+    on HUP comes back), not only the wrappers' fallback."""
     work = _workdir(tmp_path, netns_hosts.names)
     env = {**_tag(tmp_path), **ssh_site.env()}
-    role = ('trap "echo got TERM; exit 143" TERM; if [ "$TFKV_RANK_HINT" = 1 ]; then sleep 1; exit 7; fi; '
+    role = ('trap "echo got HUP; exit 129" HUP; if [ "$TFKV_RANK_HINT" = 1 ]; then sleep 1; exit 7; fi; '
             "while :; do sleep 0.1; done")
     t0 = time.monotonic()
     proc = _launch("-n", "2", "-s", "1", "-H", "hosts", "--launcher", "ssh", "--sync-dst-dir", str(tmp_path / "dst"),
@@ -221,7 +222,7 @@ def test_teardown_terminates_the_others_over_ssh_while_still_listening(netns_hos
     out = proc.stdout + proc.stderr
     # -s 1: worker 0 on node2, worker 1 on node1
     assert proc.returncode == 1 and "the job failed: worker 1 @node1 exited with status 7" in out, out[-3000:]
-    assert "[worker 0 @node2] got TERM" in out, out[-3000:]
+    assert "[worker 0 @node2] got HUP" in out, out[-3000:]
     assert took < 30, f"took {took:.1f} s"
     assert not _no_leftovers(env[TAG]), "processes of the job left behind"
 

@@ -1,19 +1,18 @@
 """SIGUSR1, the signal a batch system sends ahead of a preemption or the end of a time limit
-(Slurm's `--signal=USR1@<seconds>`): the run finishes its step, checkpoints and stops with
-tfkv.errors.EXIT_PREEMPTED, and the same command with `resume=auto` continues it.
+(Slurm's `--signal=USR1@<seconds>`), and SIGTERM, the one it stops a job with: the run finishes
+its step, checkpoints and stops with tfkv.errors.EXIT_PREEMPTED, and the same command with
+`resume=auto` continues it.
 
 The handler only notes the signal: worker 0 looks at the end of each step, where the weights,
 optimizer state and data position agree and a checkpoint is exact. In a parameter-server job the
-signal may reach any worker or the launcher (`tfkv-run`) first; whoever gets it leaves the flag
-file `.preempt` in the run directory, which worker 0 looks for (at most every LOOK seconds). Worker 0
-checkpoints, leaves `.preempted` (its one line) for the launcher and stops; the rest of the job
-stops with it, as after any worker's end.
+signal may reach any process first (Slurm sends SIGTERM to all at once); whoever gets it leaves
+the flag file `.preempt` in the run directory (tfkv.preempt), which worker 0 looks for (at most
+every LOOK seconds). Worker 0 checkpoints, leaves `.preempted` (its one line) for the launcher and
+stops; the rest of the job stops with it, as after any worker's end. The launchers' own teardown
+stops roles with SIGINT, never SIGTERM, so that it is not taken for a preemption.
 
-SIGTERM (what Slurm, `timeout` or `kill` send to stop a process) is taken the same way by a run
-that trains in its own process alone (`takes_sigterm`): it owns its step, finishes it in a blink
-and exits 75 with a checkpoint of where it was. In a parameter-server job SIGTERM keeps its
-meaning, stop now: a launcher's teardown sends it to every role, and Slurm sends it to every
-process of a job at once (servers included), so no step could be finished.
+SIGTERM is taken so by a worker and by a run that trains alone, not by a trial of a sweep (a
+SIGTERM there ends the sweep: `takes_sigterm`).
 """
 
 from __future__ import annotations
@@ -24,18 +23,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from tfkv.preempt import FLAG, ask
+
 SIGNAL = signal.SIGUSR1
-FLAG = ".preempt"  # in the run directory: a preemption was asked for
 DONE = ".preempted"  # in the run directory: worker 0 checkpointed and stopped; its line
 LOOK = 0.25  # seconds between worker 0's looks for the flag (a stat: nothing beside a step)
-
-
-def ask(run_dir: Path) -> None:
-    """Ask worker 0 of the job writing into `run_dir` to checkpoint and stop."""
-    try:
-        (Path(run_dir) / FLAG).touch()
-    except OSError:
-        pass  # a run directory that cannot be written ends the job on its own
 
 
 def done(run_dir: Path) -> str | None:
@@ -50,8 +42,9 @@ def done(run_dir: Path) -> str | None:
 
 
 class Preemption:
-    """While installed, SIGUSR1 is noted instead of ending the process, and passed on through the
-    run directory's flag; `restore()` puts the previous handler back. Only the main thread may
+    """While installed, SIGUSR1 (and SIGTERM with `terminate`) is noted instead of ending the
+    process, and passed on through the run directory's flag; `restore()` puts the previous
+    handlers back. Only the main thread may
     set a handler: elsewhere nothing changes but the flag is still looked for."""
 
     def __init__(self, run_dir: Path, clock: Callable[[], float] = time.monotonic, terminate: bool = False) -> None:
@@ -65,8 +58,9 @@ class Preemption:
                 self._old[sig] = signal.signal(sig, self._note)
 
     def _note(self, signum: int, _frame: object) -> None:
-        self.signum = signum
-        ask(self.run_dir)
+        if self.signum is None:  # the first one asks; Slurm may deliver SIGTERM twice (to a role and its helper)
+            self.signum = signum
+            ask(self.run_dir, signal.Signals(signum).name)
 
     @property
     def name(self) -> str:
@@ -82,8 +76,12 @@ class Preemption:
         """A signal came here, or (looked for every LOOK seconds) to another process of the job."""
         if self.signum is None and self.clock() - self._looked >= LOOK:
             self._looked = self.clock()
-            if (self.run_dir / FLAG).exists():
-                self.signum = SIGNAL
+            try:
+                asked = (self.run_dir / FLAG).read_text().strip()
+            except OSError:
+                asked = None
+            if asked is not None:  # the signal that asked (an empty flag: the batch script's USR1 trap)
+                self.signum = signal.Signals[asked] if asked in signal.Signals.__members__ else SIGNAL
         return self.signum is not None
 
     def stopped(self, line: str | None) -> None:
@@ -98,11 +96,11 @@ class Preemption:
         self._old = {}
 
 
-def takes_sigterm(distributed: bool) -> bool:
-    """Whether this run takes SIGTERM as a preemption: it trains alone (no parameter-server job)
-    as one Hydra run, not a trial of a sweep (a SIGTERM there ends the sweep), and nothing of
-    this process took SIGTERM before (its handler is the default one)."""
-    if distributed or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+def takes_sigterm() -> bool:
+    """Whether this process takes SIGTERM as a preemption: a worker of a launched job (no Hydra
+    here) or one Hydra run, not a trial of a sweep (a SIGTERM there ends the sweep), and nothing
+    of this process took SIGTERM before (its handler is the default one)."""
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         return False
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode

@@ -40,7 +40,9 @@ those the plan sets (DMLC_ROLE, DMLC_PS_ROOT_*, DMLC_NUM_*, their TFKV_ twins, t
 
 Exit status: 0 when every role exited 0; 1 when one failed (named on the last line); 2 for a
 mistake found before anything started; 130 after Ctrl-C and 143 after SIGTERM, once every role
-of the job is stopped.
+of the job is stopped. SIGTERM to tfkv-launch is a preemption first: tfkv-run workers checkpoint
+at their next step and end the job, and tfkv-launch exits 75 (resumable); a second SIGTERM, or
+20 s without the job's end (a command that is not tfkv-run), stops it now (143).
 """
 
 
@@ -86,6 +88,8 @@ def main(argv: list[str] | None = None) -> None:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser().error("give the workers' command after --, e.g. -- python3 train.py")
+    from tfkv.checkpoint import preemption
+    from tfkv.errors import EXIT_PREEMPTED
     from tfkv.launcher import job
 
     run_dir = Path(args.run_dir or f"outputs/launch-{time.strftime('%Y-%m-%d_%H-%M-%S')}")
@@ -100,6 +104,10 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:  # during the checks: once the job starts, the launch takes it
         print("tfkv-launch: interrupted before the job started; nothing was left running", file=sys.stderr)
         sys.exit(130)
+    preempted = preemption.done(run_dir)
+    if preempted and result.returncode <= 128:  # worker 0 (tfkv-run) checkpointed and stopped; the rest with it
+        print(f"tfkv-launch: {preempted}", file=sys.stderr)
+        sys.exit(EXIT_PREEMPTED)
     if result.failure:
         print(f"tfkv-launch: the job failed: {result.failure}; record in {run_dir}", file=sys.stderr)
         sys.exit(result.returncode if result.returncode > 128 else 1)  # 130 Ctrl-C, 143 SIGTERM

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 from typing import IO, Any, Callable, Mapping, Sequence
 
-from tfkv import gpus, knobs
+from tfkv import gpus, knobs, preempt
+from tfkv.checkpoint import preemption
 from tfkv.config import cluster
 from tfkv.config.checks import LOCAL_RANK, bound_gpus
 from tfkv.errors import ConfigError
@@ -148,11 +149,13 @@ def launch(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path, 
            out: IO[str], env: Mapping[str, str] | None = None,
            settings: Mapping[str, Any] | None = None,
            again: Callable[[base.Result], Mapping[str, str] | None] | None = None,
-           devices: Sequence[str] | None = None) -> base.Result:
+           devices: Sequence[str] | None = None, preemptible: bool = True) -> base.Result:
     """Plan, print the plan, check every host, write the record (and knobs.json), run the job
     (`env`: more variables for every role; `settings`: the config's knobs, see `knob_values`;
     `devices`: the workers', checked against each host's GPUs, see `check_gpus`).
     The result's returncode is 128 + N when signal N (Ctrl-C, SIGTERM) stopped the job.
+    `preemptible`: the first SIGTERM asks the job to checkpoint and end instead (tfkv.launcher.signals;
+    not for a trial of a sweep, where SIGTERM ends the sweep).
 
     With `opts.max_restarts`, a job that failed (not one a signal stopped) is torn down as ever,
     then planned and started again, up to that many times: each restart is a line naming the
@@ -164,8 +167,11 @@ def launch(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path, 
     hosts = [h.name for h in read_hosts(opts.hostfile)] if spare.left else []
     attempt_opts, restarts = opts, 0
     while True:
-        result = _attempt(attempt_opts, worker_argv, workdir, run_dir, argv, out, env, settings, devices)
+        result = _attempt(attempt_opts, worker_argv, workdir, run_dir, argv, out, env, settings, devices,
+                          preemptible)
         if result.failure is None or result.returncode > 128 or restarts >= opts.max_restarts:
+            return result
+        if (Path(run_dir) / preemption.DONE).exists():  # preempted: its owner or Slurm starts it again
             return result
         following = again(result) if again is not None else dict(env or {})  # the same job again
         if following is None:
@@ -186,18 +192,19 @@ def launch(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path, 
 
 def _attempt(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path, argv: Sequence[str],
              out: IO[str], env: Mapping[str, str] | None, settings: Mapping[str, Any] | None,
-             devices: Sequence[str] | None = None) -> base.Result:
+             devices: Sequence[str] | None = None, preemptible: bool = True) -> base.Result:
     job = plan_job(opts, worker_argv, workdir, run_dir, env, settings)
     job.devices = list(devices) if devices else None
     knobs.record(run_dir, knob_values(opts, settings))
     try:
-        return _launch(opts, job, run_dir, argv, out)
+        return _launch(opts, job, run_dir, argv, out, preemptible)
     finally:
         # the scheduler's port, leased to this process by plan_job: another job may have it now
         release_port(int(job.plan[0].env["DMLC_PS_ROOT_PORT"]))
 
 
-def _launch(opts: Options, job: base.Job, run_dir: Path, argv: Sequence[str], out: IO[str]) -> base.Result:
+def _launch(opts: Options, job: base.Job, run_dir: Path, argv: Sequence[str], out: IO[str],
+            preemptible: bool = True) -> base.Result:
     out.write(f"tfkv: {opts.launcher} job, {opts.num_servers} server(s), {opts.num_workers} worker(s) - "
               f"{describe(job)}\n")
     out.flush()
@@ -208,7 +215,7 @@ def _launch(opts: Options, job: base.Job, run_dir: Path, argv: Sequence[str], ou
     record.write(run_dir, opts.launcher, job, argv, versions, opts.hostfile)
     tee = record.Tee(out, run_dir / "launch" / "job.log")
     try:
-        with signals.stop_once() as stop:
+        with signals.stop_once(preempt=(lambda: _preempt(run_dir)) if preemptible else None) as stop:
             try:
                 result = launcher.launch(job, tee)
             except KeyboardInterrupt as e:  # after the backend's own teardown, or before it started any
@@ -218,3 +225,12 @@ def _launch(opts: Options, job: base.Job, run_dir: Path, argv: Sequence[str], ou
     finally:
         tee.close()
         (Path(run_dir) / "launch" / "curve.key").unlink(missing_ok=True)  # the job's keys die with it
+
+
+def _preempt(run_dir: Path) -> None:
+    """The launcher's first SIGTERM: worker 0 is asked to checkpoint at its next step and end the
+    job (the flag in the run directory), and the user is told how to stop it now. Written with
+    os.write: a signal handler must not enter a buffered stream another write may be inside."""
+    preempt.ask(run_dir, "SIGTERM")
+    os.write(2, (f"tfkv: SIGTERM: worker 0 checkpoints at its next step and ends the job (within "
+                 f"{preempt.GRACE:.0f} s); a second SIGTERM or Ctrl-C stops it now\n").encode())

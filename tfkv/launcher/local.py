@@ -2,7 +2,8 @@
 
 Every role runs in its own session (process group) and is killed with the launcher if the
 launcher dies (PR_SET_PDEATHSIG). tfkv.launcher.supervisor waits for the job, names what failed
-first and tears every group down (terminated, then killed); Ctrl-C does the same at once.
+first and tears every group down (SIGHUP, then SIGKILL); Ctrl-C does the same at once. SIGTERM
+to tfkv-run or tfkv-launch is a preemption first (tfkv.launcher.signals).
 """
 
 from __future__ import annotations
@@ -41,6 +42,14 @@ class LocalLauncher:
         return run(job.plan, cwd=str(job.workdir), out=out)
 
 
+def _preexec() -> None:
+    """In a role, before its command: SIGHUP, the teardown's signal (supervisor.STOP), ends it
+    even under `nohup` (which a child inherits); SIGKILL when the launcher dies (kill -9, a crash:
+    SIGTERM would be taken for a preemption, and the job it belonged to is over)."""
+    signal.signal(supervisor.STOP, signal.SIG_DFL)
+    die_with_parent(signal.SIGKILL)
+
+
 def run(plan: list[Process], cwd: str | None = None, out: IO[str] | None = None) -> Result:
     """Start every process of `plan` here and wait for the job to end (tfkv.launcher.supervisor)."""
     out = out or sys.stdout
@@ -57,7 +66,7 @@ def run(plan: list[Process], cwd: str | None = None, out: IO[str] | None = None)
             child = subprocess.Popen(
                 p.argv, cwd=cwd, env={**env, **p.env, "PYTHONUNBUFFERED": "1"},
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+                start_new_session=True, preexec_fn=_preexec)
             children[p.name] = child
             t = threading.Thread(target=_pump, args=(p.name, child.stdout, out, lock), daemon=True)
             t.start()

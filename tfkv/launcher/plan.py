@@ -19,10 +19,8 @@ from typing import Mapping, Sequence
 
 from tfkv.config.checks import LOCAL_RANK, LOCAL_SIZE
 from tfkv.errors import ConfigError
+from tfkv.preempt import RUN_DIR  # the job's run directory as the roles see it (defined there: the flag is in it)
 
-# The job's run directory as the roles see it, in every role's environment: a worker that runs
-# tfkv-run writes there (see worker_overrides) instead of making a Hydra run directory of its own.
-RUN_DIR = "TFKV_RUN_DIR"
 # The config a tfkv-run job's workers run (tfkv.worker): the launcher's, as it recorded it.
 CONFIG = "TFKV_CONFIG"
 

@@ -22,9 +22,11 @@ Two ways to say which command each rank runs:
                      ARGV becomes the worker's index)
 
 Teardown: the role's command runs in its own process group and dies with this helper
-(PR_SET_PDEATHSIG); SIGTERM, SIGINT and SIGHUP are passed on to the whole group. This helper
-itself dies with whatever started it (orted, slurmstepd, sge_shepherd), so no role outlives the
-job even when the resource manager only kills its direct child.
+(PR_SET_PDEATHSIG); SIGTERM, SIGINT and SIGHUP are passed on to the whole group (a role takes
+SIGTERM as a preemption, tfkv.preempt; under Slurm it gets it twice, directly and from here,
+and the second changes nothing). This helper itself gets SIGHUP when whatever started it
+(orted, slurmstepd, sge_shepherd) dies, so no role outlives the job even when the resource
+manager only kills its direct child.
 
 The launchers build the helper's input with `table`/`helper_argv`; what they share beyond that
 is in tfkv.launcher.batch (the merged output that notes each role's end) and
@@ -204,11 +206,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("argv", nargs=argparse.REMAINDER, help="the workers' command, after --")
     args = p.parse_args(argv)
     args.argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
-    # Die with whatever started us (orted, slurmstepd, sge_shepherd): SIGTERM, passed on below.
+    # Die with whatever started us (orted, slurmstepd, sge_shepherd): SIGHUP, stop now, passed on
+    # below (SIGTERM would be taken for a batch system's preemption).
     parent = os.getppid()
-    die_with_parent(signal.SIGTERM)
+    die_with_parent(signal.SIGHUP)
     if os.getppid() != parent:  # it died before we asked
-        sys.exit(128 + signal.SIGTERM)
+        sys.exit(128 + signal.SIGHUP)
     env = dict(os.environ)
     try:
         entry = _pick(args, env)

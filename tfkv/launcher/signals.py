@@ -7,6 +7,11 @@ second Ctrl-C, or `timeout` (which signals the launcher and then its whole proce
 not interrupt the teardown and leave roles running. `shielded()` covers a teardown that starts for
 another reason (a role failed) the same way.
 
+A preemptible job (`stop_once(preempt=...)`: tfkv-run's jobs, not a trial of a sweep, and
+tfkv-launch's) takes its first SIGTERM as a preemption instead, as a batch system means it: the
+job is asked to checkpoint at its next step and end by itself (tfkv.preempt), and the wait goes
+on. A second SIGTERM, a Ctrl-C, or GRACE seconds without the job's end stop it now.
+
 A job stopped this way ends with the status a shell gives a process killed by that signal,
 128 + N: 130 after Ctrl-C, 143 after SIGTERM (`Stop.status`), as a single tfkv-run does.
 """
@@ -17,7 +22,9 @@ import contextlib
 import signal
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
+
+from tfkv.preempt import GRACE
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 WHAT = {signal.SIGINT: "interrupted (Ctrl-C)", signal.SIGTERM: "stopped by SIGTERM"}
@@ -41,6 +48,7 @@ class Stop:
     """Which signal stopped the job, if one did."""
 
     signum: int | None = None
+    preempting: bool = False  # a SIGTERM asked the job to checkpoint and end
 
     @property
     def status(self) -> int | None:
@@ -49,24 +57,39 @@ class Stop:
 
 
 @contextlib.contextmanager
-def stop_once() -> Iterator[Stop]:
+def stop_once(preempt: Callable[[], None] | None = None, grace: float = GRACE) -> Iterator[Stop]:
     """Around a backend's launch: the first SIGINT/SIGTERM raises Interrupted (and is noted in
-    the Stop it yields), later ones are ignored until the block is left."""
+    the Stop it yields), later ones are ignored until the block is left. With `preempt`, the
+    first SIGTERM calls it instead and the job goes on; a second SIGTERM or a SIGINT, or `grace`
+    seconds (SIGALRM), raise Interrupted as above."""
     stop = Stop()
     if not _main_thread():
         yield stop
         return
 
-    def first(sig: int, _frame: Any) -> None:
-        for s in SIGNALS:
+    def now(sig: int, why: str) -> None:
+        for s in (*SIGNALS, signal.SIGALRM):
             signal.signal(s, signal.SIG_IGN)
         stop.signum = sig
-        raise Interrupted(WHAT[signal.Signals(sig)])
+        raise Interrupted(why)
+
+    def first(sig: int, _frame: Any) -> None:
+        if preempt is not None and sig == signal.SIGTERM and not stop.preempting:
+            stop.preempting = True
+            preempt()
+            signal.setitimer(signal.ITIMER_REAL, grace)
+            return
+        now(sig, WHAT[signal.Signals(sig)])
+
+    def late(_sig: int, _frame: Any) -> None:
+        now(signal.SIGTERM, f"stopped by SIGTERM: the job did not checkpoint and end within {grace:.0f} s")
 
     old = {s: signal.signal(s, first) for s in SIGNALS}
+    old[signal.SIGALRM] = signal.signal(signal.SIGALRM, late)
     try:
         yield stop
     finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
         for s, handler in old.items():
             signal.signal(s, handler)
 

@@ -24,9 +24,9 @@ preemption (`--signal=B:USR1@N`) on as the run directory's preemption flag (`bat
 preempted tfkv-run inside an allocation requeues the allocation's job (tfkv.launcher.requeue).
 
 Teardown: `--kill-on-bad-exit=1` makes Slurm kill every task as soon as one exits non-zero. On
-Ctrl-C (or SIGTERM) the launcher cancels the job (`scancel --name`, as the job's unique name is
-known before its id) or, inside an allocation, interrupts srun twice, which makes srun kill the
-step. Slurm kills each task's whole process tree; the helper also passes signals on to its role.
+Ctrl-C (or a second SIGTERM: the first is a preemption, tfkv.launcher.signals) the launcher
+cancels the job (`scancel --name`, as the job's unique name is known before its id) or, inside an
+allocation, interrupts srun twice, which makes srun kill the step. Slurm kills each task's whole process tree; the helper also passes signals on to its role.
 Site-specific flags: TFKV_SRUN_ARGS and TFKV_SBATCH_ARGS (e.g. "-p gpu --time 1:00:00").
 """
 
@@ -134,12 +134,14 @@ def batch_script(job: Job, name: str, environ: dict[str, str] | None = None) -> 
     """The batch job: the srun of every role. Slurm's warning ahead of a preemption or the time
     limit (`--signal=B:USR1@N` in cluster.sbatch_args) comes to this script alone, which leaves
     the run directory's preemption flag for worker 0 (tfkv.checkpoint.preemption): it
-    checkpoints at its next step and stops the job, and tfkv-run exits 75. (srun would pass the
-    signal to every task, and a server or the scheduler dies of it.)"""
+    checkpoints at its next step and stops the job, and tfkv-run exits 75. SIGTERM (Slurm's
+    stop, to every process of the job) does the same, and the script waits for srun: its own end
+    would end the job before worker 0 checkpointed."""
     flag = shlex.quote(str(Path(job.remote_run_dir or job.run_dir or ".") / preemption.FLAG))
     return ("#!/bin/bash\n"
             f"# tfkv: every role of the job as one srun step; SLURM_PROCID decides the role.\n"
-            f"trap 'touch {flag}' USR1\n"
+            f"trap 'echo SIGUSR1 > {flag}' USR1\n"
+            f"trap 'echo SIGTERM > {flag}' TERM\n"
             f"{shlex.join(srun_argv(job, name, environ))} &\n"
             "while wait $!; rc=$?; [ $rc -gt 128 ] && kill -0 $! 2>/dev/null; do :; done  # a trap ended a wait\n"
             "exit $rc\n")

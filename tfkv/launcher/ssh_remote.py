@@ -47,13 +47,14 @@ if os.getpgid(0) != os.getpid():
     os.setsid()  # sshd already makes the remote command a group leader; elsewhere, become one
 group = os.getpid()
 print("\x1etfkv-ssh pgid", group, flush=True)
-signal.signal(signal.SIGTERM, lambda *_: None)  # a TERM to the group is for the role; report it
+for s in (signal.SIGTERM, signal.SIGHUP):  # a TERM or the teardown's HUP to the group is for the role; report it
+    signal.signal(s, lambda *_: None)
 gone = threading.Event()
 def watch():  # stdin is the ssh channel: EOF means the launcher is gone, so goes the job
     while os.read(0, 65536):  # (not sys.stdin: its lock would abort the exit of a busy thread)
         pass
     gone.set()
-    os.killpg(group, signal.SIGTERM)
+    os.killpg(group, signal.SIGHUP)
     time.sleep(2)
     os.killpg(group, signal.SIGKILL)
 threading.Thread(target=watch, daemon=True).start()
@@ -135,13 +136,14 @@ class RemoteRole:
 
 
 def stop_groups(conn: Connection, running: list[int], every: list[int]) -> None:
-    """TERM the groups still running, give them up to 3 s, then KILL every group of the job on
-    this host (also whatever a finished role left behind in its group)."""
+    """HUP the groups still running (supervisor.STOP: a role takes TERM for a preemption), give
+    them up to 3 s, then KILL every group of the job on this host (also whatever a finished role
+    left behind in its group)."""
     if not every:
         return
     term = " ".join(f"-{g}" for g in running)
     script = (f"alive() {{ for g in {term}; do kill -0 $g 2>/dev/null && return 0; done; return 1; }}; "
-              f"kill -TERM {term} 2>/dev/null; i=0; while [ $i -lt 30 ] && alive; do sleep 0.1; i=$((i+1)); done; "
+              f"kill -HUP {term} 2>/dev/null; i=0; while [ $i -lt 30 ] && alive; do sleep 0.1; i=$((i+1)); done; "
               if running else "")
     script += f"kill -KILL {' '.join(f'-{g}' for g in every)} 2>/dev/null; true"
     try:

@@ -34,6 +34,11 @@ GRACE = 2.0  # seconds the other roles get to notice a failure on their own befo
 # loaded machine takes seconds). It gets this long to end before it is blamed as hung.
 HANG_GRACE = 6.0
 INTERVAL = 0.05  # seconds between two looks at the roles
+# How the teardown asks a role to stop: SIGHUP, whose default action ends a process at once and
+# silently (SIGINT would be a KeyboardInterrupt and its traceback in a role still importing).
+# Not SIGTERM, which a role takes as a batch system's preemption (tfkv.preempt: a server serves
+# on, a worker finishes its step).
+STOP = signal.SIGHUP
 
 
 def done_waiting(failed: list[tuple[str, int]], since: float | None, now: float) -> bool:
@@ -151,11 +156,11 @@ def poll(children: Mapping[str, subprocess.Popen], ends: Ends) -> Callable[[], b
 
 
 def stop_groups(children: Sequence[subprocess.Popen], grace: float = 3.0) -> None:
-    """Terminate every process group still running, give them `grace` seconds, then kill every
+    """Stop every process group still running (STOP), give them `grace` seconds, then kill every
     group (also whatever a finished role left behind in its group); reap them all."""
     alive = [c for c in children if c.poll() is None]
     for c in alive:
-        signal_group(c.pid, signal.SIGTERM)
+        signal_group(c.pid, STOP)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and any(c.poll() is None for c in alive):
         time.sleep(INTERVAL)
