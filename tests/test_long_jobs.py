@@ -202,11 +202,14 @@ def _worker_pid(job: subprocess.Popen, rank: int) -> int:
     raise AssertionError(f"worker {rank} is not running")
 
 
-def _preempted(job: subprocess.Popen, cwd: Path, signame: str) -> Path:
-    """The checkpoint a preempted job (run in cwd/run) ended at: status 75 and one line naming it."""
+def _preempted(job: subprocess.Popen, cwd: Path, signame: str, lines: int = 1) -> Path:
+    """The checkpoint a preempted job (run in cwd/run) ended at: status 75 and its `lines` lines,
+    the first naming the checkpoint."""
     out = (cwd / "out.txt").read_text()
     assert job.returncode == 75, out[-3000:]
-    (line,) = [ln for ln in out.splitlines() if ln.startswith("tfkv-run:")]
+    said = [ln for ln in out.splitlines() if ln.startswith("tfkv-run:")]
+    assert len(said) == lines, said
+    line = said[0]
     preempted = checkpoint.latest(cwd / "run")
     assert f"preempted ({signame}): checkpoint {preempted.name} is in" in line, line
     return preempted
@@ -405,6 +408,64 @@ def test_a_slurm_job_signalled_mid_epoch_requeues_itself_and_ends_with_the_unint
     assert [h["epoch"] for h in metrics["history"]] == [1, 2] and "-step-" in resume["from"]
     assert f"resumed from {resume['from']}" in out
     _same_weights(run / "checkpoints" / "epoch-0002", straight / "checkpoints" / "epoch-0002")
+
+
+def test_the_batch_scripts_requeue_asks_for_workers_that_resume_by_themselves(tmp_path, capsys, monkeypatch):
+    """The slurm launcher's batch script requeues a preempted job only when its workers start
+    with resume=auto (else the requeued job would start afresh over the checkpoint): one line."""
+    from tfkv.launcher import requeue
+
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    (tmp_path / "config_resolved.yaml").write_text("resume: false\nepochs: 2\n")
+    assert requeue.main(tmp_path) == 1
+    assert capsys.readouterr().out == ("tfkv: not requeued: the job's workers start with resume=False, so a requeued "
+                                       "job would not continue from the checkpoint; run it with resume=auto to have "
+                                       "it requeued\n")
+    (tmp_path / "config_resolved.yaml").write_text("resume: auto\n")
+    assert requeue.workers_resume(tmp_path) == "auto"
+
+
+@pytest.mark.slow
+def test_the_slurm_launchers_batch_job_preempted_mid_epoch_requeues_itself_and_ends_with_the_uninterrupted_weights(
+        slurm, dist_straight, tmp_path):  # noqa: F811
+    """`tfkv-run cluster=slurm` from outside an allocation (sbatch of the roles' srun, --requeue):
+    Slurm's warning ahead of a preemption to the batch script (`scancel --signal=USR1 --batch`,
+    what --signal=B:USR1@N sends) after a step checkpoint; tfkv-run exits 75 at a step checkpoint,
+    the job's script requeues it (Restarts=1) and tfkv-run leaves it be, and the job, started
+    again by Slurm, resumes there and ends with the weights of the uninterrupted local DIST job.
+    (Not SIGTERM to every process: srun takes it as the order to kill its step at once.)"""
+    import re
+
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, **slurm.env}
+    args = [a.replace("cluster=local", "cluster=slurm") for a in DIST] + [
+        f"cluster.python={sys.executable}", "cluster.sbatch_args=--requeue"]
+    with open(tmp_path / "out.txt", "w") as out:
+        job = subprocess.Popen(["tfkv-run", *args], cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, env=env,
+                               start_new_session=True)
+    run, job_id = tmp_path / "run", None
+    try:
+        try:
+            _wait_for_checkpoint(job, run)
+            (job_id,) = re.findall(r"Submitted batch job (\d+)", (tmp_path / "out.txt").read_text())
+            subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=env, check=True, timeout=60)
+            job.wait(timeout=120)
+        finally:
+            _kill(job)
+        preempted = _preempted(job, tmp_path, "SIGUSR1", lines=2)
+        assert "-step-" in preempted.name  # mid-epoch
+        assert "tfkv-run: its Slurm batch job requeued itself" in (tmp_path / "out.txt").read_text()
+        _slurm_job(job_id, env, lambda f: f.get("Restarts") == "1" and f.get("JobState") == "PENDING")
+        time.sleep(1.5)  # see the requeue test above: not within the second the first run's credential was revoked
+        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, check=True, timeout=60)
+        fields = _slurm_job(job_id, env, lambda f: f.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"))
+    finally:
+        if job_id:
+            subprocess.run(["scancel", job_id], env=env, timeout=60)
+    log = (run / "launch" / "slurm" / "job.log").read_text()
+    assert (fields["JobState"], fields["Restarts"], fields["ExitCode"]) == ("COMPLETED", "1", "0:0"), log[-3000:]
+    assert f"tfkv: requeueing Slurm job {job_id} (restart 1)" in log and f"resumed from {preempted}" in log, log[-3000:]
+    assert not (run / "launch" / "curve.key").exists()  # the job's keys, kept for its second run, went with it
+    _same_weights(run / "checkpoints" / "epoch-0002", dist_straight() / "checkpoints" / "epoch-0002")
 
 
 # -- cluster.spare_hosts ----------------------------------------------------------------------------

@@ -106,12 +106,15 @@ def _launch(cfg: Any, run_dir: Path, overrides: list[str], cwd: Path) -> float:
     opts = job.Options(**{f.name: c[f.name] for f in dataclasses.fields(job.Options) if f.name in c})
     # resume=true means an earlier run of this command here, where its outputs are; the workers
     # get the checkpoint's path as they see it (under sync_dst_dir on the hosts of a synced tree).
+    resume_auto = cfg.resume == checkpoint.AUTO
     resume_from = checkpoint.find_resume(cfg.resume, run_dir, cwd, overrides)
     if resume_from:  # before any role starts
         from omegaconf import OmegaConf
 
         checkpoint.check_fits(resume_from, OmegaConf.to_container(cfg, resolve=True))
     cfg.resume = job.remote_path(opts, cwd, resume_from) if resume_from else False
+    if resume_auto and job.requeues_itself(opts):  # run again by Slurm, without this launcher: the
+        cfg.resume = checkpoint.AUTO  # workers look in the run directory themselves, each time
     hc = HydraConfig.get()
     env = worker.record(cfg, run_dir, hc)
     python = sys.executable if c.launcher == "local" else c.get("python", "python3")
@@ -140,6 +143,9 @@ def _launch(cfg: Any, run_dir: Path, overrides: list[str], cwd: Path) -> float:
         sys.exit(result.returncode)
     if preempted:  # worker 0 checkpointed and stopped; the rest of the job stopped with it
         print(f"tfkv-run: {preempted}", file=sys.stderr)
+        if result.requeued:  # the slurm launcher's batch job: it goes on from there by itself
+            print(f"tfkv-run: its Slurm batch job requeued itself and continues from that checkpoint without "
+                  f"tfkv-run (squeue; its output: {run_dir / 'launch' / 'slurm' / 'job.log'})", file=sys.stderr)
         sys.exit(EXIT_PREEMPTED)
     if result.failure:
         raise ClusterFailed(f"the {cfg.kvstore.type} job failed: {result.failure}; logs in {run_dir}")

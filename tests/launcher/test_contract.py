@@ -106,7 +106,7 @@ def _slurm_checks(cwd: Path, out: str) -> None:
     script = (cwd / "rec" / "launch" / "slurm" / "job.sh").read_text()
     assert f"\nsrun -n {WORKERS + SERVERS + 1} --kill-on-bad-exit=1" in script
     assert f"trap 'echo SIGUSR1 > {cwd / 'rec' / '.preempt'}' USR1" in script
-    assert f"trap 'echo SIGTERM > {cwd / 'rec' / '.preempt'}' TERM" in script
+    assert f"-m tfkv.launcher.requeue {cwd / 'rec'}; then exec sleep 600; fi" in script
 
 
 def _sge_checks(cwd: Path, out: str) -> None:

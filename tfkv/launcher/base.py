@@ -41,6 +41,7 @@ class Job:
 class Result:
     returncode: int
     failure: str | None  # what failed first, e.g. "worker 1 @node2 exited with status 1"
+    requeued: bool = False  # preempted, the batch job requeued itself: it goes on without the launcher
 
 
 class Launcher(Protocol):

@@ -41,6 +41,14 @@ def remote_path(opts: Options, workdir: Path, path: Path) -> str:
     return str(path)
 
 
+def requeues_itself(opts: Options) -> bool:
+    """Whether the job may run again without this launcher: the slurm launcher's batch job, which
+    requeues itself after a preemption (tfkv.launcher.slurm.batch_script)."""
+    from tfkv.launcher.slurm import in_allocation
+
+    return opts.launcher == "slurm" and not in_allocation()
+
+
 def knob_values(opts: Options, settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Every backend knob's effective value for this job (tfkv.knobs): the launching shell's
     variable, else `settings` (tfkv-run: the config's kvstore.* and cluster.* keys), else the
@@ -214,6 +222,7 @@ def _launch(opts: Options, job: base.Job, run_dir: Path, argv: Sequence[str], ou
     pin_scheduler(job)
     record.write(run_dir, opts.launcher, job, argv, versions, opts.hostfile)
     tee = record.Tee(out, run_dir / "launch" / "job.log")
+    result: base.Result | None = None
     try:
         with signals.stop_once(preempt=(lambda: _preempt(run_dir)) if preemptible else None) as stop:
             try:
@@ -224,7 +233,8 @@ def _launch(opts: Options, job: base.Job, run_dir: Path, argv: Sequence[str], ou
         return base.Result(stop.status, result.failure) if stop.status else result
     finally:
         tee.close()
-        (Path(run_dir) / "launch" / "curve.key").unlink(missing_ok=True)  # the job's keys die with it
+        if not (result is not None and result.requeued):  # a requeued job's script removes them at its end
+            (Path(run_dir) / "launch" / "curve.key").unlink(missing_ok=True)  # the job's keys die with it
 
 
 def _preempt(run_dir: Path) -> None:

@@ -8,6 +8,10 @@ asks Slurm to requeue that job. The job keeps its id, so a run directory named a
 `resume=auto` continues from the checkpoint. Only a job Slurm may requeue is asked (a batch job,
 `Requeue=1`: `sbatch --requeue`, or the cluster's JobRequeue=1 default); otherwise one line says
 why not and the run exits 75 as before, for its owner to run again.
+
+`python -m tfkv.launcher.requeue RUN_DIR` does the same from the slurm launcher's batch script
+(tfkv.launcher.slurm.batch_script), after its roles' step ended preempted; status 0 when the job
+was requeued.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -73,3 +78,33 @@ def requeue(run_dir: Path | None, say: Callable[[str], None], environ: Mapping[s
             "submit it again by hand")
         return False
     return True
+
+
+def workers_resume(run_dir: Path) -> str:
+    """The resume setting the workers of the job in `run_dir` start with (its config record,
+    config_resolved.yaml); "auto" where there is none (a tfkv-launch job's own command)."""
+    import yaml
+
+    try:
+        # the launcher's record of the workers' config (tfkv.worker.RECORD, which this layer does not import)
+        return str(yaml.safe_load((Path(run_dir) / "config_resolved.yaml").read_text()).get("resume"))
+    except (OSError, AttributeError, yaml.YAMLError):
+        return "auto"
+
+
+def main(run_dir: Path) -> int:
+    """The batch script's requeue: only a job whose workers resume by themselves (resume=auto), as
+    a requeued one must, to continue from the checkpoint and not start afresh over it."""
+    def say(line: str) -> None:
+        print(f"tfkv: {line}", flush=True)
+
+    resume = workers_resume(run_dir)
+    if resume != "auto":
+        say(f"not requeued: the job's workers start with resume={resume}, so a requeued job would not "
+            "continue from the checkpoint; run it with resume=auto to have it requeued")
+        return 1
+    return 0 if requeue(run_dir, say) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1])))

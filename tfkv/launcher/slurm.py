@@ -20,13 +20,16 @@ Outside an allocation the launcher submits a batch script that runs the same sru
 (`sbatch --wait`, so the launcher waits for the job and gets its exit code) and streams the job's
 output file back, which therefore has to be on a file system the launcher sees (the run directory's
 launch/slurm/, or /tmp when there is none). That script passes Slurm's warning ahead of a
-preemption (`--signal=B:USR1@N`) on as the run directory's preemption flag (`batch_script`); a
-preempted tfkv-run inside an allocation requeues the allocation's job (tfkv.launcher.requeue).
+preemption (`--signal=B:USR1@N`) on as the run directory's preemption flag and, once worker 0
+checkpointed and stopped the job, requeues the job itself (`batch_script`): the launcher then
+leaves it be (its workers resume by themselves, resume=auto) and exits 75. A preempted tfkv-run
+inside an allocation requeues the allocation's job (tfkv.launcher.requeue).
 
 Teardown: `--kill-on-bad-exit=1` makes Slurm kill every task as soon as one exits non-zero. On
 Ctrl-C (or a second SIGTERM: the first is a preemption, tfkv.launcher.signals) the launcher
 cancels the job (`scancel --name`, as the job's unique name is known before its id) or, inside an
-allocation, interrupts srun twice, which makes srun kill the step. Slurm kills each task's whole process tree; the helper also passes signals on to its role.
+allocation, interrupts srun twice, which makes srun kill the step. Slurm kills each task's
+whole process tree; the helper also passes signals on to its role.
 Site-specific flags: TFKV_SRUN_ARGS and TFKV_SBATCH_ARGS (e.g. "-p gpu --time 1:00:00").
 """
 
@@ -46,7 +49,8 @@ from typing import IO
 from tfkv import knobs
 from tfkv.checkpoint import preemption
 from tfkv.errors import ConfigError
-from tfkv.launcher import batch, role, supervisor
+from tfkv.keys import KEYFILE
+from tfkv.launcher import batch, requeue, role, supervisor
 from tfkv.launcher.base import Job, Result
 from tfkv.launcher.process import signal_group, status_text
 from tfkv.launcher.record import local_versions
@@ -134,22 +138,31 @@ def batch_script(job: Job, name: str, environ: dict[str, str] | None = None) -> 
     """The batch job: the srun of every role. Slurm's warning ahead of a preemption or the time
     limit (`--signal=B:USR1@N` in cluster.sbatch_args) comes to this script alone, which leaves
     the run directory's preemption flag for worker 0 (tfkv.checkpoint.preemption): it
-    checkpoints at its next step and stops the job, and tfkv-run exits 75. SIGTERM (Slurm's
-    stop, to every process of the job) does the same, and the script waits for srun: its own end
-    would end the job before worker 0 checkpointed."""
-    flag = shlex.quote(str(Path(job.remote_run_dir or job.run_dir or ".") / preemption.FLAG))
+    checkpoints at its next step and stops the job, and tfkv-run exits 75; the script then
+    requeues its job (`python -m tfkv.launcher.requeue`, where Slurm may requeue it: sbatch
+    --requeue), keeping the job's key file for the next run, and waits for Slurm to end it. (Not
+    SIGTERM, Slurm's stop to every process of the job: srun takes it as the order to kill its
+    step at once, so the warning ahead of it is what saves the step.)"""
+    run_dir = Path(job.remote_run_dir or job.run_dir or ".")
+    flag = shlex.quote(str(run_dir / preemption.FLAG))
+    keyfile = role.common_env(job.plan).get(KEYFILE)
     return ("#!/bin/bash\n"
             f"# tfkv: every role of the job as one srun step; SLURM_PROCID decides the role.\n"
             f"trap 'echo SIGUSR1 > {flag}' USR1\n"
-            f"trap 'echo SIGTERM > {flag}' TERM\n"
             f"{shlex.join(srun_argv(job, name, environ))} &\n"
             "while wait $!; rc=$?; [ $rc -gt 128 ] && kill -0 $! 2>/dev/null; do :; done  # a trap ended a wait\n"
-            "exit $rc\n")
+            "# worker 0 checkpointed and stopped the job: requeue it (Slurm then ends this script), and the\n"
+            "# workers, with resume=auto, continue from the checkpoint when it runs again\n"
+            f"if [ -e {shlex.quote(str(run_dir / preemption.DONE))} ] && "
+            f"{shlex.quote(job.python)} -m tfkv.launcher.requeue {shlex.quote(str(run_dir))}; then exec sleep 600; fi\n"
+            + (f"rm -f {shlex.quote(keyfile)}  # the job's keys die with it\n" if keyfile else "")
+            + "exit $rc\n")
 
 
 def sbatch_argv(job: Job, name: str, script: str, output: str, environ: dict[str, str] | None = None) -> list[str]:
     environ = os.environ if environ is None else environ
-    return ["sbatch", "--wait", "-J", name, "-n", str(len(job.plan)), "-o", output, "--chdir", str(job.workdir),
+    return ["sbatch", "--wait", "-J", name, "-n", str(len(job.plan)), "-o", output, "--open-mode=append",
+            "--chdir", str(job.workdir),
             "--export=ALL", *shlex.split(knobs.get("cluster.sbatch_args", environ)), script]
 
 
@@ -203,15 +216,26 @@ class SlurmLauncher:
         done = threading.Event()
         output.tail(log, done)
         over = False  # the job ended and we stopped sbatch --wait ourselves: its status says nothing
+        requeued = False  # preempted, the job requeued itself (batch_script): it goes on without us
 
         def ended() -> bool:
+            nonlocal requeued
             # sbatch --wait notices the end only at its next poll (seconds): once every role
             # ended, or one failed (Slurm then kills the rest), ask squeue.
             done = not output.ends.running() or output.ends.failed
-            return proc.poll() is not None or bool(done and output.found and self._gone(output.found[0], env))
+            if done and output.found and (Path(job.run_dir or ".") / preemption.DONE).exists():
+                # a job this launcher submitted starts with no restarts: one now is the script's requeue
+                requeued = requeued or int(requeue.job_fields(output.found[0], env).get("Restarts") or 0) > 0
+            return requeued or proc.poll() is not None or bool(done and output.found and
+                                                                self._gone(output.found[0], env))
 
         def teardown() -> None:
             nonlocal over
+            if requeued:  # not cancelled; sbatch --wait would wait for its next run: killed, which leaves the job be
+                batch.stop(proc, grace=0, first=signal.SIGKILL)
+                done.set()
+                output.join()
+                return
             if proc.poll() is None:
                 if not (output.found and self._gone(output.found[0], env)):
                     batch.quietly(["scancel", "--name", name], env, timeout=60)
@@ -225,6 +249,8 @@ class SlurmLauncher:
             output.join()
 
         failure = supervisor.supervise(output.ends, ended, teardown, extra=TEARDOWN, interval=0.1)
+        if requeued:
+            return Result(supervisor.returncode(failure or "preempted"), failure or "preempted", requeued=True)
         return self._result(failure, output, None if over else proc.returncode, "the Slurm job", "[sbatch] ")
 
     @staticmethod
