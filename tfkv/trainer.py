@@ -207,7 +207,9 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | No
             # BatchNorm statistics: this worker's copies averaged; worker 0's are evaluated and saved.
             dp.sync_non_trainable()
             # Each worker evaluates its part of the test split; the parts' tallies are summed.
+            t_eval = time.perf_counter()
             test = dp.evaluate_split(source.test)
+            eval_seconds = time.perf_counter() - t_eval
             # Workers of a synchronous job move in step: the job's rate is this worker's times
             # the number of workers.
             record = {
@@ -220,6 +222,7 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | No
                 "lr": lr_at(epoch * steps),  # of the epoch's last update
                 # the test split's examples, and how many of them this worker evaluated
                 "evaluated_examples": dp.evaluated[1], "worker_evaluated_examples": dp.evaluated[0],
+                "eval_seconds": eval_seconds,  # this worker's, the parts' sum included
             }
             if first:  # the training values are of the steps after the checkpoint
                 record["resumed_at_step"] = first
