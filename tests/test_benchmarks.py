@@ -16,7 +16,7 @@ CASES = [
     ("bench_scaling.py", ["--seconds", "0.3", "--trials", "1", "--workers", "2"], "secure/plain"),
     ("bench_compression_training.py", ["--seconds", "0.3", "--trials", "1", "--workers", "2", "--overlap-ab"],
      "pushed after backward"),
-    ("bench_dist_training.py", ["--seconds", "0.3", "--trials", "1", "--models", "lenet"], "dist/MWMS"),
+    ("bench_dist_training.py", ["--seconds", "0.3", "--trials", "1", "--models", "lenet", "--no-pss"], "dist/MWMS"),
     ("bench_model_parallel.py", ["--seconds", "0.2", "--trials", "1", "--hidden", "32,32", "--vocab", "200",
                                  "--batch", "16", "--seq-len", "5"], "pipelined / naive"),
     ("bench_sweep.py", ["--lrs", "0.1", "--epochs", "1"], "ratio one-by-one / two-at-once"),

@@ -1,5 +1,6 @@
-"""Failures and hostile input against real clusters: dead nodes in every dist type, resume after
-a crash, and a live server and scheduler under a stream of random and mutated frames."""
+"""Failures and hostile input against real clusters: dead nodes in every dist type, and a live
+server and scheduler under a stream of random and mutated frames (a killed job's exact resume:
+tests/test_long_jobs.py)."""
 
 import json
 import os
@@ -12,7 +13,7 @@ import time
 import numpy as np
 import pytest
 import zmq
-from conftest import REPO, TAG, Launching, role_pid, tagged_pids, tfkv_run
+from conftest import REPO, TAG, Launching, role_pid, tagged_pids
 
 from tfkv.ps import protocol as P
 from tfkv.ps import channel, security, strangers
@@ -137,50 +138,6 @@ def test_live_server_and_scheduler_survive_fuzzing(cluster):
     result = json.loads(out.read_text())
     # SGD lr=0.01 on a gradient of 1 per step: nothing from the strangers was applied.
     assert result["value"] == pytest.approx(-0.01 * (result["steps"] + 0), rel=1e-4)
-
-
-JOB = ["kvstore=dist_sync", "cluster=local", "cluster.num_workers=2", "dataset=synthetic",
-       "dataset.shape=[16,16,3]", "dataset.num_train=1024", "model=lenet", "epochs=3", "batch_size=32",
-       "optimizer.lr=0.02", "progress=false"]
-
-
-def _weights(run):
-    with np.load(run / "checkpoints" / "epoch-0003" / "weights.npz") as f:
-        return [f[k] for k in sorted(f.files)]
-
-
-@pytest.mark.slow
-def test_a_killed_dist_sync_job_resumes_to_the_same_weights(tmp_path):
-    clean, crashed = tmp_path / "clean", tmp_path / "crashed"
-    clean.mkdir(), crashed.mkdir()
-    tfkv_run(*JOB, cwd=clean, timeout=400)
-    (clean_run,) = [p.parent for p in clean.glob("outputs/*/*/metrics.json")]
-
-    env = {**os.environ, TAG: f"resume-{tmp_path.name}"}
-    proc = subprocess.Popen(["tfkv-run", *JOB], cwd=crashed, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + 300
-    while not list(crashed.glob("outputs/*/*/checkpoints/epoch-0002")):
-        assert proc.poll() is None and time.time() < deadline, "the job ended before it could be killed"
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every role with it: a crash
-    proc.wait(timeout=30)
-    deadline = time.time() + 15
-    while tagged_pids(env[TAG]) and time.time() < deadline:
-        time.sleep(0.1)
-    assert not tagged_pids(env[TAG], wait=15)
-    (first,) = [p for p in crashed.glob("outputs/*/*") if (p / ".hydra").is_dir()]
-    assert not (first / "checkpoints" / "epoch-0003").exists()
-
-    out = tfkv_run(*JOB, "resume=true", cwd=crashed, timeout=400)
-    assert "resumed from" in out.stdout + out.stderr
-    resumed = [p for p in crashed.glob("outputs/*/*") if (p / ".hydra").is_dir() and p != first][0]
-    metrics = json.loads((resumed / "metrics.json").read_text())
-    assert [h["epoch"] for h in metrics["history"]] == [1, 2, 3]
-    # The launcher chose the checkpoint and recorded its path: the config every worker ran.
-    assert f"resume: {first / 'checkpoints' / 'epoch-000'}" in (resumed / "config_resolved.yaml").read_text()
-    for a, b in zip(_weights(resumed), _weights(clean_run)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 # -- how a worker leaves, and who is blamed -------------------------------------------------------
