@@ -342,11 +342,12 @@ def test_small_keys_are_pushed_and_pulled_together(cluster):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nkeys,size,steps,fusion", [(10_000, 1_000, 3, 512 << 10), (100_000, 2, 1, 0)])
+@pytest.mark.parametrize("nkeys,size,steps,fusion", [(10_000, 1_000, 3, 512 << 10), (20_000, 2, 1, 0)])
 def test_many_keys_every_reply_arrives_exactly(cluster, nkeys, size, steps, fusion):
     """More replies in flight than ZeroMQ's default high-water mark (1,000 messages): none is
-    dropped, every update is applied once. 100,000 keys go one message each (fusion off), so
-    that ZeroMQ carries 100,000 replies; 10,000 keys in batches."""
+    dropped, every update is applied once. 20,000 keys go one message each (fusion off), so
+    that ZeroMQ carries 20 times its high-water mark in replies (100,000 passed too, in 70 s of
+    CI's 20 minutes); 10,000 keys in batches."""
     from conftest import expected
 
     # A heartbeat timeout for a loaded machine (as in test_soak): the point is the replies.
