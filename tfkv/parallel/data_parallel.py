@@ -174,7 +174,8 @@ class DataParallel(Parallel):
             grads, finite = self._grads(x, y)
             t1 = clock()
             if self.loss_scale is not None:
-                finite = self._every_worker_finite(bool(finite))
+                # dist_sync: every worker skips the same steps, so the weights stay alike
+                finite = self.store.all_workers(bool(finite))
                 self.loss_scale.update(finite)
                 if not finite:
                     tm["compute"] += t1 - t0
@@ -192,12 +193,6 @@ class DataParallel(Parallel):
         tm["pull"] += waited
         tm["assign"] += t3 - t2 - waited
         tm["steps"] += 1
-
-    def _every_worker_finite(self, finite: bool) -> bool:
-        """Whether no worker of a synchronous job saw a non-finite gradient this step (a vote
-        through the store before anything is pushed), so every worker skips the same steps and
-        the weights stay alike. dist_async's workers do not wait for each other: each skips its own."""
-        return self.store.all_workers(finite)
 
     def _forward_backward_pushing(self, x: Any, y: Any) -> None:
         grads = self._forward_backward(x, y)
@@ -341,7 +336,6 @@ class DataParallel(Parallel):
 
     def weight_names(self) -> list[str]:
         return [f"{i:04d}/{v.path}" for i, v in enumerate(self.replicas[0].weights)]
-
 
 
 @contextlib.contextmanager

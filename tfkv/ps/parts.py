@@ -17,9 +17,6 @@ from tfkv.ps import dtypes
 
 NAMED_KEY_BASE = 1 << 40  # keys that are not ints in [0, 2**40) get ids from here, in init order
 CHUNK_SHIFT = 48  # chunk j > 0 of key id k is key k + (j << 48) on its server (ids stay < 2**48)
-# The one server-side key that is summed and never updated by the optimizer: the workers' vote
-# (DistStore.all_workers), above every id an int or a named key gets in practice.
-VOTE_KEY = (1 << CHUNK_SHIFT) - 1
 
 
 @dataclass

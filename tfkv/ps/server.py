@@ -38,7 +38,7 @@ import zmq
 
 from tfkv import optim
 from tfkv.errors import TfkvError
-from tfkv.ps import channel, compression, dtypes, parts
+from tfkv.ps import channel, compression, dtypes
 from tfkv.ps import protocol as P
 from tfkv.ps import security
 from tfkv.ps.cluster_env import ClusterEnv
@@ -368,7 +368,7 @@ class Server:
     def _close_round(self, key: int, r: Round) -> None:
         assert r.merged is not None
         value = self.values[key]
-        if self.updater is not None and key != parts.VOTE_KEY:  # the workers' vote is a plain sum
+        if self.updater is not None:
             self.values[key] = self.updater.update(key, value, r.merged)
         else:
             self.values[key] = r.merged if value.dtype == _F32 else r.merged.astype(value.dtype)

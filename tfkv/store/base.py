@@ -171,8 +171,7 @@ class KVStore(ABC):
 
     def all_workers(self, ok: bool) -> bool:
         """True when every worker of the job passed True at this call, which every worker of a
-        synchronous job makes at the same point: a vote, one tiny round trip to a server (a
-        step's, where sum_over_workers' scheduler barrier costs tens of ms). With one worker,
+        synchronous job makes at the same point: a vote, a one-value sum_over_workers. With one worker,
         or dist_async (whose workers never wait for each other), this worker's own `ok`."""
         return bool(ok)
 

@@ -338,29 +338,11 @@ class DistStore(KVStore):
         self.link.barrier()
 
     def all_workers(self, ok: bool) -> bool:
-        """Every worker pushes 0 (ok) or 1 to the servers' vote key, summed and never updated
-        (parts.VOTE_KEY), and pulls the round's sum: 0 means every worker was ok."""
+        """Whether every worker of a synchronous job was ok: a one-value sum through the
+        scheduler's barrier (sum_over_workers). dist_async's workers never wait for each other."""
         if not self.sync or self.num_workers == 1:
             return bool(ok)
-        layout = self._layouts.get(parts.VOTE_KEY)
-        if layout is None:  # the first vote: every worker of a synchronous job is here together
-            layout = self._layouts[parts.VOTE_KEY] = parts.plan(parts.VOTE_KEY, (1,), self.servers.count,
-                                                                self.env.bigarray_bound, self.env.chunk_bytes)
-            if self.rank == 0:
-                self.servers.send(layout.parts[0][0], P.Message(P.Type.INIT, key=parts.VOTE_KEY,
-                                                                 data=np.zeros(1, np.float32)))
-            self.barrier()
-        server, a, b, skey = layout.parts[0]
-        vote = np.array([0.0 if ok else 1.0], np.float32)
-        self.servers.send(server, P.Message(P.Type.PUSH, key=skey, data=vote, want_ack=self.env.resend),
-                          track=self.env.resend, hold=not self.env.resend)
-        if self.env.resend:  # the pull must not overtake a push being resent (as pushpull_async)
-            self._settle_pushes()
-        else:
-            self.servers.unsynced.add(server)
-        pull = Pull("vote", layout, [])
-        pull.expect([(self.servers.send(server, P.Message(P.Type.PULL, key=skey)), a, b)])
-        return float(self.wait([pull])["vote"][0]) == 0.0
+        return float(self.sum_over_workers([0.0 if ok else 1.0])[0]) == 0.0
 
     def _require_optimizer(self) -> None:
         # Asked before any request goes out, as the local store does: the servers would each
