@@ -251,7 +251,9 @@ def fusion(kv, out):
 
     def counting(server, frames):  # per ZeroMQ message: (type, keys) of each request in it
         requests = [P.decode(m, max_count=10**7) for m in P.split(frames)]
-        puts.append([[r.type.name, len(r.meta["keys"]) if r.type == P.Type.PUSHPULL else 1] for r in requests])
+        # A PUSHPULL without a key list is one key's, named in its header.
+        puts.append([[r.type.name + (" one" if r.type == P.Type.PUSHPULL and r.meta is None else ""),
+                      len(r.meta["keys"]) if r.type == P.Type.PUSHPULL and r.meta else 1] for r in requests])
         return real_put(server, frames)
 
     kv.servers._put = counting

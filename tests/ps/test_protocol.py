@@ -398,9 +398,13 @@ def test_malformed_half_precision_frames_are_refused(code, dtype):
         P.decode([_header(dtype=int(code), count=4), b"\0" * 7])
     for type_, flags, meta in ((P.Type.SET_STATE, P.FLAG_META, [b'{"names":[],"count":0}']),
                                (P.Type.GET_STATE, 0, []), (P.Type.PUSHPULL, P.FLAG_META, [b'{"keys":[1]}'])):
-        with pytest.raises(P.ProtocolError, match="half-precision payloads are only for INIT, PUSH and PULL"):
+        with pytest.raises(P.ProtocolError, match="half-precision payloads are only for INIT, PUSH, PULL and a one-key "
+                                                  "PUSHPULL"):
             P.decode([_header(type=int(type_), flags=P.FLAG_DATA | flags, dtype=int(code), count=4), *meta,
                       b"\0" * 8])
+    # A one-key PUSHPULL (no key list) carries its key's dtype, as a PUSH does.
+    one = P.decode([_header(type=int(P.Type.PUSHPULL), flags=P.FLAG_DATA, dtype=int(code), count=4), b"\0" * 8])
+    assert one.meta is None and one.data.dtype == dtype and one.data.size == 4
     # The limit counts float32 values: a half payload may hold twice as many (the same bytes).
     assert P.decode([_header(dtype=int(code), count=8), b"\0" * 16], max_count=4).data.size == 8
     with pytest.raises(P.ProtocolError, match="exceed the limit"):

@@ -329,16 +329,16 @@ def test_a_busy_server_still_answering_is_not_timed_out(cluster):
 def test_small_keys_are_pushed_and_pulled_together(cluster):
     """200 small keys pushed and pulled one call each (as backprop's hooks do) go to their
     servers as PUSHPULL requests of many keys, in a handful of ZeroMQ messages, not 400; the
-    large key goes as a PUSH and a PULL in one message, before the wait; every value is exact
-    (2 workers, SGD lr=1: 50 - (1 + 2))."""
+    large key goes as a PUSHPULL of its own (no key list, its payload last), before the wait;
+    every value is exact (2 workers, SGD lr=1: 50 - (1 + 2))."""
     _, outs = _job(cluster, "fusion", num_servers=2, num_workers=2)
     for r in _results(outs):
         assert r["small"] == [47.0] and r["big"] == [-2.0, -2.0]
         requests = [req for message in r["puts"] for req in message]
         assert sum(n for kind, n in requests if kind == "PUSHPULL") == 200
-        assert sorted(kind for kind, _ in requests if kind != "PUSHPULL") == ["PULL", "PUSH"]
+        assert sorted(kind for kind, _ in requests if kind != "PUSHPULL") == ["PUSHPULL one"]
         assert len(r["puts"]) <= 2 * r["servers"] + 2, r["puts"]
-        assert ["PUSH", 1] in [req for message in r["before_wait"] for req in message]  # the large push
+        assert ["PUSHPULL one", 1] in [req for message in r["before_wait"] for req in message]  # the large key
 
 
 @pytest.mark.slow

@@ -59,8 +59,8 @@ WINDOW = 1 << 14  # counters (pieces) this far behind the newest may still arriv
 # pieces of 256 KiB, 0.74 ms whole (64 KiB: 2.2 ms). A piece is at most 1 MiB so that a sealed
 # one (plus TAG) stays under protocol.MAX_FRAME, the cap of a socket strangers can reach.
 PIECE = 1 << 20
-# Whole frames (of at most PIECE bytes) travel together up to this many bytes: a 1 MiB push, its
-# header and the pull request behind it are one message (each frame is still sealed on its own,
+# Whole frames (of at most PIECE bytes) travel together up to this many bytes: a 1 MiB PUSHPULL
+# and its header are one message (each frame is still sealed on its own,
 # so no frame on the wire passes the cap).
 GROUP = 2 * PIECE
 # A frame over PIECE bytes goes in runs of this many pieces per ZeroMQ message (each piece its own

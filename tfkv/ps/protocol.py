@@ -94,7 +94,8 @@ class Type(enum.IntEnum):
     SET_STATE = 26
     PING = 27  # answered with ACK once every earlier request on the connection is applied
     SET_COMPRESSION = 28  # meta: {"type": "2bit", "threshold": t}, how TWOBIT pushes decode
-    PUSHPULL = 29  # meta: keys; data: their pushes end to end; reply data: their values end to end
+    PUSHPULL = 29  # meta: keys; data: their pushes end to end; reply data: their values end to end.
+    # Without meta: the header's key pushed, then pulled (answered as its PULL)
     ACK = 30
     ERROR = 31  # meta: message
 
@@ -225,8 +226,10 @@ def decode(frames: Sequence[Any], max_count: int | None = None) -> Message:
             raise ProtocolError(f"{kind.name}: {count} elements exceed the limit of {max_count}")
         if dtype == DType.TWOBIT and kind != Type.PUSH:
             raise ProtocolError(f"{kind.name}: 2-bit payloads are only for PUSH")
-        if itemsize == 2 and kind not in (Type.INIT, Type.PUSH, Type.PULL):
-            raise ProtocolError(f"{kind.name}: half-precision payloads are only for INIT, PUSH and PULL")
+        if itemsize == 2 and kind not in (Type.INIT, Type.PUSH, Type.PULL) and (kind != Type.PUSHPULL
+                                                                              or flags & FLAG_META):
+            raise ProtocolError(f"{kind.name}: half-precision payloads are only for INIT, PUSH, PULL and a one-key "
+                                "PUSHPULL")
         nbytes = words(count) * 4 if dtype == DType.TWOBIT else count * itemsize
     elif count or dtype:
         raise ProtocolError(f"{kind.name}: count/dtype set without a payload")

@@ -172,8 +172,9 @@ SCHEMAS: dict[tuple[str, bool], Schema] = {
     ("GET_STATE", False): Schema(),
     ("SET_STATE", False): Schema(_STATE, data="optional"),
     ("PING", False): Schema(),
-    # small keys pushed and pulled in one request (tfkv.ps.worker's fusion); keys: server-side ids
-    ("PUSHPULL", False): Schema(obj({"keys": array(integer(), MAX_FUSED_KEYS)}), data="required"),
+    # keys pushed and pulled in one request: small ones fused (tfkv.ps.worker's fusion; keys:
+    # server-side ids), or without metadata one key, the header's
+    ("PUSHPULL", False): Schema(obj({"keys": array(integer(), MAX_FUSED_KEYS)}), data="required", meta_optional=True),
     # server -> worker
     ("PULL", True): Schema(data="required"),
     ("PUSHPULL", True): Schema(data="required"),

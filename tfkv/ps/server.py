@@ -77,7 +77,7 @@ class Round:
     merged: np.ndarray | None = None
     pushed: set[int] = field(default_factory=set)
     pulls: list[tuple[bytes, P.Message | Fused]] = field(default_factory=list)
-    held: list[tuple[bytes, P.Message]] = field(default_factory=list)
+    held: list[tuple[bytes, P.Message]] = field(default_factory=list)  # PUSH or one-key PUSHPULL for the next round
 
 
 class Server:
@@ -380,9 +380,9 @@ class Server:
                 continue
             self._held[pull.sender] -= 1
             self._answer_pull(identity, pull)
-        for identity, push in held:
-            self._held[push.sender] -= push.want_ack
-            self.on_push(identity, push)
+        for identity, push in held:  # a PUSH, or a one-key PUSHPULL (held whole, answered when served)
+            self._held[push.sender] -= 1 if push.type == P.Type.PUSHPULL else push.want_ack
+            self._handlers[push.type](self, identity, push)
 
     def _open_round(self, key: int, sender: int) -> Round | None:
         """The round a pull of `key` by `sender` waits for: one this sender has pushed into (sync)."""
@@ -402,9 +402,20 @@ class Server:
         self.reply(identity, P.Message(P.Type.PULL, seq=msg.seq, key=msg.key, data=self.values[msg.key], reply=True))
 
     def on_pushpull(self, identity: bytes, msg: P.Message) -> None:
-        """Small keys pushed and pulled in one request: each key's push is served as a PUSH of
-        its slice (the same rounds, held pushes and updates), its pull as a PULL whose value goes
-        into one reply. Checked whole before anything is applied."""
+        """Keys pushed and pulled in one request. Without metadata, the header's key: served as
+        its PUSH, then its PULL. Small keys fused: each key's push is served as a PUSH of its slice
+        (the same rounds, held pushes and updates), its pull as a PULL whose value goes into one
+        reply; checked whole before anything is applied."""
+        if msg.meta is None:
+            r = self._open_round(msg.key, msg.sender)
+            if r is not None:  # its push waits for the next round (as a second PUSH would): its pull too
+                r.held.append((identity, msg))
+                self._held[msg.sender] += 1
+                return
+            self.on_push(identity, P.Message(P.Type.PUSH, msg.sender, msg.seq, msg.key, data=msg.data, dtype=msg.dtype,
+                                             want_ack=False))
+            self.on_pull(identity, P.Message(P.Type.PULL, msg.sender, msg.seq, msg.key))
+            return
         keys = msg.meta["keys"]
         if not self.sync and self.updater is None:
             raise RequestError("dist_async needs an optimizer on the servers: without one each push would "
