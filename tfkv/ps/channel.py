@@ -1,16 +1,16 @@
-"""The data plane's encryption: AES-256-GCM on every worker <-> server message, keys per connection.
+"""The data plane's encryption: an AEAD on every worker <-> server message, keys per connection.
 
-CURVE (XSalsa20-Poly1305 in libsodium) runs at ~0.6 GB/s on a CPU where AES-GCM through OpenSSL
-runs at ~10 GB/s with the AES and AVX-512 instructions (`cryptography` 48, OpenSSL 4), so a
-secure job's pushes and pulls travel on a plain ZeroMQ socket, every message sealed here with the
-`cryptography` package's AESGCM (no cipher by hand). The scheduler's control plane (small
-messages) stays on CURVE (tfkv.ps.security).
+CURVE (XSalsa20-Poly1305 in libsodium) runs at ~0.6 GB/s on a CPU where AEGIS-128L runs at ~16.8
+GB/s with the AES instructions (tfkv.ps.aead: libsodium through PyNaCl, no cipher by hand), so a
+secure job's pushes and pulls travel on a plain ZeroMQ socket, every message sealed here. The
+scheduler's control plane (small messages) stays on CURVE (tfkv.ps.security). The handshake's
+primitives (X25519, HKDF, HMAC) come from `cryptography`.
 
 Keys. Every node of a job holds the job's keypair (tfkv.keys); from its secret comes a
 pre-shared key `psk` (HKDF-SHA256). A worker opens each connection with HELLO: a fresh X25519
 public key and an HMAC of it under the psk. The server checks the HMAC, answers WELCOME (its own
 fresh X25519 key, HMAC over both), and both derive this connection's keys by HKDF over the
-X25519 secret and the psk, salted with both public keys: one AES-256 key and one 4-byte nonce
+X25519 secret and the psk, salted with both public keys: one AEGIS-128L key and one 8-byte nonce
 salt per direction. Who lacks the job's key cannot make a HELLO a server accepts, nor read a
 WELCOME; recorded traffic stays unreadable if the job's key leaks later (ephemeral X25519).
 
@@ -35,22 +35,22 @@ import struct
 from typing import Any, Iterator, Sequence
 
 import numpy as np
-from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from tfkv.errors import TfkvError
+from tfkv.ps import aead
+from tfkv.ps.aead import Aead, InvalidTag
 from tfkv.ps.protocol import HEADER, MAGIC as _MAGIC
 
 _PROTOCOL_MAGIC = HEADER.pack(_MAGIC, *[0] * 8)[:2]  # how a bare protocol header begins
 
 MAGIC = b"TE"
-VERSION = 1
+VERSION = 2  # 2: AEGIS-128L (1: AES-256-GCM)
 ENVELOPE = struct.Struct("<2sBBIIQQQQ")  # magic version kind nframes frame size offset first counter
 HELLO, WELCOME, DATA = 1, 2, 3
-TAG = 16  # bytes AES-GCM adds to each frame
+TAG = aead.TAG  # bytes the cipher adds to each sealed part
 WINDOW = 1 << 14  # counters (pieces) this far behind the newest may still arrive: a message held back
 # A protocol frame travels in pieces of at most this many bytes, each its own ZeroMQ message, so
 # that the receiver opens one while the sender seals the next. Each ZeroMQ message costs thread
@@ -124,8 +124,8 @@ class Session:
     """One connection's keys and counters, once the handshake is over."""
 
     def __init__(self, send_key: bytes, send_salt: bytes, recv_key: bytes, recv_salt: bytes):
-        self._send, self._send_salt = AESGCM(send_key), send_salt
-        self._recv, self._recv_salt = AESGCM(recv_key), recv_salt
+        self._send, self._send_salt = Aead(send_key), send_salt
+        self._recv, self._recv_salt = Aead(recv_key), recv_salt
         self._counter = 0  # the next counter this side seals with
         self._newest = -1  # the newest counter accepted
         self._recent: set[int] = set()  # counters accepted within WINDOW of the newest
@@ -134,8 +134,8 @@ class Session:
 
     def seal(self, frames: Sequence[Any]) -> Iterator[list[Any]]:
         """The ZeroMQ messages that carry a protocol message, each sealed as it is asked for: send
-        each at once, so the peer opens a piece while this side seals the next (AES-GCM holds the
-        GIL: the two processes' cores work side by side instead of taking turns). Frames of up to
+        each at once, so the peer opens a piece while this side seals the next (the two processes'
+        cores work side by side instead of taking turns). Frames of up to
         PIECE bytes travel together in one message (up to GROUP bytes); a larger frame in pieces of
         its own."""
         first = self._counter
@@ -165,12 +165,12 @@ class Session:
         counter = self._counter
         self._counter += len(parts)  # one nonce per part
         head = ENVELOPE.pack(MAGIC, VERSION, DATA, nframes, frame, size, offset, first, counter)
+        # numpy's empty, not bytearray: a piece is over glibc's mmap threshold, and bytearray's
+        # fresh zeroed mapping per piece cost 4x the cipher (0.47 against 0.11 ms per MiB).
         out: list[Any] = [head]
         for i, part in enumerate(parts):
-            # numpy's empty, not bytearray: a piece is over glibc's mmap threshold, and bytearray's
-            # fresh zeroed mapping per piece cost 4x the cipher (0.47 against 0.11 ms per MiB).
             sealed = np.empty(len(part) + TAG, np.uint8)
-            self._send.encrypt_into(self._send_salt + (counter + i).to_bytes(8, "little"), part, head, sealed)
+            self._send.seal_into(self._send_salt + (counter + i).to_bytes(8, "little"), part, head, sealed)
             out.append(sealed)
         return out
 
@@ -211,12 +211,12 @@ class Session:
             else:
                 # Opened in place when the received frame is writable (a zmq.Frame): the payload
                 # then views the received buffer, as on a plain socket, with no allocation and
-                # half the memory touched. OpenSSL's GCM decrypts in place; the tag is checked
-                # over the ciphertext as it is read, so a bad tag still raises (tests/ps/test_channel).
+                # half the memory touched. libsodium's AEGIS opens in place; the tag is checked
+                # over what it read, so a bad tag still raises (tests/ps/test_channel).
                 out = sealed[:sizes[i]] if not sealed.readonly else memoryview(np.empty(sizes[i], np.uint8))
                 part.frames.append(out)
             try:
-                self._recv.decrypt_into(self._recv_salt + (counter + i).to_bytes(8, "little"), sealed, aad, out)
+                self._recv.open_into(self._recv_salt + (counter + i).to_bytes(8, "little"), sealed, aad, out)
             except InvalidTag:
                 raise Refused("bad tag", f"part {i + 1} of piece {counter - first} of a message fails "
                                          "authentication") from None
@@ -243,9 +243,11 @@ class Session:
 
 
 def _derive(psk_: bytes, shared: bytes, worker_public: bytes, server_public: bytes) -> tuple[bytes, ...]:
-    okm = HKDF(hashes.SHA256(), 72, salt=worker_public + server_public,
-               info=b"tfkv data plane v1 keys").derive(shared + psk_)
-    return okm[0:32], okm[32:36], okm[36:68], okm[68:72]  # worker->server key, salt; server->worker
+    k, n = aead.KEY, aead.NONCE - 8  # a nonce is the direction's salt and an 8-byte counter
+    okm = HKDF(hashes.SHA256(), 2 * (k + n), salt=worker_public + server_public,
+               info=b"tfkv data plane v2 keys").derive(shared + psk_)
+    # worker->server key, salt; server->worker key, salt
+    return okm[:k], okm[k:k + n], okm[k + n:2 * k + n], okm[2 * k + n:]
 
 
 class Hello:

@@ -48,7 +48,7 @@ HEADER = struct.Struct("<HBBBBHIQQ")  # magic version type flags dtype sender se
 # The largest frame a socket accepts when its peers are not known to be of the job (ZMQ_MAXMSGSIZE,
 # see the docstring and `max_frame`): 1 MiB and room for what wraps a frame. CURVE's MESSAGE command
 # adds about 40 bytes that libzmq counts against the cap (a frame of exactly the cap got its sender
-# disconnected and the message lost in every secure job), the data plane's AES-GCM 16 (tfkv.ps.channel).
+# disconnected and the message lost in every secure job), the data plane's tag 32 (tfkv.ps.channel).
 MAX_FRAME = (1 << 20) + 4096
 MAX_META = 1 << 20  # metadata is one frame: encode refuses more, decode too
 
