@@ -36,7 +36,7 @@ from typing import Any, Hashable, Iterator, Sequence
 import numpy as np
 
 from tfkv import optim
-from tfkv.ps import compression, dtypes, parts
+from tfkv.ps import compression, dtypes, memory, parts
 from tfkv.ps import protocol as P
 from tfkv.ps.cluster_env import ClusterEnv
 from tfkv.ps.parts import Layout, Pull
@@ -60,6 +60,7 @@ class DistStore(KVStore):
 
             sys.exit(run_role(env))
         self.env = env
+        memory.keep_freed_buffers()  # the same large buffers every step (tfkv.ps.memory)
         self._devices = list(devices or [])
         self.link = SchedulerLink(env, "worker")
         self.servers = ServerLink(env, self.link, self._key_name)
