@@ -33,6 +33,7 @@ log = logging.getLogger("tfkv.ps")
 MAX_BATCH_FRAMES = 1024  # a batch of small requests is sent once it holds this many frames
 FUSED_KEY_BYTES = 64 << 10  # a key part up to this size may be pushed and pulled in a PUSHPULL
 MAX_FUSED = 1024  # keys in one PUSHPULL (protocol.schema admits MAX_FUSED_KEYS)
+TICK = 0.05  # seconds between two looks for silent servers and overdue resends (`tick`)
 
 
 class DistError(TfkvError, RuntimeError):
@@ -82,6 +83,7 @@ class ServerLink:
         self._probes: dict[int, tuple[int, float]] = {}  # server -> (seq, sent_at) of a PING in flight
         self.replies: dict[int, P.Message] = {}  # data replies not yet taken by the caller
         self.unsynced: set[int] = set()  # servers with pushes not yet known to be applied
+        self._next_tick = 0.0  # when `tick` next looks
         # Sockets are not thread-safe: pushpull_async may run on a TensorFlow op's thread.
         self.lock = threading.RLock()
 
@@ -260,8 +262,9 @@ class ServerLink:
                     error = self._arrived(server, message, arrived) or error
             if error is not None:
                 raise error
-            # Whatever came meanwhile: a poll, where a receive that finds nothing raises (3x the cost).
-            ready = self._poller.poll(0)
+            # Whatever came meanwhile: a poll, where a receive that finds nothing raises (3x the cost);
+            # none once nothing is awaited (a late answer waits for the next receive).
+            ready = self._poller.poll(0) if self.pending else []
         return arrived
 
     def _arrived(self, server: int, frames: Sequence[Any], arrived: list[int]) -> DistError | None:
@@ -351,7 +354,13 @@ class ServerLink:
                 self._probes[server] = (self.send(server, P.Message(P.Type.PING)), now)
 
     def tick(self) -> None:
-        """What a wait does between polls: resend (PS_RESEND), ask silent servers."""
+        """What a wait does between polls: resend (PS_RESEND), ask silent servers. At most every
+        TICK seconds: both look for silence of a second or more, and a wait of many quick replies
+        calls this after each."""
+        now = time.monotonic()
+        if now < self._next_tick:
+            return
+        self._next_tick = now + min(TICK, self.env.resend_timeout / 2)
         with self.lock:
             if self.env.resend:
                 self._resend_overdue_locked()
