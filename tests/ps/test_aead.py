@@ -58,3 +58,21 @@ def test_libsodium_was_initialised_with_the_cpus_aes_instructions():
     with open("/proc/cpuinfo") as f:
         flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
     assert bool(lib.crypto_aead_aes256gcm_is_available()) == ("aes" in flags and "pclmulqdq" in flags)
+
+
+def test_buffers_too_small_and_nonces_of_another_length_are_refused_before_libsodium_runs():
+    data, sealed = _sealed()
+    box = aead.Aead(b"k" * 16)
+    with pytest.raises(ValueError, match="too small"):
+        box.seal_into(b"n" * 16, memoryview(data), b"", np.empty(len(data) + aead.TAG - 1, np.uint8))
+    with pytest.raises(ValueError, match="too small"):
+        box.open_into(b"n" * 16, sealed, b"envelope", np.empty(len(data) - 1, np.uint8))
+    with pytest.raises(ValueError, match="16 bytes"):
+        box.seal_into(b"n" * 12, memoryview(data), b"", np.empty(len(data) + aead.TAG, np.uint8))
+    # A float32 array is its bytes, not its elements.
+    floats = np.arange(10, dtype=np.float32)
+    out = np.empty(floats.nbytes + aead.TAG, np.uint8)
+    box.seal_into(b"n" * 16, floats, b"", out)
+    back = np.empty(10, np.float32)
+    box.open_into(b"n" * 16, out, b"", back)
+    assert np.array_equal(back, floats)

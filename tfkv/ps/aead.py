@@ -35,7 +35,8 @@ class InvalidTag(TfkvError, ValueError):
 
 
 class Aead:
-    """One direction's key: `seal_into` and `open_into` work on any buffers, none copied."""
+    """One direction's key: `seal_into` and `open_into` work on any buffers (their bytes), none
+    copied; sizes and the nonce's length are checked, since libsodium only gets pointers."""
 
     def __init__(self, key: bytes):
         if len(key) != KEY:
@@ -43,15 +44,26 @@ class Aead:
         self._key = bytes(key)
 
     def seal_into(self, nonce: bytes, data: Any, aad: Any, out: Any) -> None:
-        """`out` (len(data) + TAG bytes, writable) gets `data` sealed under `nonce` with `aad`."""
-        lib.crypto_aead_aegis128l_encrypt(ffi.from_buffer(out, require_writable=True), ffi.NULL,
-                                          ffi.from_buffer(data), len(data), ffi.from_buffer(aad), len(aad),
-                                          ffi.NULL, nonce, self._key)
+        """`out` (writable, at least data's bytes + TAG) gets `data` sealed under `nonce` with `aad`."""
+        data, aad, out = ffi.from_buffer(data), ffi.from_buffer(aad), ffi.from_buffer(out, require_writable=True)
+        _check(nonce, len(out) >= len(data) + TAG, "the sealed part's buffer is too small")  # libsodium writes blind
+        lib.crypto_aead_aegis128l_encrypt(out, ffi.NULL, data, len(data), aad, len(aad), ffi.NULL, nonce, self._key)
 
     def open_into(self, nonce: bytes, sealed: Any, aad: Any, out: Any) -> None:
-        """`out` (len(sealed) - TAG bytes, writable; may be `sealed` itself: libsodium opens in
+        """`out` (writable, at least sealed's bytes - TAG; may be `sealed` itself: libsodium opens in
         place) gets the plaintext; InvalidTag if the part does not authenticate."""
-        if len(sealed) < TAG or lib.crypto_aead_aegis128l_decrypt(
-                ffi.from_buffer(out, require_writable=True), ffi.NULL, ffi.NULL, ffi.from_buffer(sealed),
-                len(sealed), ffi.from_buffer(aad), len(aad), nonce, self._key) != 0:
+        sealed, aad, out = ffi.from_buffer(sealed), ffi.from_buffer(aad), ffi.from_buffer(out, require_writable=True)
+        if len(sealed) < TAG:
+            raise InvalidTag("a part shorter than its tag")
+        _check(nonce, len(out) >= len(sealed) - TAG, "the plaintext's buffer is too small")
+        if lib.crypto_aead_aegis128l_decrypt(out, ffi.NULL, ffi.NULL, sealed, len(sealed), aad, len(aad), nonce,
+                                             self._key) != 0:
             raise InvalidTag("a part failed authentication")
+
+
+def _check(nonce: bytes, fits: bool, what: str) -> None:
+    # cffi passes pointers: a short nonce or buffer would be read or written past its end.
+    if not fits:
+        raise ValueError(what)
+    if len(nonce) != NONCE:
+        raise ValueError(f"a nonce is {NONCE} bytes, not {len(nonce)}")
