@@ -116,6 +116,12 @@ def test_two_bit_only_for_pushes():
     header = _header(type=int(P.Type.INIT), dtype=int(P.DType.TWOBIT), count=16)
     with pytest.raises(P.ProtocolError, match="only for PUSH"):
         P.decode([header, b"\0" * 4])
+    # A one-key PUSHPULL is a PUSH and its PULL: its push may be compressed; a fused one's may not.
+    one = P.decode([_header(type=int(P.Type.PUSHPULL), dtype=int(P.DType.TWOBIT), count=16), b"\0" * 4])
+    assert one.dtype == P.DType.TWOBIT and one.count == 16 and one.meta is None
+    fused = _header(type=int(P.Type.PUSHPULL), flags=P.FLAG_DATA | P.FLAG_META, dtype=int(P.DType.TWOBIT), count=16)
+    with pytest.raises(P.ProtocolError, match="only for PUSH and a one-key PUSHPULL"):
+        P.decode([fused, b'{"keys":[1]}', b"\0" * 4])
 
 
 def test_encode_refuses_words_that_do_not_match_the_count():

@@ -9,7 +9,8 @@ signal may reach any process first (Slurm sends SIGTERM to all at once); whoever
 the flag file `.preempt` in the run directory (tfkv.preempt), which worker 0 looks for (at most
 every LOOK seconds). Worker 0 checkpoints, leaves `.preempted` (its one line) for the launcher and
 stops; the rest of the job stops with it, as after any worker's end. The launchers' own teardown
-stops roles with SIGINT, never SIGTERM, so that it is not taken for a preemption.
+stops roles with SIGHUP (tfkv.launcher.supervisor.STOP), never SIGTERM, so that it is not taken
+for a preemption.
 
 SIGTERM is taken so by a worker and by a run that trains alone, not by a trial of a sweep (a
 SIGTERM there ends the sweep: `takes_sigterm`).

@@ -8,7 +8,7 @@ A batch system's signals do not end a scheduler or server at once (`keep_serving
 SIGTERM to every process of a job together, and worker 0's checkpoint at its next step needs the
 servers (their optimizer state). Either signal raises the run directory's preemption flag
 (tfkv.preempt) and the role goes on; after SIGTERM it leaves GRACE seconds later if the job has
-not ended it before. SIGINT (Ctrl-C, the launchers' teardown) ends it at once.
+not ended it before. SIGINT (Ctrl-C) and SIGHUP (the launchers' teardown) end it at once.
 """
 
 from __future__ import annotations

@@ -224,10 +224,10 @@ def decode(frames: Sequence[Any], max_count: int | None = None) -> Message:
         # half payload may hold twice as many (the same bytes).
         if max_count is not None and count > (max_count * 2 if itemsize == 2 else max_count):
             raise ProtocolError(f"{kind.name}: {count} elements exceed the limit of {max_count}")
-        if dtype == DType.TWOBIT and kind != Type.PUSH:
-            raise ProtocolError(f"{kind.name}: 2-bit payloads are only for PUSH")
-        if itemsize == 2 and kind not in (Type.INIT, Type.PUSH, Type.PULL) and (kind != Type.PUSHPULL
-                                                                              or flags & FLAG_META):
+        one_key_pushpull = kind == Type.PUSHPULL and not flags & FLAG_META  # a PUSH and its PULL
+        if dtype == DType.TWOBIT and kind != Type.PUSH and not one_key_pushpull:
+            raise ProtocolError(f"{kind.name}: 2-bit payloads are only for PUSH and a one-key PUSHPULL")
+        if itemsize == 2 and kind not in (Type.INIT, Type.PUSH, Type.PULL) and not one_key_pushpull:
             raise ProtocolError(f"{kind.name}: half-precision payloads are only for INIT, PUSH, PULL and a one-key "
                                 "PUSHPULL")
         nbytes = words(count) * 4 if dtype == DType.TWOBIT else count * itemsize

@@ -341,8 +341,7 @@ class Server:
             return
         r = self.rounds[msg.key]
         if msg.sender in r.pushed:
-            r.held.append((identity, msg))
-            self._held[msg.sender] += msg.want_ack
+            self._hold(r, identity, msg)
             return  # acknowledged when its round opens
         # The later pushes add into the first one's buffer: received (a zmq frame, or the channel's
         # opened frame) or decoded from 2 bits, it belongs to this round alone until the round
@@ -382,8 +381,14 @@ class Server:
             self._held[pull.sender] -= 1
             self._answer_pull(identity, pull)
         for identity, push in held:  # a PUSH, or a one-key PUSHPULL (held whole, answered when served)
-            self._held[push.sender] -= 1 if push.type == P.Type.PUSHPULL else push.want_ack
+            self._held[push.sender] -= _awaits_answer(push)
             self._handlers[push.type](self, identity, push)
+
+    def _hold(self, r: Round, identity: bytes, msg: P.Message) -> None:
+        """Keep a sender's second push of a key (a PUSH or a one-key PUSHPULL) for the key's next
+        round; counted as held while its sender awaits an answer to it."""
+        r.held.append((identity, msg))
+        self._held[msg.sender] += _awaits_answer(msg)
 
     def _open_round(self, key: int, sender: int) -> Round | None:
         """The round a pull of `key` by `sender` waits for: one this sender has pushed into (sync)."""
@@ -410,11 +415,10 @@ class Server:
         if msg.meta is None:
             r = self._open_round(msg.key, msg.sender)
             if r is not None:  # its push waits for the next round (as a second PUSH would): its pull too
-                r.held.append((identity, msg))
-                self._held[msg.sender] += 1
+                self._hold(r, identity, msg)
                 return
             self.on_push(identity, P.Message(P.Type.PUSH, msg.sender, msg.seq, msg.key, data=msg.data, dtype=msg.dtype,
-                                             want_ack=False))
+                                             count=msg.count, want_ack=False))
             self.on_pull(identity, P.Message(P.Type.PULL, msg.sender, msg.seq, msg.key))
             return
         keys = msg.meta["keys"]
@@ -488,3 +492,9 @@ class Server:
         P.Type.GET_STATE: on_get_state,
         P.Type.SET_STATE: on_set_state,
     }
+
+
+def _awaits_answer(msg: P.Message) -> int:
+    """1 if the sender of a held request awaits an answer to it (a PUSHPULL always, a PUSH only
+    when acknowledged under PS_RESEND), for the count a PING answers with."""
+    return 1 if msg.type == P.Type.PUSHPULL else int(msg.want_ack)

@@ -70,8 +70,8 @@ class ServerLink:
         # Small keys' push+pull pairs staged per server, sent as one PUSHPULL (`pushpull`): one
         # request and one reply for many keys, so neither end pays a message's decoding, dispatch
         # and encoding per key. The members' own pull seqs are what callers wait for.
-        # (key, data, the member PULL's seq and frames)
-        self._staged: list[list[tuple[int, Any, int, list[Any]]]] = [[] for _ in self.socks]
+        # (key, data, the member PULL's seq)
+        self._staged: list[list[tuple[int, Any, int]]] = [[] for _ in self.socks]
         self._staged_bytes = [0] * len(self.socks)
         self._groups: dict[int, list[tuple[int, int]]] = {}  # PUSHPULL seq -> (member pull seq, values)
         self.sessions: list[channel.Session] | None = self._handshake() if env.keys is not None else None
@@ -142,11 +142,9 @@ class ServerLink:
         PULL of this key's value) `replies` gets. Not acknowledged, not resent (`fusable`)."""
         with self.lock:
             seq = next(self.seq)
-            # The member's own PULL: what a lost reply's message names (_describe), and what is
-            # sent when it is the only key staged.
-            pull = P.encode(P.Message(P.Type.PULL, sender=self.link.id, seq=seq, key=key))
-            self._track(server, seq, pull)
-            self._staged[server].append((key, data, seq, pull))
+            # The member's own PULL: what a lost reply's message names (_describe).
+            self._track(server, seq, P.encode(P.Message(P.Type.PULL, sender=self.link.id, seq=seq, key=key)))
+            self._staged[server].append((key, data, seq))
             self._staged_bytes[server] += data.nbytes
             if self._staged_bytes[server] >= self.env.fusion_bytes or len(self._staged[server]) >= MAX_FUSED:
                 self._send_staged(server)
@@ -155,20 +153,20 @@ class ServerLink:
     def _send_staged(self, server: int) -> None:
         staged, self._staged[server], self._staged_bytes[server] = self._staged[server], [], 0
         if len(staged) == 1:  # one key: a PUSHPULL of the header's key, answered as its PULL (no key list)
-            key, data, seq, _ = staged[0]
+            key, data, seq = staged[0]
             one = P.Message(P.Type.PUSHPULL, sender=self.link.id, seq=seq, key=key, data=data)
-            self._queue(server, P.encode(one), data.nbytes, hold=False)
+            self._queue(server, P.encode(one), data.nbytes)
             return
         msg = P.Message(P.Type.PUSHPULL, sender=self.link.id, seq=next(self.seq), meta={"keys": [s[0] for s in staged]},
                         data=np.concatenate([s[1] for s in staged]))
-        self._groups[msg.seq] = [(seq, data.size) for _, data, seq, _ in staged]
-        self._queue(server, P.encode(msg), msg.data.nbytes, hold=False)
+        self._groups[msg.seq] = [(seq, data.size) for _, data, seq in staged]
+        self._queue(server, P.encode(msg), msg.data.nbytes)
 
-    def _queue(self, server: int, frames: list[Any], nbytes: int, hold: bool) -> None:
+    def _queue(self, server: int, frames: list[Any], nbytes: int) -> None:
         box = self._outbox[server]
         box.extend(frames)
         self._outbytes[server] += nbytes
-        if not hold and (self._outbytes[server] >= self.env.fusion_bytes or len(box) >= MAX_BATCH_FRAMES):
+        if self._outbytes[server] >= self.env.fusion_bytes or len(box) >= MAX_BATCH_FRAMES:
             self._flush_server(server)
 
     def _flush_server(self, server: int) -> None:
@@ -199,11 +197,9 @@ class ServerLink:
             log.warning("refused a message from %s: %s", self._server_name(server), e)
             return None
 
-    def send(self, server: int, msg: P.Message, track: bool = True, hold: bool = False) -> int:
+    def send(self, server: int, msg: P.Message, track: bool = True) -> int:
         """Queue a request for `server` (sent at `flush`, at the next wait, or once FUSION_BYTES
-        are queued); `track`: wait for (and, under PS_RESEND, retransmit until) its answer;
-        `hold`: not sent before the next request, however large (a push that its key's pull
-        request is about to follow: both go in one message)."""
+        are queued); `track`: wait for (and, under PS_RESEND, retransmit until) its answer."""
         with self.lock:
             msg.sender, msg.seq = self.link.id, next(self.seq)
             frames = P.encode(msg)
@@ -216,7 +212,7 @@ class ServerLink:
                                  "so big arrays are split across more servers")
             if self._staged[server]:  # requests to a server go in the order they were made
                 self._send_staged(server)
-            self._queue(server, frames, size, hold)
+            self._queue(server, frames, size)
             if track:
                 self._track(server, msg.seq, frames)
         return msg.seq

@@ -8,7 +8,8 @@ sockets, request tracking and waiting are `tfkv.ps.worker.ServerLink`. A push fi
 machine's device values (in host memory, or on the first device for the `*_device` types),
 then sends one message per part without waiting; a pull sends every part's request before it
 waits for any answer. Requests go out in priority order (higher first). `pushpull` and
-`pushpull_async` send each key's pull right behind its push, so the servers answer early keys
+`pushpull_async` send each key's push and pull as one request (a PUSHPULL per part, small keys
+fused into one per server; under PS_RESEND a push and then a pull), so the servers answer early keys
 while later pushes are still on the wire (both directions of the link busy at once: 2x the
 throughput of pushing everything before pulling); `arrivals` hands out each key as its last
 part arrives. DataParallel calls `pushpull_async` from inside its compiled step, per key, as
@@ -219,11 +220,7 @@ class DistStore(KVStore):
                         and self.servers.fusable(4 * layout.size)):
                     pulls.append(self._pushpull_fused(k, layout, values, outs[k]))
                     continue
-                if self._threshold is None:
-                    pulls.append(self._pushpull_parts(k, layout, values, outs[k]))
-                    continue
-                self._push_key(k, values, hold=True)  # the pull request rides in the push's message
-                pulls.append(self._request_pull(k, outs[k]))
+                pulls.append(self._pushpull_parts(k, layout, values, outs[k]))
             return pulls
 
     def _pushpull_parts(self, k: Key, layout: Layout, values: list[Any], outs: list[Any]) -> Pull:
@@ -233,8 +230,7 @@ class DistStore(KVStore):
         payload])."""
         pull = Pull(k, layout, outs)  # checks the outs before anything is sent
         flat = self._flat(k, layout, values)
-        self.push_bytes += flat.nbytes
-        pull.expect([(self.servers.send(server, P.Message(P.Type.PUSHPULL, key=skey, data=flat[a:b])), a, b)
+        pull.expect([(self.servers.send(server, self._carrying(P.Type.PUSHPULL, skey, flat[a:b])), a, b)
                      for server, a, b, skey in layout.parts])
         return pull
 
@@ -296,23 +292,29 @@ class DistStore(KVStore):
             raise ValueError(f"key {k!r}: pushed {flat.size} values, it holds {layout.size}")
         return flat
 
-    def _push_key(self, k: Key, values: list[Any], hold: bool = False) -> None:
+    def _push_key(self, k: Key, values: list[Any]) -> None:
         layout = self._layout(k)[1]
         flat = self._flat(k, layout, values)
         for server, a, b, skey in layout.parts:
-            msg = P.Message(P.Type.PUSH, key=skey, data=flat[a:b], want_ack=self.env.resend)
-            if self._threshold is not None:
-                residual = self._residuals.get(skey)
-                if residual is None:
-                    residual = self._residuals[skey] = np.zeros(b - a, np.float32)
-                # The residual changes once here; a resend (PS_RESEND) repeats these frames.
-                msg.data = compression.pack(flat[a:b], residual, self._threshold)
-                msg.dtype, msg.count = P.DType.TWOBIT, b - a
-            self.push_bytes += msg.data.nbytes
+            msg = self._carrying(P.Type.PUSH, skey, flat[a:b])
+            msg.want_ack = self.env.resend
             # Acknowledged (and tracked) only under PS_RESEND; see Server._ack_push.
-            self.servers.send(server, msg, track=self.env.resend, hold=hold)
+            self.servers.send(server, msg, track=self.env.resend)
             if not self.env.resend:
                 self.servers.unsynced.add(server)
+
+    def _carrying(self, kind: P.Type, skey: int, part: np.ndarray) -> P.Message:
+        """A PUSH or PUSHPULL of one key part: 2-bit compressed with `set_gradient_compression`
+        (its residual changes here, once; a resend under PS_RESEND repeats the frames)."""
+        msg = P.Message(kind, key=skey, data=part)
+        if self._threshold is not None:
+            residual = self._residuals.get(skey)
+            if residual is None:
+                residual = self._residuals[skey] = np.zeros(part.size, np.float32)
+            msg.data = compression.pack(part, residual, self._threshold)
+            msg.dtype, msg.count = P.DType.TWOBIT, part.size
+        self.push_bytes += msg.data.nbytes
+        return msg
 
     def _settle_pushes(self) -> None:
         # One connection delivers in order, so a pull cannot overtake its key's push, unless
