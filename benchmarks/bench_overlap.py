@@ -12,7 +12,7 @@ pulls every key back, as a training step does (dist_sync, no optimizer: the serv
                                                        replies stream back while pushes go out
                                                        (what DataParallel does)
     pushpull, secure  the same against a second scheduler and server run with the job's keys
-                      (AEGIS-128L data plane), as a launched job is by default; every other
+                      (AEGIS-128X4 data plane), as a launched job is by default; every other
                       tfkv row is plain (TFKV_SECURE=0), as raw is
     pushpull+chunks   the same with keys cut into TFKV_CHUNK_BYTES messages (--chunk); each
                       pull assembles its chunks in a fresh array
@@ -172,7 +172,7 @@ def main() -> None:
         print(f"\nbytes pushed per step: float32 {plain:,}, 2-bit {store.push_bytes:,} "
               f"({plain / store.push_bytes:.1f}x less)")
         print(f"pushpull secure/plain: {statistics.median(results['pushpull, secure']) / statistics.median(results['pushpull']):.2f} "
-              "(secure: the job's keys, AEGIS-128L data plane, as launched jobs run by default; the other tfkv rows are "
+              "(secure: the job's keys, AEGIS-128X4 data plane, as launched jobs run by default; the other tfkv rows are "
               "plain, TFKV_SECURE=0, as raw is)")
         store.close()
         secure.close()

@@ -1,5 +1,5 @@
 """What security costs: push+pull GB/s of one worker against one server, secure (the default:
-the job's keys, AEGIS-128L data plane) and plain (TFKV_SECURE=0), in the same run.
+the job's keys, AEGIS-128X4 data plane) and plain (TFKV_SECURE=0), in the same run.
 
     python3 benchmarks/bench_security.py [--sizes 4K,1M,16M,64M] [--seconds 1] [--rounds 3]
                                          [--op push+pull|pushpull]
@@ -92,7 +92,7 @@ if __name__ == "__main__":
             plain = statistics.median(g[f"{mib:g}"] for g in got["plain"])
             secure = statistics.median(g[f"{mib:g}"] for g in got["secure"])
             print(f"{_label(mib):>8} {plain:8.3f} {secure:8.3f} {secure / plain:13.2f}", flush=True)
-        print("secure = the default (job keys: AEGIS-128L data plane, CURVE control plane); plain = TFKV_SECURE=0. "
+        print("secure = the default (job keys: AEGIS-128X4 data plane, CURVE control plane); plain = TFKV_SECURE=0. "
               "Target: secure/plain >= 0.7 from 1 MiB up.")
     else:  # the child: its figures as one JSON line
         print(json.dumps({f"{mib:g}": gbs for mib, gbs in run(a.mode == "secure", sizes, a.seconds, a.op).items()}))

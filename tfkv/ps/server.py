@@ -85,7 +85,7 @@ class Server:
         self.env = env
         memory.keep_freed_buffers()  # the same large buffers every step (tfkv.ps.memory)
         # Workers' requests come on a plain socket and, in a secure job, every message is sealed
-        # with this connection's AEGIS-128L keys (tfkv.ps.channel): CURVE's cipher ran at a 28th of it.
+        # with this connection's AEGIS-128X4 keys (tfkv.ps.channel): CURVE's cipher ran at a 28th of it.
         self.sock = security.router_socket(None, P.max_frame(env.keys is not None, env.max_message_bytes))
         self._psk = channel.psk(env.keys.secret) if env.keys is not None else None
         self.sessions: dict[bytes, channel.Session] = {}  # per connection (ROUTER identity)
