@@ -15,7 +15,7 @@ def _server(workers: int) -> Server:
     srv = object.__new__(Server)  # only the round's bookkeeping: no sockets, no scheduler
     srv.env = ClusterEnv("server", "127.0.0.1", 1, 1, workers)
     srv._pool, srv.sync, srv.updater, srv.threshold = None, True, None, None
-    srv.values, srv.rounds, srv._held = {}, defaultdict(Round), Counter()
+    srv.values, srv.rounds, srv._held, srv._grouped = {}, defaultdict(Round), Counter(), {}
     srv.workers = set(range(9, 9 + workers))
     return srv
 
@@ -73,3 +73,111 @@ def test_a_one_key_pushpull_is_its_push_then_its_pull():
     pushpull(10, 20.0, 2)
     assert [(msg.seq, msg.data.tolist()) for identity, msg in sent[2:]] == [(2, [30.0] * 5), (2, [30.0] * 5)]  # no optimizer: the sum
     assert srv._held[9] == 0 and srv._held[10] == 0
+
+
+def _fused(srv, sender, seq, keys, values, sent):
+    data = np.concatenate([np.full(3, v, np.float32) for v in values])
+    srv.on_pushpull(b"w%d" % sender, P.Message(P.Type.PUSHPULL, sender=sender, seq=seq, meta={"keys": list(keys)},
+                                               data=data))
+    return data
+
+
+def _replying(srv):
+    sent = []
+    srv.reply = lambda identity, msg: sent.append((identity, msg.type, msg.seq,
+                                                   None if msg.data is None else msg.data.tolist()))
+    return sent
+
+
+def test_a_fused_key_set_pushed_alike_by_every_worker_is_one_round_answered_from_one_buffer():
+    """Every worker stages the same small keys into the same PUSHPULL: the server sums the
+    payloads as one buffer (no per-key round), answers each worker with that buffer (no
+    concatenation), and each key's value is its slice of it, exactly the sum."""
+    srv = _server(2)
+    for k in (3, 4, 5):
+        srv.values[k] = np.zeros(3, np.float32)
+    sent = []
+    srv.reply = lambda identity, msg: sent.append((identity, msg))
+    first = _fused(srv, 9, 1, (3, 4, 5), (1, 2, 3), sent)
+    assert sent == [] and srv._held[9] == 3 and not any(srv.rounds[k].pushed for k in (3, 4, 5))
+    _fused(srv, 10, 1, (3, 4, 5), (10, 20, 30), sent)
+    assert [(i, m.type, m.seq) for i, m in sent] == [(b"w9", P.Type.PUSHPULL, 1), (b"w10", P.Type.PUSHPULL, 1)]
+    assert sent[0][1].data.tolist() == [11] * 3 + [22] * 3 + [33] * 3
+    assert all(np.shares_memory(m.data, first) for _, m in sent)  # the first push's buffer, summed into
+    assert [srv.values[k].tolist() for k in (3, 4, 5)] == [[11] * 3, [22] * 3, [33] * 3]
+    assert srv._held[9] == srv._held[10] == 0 and not srv._grouped
+
+
+def test_a_fused_key_set_with_an_optimizer_updates_each_key_as_its_own_round_would():
+    from tfkv import optim
+    from tfkv.ps.updater import NumpyUpdater
+
+    results = []
+    for fused in (True, False):
+        srv = _server(2)
+        srv.updater = NumpyUpdater(optim.SGD(schedule=optim.Schedule(lr=0.5), momentum=0.9))
+        for k in (3, 4):
+            srv.values[k] = np.ones(3, np.float32)
+        sent = _replying(srv)
+        for step in range(3):
+            for w in (9, 10):
+                if fused:
+                    _fused(srv, w, step + 1, (3, 4), (w + step, 2 * w), sent)
+                else:
+                    for k, v in ((3, w + step), (4, 2 * w)):
+                        srv.on_pushpull(b"w%d" % w, P.Message(P.Type.PUSHPULL, sender=w, seq=10 * step + k, key=k,
+                                                              data=np.full(3, v, np.float32)))
+        results.append(([srv.values[k].tolist() for k in (3, 4)], sent[-1][3]))
+    (fused_values, fused_reply), (own_values, _) = results
+    assert fused_values == own_values
+    assert fused_reply == own_values[0] + own_values[1]
+
+
+def test_a_fused_key_set_pushed_twice_before_its_round_closes_is_held_whole_for_the_next_round():
+    srv = _server(2)
+    for k in (3, 4):
+        srv.values[k] = np.zeros(3, np.float32)
+    sent = _replying(srv)
+    _fused(srv, 9, 1, (3, 4), (1, 2), sent)
+    _fused(srv, 9, 2, (3, 4), (100, 200), sent)  # again before worker 10 pushed: the next round's
+    assert sent == [] and srv._held[9] == 4
+    _fused(srv, 10, 1, (3, 4), (10, 20), sent)
+    assert [(i, seq, data) for i, _, seq, data in sent] == [(b"w9", 1, [11] * 3 + [22] * 3),
+                                                            (b"w10", 1, [11] * 3 + [22] * 3)]
+    assert srv._held[9] == 2  # the held one opened the next round
+    _fused(srv, 10, 2, (3, 4), (1000, 2000), sent)
+    assert [(seq, data) for _, _, seq, data in sent[2:]] == [(2, [1100] * 3 + [2200] * 3)] * 2
+    assert srv._held[9] == srv._held[10] == 0
+
+
+@pytest.mark.parametrize("other", ["push", "pull", "one-key pushpull", "another key set"])
+def test_a_request_that_sees_a_fused_key_set_apart_gets_what_the_keys_own_rounds_give(other):
+    """Worker 9 pushed keys 3 and 4 fused; worker 10 then reaches key 3 on its own (a PUSH, a PULL,
+    a one-key PUSHPULL) or in another key set: the open group round becomes the keys' own rounds,
+    and every answer is what the key-by-key server gives (tested against it)."""
+    answers = []
+    for grouped in (True, False):
+        srv = _server(2)
+        for k in (3, 4, 5):
+            srv.values[k] = np.full(3, 7, np.float32)
+        if not grouped:
+            srv._as_group = lambda *a: False  # the key-by-key server: the reference
+        sent = _replying(srv)
+        _fused(srv, 9, 1, (3, 4), (1, 2), sent)
+        if other == "push":
+            srv.on_push(b"w10", P.Message(P.Type.PUSH, sender=10, seq=1, key=3, data=np.full(3, 10, np.float32)))
+            srv.on_pull(b"w9", P.Message(P.Type.PULL, sender=9, seq=2, key=3))
+            srv.on_pushpull(b"w10", P.Message(P.Type.PUSHPULL, sender=10, seq=2, key=4, data=np.full(3, 20, np.float32)))
+        elif other == "pull":
+            srv.on_pull(b"w10", P.Message(P.Type.PULL, sender=10, seq=1, key=3))  # not pushed: today's value
+            srv.on_pull(b"w9", P.Message(P.Type.PULL, sender=9, seq=2, key=4))  # pushed: waits for the round
+            _fused(srv, 10, 2, (3, 4), (10, 20), sent)
+        elif other == "one-key pushpull":
+            for k, v in ((3, 10), (4, 20)):
+                srv.on_pushpull(b"w10", P.Message(P.Type.PUSHPULL, sender=10, seq=k, key=k, data=np.full(3, v, np.float32)))
+        else:
+            _fused(srv, 10, 1, (3, 4, 5), (10, 20, 30), sent)
+            srv.on_push(b"w9", P.Message(P.Type.PUSH, sender=9, seq=2, key=5, data=np.full(3, 3, np.float32)))
+        answers.append((sent, [srv.values[k].tolist() for k in (3, 4, 5)], dict(srv._held)))
+    assert answers[0] == answers[1]
+    assert answers[0][0] and all(v == 0 for v in answers[0][2].values())

@@ -40,6 +40,15 @@ class DistError(TfkvError, RuntimeError):
     """A server refused a request; the message is the server's."""
 
 
+class Member:
+    """A fused member's value, as `replies` holds it (a PULL reply's `data`, without a Message per key)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: np.ndarray):
+        self.data = data
+
+
 class ServerLink:
     """The sockets to every server of the job (in the scheduler's order) and the requests in flight."""
 
@@ -142,8 +151,9 @@ class ServerLink:
         PULL of this key's value) `replies` gets. Not acknowledged, not resent (`fusable`)."""
         with self.lock:
             seq = next(self.seq)
-            # The member's own PULL: what a lost reply's message names (_describe).
-            self._track(server, seq, P.encode(P.Message(P.Type.PULL, sender=self.link.id, seq=seq, key=key)))
+            # Awaited as the member's own PULL of `key`, which a lost reply's message names
+            # (_describe); never resent (`fusable`), so no frames are made for it.
+            self._track(server, seq, key)
             self._staged[server].append((key, data, seq))
             self._staged_bytes[server] += data.nbytes
             if self._staged_bytes[server] >= self.env.fusion_bytes or len(self._staged[server]) >= MAX_FUSED:
@@ -217,8 +227,9 @@ class ServerLink:
                 self._track(server, msg.seq, frames)
         return msg.seq
 
-    def _track(self, server: int, seq: int, frames: list[Any]) -> None:
-        """Await the answer to request `seq` (its `frames` kept to resend and to name it)."""
+    def _track(self, server: int, seq: int, frames: list[Any] | int) -> None:
+        """Await the answer to request `seq` (its `frames` kept to resend and to name it; a fused
+        member's server-side key instead, which is never resent)."""
         now = time.monotonic()
         self.pending[seq] = [server, frames, now]
         if not self._awaited[server]:
@@ -281,10 +292,10 @@ class ServerLink:
             if members is None or msg.data.size != sum(n for _, n in members):
                 log.warning("dropped a PUSHPULL reply from server %d that answers no request of this worker", server)
                 return None
-            offset = 0
+            offset, data = 0, msg.data
             for seq, n in members:
                 if self._answered(seq) is not None:
-                    self.replies[seq] = P.Message(P.Type.PULL, seq=seq, data=msg.data[offset:offset + n], reply=True)
+                    self.replies[seq] = Member(data[offset:offset + n])
                     arrived.append(seq)
                 offset += n
             return None
@@ -312,11 +323,15 @@ class ServerLink:
 
     def _describe(self, seq: int) -> str:
         server, frames, sent_at = self.pending[seq]
-        head = P.HEADER.unpack(bytes(memoryview(frames[0])))
-        kid, chunk = head[7] % (1 << CHUNK_SHIFT), head[7] >> CHUNK_SHIFT
+        if isinstance(frames, int):  # a fused member: its PULL
+            kind, skey = P.Type.PULL, frames
+        else:
+            head = P.HEADER.unpack(bytes(memoryview(frames[0])))
+            kind, skey = P.Type(head[2]), head[7]
+        kid, chunk = skey % (1 << CHUNK_SHIFT), skey >> CHUNK_SHIFT
         key = self.key_name(kid)  # the caller's name for it
         part = f" (part {chunk})" if chunk else ""
-        return (f"{P.Type(head[2]).name} of key {key!r}{part} (request {seq}, sent "
+        return (f"{kind.name} of key {key!r}{part} (request {seq}, sent "
                 f"{time.monotonic() - sent_at:.1f} s ago)")
 
     def _server_name(self, server: int) -> str:

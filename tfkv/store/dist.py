@@ -118,6 +118,9 @@ class DistStore(KVStore):
         return next((k for k, i in self._ids.items() if i == kid), kid)
 
     def _layout(self, key: Hashable) -> tuple[int, Layout]:
+        kid = self._ids.get(key) if type(key) is int or type(key) is str else None
+        if kid is not None:  # an initialised key of exactly int or str: of this store's kind (checked at init)
+            return kid, self._layouts[kid]
         self._check_key(key)
         kid = self._ids.get(key)
         if kid is None or kid not in self._layouts:
@@ -127,6 +130,10 @@ class DistStore(KVStore):
     def _merge(self, k: Key, values: list[Any], dtype: np.dtype) -> np.ndarray:
         """One flat array of the key's `dtype`: the sum of this machine's device values (a half
         key's summed in its dtype, as MXNet's; each checked to be of it, tfkv.ps.dtypes)."""
+        if len(values) == 1:
+            v = values[0]
+            if type(v) is np.ndarray and v.dtype is dtype and v.flags.c_contiguous:
+                return v.reshape(-1)  # the common case: one float32 numpy gradient, as it is
         if dtype is not dtypes.FLOAT32 or dtypes.any_half(values):
             for v in values:
                 dtypes.check(k, dtype, v)
