@@ -26,6 +26,7 @@ class Layout:
     size: int
     parts: list[tuple[int, int, int, int]]  # (server, start, end, server-side key) over the flat value
     dtype: np.dtype = dtypes.FLOAT32  # the key's (tfkv.ps.dtypes): float32, float16 or bfloat16
+    fusable: bool = False  # may travel in a fused PUSHPULL (the worker's store decides, at init)
 
 
 @dataclass

@@ -34,14 +34,18 @@ def pairs(key: Key | Sequence[Key], value: Any) -> Iterator[tuple[Key, list[Any]
         if len(value) != len(key):
             raise ValueError(f"{len(key)} keys but {len(value)} values")
         for k, v in zip(key, value):
-            yield from pairs(k, v)
+            if isinstance(k, (list, tuple)):
+                yield from pairs(k, v)
+            else:  # the common case, without a generator per key (a model's keys, every step)
+                yield k, _per_device(v)
         return
+    yield key, _per_device(value)
+
+
+def _per_device(value: Any) -> list[Any]:
     if value is None:
-        yield key, []
-    elif isinstance(value, (list, tuple)):
-        yield key, list(value)
-    else:
-        yield key, [value]
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def key_kind(key: Any) -> str:

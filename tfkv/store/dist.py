@@ -166,6 +166,10 @@ class DistStore(KVStore):
             flat = self._merge(k, values[:1], dtype)
             self._layouts[kid] = layout = parts.plan(kid, tuple(np.shape(values[0])), self.servers.count,
                                                      self.env.bigarray_bound, self.env.chunk_bytes, dtype)
+            # Only float32 keys are fused: a PUSHPULL of many keys carries one dtype (half keys go
+            # as a one-key PUSHPULL each, still batched into one ZeroMQ message per server).
+            layout.fusable = (len(layout.parts) == 1 and dtype is dtypes.FLOAT32
+                              and self.servers.fusable(dtype.itemsize * layout.size))
             if self.rank == 0:  # worker 0's value wins; the others wait at the barrier
                 for server, a, b, skey in layout.parts:
                     self.servers.send(server, P.Message(P.Type.INIT, key=skey, data=flat[a:b]))
@@ -219,15 +223,13 @@ class DistStore(KVStore):
                 self._settle_pushes()
                 return [self._request_pull(k, outs[k]) for k, _ in items]
             pulls = []
+            fusing = self._threshold is None  # a 2-bit payload is no float32 slice of a fused one
             for k, values in items:  # each pull right behind its push: replies flow while pushes do
                 layout = self._layout(k)[1]
-                # Only float32 keys are fused: a PUSHPULL of many keys carries one dtype (half keys go
-                # as a one-key PUSHPULL each, still batched into one ZeroMQ message per server).
-                if (len(layout.parts) == 1 and self._threshold is None and layout.dtype is dtypes.FLOAT32
-                        and self.servers.fusable(4 * layout.size)):
+                if fusing and layout.fusable:
                     pulls.append(self._pushpull_fused(k, layout, values, outs[k]))
-                    continue
-                pulls.append(self._pushpull_parts(k, layout, values, outs[k]))
+                else:
+                    pulls.append(self._pushpull_parts(k, layout, values, outs[k]))
             return pulls
 
     def _pushpull_parts(self, k: Key, layout: Layout, values: list[Any], outs: list[Any]) -> Pull:
