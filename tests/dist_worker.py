@@ -290,9 +290,14 @@ def pushpull(kv, out):
     res["arrived"] = sorted(k for k, _ in got)
     res["async"] = {k: [float(v.min()), float(v.max())] for k, v in got}
     # Into the caller's arrays (MXNet's out=): the parts land in place, the others get a copy.
+    # In a secure job each part's reply is opened straight into dest (ServerLink.land): counted.
     dest, copy = np.zeros((50, 40), np.float32), np.zeros((50, 40), np.float32)
+    landed, into = [], kv.servers._into
+    kv.servers._into = lambda *a: landed.append(into(*a)) or landed[-1]
     kv.pushpull("chunked", np.full((50, 40), r + 1.0, np.float32), out=[dest, copy])
+    kv.servers._into = into
     res["into_out"] = [float(dest.min()), float(dest.max()), bool(np.array_equal(dest, copy))]
+    res["landed"] = sum(x is not None and np.shares_memory(x, dest) for x in landed)
     try:
         kv.pull("chunked", out=np.zeros((40, 50), np.float32))
     except ValueError as e:
@@ -306,6 +311,7 @@ def pushpull(kv, out):
     res["after_cast"] = float(kv.pull("small")[0])  # the sync round was whole
     kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
     res["compressed"] = float(kv.pushpull("chunked", np.full((50, 40), 0.5, np.float32)).max())
+    res["landing_left"] = len(kv.servers._landing)  # every landed reply taken
     json.dump(res, out)
 
 

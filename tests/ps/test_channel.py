@@ -140,3 +140,69 @@ def test_a_stranger_cannot_handshake_nor_pass_for_the_server():
     for junk in ([b"garbage"], P.encode(P.Message(P.Type.PULL, sender=1, seq=1, key=0)), []):
         with pytest.raises(channel.Refused, match="not tfkv"):
             channel.envelope(junk)
+
+
+def _reply(data, seq=7):
+    return P.encode(P.Message(P.Type.PULL, seq=seq, key=3, data=data, reply=True))
+
+
+@pytest.mark.parametrize("n", [1000, 600_000])  # a whole frame, and one in 1 MiB pieces
+def test_a_frame_is_opened_where_into_names_and_the_protocol_frame_views_it(n):
+    """A worker's pull lands in its destination: the payload's plaintext is written there by the
+    cipher (no received buffer to copy from), and the decoded reply views that memory."""
+    worker, server = _pair()
+    data = np.arange(n, dtype=np.float32)
+    dest = np.zeros(n, np.float32)
+    asked = []
+
+    def into(head, frame, size):
+        asked.append((P.HEADER.unpack(head)[6], frame, size))
+        return dest.view(np.uint8)
+
+    got = None
+    for piece in server.seal(_reply(data)):
+        got = worker.open(piece, into)
+    msg = P.decode(got, max_count=n)
+    assert asked == [(7, 1, data.nbytes)]  # once, as the payload begins, with its opened header before it
+    assert np.array_equal(dest, data) and np.shares_memory(msg.data, dest)
+
+
+def test_into_may_decline_and_may_not_name_a_buffer_of_another_size():
+    worker, server = _pair()
+    data = np.arange(1000, dtype=np.float32)
+    msg = P.decode(_through(worker, server.seal(_reply(data))))  # no into: the received buffer
+    assert np.array_equal(msg.data, data)
+    msg = P.decode(worker.open(next(server.seal(_reply(data))), lambda head, frame, size: None))
+    assert np.array_equal(msg.data, data)
+    with pytest.raises(ValueError, match="3996 bytes"):
+        worker.open(next(server.seal(_reply(data))), lambda head, frame, size: np.zeros(999, np.float32).view(np.uint8))
+
+
+def test_a_tampered_payload_opened_into_a_destination_is_refused_and_leaves_no_plaintext_there():
+    worker, server = _pair()
+    data = np.arange(1000, dtype=np.float32) + 1
+    dest = np.full(1000, 5, np.float32)
+    sealed = next(server.seal(_reply(data)))
+    sealed[-1][100] ^= 1
+    with pytest.raises(channel.Refused, match="authentication"):
+        worker.open(sealed, lambda head, frame, size: dest.view(np.uint8))
+    assert not dest.any()  # zeroed by libaegis: never unauthenticated bytes
+
+
+def test_each_reply_of_a_batch_is_asked_for_with_its_own_header():
+    """Replies to one peer travel together ([header, payload, header, payload] in one message):
+    `into` sees each payload's own header, so each lands in its own destination."""
+    worker, server = _pair()
+    a, b = np.arange(10, dtype=np.float32), np.arange(20, dtype=np.float32) + 100
+    dests = {1: np.zeros(10, np.float32), 2: np.zeros(20, np.float32)}
+
+    def into(before, frame, size):
+        if len(before) != P.HEADER.size:  # asked for a header too (the frame before it is a payload)
+            return None
+        seq = P.HEADER.unpack(before)[6]
+        return dests[seq].view(np.uint8) if dests[seq].nbytes == size else None
+
+    got = worker.open(next(server.seal(_reply(a, seq=1) + _reply(b, seq=2))), into)
+    first, second = (P.decode(m) for m in P.split(got))
+    assert np.array_equal(dests[1], a) and np.array_equal(dests[2], b)
+    assert np.shares_memory(first.data, dests[1]) and np.shares_memory(second.data, dests[2])

@@ -61,6 +61,7 @@ def test_pushpull_streams_each_key_back(cluster):
         assert r["arrived"] == ["chunked", "small", "split"]  # each key once
         assert r["async"] == {"small": [2.0, 2.0], "split": [2.0, 2.0], "chunked": [2.0, 2.0]}
         assert r["into_out"] == [3.0, 3.0, True]
+        assert r["landed"] == 4 and r["landing_left"] == 0  # secure: each part opened in dest itself
         assert "expected a writable float[50, 40]" in r["bad_out"]
         assert r["after_bad_out"] == 2.0
         assert r["cast_in_place"] == ["float64", [3.0] * 3, 0.0, 0.0]  # 1 + 2; chunked: 0 + 0

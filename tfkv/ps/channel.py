@@ -32,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 from cryptography.hazmat.primitives import hashes
@@ -111,6 +111,11 @@ def envelope(frames: Sequence[Any]) -> tuple[int, ...]:
     return tuple(fields)
 
 
+# Where a frame's plaintext goes: (the frame before it, opened; its index; its size) -> a writable
+# buffer of bytes of exactly that size, or None for the channel's own (Session.open).
+Into = Callable[[memoryview, int, int], Any]
+
+
 class _Partial:
     """A protocol message whose pieces are arriving: where the next one must go."""
 
@@ -174,10 +179,17 @@ class Session:
             out.append(sealed)
         return out
 
-    def open(self, frames: Sequence[Any]) -> list[np.ndarray] | None:
+    def open(self, frames: Sequence[Any], into: Into | None = None) -> list[np.ndarray] | None:
         """One received ZeroMQ message (whole frames, or a run of pieces of a larger one): the
         protocol frames once their message is whole, None until then; Refused (and the message it
-        belonged to dropped) if it fails any check."""
+        belonged to dropped) if it fails any check.
+
+        `into(before, frame, size)`, asked once for each frame after the first as it begins to
+        arrive, with the frame before it already opened (`before`: the protocol header, when the
+        frame is the payload of a message without metadata), may name where that frame's
+        plaintext goes: a writable buffer of bytes of exactly `size` (a worker's pull lands in its
+        destination array, saving the copy from a received buffer into it). A part that fails
+        authentication leaves that buffer zeroed (libaegis clears what it opened)."""
         kind, nframes, f, size, offset, first, counter = envelope(frames)
         if kind != DATA:
             raise Refused("malformed", f"a handshake message (kind {kind}) on an open connection")
@@ -203,7 +215,7 @@ class Session:
                                        f"{nframes} frames)")
         aad = _buffer(frames[0])
         if pieces and offset == 0:
-            part.frames.append(np.empty(size, np.uint8))
+            part.frames.append(self._destination(into, part, f, size) or np.empty(size, np.uint8))
         for i, sealed in enumerate(parts):
             if pieces:
                 at = offset + i * PIECE
@@ -213,7 +225,8 @@ class Session:
                 # then views the received buffer, as on a plain socket, with no allocation and
                 # half the memory touched. libaegis opens in place; the tag is checked
                 # over what it read, so a bad tag still raises (tests/ps/test_channel).
-                out = sealed[:sizes[i]] if not sealed.readonly else memoryview(np.empty(sizes[i], np.uint8))
+                out = self._destination(into, part, f + i, sizes[i]) or (
+                    sealed[:sizes[i]] if not sealed.readonly else memoryview(np.empty(sizes[i], np.uint8)))
                 part.frames.append(out)
             try:
                 self._recv.open_into(self._recv_salt + (counter + i).to_bytes(8, "little"), sealed, aad, out)
@@ -233,6 +246,19 @@ class Session:
             return None
         self.established = True
         return part.frames
+
+    @staticmethod
+    def _destination(into: Into | None, part: _Partial, frame: int, size: int) -> memoryview | None:
+        if into is None or not frame:
+            return None
+        dest = into(part.frames[frame - 1], frame, size)
+        if dest is None:
+            return None
+        view = memoryview(dest)
+        if view.nbytes != size or view.readonly or view.format != "B":
+            raise ValueError(f"into() gave {view.nbytes} bytes{' read-only' if view.readonly else ''} "
+                             f"({view.format!r}) for a frame of {size}")
+        return view
 
     def _accepted(self, counter: int) -> None:
         self._recent.add(counter)

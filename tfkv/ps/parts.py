@@ -67,6 +67,10 @@ class Pull:
         if self._dest is None and self._left > 1:
             self._dest = np.empty(self.layout.shape, self.layout.dtype)
 
+    def destination(self, a: int, b: int) -> np.ndarray | None:
+        """Where the part [a, b) of the value goes, if anywhere: the reply may be opened there."""
+        return None if self._dest is None else self._dest.reshape(-1)[a:b]
+
     def arrive(self, seq: int, data: np.ndarray) -> bool:
         """Take one part's reply; True once the value is complete."""
         self._left -= 1
@@ -74,7 +78,9 @@ class Pull:
             self.value = data.reshape(self.layout.shape)
             return True
         a, b = self._spans[seq]
-        self._dest.reshape(-1)[a:b] = data  # each part copied in as it comes
+        dest = self._dest.reshape(-1)[a:b]
+        if data.__array_interface__["data"][0] != dest.__array_interface__["data"][0]:  # not opened there
+            dest[...] = data  # each part copied in as it comes
         if self._left:
             return False
         self.value = self._dest

@@ -107,6 +107,7 @@ _DTYPES = {int(DType.FLOAT32): (DType.FLOAT32, dtypes.FLOAT32), int(DType.TWOBIT
            int(DType.BFLOAT16): (DType.BFLOAT16, dtypes.BFLOAT16)}
 # A half-precision array is sent as it is, with its dtype's code; any other is sent as float32.
 _HALF_CODES = {dtypes.FLOAT16: DType.FLOAT16, dtypes.BFLOAT16: DType.BFLOAT16}
+DTYPE_CODES = {dtypes.FLOAT32: int(DType.FLOAT32), **{k: int(v) for k, v in _HALF_CODES.items()}}  # an array's code
 _FLAGS = FLAG_META | FLAG_DATA | FLAG_REPLY | FLAG_ACK
 
 

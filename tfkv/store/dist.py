@@ -241,6 +241,12 @@ class DistStore(KVStore):
         flat = self._flat(k, layout, values)
         pull.expect([(self.servers.send(server, self._carrying(P.Type.PUSHPULL, skey, flat[a:b])), a, b)
                      for server, a, b, skey in layout.parts])
+        return self._landing(pull)
+
+    def _landing(self, pull: Pull) -> Pull:
+        """Have each part's reply opened where the pull puts it (ServerLink.land)."""
+        for seq, a, b in pull.seqs:
+            self.servers.land(seq, pull.destination(a, b))
         return pull
 
     def _pushpull_fused(self, k: Key, layout: Layout, values: list[Any], outs: list[Any]) -> Pull:
@@ -333,9 +339,10 @@ class DistStore(KVStore):
     def _request_pull(self, k: Key, outs: list[Any]) -> Pull:
         _, layout = self._layout(k)
         pull = Pull(k, layout, outs)  # checks the outs before anything is sent
-        pull.expect([(self.servers.send(server, P.Message(P.Type.PULL, key=skey)), a, b)
-                     for server, a, b, skey in layout.parts])
-        return pull
+        with self.servers.lock:  # landed before another thread's receive can take the reply
+            pull.expect([(self.servers.send(server, P.Message(P.Type.PULL, key=skey)), a, b)
+                         for server, a, b, skey in layout.parts])
+            return self._landing(pull)
 
     def set_gradient_compression(self, compression_params: Any) -> None:
         """MXNet's API, e.g. {"type": "2bit", "threshold": 0.5}; every worker calls it (each keeps
