@@ -45,6 +45,7 @@ class Pull:
     outs: list[Any] = field(default_factory=list)
     seqs: list[tuple[int, int, int]] = field(default_factory=list)
     value: np.ndarray | None = None  # once every part has arrived
+    landed: bool = False  # a part's reply may be opened in its place (ServerLink.land)
 
     def __post_init__(self) -> None:
         # Checked here, before anything is sent, so that a refused out leaves no request (nor a
@@ -79,8 +80,8 @@ class Pull:
             return True
         a, b = self._spans[seq]
         dest = self._dest.reshape(-1)[a:b]
-        if data.__array_interface__["data"][0] != dest.__array_interface__["data"][0]:  # not opened there
-            dest[...] = data  # each part copied in as it comes
+        if not (self.landed and data.__array_interface__["data"][0] == dest.__array_interface__["data"][0]):
+            dest[...] = data  # each part copied in as it comes, unless it was opened there
         if self._left:
             return False
         self.value = self._dest

@@ -209,13 +209,16 @@ class ServerLink:
             log.warning("refused a message from %s: %s", self._server_name(server), e)
             return None
 
-    def land(self, seq: int, dest: np.ndarray | None) -> None:
+    def land(self, seq: int, dest: np.ndarray | None) -> bool:
         """In a secure job, open the PULL reply to request `seq` straight into `dest` (a
         contiguous array of the key's dtype and the part's size), not into its received buffer
         for the caller to copy: one pass less over every pulled byte. A reply that fails
-        authentication leaves it zeroed; the pull is then not complete (a lost reply)."""
-        if self.sessions is not None and dest is not None:
-            self._landing[seq] = (dest.reshape(-1).view(np.uint8), P.DTYPE_CODES[dest.dtype], dest.itemsize)
+        authentication leaves it zeroed; the pull is then not complete (a lost reply). True if
+        it will be."""
+        if self.sessions is None or dest is None:
+            return False
+        self._landing[seq] = (dest.reshape(-1).view(np.uint8), P.DTYPE_CODES[dest.dtype], dest.itemsize)
+        return True
 
     def _into(self, before: memoryview, frame: int, size: int) -> np.ndarray | None:
         """channel.Session.open's `into`: the payload of a PULL reply to a request `land`ed (the
