@@ -181,3 +181,74 @@ def test_a_request_that_sees_a_fused_key_set_apart_gets_what_the_keys_own_rounds
         answers.append((sent, [srv.values[k].tolist() for k in (3, 4, 5)], dict(srv._held)))
     assert answers[0] == answers[1]
     assert answers[0][0] and all(v == 0 for v in answers[0][2].values())
+
+
+def _serve_steps(grouped, workers, steps, optimizer):
+    """Every worker pushes and pulls keys 3..6 each step, in its own requests (fused sets, one-key
+    PUSHPULLs, a PUSH then a PULL), the server taking the workers' requests in a given
+    interleaving; the replies each (worker, seq) got, and the values at the end."""
+    from tfkv import optim
+    from tfkv.ps.updater import NumpyUpdater
+
+    srv = _server(len(workers[0]))
+    if optimizer:
+        srv.updater = NumpyUpdater(optim.SGD(schedule=optim.Schedule(lr=0.25), momentum=0.5))
+    if not grouped:
+        srv._as_group = lambda *a: False  # the key-by-key server: the reference
+    for k in range(3, 7):
+        srv.values[k] = np.zeros(2, np.float32)
+    got = {}
+    srv.reply = lambda identity, msg: got.setdefault((identity, msg.seq), []).append(
+        None if msg.data is None else msg.data.tolist())
+    for step, order in enumerate(steps):
+        queues = {w: list(reqs) for w, reqs in enumerate(workers[step])}
+        for w in order:
+            if not queues[w]:
+                continue
+            kind, keys = queues[w].pop(0)
+            sender, seq, ident = 9 + w, 100 * step + len(queues[w]) + 1, b"w%d" % w
+            value = lambda k: np.full(2, (w + 1) * 10 + k + step, np.float32)  # noqa: E731
+            if kind == "fused":
+                srv.on_pushpull(ident, P.Message(P.Type.PUSHPULL, sender=sender, seq=seq, meta={"keys": list(keys)},
+                                                 data=np.concatenate([value(k) for k in keys])))
+            elif kind == "one":
+                srv.on_pushpull(ident, P.Message(P.Type.PUSHPULL, sender=sender, seq=seq, key=keys[0],
+                                                 data=value(keys[0])))
+            else:
+                srv.on_push(ident, P.Message(P.Type.PUSH, sender=sender, seq=seq, key=keys[0], data=value(keys[0]),
+                                             want_ack=False))
+                srv.on_pull(ident, P.Message(P.Type.PULL, sender=sender, seq=seq + 50, key=keys[0]))
+    return got, [srv.values[k].tolist() for k in range(3, 7)], dict(srv._held)
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+_KEYS = (3, 4, 5, 6)
+
+
+@st.composite
+def _requests(draw):
+    """One worker's requests of one step: every key once, in fused sets or alone."""
+    keys = draw(st.permutations(_KEYS))
+    reqs, i = [], 0
+    while i < len(keys):
+        n = draw(st.integers(1, len(keys) - i))
+        kind = "fused" if n > 1 else draw(st.sampled_from(["one", "push+pull"]))
+        reqs.append((kind, tuple(keys[i:i + n])))
+        i += n
+    return reqs
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(2, 3).flatmap(lambda w: st.tuples(
+    st.lists(st.lists(_requests(), min_size=w, max_size=w), min_size=1, max_size=3),
+    st.lists(st.permutations(sorted(list(range(w)) * 4)), min_size=3, max_size=3))), st.booleans())
+def test_group_rounds_answer_every_interleaving_as_the_key_by_key_server(plan, optimizer):
+    """Workers that fuse the same keys alike, differently or not at all, in any interleaving: the
+    server with group rounds sends every reply and ends with every value as serving each key on
+    its own does, with nothing left held."""
+    workers, orders = plan
+    steps = orders[:len(workers)]
+    grouped = _serve_steps(True, workers, steps, optimizer)
+    assert grouped == _serve_steps(False, workers, steps, optimizer)
+    assert all(v == 0 for v in grouped[2].values())
