@@ -54,17 +54,17 @@ class Pull:
         self._dest = None
         for o in self.outs:
             if isinstance(o, np.ndarray):
-                if (o.shape != self.layout.shape or not o.flags.writeable
-                        or not _castable(self.layout.dtype, o.dtype)):
+                flags = o.flags
+                if o.shape != self.layout.shape or not flags.writeable or not _castable(self.layout.dtype, o.dtype):
                     raise ValueError(f"pull of key {self.key!r}: out array is {o.dtype}{list(o.shape)}, expected "
                                      f"a writable float{list(self.layout.shape)}")
-                if self._dest is None and o.dtype == self.layout.dtype and o.flags.c_contiguous:
+                if self._dest is None and o.dtype == self.layout.dtype and flags.c_contiguous:
                     self._dest = o
 
     def expect(self, seqs: list[tuple[int, int, int]]) -> None:
         """The requests sent for this pull's parts."""
         self.seqs, self._left = seqs, len(seqs)
-        self._spans = {seq: (a, b) for seq, a, b in seqs}
+        self._spans = {seqs[0][0]: seqs[0][1:]} if len(seqs) == 1 else {seq: (a, b) for seq, a, b in seqs}
         if self._dest is None and self._left > 1:
             self._dest = np.empty(self.layout.shape, self.layout.dtype)
 

@@ -154,11 +154,17 @@ class ServerLink:
         with self.lock:
             seq = next(self.seq)
             # Awaited as the member's own PULL of `key`, which a lost reply's message names
-            # (_describe); never resent (`fusable`), so no frames are made for it.
-            self._track(server, seq, key)
-            self._staged[server].append((key, data, seq))
+            # (_describe); never resent (`fusable`), so no frames are made for it. (_track, inline:
+            # a model's small keys pass here every step.)
+            now = time.monotonic()
+            self.pending[seq] = [server, key, now]
+            if not self._awaited[server]:
+                self._heard[server] = now
+            self._awaited[server] += 1
+            staged = self._staged[server]
+            staged.append((key, data, seq))
             self._staged_bytes[server] += data.nbytes
-            if self._staged_bytes[server] >= self.env.fusion_bytes or len(self._staged[server]) >= MAX_FUSED:
+            if self._staged_bytes[server] >= self.env.fusion_bytes or len(staged) >= MAX_FUSED:
                 self._send_staged(server)
         return seq
 
@@ -320,10 +326,11 @@ class ServerLink:
             if members is None or msg.data.size != sum(n for _, n in members):
                 log.warning("dropped a PUSHPULL reply from server %d that answers no request of this worker", server)
                 return None
-            offset, data = 0, msg.data
+            offset, data, pending, replies = 0, msg.data, self.pending, self.replies
             for seq, n in members:
-                if self._answered(seq) is not None:
-                    self.replies[seq] = Member(data[offset:offset + n])
+                if seq in pending:  # _answered, inline (a member is never landed)
+                    self._awaited[pending.pop(seq)[0]] -= 1
+                    replies[seq] = Member(data[offset:offset + n])
                     arrived.append(seq)
                 offset += n
             return None
