@@ -95,7 +95,9 @@ class Round:
     merged: np.ndarray | None = None
     pushed: set[int] = field(default_factory=set)
     pulls: list[tuple[bytes, P.Message | Fused]] = field(default_factory=list)
-    held: list[tuple[bytes, P.Message]] = field(default_factory=list)  # PUSH or one-key PUSHPULL for the next round
+    # A PUSH or one-key PUSHPULL for the next round; a fused key's PUSH with the pull (Fused) that
+    # waits for the round it goes into.
+    held: list[tuple[bytes, P.Message, Fused | None]] = field(default_factory=list)
 
 
 class Server:
@@ -400,15 +402,36 @@ class Server:
                 continue
             self._held[pull.sender] -= 1
             self._answer_pull(identity, pull)
-        for identity, push in held:  # a PUSH, or a one-key PUSHPULL (held whole, answered when served)
+        for identity, push, pull in held:  # a PUSH, or a one-key PUSHPULL (held whole, answered when served)
             self._held[push.sender] -= _awaits_answer(push)
-            self._handlers[push.type](self, identity, push)
+            if pull is not None:  # a fused key's push: its pull waits for the round it goes into
+                self._push_member(identity, push, pull)
+            else:
+                self._handlers[push.type](self, identity, push)
 
-    def _hold(self, r: Round, identity: bytes, msg: P.Message) -> None:
+    def _hold(self, r: Round, identity: bytes, msg: P.Message, pull: Fused | None = None) -> None:
         """Keep a sender's second push of a key (a PUSH or a one-key PUSHPULL) for the key's next
-        round; counted as held while its sender awaits an answer to it."""
-        r.held.append((identity, msg))
+        round, with the fused pull that waits for it if any; counted as held while its sender
+        awaits an answer to it."""
+        r.held.append((identity, msg, pull))
         self._held[msg.sender] += _awaits_answer(msg)
+
+    def _push_member(self, identity: bytes, push: P.Message, group: Fused) -> None:
+        """A fused PUSHPULL's push of one key, then its pull, filled now or when the round the
+        push went into closes. Pushed again before the key's round closed, the push waits for the
+        next round and its pull with it (a pull answers after its own push, as a one-key
+        PUSHPULL's does)."""
+        self._apart(push.key)
+        r = self.rounds.get(push.key) if self.sync else None
+        if r is not None and push.sender in r.pushed:
+            self._hold(r, identity, push, group)
+            return
+        self.on_push(identity, push)
+        r = self._open_round(push.key, push.sender)
+        if r is not None:
+            r.pulls.append((group.identity, group))
+        else:
+            self._fill(group, push.key)
 
     def _open_round(self, key: int, sender: int) -> Round | None:
         """The round a pull of `key` by `sender` waits for: one this sender has pushed into (sync)."""
@@ -460,17 +483,11 @@ class Server:
         if self.sync and self._as_group(identity, msg, keys, sizes):
             return
         group, offset = Fused(identity, msg, keys), 0
-        for k, n in zip(keys, sizes):
-            self.on_push(identity, P.Message(P.Type.PUSH, msg.sender, msg.seq, k, data=msg.data[offset:offset + n],
-                                             want_ack=False))
-            offset += n
         self._held[msg.sender] += len(keys)
-        for k in keys:
-            r = self._open_round(k, msg.sender)
-            if r is not None:
-                r.pulls.append((identity, group))  # filled when the round closes
-            else:
-                self._fill(group, k)
+        for k, n in zip(keys, sizes):
+            push = P.Message(P.Type.PUSH, msg.sender, msg.seq, k, data=msg.data[offset:offset + n], want_ack=False)
+            offset += n
+            self._push_member(identity, push, group)
 
     def _as_group(self, identity: bytes, msg: P.Message, keys: list[int], sizes: list[int]) -> bool:
         """Serve a fused PUSHPULL of a synchronous job as a GroupRound when its keys are in no
