@@ -196,13 +196,30 @@ def test_each_reply_of_a_batch_is_asked_for_with_its_own_header():
     a, b = np.arange(10, dtype=np.float32), np.arange(20, dtype=np.float32) + 100
     dests = {1: np.zeros(10, np.float32), 2: np.zeros(20, np.float32)}
 
-    def into(before, frame, size):
-        if len(before) != P.HEADER.size:  # asked for a header too (the frame before it is a payload)
-            return None
-        seq = P.HEADER.unpack(before)[6]
+    def into(head, frame, size):
+        seq = P.HEADER.unpack(head)[6]
         return dests[seq].view(np.uint8) if dests[seq].nbytes == size else None
 
     got = worker.open(next(server.seal(_reply(a, seq=1) + _reply(b, seq=2))), into)
     first, second = (P.decode(m) for m in P.split(got))
     assert np.array_equal(dests[1], a) and np.array_equal(dests[2], b)
     assert np.shares_memory(first.data, dests[1]) and np.shares_memory(second.data, dests[2])
+
+
+def test_into_is_asked_for_payloads_only_with_their_own_headers_whatever_a_payload_looks_like():
+    """Which frame is a header is read from the headers' flags (as protocol.split does), never
+    guessed from a frame's size: a 28-byte payload that reads as a PULL header of another request
+    is not taken for one, so nothing lands in that request's destination."""
+    worker, server = _pair()
+    lookalike = np.frombuffer(_reply(np.zeros(7, np.float32), seq=2)[0], np.float32)  # 7 floats: 28 bytes
+    asked = []
+
+    def into(head, frame, size):
+        asked.append((P.HEADER.unpack(head)[6], frame, size))
+        return None
+
+    got = worker.open(next(server.seal(_reply(lookalike, seq=1) + _reply(np.arange(7, dtype=np.float32), seq=2))),
+                      into)
+    assert asked == [(1, 1, 28), (2, 3, 28)]
+    first, second = (P.decode(m) for m in P.split(got))
+    assert first.data.tobytes() == lookalike.tobytes() and second.seq == 2

@@ -42,7 +42,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from tfkv.errors import TfkvError
 from tfkv.ps import aead
 from tfkv.ps.aead import Aead, InvalidTag
-from tfkv.ps.protocol import HEADER, MAGIC as _MAGIC
+from tfkv.ps.protocol import FLAG_DATA, FLAG_META, HEADER, MAGIC as _MAGIC
 
 _PROTOCOL_MAGIC = HEADER.pack(_MAGIC, *[0] * 8)[:2]  # how a bare protocol header begins
 
@@ -111,8 +111,8 @@ def envelope(frames: Sequence[Any]) -> tuple[int, ...]:
     return tuple(fields)
 
 
-# Where a frame's plaintext goes: (the frame before it, opened; its index; its size) -> a writable
-# buffer of bytes of exactly that size, or None for the channel's own (Session.open).
+# Where a payload's plaintext goes: (its message's opened header, the frame's index, its size) ->
+# a writable buffer of bytes of exactly that size, or None for the channel's own (Session.open).
 Into = Callable[[memoryview, int, int], Any]
 
 
@@ -123,6 +123,18 @@ class _Partial:
         self.frames: list[np.ndarray] = []
         self.nframes, self.first, self.next = nframes, first, first
         self.frame, self.offset = 0, 0  # where the next piece belongs
+        # The protocol messages the frames make (read from each header's flags as protocol.split
+        # reads them): where the next header is, and the current one's payload frame, if any.
+        self.head_at, self.head, self.payload_at = 0, None, -1
+
+    def opened(self, frame: int, plain: Any) -> None:
+        """Frame `frame` is open: if it is a protocol header, note where its message's payload is."""
+        if frame != self.head_at:
+            return
+        flags = plain[4] if len(plain) == HEADER.size else 0  # a bad header: decode refuses the message
+        count = 1 + bool(flags & FLAG_META) + bool(flags & FLAG_DATA)
+        self.head, self.head_at = plain, frame + count
+        self.payload_at = frame + count - 1 if flags & FLAG_DATA else -1
 
 
 class Session:
@@ -184,12 +196,13 @@ class Session:
         protocol frames once their message is whole, None until then; Refused (and the message it
         belonged to dropped) if it fails any check.
 
-        `into(before, frame, size)`, asked once for each frame after the first as it begins to
-        arrive, with the frame before it already opened (`before`: the protocol header, when the
-        frame is the payload of a message without metadata), may name where that frame's
-        plaintext goes: a writable buffer of bytes of exactly `size` (a worker's pull lands in its
-        destination array, saving the copy from a received buffer into it). A part that fails
-        authentication leaves that buffer zeroed (libaegis clears what it opened)."""
+        `into(head, frame, size)`, asked once for each frame that is a protocol message's payload
+        as it begins to arrive, with that message's header (`head`, already opened; which frames
+        are headers and payloads is read from the headers' flags as protocol.split reads them),
+        may name where the payload's plaintext goes: a writable buffer of bytes of exactly `size`
+        (a worker's pull lands in its destination array, saving the copy from a received buffer
+        into it). A part that fails authentication leaves that buffer zeroed (libaegis clears
+        what it opened)."""
         kind, nframes, f, size, offset, first, counter = envelope(frames)
         if kind != DATA:
             raise Refused("malformed", f"a handshake message (kind {kind}) on an open connection")
@@ -233,6 +246,8 @@ class Session:
             except InvalidTag:
                 raise Refused("bad tag", f"part {i + 1} of piece {counter - first} of a message fails "
                                          "authentication") from None
+            if not pieces:
+                part.opened(f + i, out)
         self._accepted(counter)
         part.next = counter + len(parts)
         if not pieces:
@@ -249,9 +264,9 @@ class Session:
 
     @staticmethod
     def _destination(into: Into | None, part: _Partial, frame: int, size: int) -> memoryview | None:
-        if into is None or not frame:
+        if into is None or frame != part.payload_at:
             return None
-        dest = into(part.frames[frame - 1], frame, size)
+        dest = into(part.head, frame, size)
         if dest is None:
             return None
         view = memoryview(dest)

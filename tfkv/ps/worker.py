@@ -220,19 +220,20 @@ class ServerLink:
         contiguous array of the key's dtype and the part's size), not into its received buffer
         for the caller to copy: one pass less over every pulled byte. A reply that fails
         authentication leaves it zeroed; the pull is then not complete (a lost reply). True if
-        it will be."""
-        if self.sessions is None or dest is None:
+        it will be (the request is awaited and the job secure); `unland` ends it."""
+        if self.sessions is None or dest is None or seq not in self.pending:
             return False
         self._landing[seq] = (dest.reshape(-1).view(np.uint8), P.DTYPE_CODES[dest.dtype], dest.itemsize)
         return True
 
-    def _into(self, before: memoryview, frame: int, size: int) -> np.ndarray | None:
-        """channel.Session.open's `into`: the payload of a PULL reply to a request `land`ed (the
-        frame before it its header). Were a payload ever taken for a header here, decode would
-        still read every frame where it was opened, and the pull copy its reply into place."""
-        if len(before) != P.HEADER.size:
+    def unland(self, seq: int) -> None:
+        self._landing.pop(seq, None)
+
+    def _into(self, head: memoryview, frame: int, size: int) -> np.ndarray | None:
+        """channel.Session.open's `into`: the payload of a PULL reply to a request `land`ed."""
+        if len(head) != P.HEADER.size:
             return None
-        magic, version, kind, flags, dtype, _, seq, _, count = P.HEADER.unpack(before)
+        magic, version, kind, flags, dtype, _, seq, _, count = P.HEADER.unpack(head)
         landing = self._landing.get(seq)
         if (landing is None or magic != P.MAGIC or kind != P.Type.PULL or dtype != landing[1]
                 or flags & (P.FLAG_META | P.FLAG_DATA | P.FLAG_REPLY) != P.FLAG_DATA | P.FLAG_REPLY

@@ -119,8 +119,9 @@ class DistStore(KVStore):
 
     def _layout(self, key: Hashable) -> tuple[int, Layout]:
         kid = self._ids.get(key) if type(key) is int or type(key) is str else None
-        if kid is not None:  # an initialised key of exactly int or str: of this store's kind (checked at init)
-            return kid, self._layouts[kid]
+        layout = self._layouts.get(kid)  # type: ignore[arg-type]
+        if layout is not None:  # an initialised key of exactly int or str: of this store's kind (checked at init)
+            return kid, layout  # type: ignore[return-value]
         self._check_key(key)
         kid = self._ids.get(key)
         if kid is None or kid not in self._layouts:
@@ -241,13 +242,6 @@ class DistStore(KVStore):
         flat = self._flat(k, layout, values)
         pull.expect([(self.servers.send(server, self._carrying(P.Type.PUSHPULL, skey, flat[a:b])), a, b)
                      for server, a, b, skey in layout.parts])
-        return self._landing(pull)
-
-    def _landing(self, pull: Pull) -> Pull:
-        """Have each part's reply opened where the pull puts it (ServerLink.land)."""
-        if self.servers.sessions is not None:
-            for seq, a, b in pull.seqs:
-                pull.landed |= self.servers.land(seq, pull.destination(a, b))
         return pull
 
     def _pushpull_fused(self, k: Key, layout: Layout, values: list[Any], outs: list[Any]) -> Pull:
@@ -265,18 +259,37 @@ class DistStore(KVStore):
         """(key, value) for each of `pulls` as soon as all of its parts have arrived, in arrival
         order; the value is also written into the pull's `outs`."""
         waiting = {seq: p for p in pulls for seq, _, _ in p.seqs}
-        arrived = [seq for seq in waiting if seq in self.servers.replies]
-        tick = min(100.0, self.env.resend_timeout * 1000)
-        while True:
-            for seq in arrived:
-                p = waiting.pop(seq, None)
-                if p is not None and p.arrive(seq, self.servers.replies.pop(seq).data):
-                    p.deliver()
-                    yield p.key, p.value
-            if not waiting:
-                return
-            arrived = self.servers.receive(tick)
-            self.servers.tick()
+        landing = self._land(pulls)
+        try:
+            arrived = [seq for seq in waiting if seq in self.servers.replies]
+            tick = min(100.0, self.env.resend_timeout * 1000)
+            while True:
+                for seq in arrived:
+                    p = waiting.pop(seq, None)
+                    if p is not None and p.arrive(seq, self.servers.replies.pop(seq).data):
+                        p.deliver()
+                        yield p.key, p.value
+                if not waiting:
+                    return
+                arrived = self.servers.receive(tick)
+                self.servers.tick()
+        finally:  # a wait given up (an error, a generator dropped) lands nothing later
+            for seq in landing:
+                self.servers.unland(seq)
+
+    def _land(self, pulls: Sequence[Pull]) -> list[int]:
+        """In a secure job, have each awaited part's reply opened where its pull puts it
+        (ServerLink.land), only while this wait lasts; the seqs landed."""
+        landed: list[int] = []
+        if self.servers.sessions is None:
+            return landed
+        with self.servers.lock:  # no receive on another thread between a look at replies and a landing
+            for p in pulls:
+                for seq, a, b in p.seqs:
+                    if seq not in self.servers.replies and self.servers.land(seq, p.destination(a, b)):
+                        p.landed = True
+                        landed.append(seq)
+        return landed
 
     def wait(self, pulls: Sequence[Pull]) -> dict[Key, np.ndarray]:
         """Every pull's value, by key, once all have arrived."""
@@ -340,10 +353,9 @@ class DistStore(KVStore):
     def _request_pull(self, k: Key, outs: list[Any]) -> Pull:
         _, layout = self._layout(k)
         pull = Pull(k, layout, outs)  # checks the outs before anything is sent
-        with self.servers.lock:  # landed before another thread's receive can take the reply
-            pull.expect([(self.servers.send(server, P.Message(P.Type.PULL, key=skey)), a, b)
-                         for server, a, b, skey in layout.parts])
-            return self._landing(pull)
+        pull.expect([(self.servers.send(server, P.Message(P.Type.PULL, key=skey)), a, b)
+                     for server, a, b, skey in layout.parts])
+        return pull
 
     def set_gradient_compression(self, compression_params: Any) -> None:
         """MXNet's API, e.g. {"type": "2bit", "threshold": 0.5}; every worker calls it (each keeps
