@@ -177,6 +177,33 @@ def push_then_barrier(kv, out):
 SCENARIOS["push_then_barrier"] = push_then_barrier
 
 
+def seq_wrap(kv, out):
+    """Requests numbered across the header's 32-bit wrap (a fused small key, a large one, a
+    barrier's PINGs): every reply still finds its request."""
+    from tfkv.ps.worker import _Seqs
+
+    kv.init(["a", "b", "t"], [np.zeros(3, np.float32), np.zeros(300_000, np.float32), np.zeros(1, np.float32)])
+    # As after 2**32 requests: the numbers from the job's start have long left the servers'
+    # duplicate window (4,096 requests per worker), which a jump of the counter must do by hand.
+    for _ in range(4200):
+        kv.push("t", np.ones(1, np.float32))
+    kv.barrier()
+    # Numbers only ever grow (mod 2**32), so a PING asking a silent server what it holds (sent
+    # while the barrier waited, on a loaded machine) must be answered before the jump.
+    while kv.servers.pending:
+        kv.servers.wait()
+    kv.servers.seq = _Seqs((1 << 32) - 4)
+    got = []
+    for _ in range(4):
+        small, big = kv.pushpull(["a", "b"], [np.full(3, 1.0, np.float32), np.full(300_000, 1.0, np.float32)])
+        got.append([float(small.min()), float(big.max())])
+        kv.barrier()
+    json.dump({"got": got, "next": next(kv.servers.seq)}, out)
+
+
+SCENARIOS["seq_wrap"] = seq_wrap
+
+
 def compressed(kv, out):
     """2-bit pushes across the wire: quantised sums, error feedback, chunked parts, bytes sent."""
     r = kv.rank

@@ -49,6 +49,15 @@ def test_sync_semantics_big_arrays_and_string_keys(cluster):
     assert sorted(r["rank"] for r in _results(outs)) == [0, 1]
 
 
+def test_request_numbers_wrap_as_the_header_carries_them(cluster):
+    """A header carries 32 bits of sequence number; a worker's numbers wrap with it, so a job
+    past 2**32 requests (430,000 steps of a 10,000-key model) still matches every reply."""
+    _, outs = _job(cluster, "seq_wrap", num_workers=2)
+    for r in _results(outs):
+        assert r["got"] == [[2.0, 2.0]] * 4  # both workers' pushes, every step
+        assert 0 < r["next"] < 1000  # wrapped past 2**32 - 1
+
+
 def test_pushpull_streams_each_key_back(cluster):
     _, outs = _job(cluster, "pushpull", num_servers=2, num_workers=2, MXNET_KVSTORE_BIGARRAY_BOUND="500",
                    TFKV_CHUNK_BYTES="2000")

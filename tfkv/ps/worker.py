@@ -11,7 +11,6 @@ TensorFlow op's thread).
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
@@ -38,6 +37,29 @@ TICK = 0.05  # seconds between two looks for silent servers and overdue resends 
 
 class DistError(TfkvError, RuntimeError):
     """A server refused a request; the message is the server's."""
+
+
+SEQ_MASK = 0xFFFFFFFF  # protocol.HEADER's seq field
+
+
+class _Seqs:
+    """`next()` gives 1, 2, ... 2**32 - 1, then 1 again (0 is never used)."""
+
+    def __init__(self, start: int = 1):
+        self._next = start
+
+    def __iter__(self) -> "_Seqs":
+        return self
+
+    def __next__(self) -> int:
+        seq = self._next
+        self._next = seq % SEQ_MASK + 1
+        return seq
+
+
+def _before(seq: int, probe: int) -> bool:
+    """Whether request `seq` was sent before request `probe`, across the wrap of 32 bits."""
+    return 0 < (probe - seq) & SEQ_MASK < 1 << 31
 
 
 class Member:
@@ -85,7 +107,10 @@ class ServerLink:
         self._groups: dict[int, list[tuple[int, int]]] = {}  # PUSHPULL seq -> (member pull seq, values)
         self.sessions: list[channel.Session] | None = self._handshake() if env.keys is not None else None
         self.refused = 0  # replies that failed authentication (dropped; a lost reply is then noticed)
-        self.seq = itertools.count(1)
+        # Sequence numbers as the header carries them (32 bits, protocol.HEADER): wrapping here
+        # too, a job past 2**32 requests (430,000 steps of a 10,000-key model) still matches
+        # every reply to its request. Requests in flight are never 2**31 apart.
+        self.seq = _Seqs()
         self.pending: dict[int, list[Any]] = {}  # seq -> [server, frames, sent_at]
         self._awaited = [0] * len(self.socks)  # per server: its requests in `pending`
         self._heard = [0.0] * len(self.socks)  # per server: when it last answered (or we began to wait)
@@ -377,7 +402,8 @@ class ServerLink:
     def _check_held(self, server: int, probe: int, held: int) -> None:
         if self.env.resend:
             return  # under PS_RESEND a lost request or reply is sent again instead
-        before = sorted(seq for seq, e in self.pending.items() if e[0] == server and seq < probe)
+        before = sorted((seq for seq, e in self.pending.items() if e[0] == server and _before(seq, probe)),
+                        key=lambda seq: self.pending[seq][2])  # oldest first
         if len(before) > held:
             raise DistError(f"{self._server_name(server)} did not answer {self._describe(before[0])} and "
                             f"holds {held} of the {len(before)} requests this worker awaits from it: the reply "
@@ -391,7 +417,8 @@ class ServerLink:
                 # From the last reply heard, not from the PING: a busy server still answering
                 # the requests queued ahead of the PING is serving.
                 if now - max(probe[1], self._heard[server]) > self.env.request_timeout:
-                    oldest = min(seq for seq, e in self.pending.items() if e[0] == server)
+                    oldest = min((seq for seq, e in self.pending.items() if e[0] == server),
+                                 key=lambda seq: self.pending[seq][2])
                     raise DistError(f"{self._server_name(server)} has answered nothing for "
                                     f"{now - self._heard[server]:.0f} s, not even a PING sent "
                                     f"{now - probe[1]:.0f} s ago, while this worker awaits "
