@@ -180,7 +180,7 @@ SCENARIOS["push_then_barrier"] = push_then_barrier
 def seq_wrap(kv, out):
     """Requests numbered across the header's 32-bit wrap (a fused small key, a large one, a
     barrier's PINGs): every reply still finds its request."""
-    from tfkv.ps.worker import _Seqs
+    from tfkv.ps.worker import _seqs
 
     kv.init(["a", "b", "t"], [np.zeros(3, np.float32), np.zeros(300_000, np.float32), np.zeros(1, np.float32)])
     # As after 2**32 requests: the numbers from the job's start have long left the servers'
@@ -192,7 +192,7 @@ def seq_wrap(kv, out):
     # while the barrier waited, on a loaded machine) must be answered before the jump.
     while kv.servers.pending:
         kv.servers.wait()
-    kv.servers.seq = _Seqs((1 << 32) - 4)
+    kv.servers.seq = _seqs((1 << 32) - 4)
     got = []
     for _ in range(4):
         small, big = kv.pushpull(["a", "b"], [np.full(3, 1.0, np.float32), np.full(300_000, 1.0, np.float32)])

@@ -51,6 +51,7 @@ HEADER = struct.Struct("<HBBBBHIQQ")  # magic version type flags dtype sender se
 # disconnected and the message lost in every secure job), the data plane's tag 32 (tfkv.ps.channel).
 MAX_FRAME = (1 << 20) + 4096
 MAX_META = 1 << 20  # metadata is one frame: encode refuses more, decode too
+SEQ_MASK = 0xFFFFFFFF  # a header's seq field: 32 bits (a worker's numbers wrap with it)
 
 
 def max_frame(secure: bool, max_message_bytes: int) -> int:
@@ -155,7 +156,7 @@ def encode(msg: Message) -> list[Any]:
         frames.append(_received_frame(data) or memoryview(data if dtype != DType.BFLOAT16 else data.view(np.uint16))
                       .cast("B"))
     frames[0] = HEADER.pack(MAGIC, VERSION, int(msg.type), flags, int(dtype), msg.sender,
-                            msg.seq & 0xFFFFFFFF, msg.key, count)
+                            msg.seq & SEQ_MASK, msg.key, count)
     return frames
 
 

@@ -493,7 +493,7 @@ class Server:
         """Serve a fused PUSHPULL of a synchronous job as a GroupRound when its keys are in no
         other round (or all in this set's own); False: served key by key (other rounds taken apart)."""
         group = self._grouped.get(keys[0])
-        if group is None or len(group.keys) != len(keys) or group.keys != tuple(keys):
+        if group is None or group.keys != tuple(keys):
             for k in keys:
                 other = self._grouped.get(k)
                 if other is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable, Iterator, Sequence
 
 import numpy as np
 import zmq
@@ -39,27 +39,16 @@ class DistError(TfkvError, RuntimeError):
     """A server refused a request; the message is the server's."""
 
 
-SEQ_MASK = 0xFFFFFFFF  # protocol.HEADER's seq field
-
-
-class _Seqs:
-    """`next()` gives 1, 2, ... 2**32 - 1, then 1 again (0 is never used)."""
-
-    def __init__(self, start: int = 1):
-        self._next = start
-
-    def __iter__(self) -> "_Seqs":
-        return self
-
-    def __next__(self) -> int:
-        seq = self._next
-        self._next = seq % SEQ_MASK + 1
-        return seq
+def _seqs(start: int = 1) -> Iterator[int]:
+    """Request numbers as a header carries them: `start`, ... 2**32 - 1, then 1 again (never 0)."""
+    while True:
+        yield from range(start, P.SEQ_MASK + 1)
+        start = 1
 
 
 def _before(seq: int, probe: int) -> bool:
     """Whether request `seq` was sent before request `probe`, across the wrap of 32 bits."""
-    return 0 < (probe - seq) & SEQ_MASK < 1 << 31
+    return 0 < (probe - seq) & P.SEQ_MASK < 1 << 31
 
 
 class Member:
@@ -110,7 +99,7 @@ class ServerLink:
         # Sequence numbers as the header carries them (32 bits, protocol.HEADER): wrapping here
         # too, a job past 2**32 requests (430,000 steps of a 10,000-key model) still matches
         # every reply to its request. Requests in flight are never 2**31 apart.
-        self.seq = _Seqs()
+        self.seq = _seqs()
         self.pending: dict[int, list[Any]] = {}  # seq -> [server, frames, sent_at]
         self._awaited = [0] * len(self.socks)  # per server: its requests in `pending`
         self._heard = [0.0] * len(self.socks)  # per server: when it last answered (or we began to wait)
@@ -179,13 +168,8 @@ class ServerLink:
         with self.lock:
             seq = next(self.seq)
             # Awaited as the member's own PULL of `key`, which a lost reply's message names
-            # (_describe); never resent (`fusable`), so no frames are made for it. (_track, inline:
-            # a model's small keys pass here every step.)
-            now = time.monotonic()
-            self.pending[seq] = [server, key, now]
-            if not self._awaited[server]:
-                self._heard[server] = now
-            self._awaited[server] += 1
+            # (_describe); never resent (`fusable`), so no frames are made for it.
+            self._track(server, seq, key)
             staged = self._staged[server]
             staged.append((key, data, seq))
             self._staged_bytes[server] += data.nbytes
@@ -300,7 +284,6 @@ class ServerLink:
         entry = self.pending.pop(seq, None)
         if entry is not None:
             self._awaited[entry[0]] -= 1
-            self._landing.pop(seq, None)
         return entry
 
     def receive(self, timeout_ms: float) -> list[int]:
@@ -352,11 +335,10 @@ class ServerLink:
             if members is None or msg.data.size != sum(n for _, n in members):
                 log.warning("dropped a PUSHPULL reply from server %d that answers no request of this worker", server)
                 return None
-            offset, data, pending, replies = 0, msg.data, self.pending, self.replies
+            offset, data = 0, msg.data
             for seq, n in members:
-                if seq in pending:  # _answered, inline (a member is never landed)
-                    self._awaited[pending.pop(seq)[0]] -= 1
-                    replies[seq] = Member(data[offset:offset + n])
+                if self._answered(seq) is not None:
+                    self.replies[seq] = Member(data[offset:offset + n])
                     arrived.append(seq)
                 offset += n
             return None
