@@ -44,7 +44,7 @@ from tfkv.ps import security
 from tfkv.ps.cluster_env import ClusterEnv
 from tfkv.ps.updater import NumpyUpdater
 from tfkv.ps.scheduler_link import SchedulerLink
-from tfkv.ps import strangers
+from tfkv.ps import strangers, wire
 from tfkv.ps.strangers import Strangers
 
 log = logging.getLogger("tfkv.ps")
@@ -148,13 +148,14 @@ class Server:
     # -- loop ----------------------------------------------------------------------------------
 
     def run(self) -> int:
-        # One poller for the life of the loop (Socket.poll builds a zmq.Poller per call, per message).
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
+        # A receive that waits (up to 100 ms, to see a shutdown), not a poll and then a receive:
+        # one call into libzmq less per message (~5 us of a 4 KiB round trip).
+        self.sock.rcvtimeo = 100
         while not self.link.shutdown.is_set():
-            if not poller.poll(100):
+            try:
+                frames = wire.recv(self.sock)
+            except zmq.Again:
                 continue
-            frames = self.sock.recv_multipart(copy=False)
             identity, frames = frames[0].bytes, frames[1:]
             if self._psk is not None:
                 frames = self._open(identity, frames)
@@ -224,13 +225,13 @@ class Server:
     def _send(self, identity: bytes, frames: list[Any]) -> None:
         try:
             if self._psk is None:
-                self.sock.send_multipart([identity, *frames], copy=False)
+                wire.send(self.sock, [identity, *frames])
                 return
             session = self.sessions.get(identity)
             if session is None:
                 return  # no connection of this job: nothing it could read
             for piece in session.seal(frames):  # each sent as soon as sealed: the worker opens it meanwhile
-                self.sock.send_multipart([identity, *piece], copy=False)
+                wire.send(self.sock, [identity, *piece])
         except zmq.ZMQError as e:
             if e.errno != zmq.EHOSTUNREACH:
                 raise

@@ -22,7 +22,7 @@ import zmq
 from tfkv.errors import TfkvError
 from tfkv.ps import channel
 from tfkv.ps import protocol as P
-from tfkv.ps import security
+from tfkv.ps import security, wire
 from tfkv.ps.cluster_env import ClusterEnv
 from tfkv.ps.parts import CHUNK_SHIFT
 from tfkv.ps.scheduler_link import SchedulerLink
@@ -152,10 +152,10 @@ class ServerLink:
     def _put(self, server: int, frames: list[Any]) -> None:
         """Send a request's frames, sealed for its server in a secure job (piece by piece)."""
         if self.sessions is None:
-            self.socks[server].send_multipart(frames, copy=False)
+            wire.send(self.socks[server], frames)
             return
         for piece in self.sessions[server].seal(frames):
-            self.socks[server].send_multipart(piece, copy=False)
+            wire.send(self.socks[server], piece)
 
     def fusable(self, nbytes: int) -> bool:
         """Whether a key part of `nbytes` may go in a PUSHPULL (`pushpull`)."""
@@ -214,7 +214,7 @@ class ServerLink:
         """The protocol frames of the next message from `server` (zmq.Again if there is none),
         opened in a secure job; None if it failed the channel's checks (dropped, counted) or is a
         piece of a message still arriving."""
-        frames = self.socks[server].recv_multipart(flags=zmq.NOBLOCK, copy=False)
+        frames = wire.recv(self.socks[server], zmq.NOBLOCK)
         if self.sessions is None:
             return frames
         try:
