@@ -88,16 +88,12 @@ def _mac(key: bytes, *parts: bytes) -> bytes:
     return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
 
 
-def _buffer(frame: Any) -> memoryview:
-    return frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
-
-
 def envelope(frames: Sequence[Any]) -> tuple[int, ...]:
     """(kind, nframes, frame, size, offset, first, counter) of a received message; Refused if it
     is not one of ours: frame 0 an envelope, then exactly one sealed piece."""
     if not frames:
         raise Refused("not tfkv", "empty message")
-    head = _buffer(frames[0])
+    head = memoryview(frames[0])
     if bytes(head[:2]) == _PROTOCOL_MAGIC:
         raise Refused("not tfkv", "a tfkv message without the channel's envelope: a peer of an older tfkv "
                                   "or one started with TFKV_SECURE=0")
@@ -159,7 +155,7 @@ class Session:
         group: list[memoryview] = []  # whole frames waiting to go together
         start = grouped = 0  # the group's first frame, its bytes
         for f, frame in enumerate(frames):
-            data = _buffer(frame).cast("B")
+            data = memoryview(frame).cast("B")
             # A group goes before a frame that would take it past GROUP, and before any frame in
             # pieces (the receiver takes frames in order).
             if group and (grouped + len(data) > GROUP or len(data) > PIECE):
@@ -208,7 +204,7 @@ class Session:
             raise Refused("malformed", f"a handshake message (kind {kind}) on an open connection")
         if counter <= self._newest - WINDOW or counter in self._recent:
             raise Refused("replay", f"counter {counter} was accepted before or is too old")
-        parts = [_buffer(p) for p in frames[1:]]
+        parts = [memoryview(p) for p in frames[1:]]
         part = self._partial
         if first == counter:  # a message begins (one left unfinished was lost on the way)
             part = _Partial(nframes, first)
@@ -226,7 +222,7 @@ class Session:
                                     or max(sizes) > PIECE))):
             raise Refused("malformed", f"{len(parts)} part(s) at {offset} of frame {f} ({size} bytes, "
                                        f"{nframes} frames)")
-        aad = _buffer(frames[0])
+        aad = memoryview(frames[0])
         if pieces and offset == 0:
             part.frames.append(self._destination(into, part, f, size) or np.empty(size, np.uint8))
         for i, sealed in enumerate(parts):
@@ -304,7 +300,7 @@ class Hello:
     def welcome(self, frames: Sequence[Any]) -> Session:
         """The session a WELCOME opens; Refused if it is not the answer to this HELLO."""
         kind = envelope(frames)[0]
-        body = bytes(_buffer(frames[1]))
+        body = bytes(frames[1])
         if kind != WELCOME or len(body) != _PUBLIC + _MAC:
             raise Refused("malformed", "expected a WELCOME")
         server_public, mac = body[:_PUBLIC], body[_PUBLIC:]
@@ -319,11 +315,11 @@ def welcome(psk_: bytes, frames: Sequence[Any]) -> tuple[Session, list[bytes]]:
     """A server's answer to a HELLO: the connection's session and the WELCOME to send; Refused
     if the HELLO was not made with the job's key."""
     kind = envelope(frames)[0]
-    body = bytes(_buffer(frames[1]))
+    body = bytes(frames[1])
     if kind != HELLO or len(body) != _PUBLIC + _MAC:
         raise Refused("malformed", "expected a HELLO")
     worker_public, mac = body[:_PUBLIC], body[_PUBLIC:]
-    if not hmac.compare_digest(mac, _mac(psk_, b"hello", bytes(_buffer(frames[0])), worker_public)):
+    if not hmac.compare_digest(mac, _mac(psk_, b"hello", bytes(frames[0]), worker_public)):
         raise Refused("bad handshake", "a HELLO not made with the job's key")
     private = X25519PrivateKey.generate()
     server_public = private.public_key().public_bytes_raw()

@@ -177,10 +177,6 @@ def _received_frame(data: np.ndarray) -> Any:
     return None
 
 
-def _buffer(frame: Any) -> memoryview:
-    return frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
-
-
 def split(frames: Sequence[Any]) -> list[Sequence[Any]]:
     """The protocol messages one ZeroMQ message carries, each as its frames: a node sends the
     messages it has ready for one peer together (a batch: one send, one wakeup of each thread on
@@ -189,7 +185,7 @@ def split(frames: Sequence[Any]) -> list[Sequence[Any]]:
     into messages end in a last short slice, which decode refuses."""
     out, i, n = [], 0, len(frames)
     while i < n:
-        head = _buffer(frames[i])
+        head = memoryview(frames[i])
         flags = head[4] if len(head) == HEADER.size else 0
         size = 1 + bool(flags & FLAG_META) + bool(flags & FLAG_DATA)
         out.append(frames[i:i + size])
@@ -201,7 +197,9 @@ def decode(frames: Sequence[Any], max_count: int | None = None) -> Message:
     """Parse received frames (bytes or zmq.Frame); raises ProtocolError on anything off."""
     if not frames:
         raise ProtocolError("empty message")
-    head = _buffer(frames[0])
+    # memoryview() takes bytes and zmq.Frame alike; zmq.Frame.buffer, as this used, makes a weak
+    # reference beside its memoryview on every first look (and hasattr() looked once more).
+    head = memoryview(frames[0])
     if len(head) != HEADER.size:
         raise ProtocolError(f"header is {len(head)} bytes, expected {HEADER.size}")
     magic, version, type_, flags, dtype, sender, seq, key, count = HEADER.unpack(head)
@@ -241,7 +239,7 @@ def decode(frames: Sequence[Any], max_count: int | None = None) -> Message:
     msg = Message(kind, sender, seq, key, reply=bool(flags & FLAG_REPLY), want_ack=bool(flags & FLAG_ACK))
     i = 1
     if flags & FLAG_META:
-        raw = _buffer(frames[i])
+        raw = memoryview(frames[i])
         if len(raw) > MAX_META:
             raise ProtocolError(f"{kind.name}: metadata of {len(raw)} bytes exceeds {MAX_META}")
         try:
@@ -255,7 +253,7 @@ def decode(frames: Sequence[Any], max_count: int | None = None) -> Message:
         msg.meta = meta
         i += 1
     if flags & FLAG_DATA:
-        raw = _buffer(frames[i])
+        raw = memoryview(frames[i])
         if len(raw) != nbytes:
             what = (f"{count} 2-bit values ({nbytes} bytes)" if dtype == DType.TWOBIT
                     else f"{count} {_DTYPES[dtype][1].name}")
@@ -290,7 +288,7 @@ def refusal(frames: Sequence[Any], text: str) -> Message:
     with their sequence number and key when the header can be read, so the sender can tell
     which of its requests was refused."""
     seq = key = 0
-    head = _buffer(frames[0]) if frames else b""
+    head = memoryview(frames[0]) if frames else b""
     if len(head) == HEADER.size:
         seq, key = HEADER.unpack(head)[6:8]
     return error(Message(Type.ERROR, seq=seq, key=key), text)
