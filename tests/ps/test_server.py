@@ -1,11 +1,17 @@
 """The server's handling of a synchronous round in-process (no sockets, no scheduler): where the sum
-goes, and that it stays exact."""
+goes, and that it stays exact; and, on a real ROUTER socket, that a peer gone before its answer
+leaves the server serving."""
 
+import logging
 from collections import Counter, defaultdict
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import zmq
 
+from tfkv import keys as job_keys
+from tfkv.ps import channel
 from tfkv.ps import protocol as P
 from tfkv.ps.cluster_env import ClusterEnv
 from tfkv.ps.server import Round, Server
@@ -268,3 +274,32 @@ def test_group_rounds_answer_every_interleaving_as_the_key_by_key_server(plan, o
     replies = grouped[0]  # one answer for each request (a PUSH goes unanswered, its PULL answered)
     assert len(replies) == sum(len(reqs) for step in workers for reqs in step)
     assert all(len(r) == 1 for r in replies.values())
+
+
+def test_a_peer_gone_before_its_answer_leaves_the_server_serving(caplog):
+    """The server's socket is ROUTER_MANDATORY, so a send to a connection that closed raises
+    EHOSTUNREACH: a peer holding the job's key that sends a HELLO and disconnects before the
+    WELCOME goes out, or a worker gone before its reply, must cost a log line, not the server's
+    loop (the HELLO's WELCOME used to go out unguarded). An identity the socket never had is
+    what ROUTER sees for such a connection."""
+    psk = channel.psk(job_keys.new_keys().secret)
+    srv = _server(1)
+    srv.link, srv._psk = SimpleNamespace(name="server 0"), psk
+    srv.sessions, srv._hellos, srv.refused, srv._refused_by = {}, {}, Counter(), Counter()
+    srv.sock = zmq.Context.instance().socket(zmq.ROUTER)
+    srv.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    srv.sock.linger = 0
+    gone = b"\x00gone"
+    try:
+        hello = [zmq.Frame(f) for f in channel.Hello(psk).message]  # as received
+        with caplog.at_level(logging.WARNING, logger="tfkv"):
+            assert srv._open(gone, hello) is None
+            assert gone not in srv.sessions and not srv.refused  # nothing kept for a peer that left
+            srv.sessions[gone] = channel.welcome(psk, hello)[0]  # a session, then its peer gone
+            srv._send(gone, P.encode(P.Message(P.Type.ACK, seq=5, reply=True)))
+            srv._psk = None  # a plain job's reply
+            srv._send(gone, P.encode(P.Message(P.Type.ACK, seq=6, reply=True)))
+    finally:
+        srv.sock.close()
+    assert "a WELCOME not sent" in caplog.text
+    assert "ACK reply (request 5) not sent" in caplog.text and "ACK reply (request 6) not sent" in caplog.text

@@ -1,6 +1,6 @@
 """The data plane's multipart send and receive (tfkv.ps.wire) over real ZeroMQ sockets: what
-goes out comes back frame for frame, large frames without a copy, and an empty socket raises
-zmq.Again as pyzmq's own calls do."""
+goes out comes back frame for frame (small frames copied, large ones and received zmq.Frames by
+pyzmq's zero-copy send), and an empty socket raises zmq.Again as pyzmq's own calls do."""
 
 import numpy as np
 import pytest

@@ -179,16 +179,16 @@ class Server:
         try:
             kind = channel.envelope(frames)[0]
             if kind == channel.HELLO:
-                hello = bytes(frames[1].buffer) if frames else b""
+                hello = bytes(frames[1])
                 known = self._hellos.get(identity)
                 if known is not None and known[0] == hello:  # resent: our WELCOME was lost
-                    self.sock.send_multipart([identity, *known[1]])
+                    self._welcome(identity, known[1])
                     return None
                 if session is not None and session.established:
                     raise channel.Refused("malformed", "a HELLO on a connection already in use")
                 session, answer = channel.welcome(self._psk, frames)
-                self.sessions[identity], self._hellos[identity] = session, (hello, answer)
-                self.sock.send_multipart([identity, *answer])
+                if self._welcome(identity, answer):
+                    self.sessions[identity], self._hellos[identity] = session, (hello, answer)
                 return None
             if session is None:
                 raise channel.Refused("no session", "a message before any handshake")
@@ -223,21 +223,39 @@ class Server:
             self._send(identity, frames)
 
     def _send(self, identity: bytes, frames: list[Any]) -> None:
-        try:
-            if self._psk is None:
-                wire.send(self.sock, [identity, *frames])
-                return
+        if self._psk is None:
+            sent = self._to(identity, frames)
+        else:
             session = self.sessions.get(identity)
             if session is None:
                 return  # no connection of this job: nothing it could read
-            for piece in session.seal(frames):  # each sent as soon as sealed: the worker opens it meanwhile
-                wire.send(self.sock, [identity, *piece])
+            # Each piece sent as soon as sealed (the worker opens it meanwhile); none sealed once
+            # one finds its peer gone.
+            sent = all(self._to(identity, piece) for piece in session.seal(frames))
+        if not sent:
+            head = P.HEADER.unpack(bytes(frames[0]))
+            log.warning("%s: %s reply (request %d) not sent: its sender is no longer connected", self.link.name,
+                        P.Type(head[2]).name, head[6])
+
+    def _welcome(self, identity: bytes, answer: list[bytes]) -> bool:
+        """Answer a HELLO; False if its peer left before the answer went."""
+        if self._to(identity, answer):
+            return True
+        log.warning("%s: a WELCOME not sent: its peer disconnected after its HELLO", self.link.name)
+        return False
+
+    def _to(self, identity: bytes, frames: list[Any]) -> bool:
+        """Send one ZeroMQ message to a connection; False if its peer is gone: the socket is
+        ROUTER_MANDATORY, so a send to a connection that closed after its request raises
+        EHOSTUNREACH, which must not end the loop (a worker that died, or a peer that sent a
+        HELLO and left)."""
+        try:
+            wire.send(self.sock, [identity, *frames])
         except zmq.ZMQError as e:
             if e.errno != zmq.EHOSTUNREACH:
                 raise
-            head = P.HEADER.unpack(bytes(memoryview(frames[0])))
-            log.warning("%s: %s reply (request %d) not sent: its sender is no longer connected", self.link.name,
-                        P.Type(head[2]).name, head[6])
+            return False
+        return True
 
     def handle(self, identity: bytes, frames: Sequence[Any]) -> bool:
         """Serve one request; False if it was malformed (refused)."""
