@@ -64,7 +64,7 @@ class Pull:
     def expect(self, seqs: list[tuple[int, int, int]]) -> None:
         """The requests sent for this pull's parts."""
         self.seqs, self._left = seqs, len(seqs)
-        self._spans = {seqs[0][0]: seqs[0][1:]} if len(seqs) == 1 else {seq: (a, b) for seq, a, b in seqs}
+        self._spans = {seq: (a, b) for seq, a, b in seqs}
         if self._dest is None and self._left > 1:
             self._dest = np.empty(self.layout.shape, self.layout.dtype)
 

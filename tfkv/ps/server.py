@@ -441,8 +441,8 @@ class Server:
         next round and its pull with it (a pull answers after its own push, as a one-key
         PUSHPULL's does)."""
         self._apart(push.key)
-        r = self.rounds.get(push.key) if self.sync else None
-        if r is not None and push.sender in r.pushed:
+        r = self._open_round(push.key, push.sender)
+        if r is not None:
             self._hold(r, identity, push, group)
             return
         self.on_push(identity, push)

@@ -20,16 +20,15 @@ _SEND, _RECV = _Backend.send, _Backend.recv
 _SNDMORE = int(zmq.SNDMORE)
 
 
-def send(sock: zmq.Socket, frames: Sequence[Any], flags: int = 0) -> None:
-    """`sock.send_multipart(frames, flags, copy=False)`: frames from pyzmq's copy threshold up go
+def send(sock: zmq.Socket, frames: Sequence[Any]) -> None:
+    """`sock.send_multipart(frames, copy=False)`: frames from pyzmq's copy threshold up go
     without a copy. Unlike pyzmq's, nothing is checked before the first frame goes: every frame
     must be a buffer (tfkv's own: bytes, memoryviews, arrays, zmq.Frames), or a message is left
     half sent for the next one to complete."""
     last = len(frames) - 1
-    more = _SNDMORE | flags
     for i in range(last):
-        _SEND(sock, frames[i], more, False)
-    _SEND(sock, frames[last], flags, False)
+        _SEND(sock, frames[i], _SNDMORE, False)
+    _SEND(sock, frames[last], 0, False)
 
 
 def recv(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
