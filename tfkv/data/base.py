@@ -19,7 +19,7 @@ class DataSet:
 
     name: str
     x_train: np.ndarray  # (N, H, W, C) uint8, or float32 already scaled
-    y_train: np.ndarray  # (N,) int32 class ids
+    y_train: np.ndarray  # (N, ...) int32 class ids, or float32 targets (regression, soft labels)
     x_test: np.ndarray
     y_test: np.ndarray
     num_classes: int

@@ -29,6 +29,12 @@ def _to_unit(ds: DataSet) -> Callable[[tf.Tensor], tf.Tensor]:
     return to_unit
 
 
+def _labels(y: np.ndarray) -> np.ndarray:
+    """Labels as the model's loss takes them: class ids as int32, anything else (regression
+    targets, soft labels) as float32, never cast to ids."""
+    return y.astype(np.int32 if np.issubdtype(y.dtype, np.integer) else np.float32, copy=False)
+
+
 def _standardize(ds: DataSet) -> Callable[[tf.Tensor], tf.Tensor]:
     mean = np.asarray(ds.mean, dtype=np.float32)
     std = np.asarray(ds.std, dtype=np.float32)
@@ -65,7 +71,8 @@ def train_dataset(ds: DataSet, batch_size: int, epoch: int, seed: int, num_parts
 
     The order depends only on (seed, epoch, shard), so resuming at epoch e replays it exactly.
     Yields (float32 normalised x of shape (batch_size, *input_shape), or int32 token ids as
-    stored, and int32 y of (batch_size,) or (batch_size, seq_len)).
+    stored, and y of (batch_size,) or (batch_size, seq_len, ...): int32 class ids, or float32
+    targets as given).
     """
     steps = steps_per_epoch(ds, batch_size, num_parts)
     start, end = shard_range(len(ds.x_train), num_parts, part_index)
@@ -74,7 +81,7 @@ def train_dataset(ds: DataSet, batch_size: int, epoch: int, seed: int, num_parts
     # Gather in the stored dtype (uint8 for images) and batch by reshaping: one compact copy per
     # epoch, each element already a static-shape batch, float conversion deferred to the map.
     x = ds.x_train[order].reshape(steps, batch_size, *ds.input_shape)
-    y = ds.y_train[order].astype(np.int32).reshape(steps, batch_size, *ds.y_train.shape[1:])  # (B,) or (B, seq_len)
+    y = _labels(ds.y_train[order]).reshape(steps, batch_size, *ds.y_train.shape[1:])
     data = tf.data.Dataset.from_tensor_slices((x, y))
     to_unit, standardize = _to_unit(ds), _standardize(ds)
 
@@ -104,7 +111,7 @@ def test_dataset(ds: DataSet, batch_size: int, num_parts: int = 1, part_index: i
     to_unit, standardize = _to_unit(ds), _standardize(ds)
     n = len(ds.x_test)
     start, end = n * part_index // num_parts, n * (part_index + 1) // num_parts
-    data = tf.data.Dataset.from_tensor_slices((ds.x_test[start:end], ds.y_test[start:end].astype(np.int32)))
+    data = tf.data.Dataset.from_tensor_slices((ds.x_test[start:end], _labels(ds.y_test[start:end])))
     data = data.batch(batch_size).map(lambda xb, yb: (standardize(to_unit(xb)), yb),
                                       num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     return data.prefetch(tf.data.AUTOTUNE)

@@ -225,8 +225,6 @@ class Source:
         num_classes = self.num_classes
         if num_classes is None and np.issubdtype(y.dtype, np.integer) and len(y):
             num_classes = int(max(y.max(), yt.max() if len(yt) else 0)) + 1
-        if np.issubdtype(y.dtype, np.floating):
-            y, yt = y.astype(np.float32), yt.astype(np.float32)
         return DataSet(name=self.target.rsplit(".", 1)[-1], x_train=x, y_train=y, x_test=xt, y_test=yt,
                        num_classes=num_classes or 0, mean=(0.0,), std=(1.0,))
 
