@@ -87,9 +87,9 @@ def _trained_outputs(run: Path, x: np.ndarray) -> np.ndarray:
 
 
 def _digits_batch() -> np.ndarray:
-    from sklearn.datasets import load_digits
+    from tfkv.data import digits
 
-    return (load_digits().images[:32] / 16.0).astype("float32")[..., None]  # as tfkv.data.digits: (8, 8, 1)
+    return (digits.raw()[0][:32] / 16.0).astype("float32")[..., None]  # as tfkv.data.digits.load: (8, 8, 1)
 
 
 @pytest.mark.slow

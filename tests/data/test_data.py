@@ -322,6 +322,34 @@ def test_digits_split_is_fixed():
         load(cfg("digits", test_fraction=0.0))
 
 
+def test_digits_ship_inside_tfkv_and_load_without_scikit_learn_or_scipy(tmp_path):
+    """The shipped arrays are UCI's 1797 digits as scikit-learn has them (their checksum, taken
+    from sklearn.datasets.load_digits, and class counts); loading them imports neither
+    scikit-learn nor SciPy, which tfkv no longer installs."""
+    import hashlib
+    import tomllib
+
+    blocked = ("import sys\n"
+               "for name in ('sklearn', 'scipy'):\n"
+               "    sys.modules[name] = None  # import fails, as where they are not installed\n"
+               "from tfkv.data import digits\n"
+               "ds = digits.load()\n"
+               "print(len(ds.x_train), len(ds.x_test))\n")
+    r = subprocess.run([sys.executable, "-c", blocked], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["1438", "359"]
+    from tfkv.data import digits
+
+    images, labels = digits.raw()
+    assert images.shape == (1797, 8, 8) and images.dtype == np.uint8 and images.max() == 16
+    assert np.bincount(labels).tolist() == [178, 182, 177, 183, 181, 182, 181, 179, 174, 180]
+    digest = hashlib.sha256(images.astype(np.uint8).tobytes() + labels.astype(np.uint8).tobytes()).hexdigest()
+    assert digest == "87ff0c9e40dc7e2c0e34e7257799c2e3f3aec1a016363bb11cad869ec428a826"
+    with open(os.path.join(os.path.dirname(__file__), "..", "..", "pyproject.toml"), "rb") as f:
+        dependencies = tomllib.load(f)["project"]["dependencies"]
+    assert not [d for d in dependencies if d.lower().startswith(("scikit-learn", "sklearn", "scipy"))]
+
+
 def test_synthetic_is_seeded_and_learnable():
     config = cfg("synthetic", num_train=300, num_test=50, shape=[4, 4, 2], num_classes=3)
     a, b, c = load(config, seed=1), load(config, seed=1), load(config, seed=2)
