@@ -56,6 +56,10 @@ class Preempted(TfkvError):
     exit_code = EXIT_PREEMPTED
 
 
+class Diverged(TfkvError):
+    """The training loss became NaN or infinite: the run stopped, its last finite checkpoint kept."""
+
+
 class TrialPruned(TfkvError):
     """A sweep's pruner stopped this trial early (worse than its peers at the same epoch): a
     result of the sweep, not a failure."""

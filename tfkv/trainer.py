@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tfkv.errors import ConfigError, Preempted
+from tfkv.errors import ConfigError, Diverged, Preempted
 from tfkv.export import write_metrics, written
 from tfkv.tracking import metric_keys
 
@@ -185,6 +185,8 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | No
             t0 = time.perf_counter()
             for i, (x, y) in enumerate(batches, first + 1):
                 dp.step(x, y)
+                if not dp.loss_finite:  # before anything saves or evaluates the weights it left
+                    raise _diverged(epoch, i, steps, store.rank, run_dir, saver)
                 if chief and i < steps:  # mid-epoch (the epoch's end has its own checkpoint below)
                     stop = preemption.requested
                     if stop or policy.due((epoch - 1) * steps + i):
@@ -302,6 +304,19 @@ def _preempted(preemption: Any, run_dir: Path, launched: bool) -> Preempted:
             "the same command with resume=auto (or resume=<that directory>) continues it")
     preemption.stopped(line if launched else None)
     return Preempted(line)
+
+
+def _diverged(epoch: int, step: int, steps: int, rank: int, run_dir: Path, saver: Any) -> Diverged:
+    """The one line for a training loss that became NaN or infinite at (epoch, step); the
+    checkpoints saved before it (all finite: this is checked at every step) stay."""
+    from tfkv import checkpoint
+
+    saver.close()  # the last checkpoint may still be landing in the background
+    newest = checkpoint.latest(run_dir)
+    kept = (f"the last finite checkpoint, {newest.name}, is kept in {run_dir}" if newest is not None
+            else "no checkpoint was saved before it")
+    return Diverged(f"training diverged: the loss became NaN or infinite at epoch {epoch}, step {step} of {steps} "
+                    f"(worker {rank}); lower optimizer.lr, normalise the inputs, or set optimizer.clipnorm; {kept}")
 
 
 def _random_generators(dp: Any) -> list[Any]:

@@ -69,6 +69,13 @@ class Parallel:
         metric's, `<output>_loss` for dict outputs, `perplexity` for sequence labels."""
         return self.metrics.take()
 
+    @property
+    def loss_finite(self) -> bool:
+        """Whether every training loss since `take_metrics` was finite: False from the first
+        NaN or infinite one (after a step mixed_float16 skipped for its gradients, the loss was
+        still finite: this is the model's output, not the scaled backward pass)."""
+        return self.metrics.finite
+
     def peek_metrics(self) -> dict[str, float]:
         """What `take_metrics` would give now, without resetting (for a progress line)."""
         return self.metrics.peek()[0]

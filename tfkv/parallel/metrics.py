@@ -33,6 +33,8 @@ class Tally:
         with tf.device(CPU):
             self._reg = tf.Variable(0.0, dtype=tf.float64, trainable=False)
             self._seen = tf.Variable(0, dtype=tf.int64, trainable=False)
+            # False from the first piece whose loss is not finite (NaN or inf) until `reset`
+            self._finite = tf.Variable(True, trainable=False)
         self._outputs: list[str | None] | None = None
         self._loss: dict[str | None, Any] = {}  # per output: summed example losses
         self._metrics: list[tuple[str, str | None, Any]] = []
@@ -55,11 +57,16 @@ class Tally:
         per-output example losses, its example count and, when given, the model's
         regularisation sum(model.losses) (counted once per example, as training adds it)."""
         n = tf.cast(examples, tf.int64)
+        total = tf.constant(0.0, tf.float64)
         for name, values in losses.items():
-            self._loss[name].assign_add(tf.reduce_sum(tf.cast(values, tf.float64)))
+            piece = tf.reduce_sum(tf.cast(values, tf.float64))
+            self._loss[name].assign_add(piece)
+            total += piece
         self._seen.assign_add(n)
         if reg is not None:
             self.add_regularization(reg, n)
+            total += tf.cast(reg, tf.float64)
+        self._finite.assign(tf.logical_and(self._finite, tf.math.is_finite(total)))
         for _, output, metric in self._metrics:
             metric.update_state(y if output is None else y[output], pred if output is None else pred[output])
 
@@ -88,10 +95,16 @@ class Tally:
             values["perplexity"] = perplexity(sum(data.values()))
         return values, seen
 
+    @property
+    def finite(self) -> bool:
+        """Whether every loss added since the last reset was finite (one scalar read)."""
+        return bool(self._finite.numpy())
+
     def reset(self) -> None:
         for v in (self._reg, *self._loss.values()):
             v.assign(0.0)
         self._seen.assign(0)
+        self._finite.assign(True)
         for _, _, m in self._metrics:
             m.reset_state()
 
