@@ -6,7 +6,9 @@ says; with `pack` (default) the selected columns become one float32 vector per r
 dense model takes, else x is a dict of columns (one Keras input each). Rows are read by
 `tf.data.experimental.CsvDataset` (the file list shuffled by (seed, epoch)), dealt to
 workers before they are batched, shuffled through a bounded buffer, and turned into tensors a
-batch at a time in a parallel map. Rows are counted once per file while it is unchanged.
+batch at a time in a parallel map. Rows are counted once per file while it is unchanged. A row
+that does not fit (a field missing, one that is not a number, bytes that are not UTF-8) is one
+line naming the file and the line, whether counting or reading finds it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,34 @@ _COUNTS: dict = {}
 
 def _rows(path: str, delimiter: str):
     with tf.io.gfile.GFile(path, "r") as f:
-        yield from (row for row in csv.reader(f, delimiter=delimiter) if row)
+        reader = csv.reader(f, delimiter=delimiter)
+        try:
+            yield from (row for row in reader if row)
+        except (UnicodeDecodeError, csv.Error) as e:
+            raise DataError(f"dataset.files: line {reader.line_num + 1} of {path} cannot be read as CSV ({e}); "
+                            "fix or replace the file") from None
+
+
+def damaged(paths: Sequence[str], names: list[str], types: Mapping[str, str], wanted: Sequence[int],
+            header: bool, delimiter: str) -> str | None:
+    """The line for the first row of `paths` that CsvDataset cannot read (a field missing or
+    extra, a wanted field empty or not of its column's type), or None. Read only after reading
+    failed: TensorFlow's error names neither the file nor the row."""
+    for path in paths:
+        rows = _rows(path, delimiter)
+        if header:
+            next(rows, None)
+        for i, row in enumerate(rows, 1 + header):
+            if len(row) != len(names):
+                return (f"dataset.files: row {i} of {path} has {len(row)} fields, not {len(names)} "
+                        f"({', '.join(names)}); fix the row or remove it")
+            for k in wanted:
+                name, kind, value = names[k], types[names[k]], row[k]
+                if value and (kind == "string" or _infer(value) in ("int64", kind)):
+                    continue
+                return (f"dataset.files: row {i} of {path} has {value!r} in column {name!r}, not "
+                        f"{'a value' if kind == 'string' else 'a ' + kind + ' number'}; fix the row or remove it")
+    return None
 
 
 def _header(path: str, delimiter: str) -> list[str]:
@@ -150,7 +179,8 @@ def load(
             x = {n: by_name[n] for n in chosen}
         return x, by_name[label]
 
-    return streaming.deal(rows, total, to_xy, train, seed, epoch, batch_size, rank, num_workers, shuffle_buffer)
+    data = streaming.deal(rows, total, to_xy, train, seed, epoch, batch_size, rank, num_workers, shuffle_buffer)
+    return streaming.locating(data, lambda: damaged(ordered, names, types, wanted, header, delimiter))
 
 
 def write(path: str | os.PathLike, columns: Mapping[str, Sequence[Any]]) -> None:

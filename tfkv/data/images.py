@@ -5,7 +5,8 @@ Keras's `image_dataset_from_directory` conventions: each sub-folder of `director
 at any depth below it, decoded to `color_mode` channels and resized to `image_size` as float32
 in [0, 255] (divided by `scale` when given), labels as `label_mode` says. Only the list of file
 names is held: each worker takes its share of the (seed, epoch)-shuffled list and reads and
-decodes those files in a parallel map, a batch ahead of training.
+decodes those files in a parallel map, a batch ahead of training. A file that does not decode
+is one line naming it.
 """
 
 from __future__ import annotations
@@ -104,10 +105,9 @@ def load(
                           "use label_mode=int or categorical")
     channels = CHANNELS[color_mode]
     size = [int(d) for d in image_size]
-    try:  # one image now, so that a folder of something else fails before training
-        tf.io.decode_image(tf.io.read_file(paths[0]), channels=channels, expand_animations=False)
-    except tf.errors.InvalidArgumentError:
-        raise DataError(f"dataset.directory: {paths[0]} is not a readable image; remove it") from None
+    problem = unreadable(paths[:1], channels)  # one image now: a folder of something else fails before training
+    if problem:
+        raise DataError(problem)
 
     train = split == "train"
     order = streaming.epoch_order(len(paths), seed, epoch, train)[rank::num_workers]
@@ -125,9 +125,21 @@ def load(
             label = tf.cast(label, tf.float32)[None]
         return image, label
 
-    data = (tf.data.Dataset.from_tensor_slices((np.asarray(paths)[order], labels[order]))
+    mine = [paths[i] for i in order]
+    data = (tf.data.Dataset.from_tensor_slices((np.asarray(mine), labels[order]))
             .map(read, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
             .batch(batch_size, drop_remainder=train)
             .apply(tf.data.experimental.assert_cardinality(batches))
             .prefetch(tf.data.AUTOTUNE))
-    return Split(data, num_classes=len(names))
+    return Split(streaming.locating(data, lambda: unreadable(mine, channels)), num_classes=len(names))
+
+
+def unreadable(paths: Sequence[str], channels: int) -> str | None:
+    """The line for the first of `paths` that cannot be read or decoded as an image, or None
+    (all of them are tried only after reading failed: TensorFlow's error names no file)."""
+    for path in paths:
+        try:
+            tf.io.decode_image(tf.io.read_file(path), channels=channels, expand_animations=False)
+        except (tf.errors.InvalidArgumentError, tf.errors.NotFoundError, tf.errors.DataLossError) as e:
+            return f"dataset.directory: {path} is not a readable image ({streaming.reason(e)}); remove or replace it"
+    return None

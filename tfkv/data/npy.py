@@ -66,19 +66,25 @@ def map_npz_member(path: str, member: str, key: str) -> np.ndarray:
     if info.compress_type != zipfile.ZIP_STORED:
         raise DataError(f"dataset.npz: member {member!r} of {path} is compressed (np.savez_compressed) and cannot "
                         "be memory-mapped; save it with np.savez or as .npy files")
-    with open(path, "rb") as f:
-        f.seek(info.header_offset)
-        fields = _LOCAL_HEADER.unpack(f.read(_LOCAL_HEADER.size))
-        f.seek(info.header_offset + _LOCAL_HEADER.size + fields[-2] + fields[-1])  # + name + extra field
-        version = np.lib.format.read_magic(f)
-        if version not in ((1, 0), (2, 0)):  # 3.0 only adds UTF-8 field names, which np.savez never writes
-            raise DataError(f"dataset.npz: member {member!r} of {path} is .npy format {version}; save it with np.savez")
-        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        shape, fortran, dtype = read_header(f)
-        if dtype.hasobject:
-            raise DataError(f"dataset.npz: member {member!r} of {path} holds Python objects; store numbers")
-        offset = f.tell()
-    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape, order="F" if fortran else "C")
+    try:
+        with open(path, "rb") as f:
+            f.seek(info.header_offset)
+            fields = _LOCAL_HEADER.unpack(f.read(_LOCAL_HEADER.size))
+            f.seek(info.header_offset + _LOCAL_HEADER.size + fields[-2] + fields[-1])  # + name + extra field
+            version = np.lib.format.read_magic(f)
+            if version not in ((1, 0), (2, 0)):  # 3.0 only adds UTF-8 field names, which np.savez never writes
+                raise DataError(f"dataset.npz: member {member!r} of {path} is .npy format {version}; "
+                                "save it with np.savez")
+            read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                           else np.lib.format.read_array_header_2_0)
+            shape, fortran, dtype = read_header(f)
+            if dtype.hasobject:
+                raise DataError(f"dataset.npz: member {member!r} of {path} holds Python objects; store numbers")
+            offset = f.tell()
+        return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape, order="F" if fortran else "C")
+    except (ValueError, struct.error, OSError) as e:  # a damaged header, or data cut short
+        raise DataError(f"dataset.npz: member {member!r} of {path}, at byte {info.header_offset}, is damaged "
+                        f"({e}); write the archive again") from None
 
 
 def load(

@@ -22,6 +22,10 @@ contiguous parts and other data round robin by example (by batch where the facto
 a factory that shards itself is asked for part `rank` of `num_workers` of the test split, and
 must keep that rule (the built-in readers deal records round robin). (1, 0): the whole split.
 
+A factory's data is read through `Batches`: a TensorFlow error while reading it (a damaged
+record, an image that does not decode) is one line naming the file and where in it, as the
+built-in readers find it (`streaming.locating`), not a traceback from inside tf.data.
+
 Every worker runs the same number of steps per epoch (they meet at every push): the fewest
 full batches any worker's shard holds, from the data's cardinality when it is known (a reader
 that can count cheaply says so with `tf.data.experimental.assert_cardinality`), else counted
@@ -30,13 +34,15 @@ once, or `steps_per_epoch` when the config sets it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
 from tfkv import target
+from tfkv.data import streaming
 from tfkv.data.base import DataSet, steps_per_epoch
 from tfkv.errors import ConfigError, DataError
 
@@ -174,12 +180,13 @@ class Source:
                                           self.memory.augment)
             return data.take(self.steps)
         first, self._first = self._first, None  # epoch 1's pipeline is used once
-        data = first if first is not None and epoch == 1 else self._checked(self._call(self._context("train", epoch)))
+        data = origin = first if first is not None and epoch == 1 else self._checked(
+            self._call(self._context("train", epoch)))
         if not self.shards_itself and self.num_workers > 1:
             data = data.shard(self.num_workers, self.rank)
         if not self.batches_itself:
             data = data.batch(self.batch_size, drop_remainder=True)
-        return data.take(self.steps).prefetch(tf.data.AUTOTUNE)
+        return Batches(data.take(self.steps).prefetch(tf.data.AUTOTUNE), origin, f"{self._what}, train split")
 
     def test(self, parts: int = 1, index: int = 0) -> Any:
         """Part `index` of `parts` of the test split (see the module docstring; default: the
@@ -190,16 +197,22 @@ class Source:
 
         if self.memory is not None:
             return pipeline.test_dataset(self.memory, self.eval_batch_size, parts, index)
+        what = f"{self._what}, test split"
         if self.shards_itself:
-            return self._checked(self._call(Context("test", self.seed, 1, self.eval_batch_size, index, parts)))
-        data = self._checked(self._call(Context("test", self.seed, 1, self.eval_batch_size, 0, 1)))
+            data = self._checked(self._call(Context("test", self.seed, 1, self.eval_batch_size, index, parts)))
+            return Batches(data, data, what)
+        data = origin = self._checked(self._call(Context("test", self.seed, 1, self.eval_batch_size, 0, 1)))
         if parts > 1:  # round robin: by example, or by batch where the factory batches
             data = data.shard(parts, index)
         if not self.batches_itself:
             data = data.batch(self.eval_batch_size)
-        return data.prefetch(tf.data.AUTOTUNE)
+        return Batches(data.prefetch(tf.data.AUTOTUNE), origin, what)
 
     # -- inside ------------------------------------------------------------------------------------
+
+    @property
+    def _what(self) -> str:
+        return f"dataset._target_={self.target}"
 
     def _context(self, split: str, epoch: int) -> Context:
         return Context(split, self.seed, epoch, self.batch_size, self.rank, self.num_workers)
@@ -258,12 +271,11 @@ class Source:
             for r in range(self.num_workers):
                 data = self._first if r == self.rank else self._checked(
                     self._call(Context("train", self.seed, 1, self.batch_size, r, self.num_workers)))
-                if not self.batches_itself:
-                    data = data.batch(self.batch_size, drop_remainder=True)
-                counts.append(_count(data, self.target))
+                batches = data if self.batches_itself else data.batch(self.batch_size, drop_remainder=True)
+                counts.append(_count(Batches(batches, data, f"{self._what}, train split"), self.target))
             steps = min(counts)
         else:
-            n = _count(self._first, self.target)
+            n = _count(Batches(self._first, self._first, f"{self._what}, train split"), self.target)
             self._first = self._first.apply(tf.data.experimental.assert_cardinality(n))
             per = n // self.num_workers  # shard(num_workers, r): the last shards are the smallest
             steps = per if self.batches_itself else per // self.batch_size
@@ -278,7 +290,49 @@ def _is_arrays(result: Any) -> bool:
     return isinstance(result, (tuple, list)) and len(result) == 2 and all(isinstance(a, np.ndarray) for a in result)
 
 
-def _count(data: Any, name: str) -> int:
+class Batches:
+    """A factory's tf.data.Dataset as tfkv reads it (the trainer's loop, an evaluation, a count):
+    an error TensorFlow raises while reading it becomes one line, the damaged file's as the reader
+    that made `origin` locates it (`streaming.locating`), else, for a DataLossError, the error's own
+    words and the split. Other errors (a bug in a factory's own map) keep their traceback."""
+
+    def __init__(self, data: Any, origin: Any, what: str) -> None:
+        self.data, self._origin, self._what = data, origin, what
+
+    @property
+    def element_spec(self) -> Any:
+        return self.data.element_spec
+
+    def cardinality(self) -> Any:
+        return self.data.cardinality()
+
+    def skip(self, count: int) -> Batches:
+        return Batches(self.data.skip(count), self._origin, self._what)
+
+    def __iter__(self) -> Any:
+        with self._reading():
+            yield from self.data
+
+    def count(self) -> int:
+        """Its elements, counted by reading it once (inside TensorFlow)."""
+        with self._reading():
+            return int(self.data.reduce(np.int64(0), lambda c, _: c + 1))
+
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[None]:
+        import tensorflow as tf
+
+        try:
+            yield
+        except tf.errors.OpError as e:
+            line = streaming.damage(self._origin)
+            if line is None and not isinstance(e, tf.errors.DataLossError):
+                raise
+            raise DataError(line or f"{self._what}: reading it failed ({streaming.reason(e)}); check its "
+                            "files") from None
+
+
+def _count(data: Batches, name: str) -> int:
     n = int(data.cardinality())
     if n >= 0:
         return n
@@ -287,7 +341,7 @@ def _count(data: Any, name: str) -> int:
                         "or set steps_per_epoch=N")
     log.info("counting the batches of %s once (set steps_per_epoch, or assert_cardinality in the factory, "
              "to skip this)", name)
-    return int(data.reduce(np.int64(0), lambda c, _: c + 1))
+    return data.count()
 
 
 def _describe(spec: Any) -> str:

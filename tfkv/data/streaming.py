@@ -1,6 +1,6 @@
 """What the built-in streaming readers (TFRecord, image folder, CSV, npy/npz) share: picking a
 split's files, the (seed, epoch) streams, each worker's share of the records, the batch count
-they `assert_cardinality`, and the one-line errors for files that are not there.
+they `assert_cardinality`, and the one-line errors for files that are not there or damaged.
 
 Every reader shards by record index *before* decoding anything: worker `rank` of `num_workers`
 takes records rank, rank + num_workers, ... of the epoch's order, which every worker computes
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import weakref
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -24,6 +26,8 @@ SPLITS = ("train", "test")
 # Salts keep a reader's independent random streams apart (file order vs record buffer).
 FILE_ORDER, RECORDS = 1, 2
 _WARNED: set[str] = set()
+# A reader's dataset -> how to find the damaged file when reading it fails (see `locating`).
+_LOCATORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def check_context(split: str, batch_size: int, rank: int, num_workers: int) -> None:
@@ -121,3 +125,25 @@ def deal(records: Any, total: int, convert: Callable[..., Any], train: bool, see
             .map(convert, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
             .apply(tf.data.experimental.assert_cardinality(batches))
             .prefetch(tf.data.AUTOTUNE))
+
+
+def locating(data: Any, locate: Callable[[], str | None]) -> Any:
+    """`data`, remembered with `locate`: called when reading `data` fails (TensorFlow's error
+    names neither the file nor the reader), it finds the damaged file and returns one line
+    naming it and where in it, or None. `tfkv.data.Source` asks it (`damage`)."""
+    _LOCATORS[data] = locate
+    return data
+
+
+def damage(data: Any) -> str | None:
+    """The line `locating` gave for `data`'s files, or None when none was given or none found."""
+    locate = _LOCATORS.get(data)
+    return locate() if locate is not None else None
+
+
+def reason(error: Any) -> str:
+    """A TensorFlow error's own words, without the function node and op TensorFlow adds."""
+    text = str(getattr(error, "message", None) or error).strip().splitlines()[0]
+    text = re.sub(r"^\{\{[^}]*\}\}\s*", "", text)
+    return re.sub(r"\s*\[Op:[^\]]*\].*$", "", text)
+

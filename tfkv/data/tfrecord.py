@@ -8,6 +8,8 @@ parallel map. A worker holds the shuffle buffer and a few batches, never the set
 
 Records are counted once per file (by skipping from length to length, not reading payloads)
 and remembered while the file is unchanged, so the pipeline states its exact batch count.
+A damaged file is one line naming it and the byte of the damaged record, whether the count
+finds it (a length past the end of the file) or reading does (a checksum that does not match).
 The first record is parsed against the spec when the reader is made, so a spec that does
 not fit the files is one line naming the feature before training starts.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import struct
 from typing import Any, Mapping, Sequence
 
@@ -138,8 +141,7 @@ def count_records(path: str, compression: str | None = None) -> int:
 
 def _count(path: str, compression: str | None) -> int:
     if compression:  # no skipping through a compressed stream: let TensorFlow read it
-        ds = tf.data.TFRecordDataset(path, compression_type=compression)
-        return int(ds.reduce(np.int64(0), lambda n, _: n + 1))
+        return _read_all(path, compression)
     # A record is: uint64 length, uint32 CRC of it, payload, uint32 CRC; hop over the payloads.
     opener = tf.io.gfile.GFile if "://" in path else open
     n, size = 0, tf.io.gfile.stat(path).length
@@ -147,14 +149,42 @@ def _count(path: str, compression: str | None) -> int:
         pos = 0
         while pos < size:
             head = f.read(8)
-            if len(head) < 8:
-                raise DataError(f"dataset.files: {path} ends inside a record (truncated or not a TFRecord file)")
-            pos += 16 + struct.unpack("<Q", head)[0]
+            end = pos + 16 + struct.unpack("<Q", head)[0] if len(head) == 8 else size + 1
+            if end > size:  # a damaged length, or the file cut short: never seek past the end
+                raise DataError(_damaged_line(path, pos, "its length runs past the end of the file: a damaged "
+                                              "length field, or the file is cut short"))
+            pos = end
             f.seek(pos)
             n += 1
-        if pos != size:
-            raise DataError(f"dataset.files: {path} ends inside a record (truncated or not a TFRecord file)")
     return n
+
+
+def _read_all(path: str, compression: str | None) -> int:
+    """The records of `path`, read and checksummed by TensorFlow; a damaged one is one line."""
+    try:
+        return int(tf.data.TFRecordDataset(path, compression_type=compression or None)
+                   .reduce(np.int64(0), lambda n, _: n + 1))
+    except tf.errors.DataLossError as e:
+        at = re.search(r"record at (\d+)", e.message)
+        where = int(at.group(1)) if at else None
+        raise DataError(_damaged_line(path, where, streaming.reason(e), compression)) from None
+
+
+def _damaged_line(path: str, offset: int | None, why: str, compression: str | None = None) -> str:
+    where = "" if offset is None else f" at byte {offset}" + (" of its decompressed stream" if compression else "")
+    return (f"dataset.files: {path} has a damaged record{where} ({why}); replace the file, or leave it out "
+            "of dataset.files")
+
+
+def damaged(paths: Sequence[str], compression: str | None) -> str | None:
+    """The line for the first of `paths` that TensorFlow cannot read to its end, or None (read
+    only after reading failed: TensorFlow's error names no file)."""
+    for path in paths:
+        try:
+            _read_all(path, compression)
+        except DataError as e:
+            return str(e)
+    return None
 
 
 def _first_example(path: str, compression: str | None) -> tf.train.Example | None:
@@ -222,7 +252,8 @@ def load(
         y = out.pop(label)
         return (next(iter(out.values())) if len(out) == 1 else out), y
 
-    return streaming.deal(records, total, parse, train, seed, epoch, batch_size, rank, num_workers, shuffle_buffer)
+    data = streaming.deal(records, total, parse, train, seed, epoch, batch_size, rank, num_workers, shuffle_buffer)
+    return streaming.locating(data, lambda: damaged(ordered, compression))
 
 
 def write(path: str | os.PathLike, columns: Mapping[str, np.ndarray]) -> None:
