@@ -36,14 +36,25 @@ def blows_up(split, epoch):
     if split == "train" and epoch >= 2:
         x[BAD] *= 1e20
     return tf.data.Dataset.from_tensor_slices((x, y))
+
+
+def keeps_blowing_up(split, epoch):
+    """From epoch 2 on every example overflows float16 (and float32's square)."""
+    x, y = zip(*blows_up(split, 1).as_numpy_iterator())
+    x = np.stack(x) * (1e20 if split == "train" and epoch >= 2 else 1.0)
+    return tf.data.Dataset.from_tensor_slices((x.astype(np.float32), np.stack(y)))
 '''
 
-COMMON = ["progress=false", "hydra.run.dir=out", "dataset._target_=divpkg.blows_up", "~dataset.test_fraction",
+COMMON = ["progress=false", "dataset._target_=divpkg.blows_up", "~dataset.test_fraction",
           "+dataset.num_classes=1", "~model.dropout", "model.hidden=[8]", "loss=mse", "metrics=[mae]", "objective=test_mae",
           "optimizer.lr=0.01", "epochs=3", "batch_size=32"]
-LINE = re.compile(r"training diverged: the loss became NaN or infinite at epoch 2, step (\d+) of (\d+) \(worker (\d)\); "
+LINE = re.compile(r"training diverged: the loss became NaN or infinite at epoch {epoch}, step (\d+) of (\d+) \(worker (\d)\); "
                   r"lower optimizer\.lr, normalise the inputs, or set optimizer\.clipnorm; the last finite checkpoint, "
                   r"(\S+), is kept in ")
+
+
+def stopped_lines(output: str, epoch: int = 2) -> list[tuple[str, ...]]:
+    return re.findall(LINE.pattern.replace("{epoch}", str(epoch)), output)
 
 
 @pytest.fixture()
@@ -52,30 +63,31 @@ def project(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def run(project: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def run(project: Path, *overrides: str, timeout: float = 300, run_dir: str = "out") -> subprocess.CompletedProcess:
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3",
            "PYTHONPATH": os.pathsep.join(p for p in (str(project), os.environ.get("PYTHONPATH")) if p)}
-    return subprocess.run([sys.executable, "-m", "tfkv.cli", *COMMON, *overrides], cwd=project, env=env,
+    return subprocess.run([sys.executable, "-m", "tfkv.cli", f"hydra.run.dir={run_dir}", *COMMON, *overrides], cwd=project, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
-def check_stopped(project: Path, r: subprocess.CompletedProcess, step: int) -> list[tuple[str, ...]]:
-    """The run stopped at epoch 2, `step` (a worker that stopped later names its own step), in
-    one line; epoch 1's checkpoint is the last and finite, and no model was exported."""
+def check_stopped(project: Path, r: subprocess.CompletedProcess, step: int | None, epoch: int = 2,
+                  run_dir: str = "out") -> list[tuple[str, ...]]:
+    """The run stopped at `epoch`, `step` (a worker that stopped later names its own step), in
+    one line; the previous epoch's checkpoint is the last and finite, and no model was exported."""
     output = r.stdout + r.stderr  # a distributed job's roles print to tfkv-run's stdout
     assert r.returncode != 0, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
-    found = LINE.findall(output)
+    found = stopped_lines(output, epoch)
     assert found, output[-3000:]
-    assert min(int(s) for s, *_ in found) == step, found
-    run_dir = project / "out"
+    assert step is None or min(int(s) for s, *_ in found) == step, found
+    run_dir = project / run_dir
     newest = checkpoint.latest(run_dir)
     assert newest is not None and {name for *_, name in found} == {newest.name}, (found, newest)
     kept = checkpoint.load(newest)
-    assert kept.epoch == 1 and kept.step == 0
+    assert kept.epoch == epoch - 1 and kept.step == 0
     assert all(np.isfinite(w).all() for w in kept.weights)
     history = json.loads((run_dir / "metrics.json").read_text())["history"]
-    assert [h["epoch"] for h in history] == [1] and np.isfinite(history[0]["test_mae"])
+    assert [h["epoch"] for h in history] == list(range(1, epoch)) and np.isfinite(history[-1]["test_mae"])
     assert not (run_dir / "model.keras").exists()
     return found
 
@@ -90,8 +102,20 @@ def test_a_run_whose_loss_becomes_nan_stops_there_and_keeps_its_last_finite_chec
     found = check_stopped(project, r, step=70 // 32 + 1)
     assert [(steps, worker) for _, steps, worker, _ in found] == [("8", "0")]
     # the line is the last word, once
-    assert r.stderr.strip().splitlines()[-1].startswith("tfkv-run: training diverged") or \
-        LINE.search(r.stderr.strip().splitlines()[-1]), r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1].startswith("tfkv-run: training diverged"), r.stderr[-2000:]
+
+
+def test_mixed_float16_skips_a_step_that_overflows_and_stops_once_its_scale_is_spent(project: Path) -> None:
+    # one overflowing example: its step is skipped (weights kept, scale halved) and training goes on
+    r = run(project, "precision=mixed_float16")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not stopped_lines(r.stdout + r.stderr), r.stderr[-3000:]
+    # every step overflowing: skipped and halved from 2**15 until the scale is 1, 15 steps (fewer
+    # when epoch 1 overflowed on its own at the start), so in epoch 3 of 8-step epochs; the run
+    # stops there, epoch 2's checkpoint (epoch 1's weights: every step of epoch 2 was skipped) kept
+    r = run(project, "precision=mixed_float16", "dataset._target_=divpkg.keeps_blowing_up", "epochs=4",
+            run_dir="persistent")
+    check_stopped(project, r, step=None, epoch=3, run_dir="persistent")
 
 
 @pytest.mark.slow

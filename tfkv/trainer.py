@@ -185,7 +185,7 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | No
             t0 = time.perf_counter()
             for i, (x, y) in enumerate(batches, first + 1):
                 dp.step(x, y)
-                if not dp.loss_finite:  # before anything saves or evaluates the weights it left
+                if dp.diverged():  # before anything saves or evaluates the weights it left
                     raise _diverged(epoch, i, steps, store.rank, run_dir, saver)
                 if chief and i < steps:  # mid-epoch (the epoch's end has its own checkpoint below)
                     stop = preemption.requested

@@ -69,12 +69,19 @@ class Parallel:
         metric's, `<output>_loss` for dict outputs, `perplexity` for sequence labels."""
         return self.metrics.take()
 
-    @property
-    def loss_finite(self) -> bool:
-        """Whether every training loss since `take_metrics` was finite: False from the first
-        NaN or infinite one (after a step mixed_float16 skipped for its gradients, the loss was
-        still finite: this is the model's output, not the scaled backward pass)."""
-        return self.metrics.finite
+    loss_scale: Any = None  # mixed_float16's dynamic loss scale (DataParallel)
+
+    def diverged(self) -> bool:
+        """Whether the training loss has stopped being finite (asked after every step). With a
+        loss scale, a step whose loss or gradients overflowed was skipped and the scale halved:
+        training goes on, and a non-finite loss is a divergence only once the scale is down to 1,
+        with nothing left to rescale."""
+        if self.metrics.finite:
+            return False
+        if self.loss_scale is not None and float(self.loss_scale.scale.numpy()) > 1.0:
+            self.metrics.pardon()
+            return False
+        return True
 
     def peek_metrics(self) -> dict[str, float]:
         """What `take_metrics` would give now, without resetting (for a progress line)."""

@@ -97,8 +97,12 @@ class Tally:
 
     @property
     def finite(self) -> bool:
-        """Whether every loss added since the last reset was finite (one scalar read)."""
+        """Whether every loss added since the last reset (or `pardon`) was finite (one scalar read)."""
         return bool(self._finite.numpy())
+
+    def pardon(self) -> None:
+        """`finite` again: the non-finite losses so far were dealt with (a loss scale's skip)."""
+        self._finite.assign(True)
 
     def reset(self) -> None:
         for v in (self._reg, *self._loss.values()):
