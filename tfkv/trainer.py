@@ -75,6 +75,7 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | No
     from tfkv.parallel import devices as devices_mod
     from tfkv.parallel.criterion import Criterion
     from tfkv.parallel.data_parallel import DataParallel
+    from tfkv.parallel.metrics import nonfinite
     from tfkv.parallel.precision import LossScale, check_devices, gpu_capabilities
     from tfkv.tracking.tensorboard import writer as summary_writer
 
@@ -184,9 +185,12 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | No
             store.barrier()
             t0 = time.perf_counter()
             for i, (x, y) in enumerate(batches, first + 1):
-                dp.step(x, y)
-                if dp.diverged():  # before anything saves or evaluates the weights it left
-                    raise _diverged(epoch, i, steps, store.rank, run_dir, saver)
+                try:
+                    dp.step(x, y)
+                except tf.errors.InvalidArgumentError as e:  # before anything saves or evaluates the weights
+                    if not nonfinite(e):
+                        raise
+                    raise _diverged(epoch, i, steps, store.rank, run_dir, saver) from None
                 if chief and i < steps:  # mid-epoch (the epoch's end has its own checkpoint below)
                     stop = preemption.requested
                     if stop or policy.due((epoch - 1) * steps + i):

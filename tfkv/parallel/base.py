@@ -37,7 +37,7 @@ class Parallel:
 
     def __init__(self, criterion: Criterion | None) -> None:
         self.criterion = criterion or Criterion()
-        self.metrics = Tally(self.criterion)  # training
+        self.metrics = Tally(self.criterion, forgiven=self._overflow_forgiven)  # training
         self.test_metrics = Tally(self.criterion)  # evaluation
         self._updaters: list[TFUpdater] = []  # when the workers update: one per copy of the weights
 
@@ -71,17 +71,11 @@ class Parallel:
 
     loss_scale: Any = None  # mixed_float16's dynamic loss scale (DataParallel)
 
-    def diverged(self) -> bool:
-        """Whether the training loss has stopped being finite (asked after every step). With a
-        loss scale, a step whose loss or gradients overflowed was skipped and the scale halved:
-        training goes on, and a non-finite loss is a divergence only once the scale is down to 1,
-        with nothing left to rescale."""
-        if self.metrics.finite:
-            return False
-        if self.loss_scale is not None and float(self.loss_scale.scale.numpy()) > 1.0:
-            self.metrics.pardon()
-            return False
-        return True
+    def _overflow_forgiven(self) -> Any:
+        """Traceable: whether a non-finite training loss is the loss scale's to handle (it skips
+        the step and halves the scale) rather than a divergence that fails the step: while the
+        scale is above 1, with something left to rescale."""
+        return False if self.loss_scale is None else self.loss_scale.scale > 1.0
 
     def peek_metrics(self) -> dict[str, float]:
         """What `take_metrics` would give now, without resetting (for a progress line)."""

@@ -22,19 +22,24 @@ import tensorflow as tf
 from tfkv.parallel.criterion import Criterion, perplexity
 
 CPU = "/device:CPU:0"
+# What a training step fails with when its loss is not finite (see Tally's `forgiven`).
+NONFINITE = "tfkv: the training loss is not finite"
 
 
 class Tally:
     """One phase's running sums and metric objects; `prepare(y)` (eager) before the first
-    compiled `add`, `take` to read and reset."""
+    compiled `add`, `take` to read and reset.
 
-    def __init__(self, criterion: Criterion) -> None:
+    With `forgiven` (the training tally), a piece whose loss is NaN or infinite fails the step
+    inside the graph (an InvalidArgumentError carrying NONFINITE: `nonfinite`), with no read back
+    to Python, unless `forgiven()` (traceable) is true: a loss scale that skips the step."""
+
+    def __init__(self, criterion: Criterion, forgiven: Callable[[], Any] | None = None) -> None:
         self.criterion = criterion
+        self._forgiven = forgiven
         with tf.device(CPU):
             self._reg = tf.Variable(0.0, dtype=tf.float64, trainable=False)
             self._seen = tf.Variable(0, dtype=tf.int64, trainable=False)
-            # False from the first piece whose loss is not finite (NaN or inf) until `reset`
-            self._finite = tf.Variable(True, trainable=False)
         self._outputs: list[str | None] | None = None
         self._loss: dict[str | None, Any] = {}  # per output: summed example losses
         self._metrics: list[tuple[str, str | None, Any]] = []
@@ -66,7 +71,8 @@ class Tally:
         if reg is not None:
             self.add_regularization(reg, n)
             total += tf.cast(reg, tf.float64)
-        self._finite.assign(tf.logical_and(self._finite, tf.math.is_finite(total)))
+        if self._forgiven is not None:
+            tf.debugging.Assert(tf.logical_or(tf.math.is_finite(total), self._forgiven()), [NONFINITE])
         for _, output, metric in self._metrics:
             metric.update_state(y if output is None else y[output], pred if output is None else pred[output])
 
@@ -95,20 +101,10 @@ class Tally:
             values["perplexity"] = perplexity(sum(data.values()))
         return values, seen
 
-    @property
-    def finite(self) -> bool:
-        """Whether every loss added since the last reset (or `pardon`) was finite (one scalar read)."""
-        return bool(self._finite.numpy())
-
-    def pardon(self) -> None:
-        """`finite` again: the non-finite losses so far were dealt with (a loss scale's skip)."""
-        self._finite.assign(True)
-
     def reset(self) -> None:
         for v in (self._reg, *self._loss.values()):
             v.assign(0.0)
         self._seen.assign(0)
-        self._finite.assign(True)
         for _, _, m in self._metrics:
             m.reset_state()
 
@@ -134,6 +130,11 @@ class Tally:
     def set_state(self, state: np.ndarray) -> None:
         """The inverse of `state`."""
         assign_flat([[v] for v in self._variables()], state)
+
+
+def nonfinite(error: BaseException) -> bool:
+    """Whether `error` is a training step's failure on a non-finite loss (Tally's `forgiven`)."""
+    return isinstance(error, tf.errors.InvalidArgumentError) and NONFINITE in str(error)
 
 
 def numpy_dtype(variable: Any) -> np.dtype:
