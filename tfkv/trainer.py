@@ -7,6 +7,8 @@ have the same interface. Every value the criterion reports (`loss`, each metric,
 losses, `perplexity` for sequence labels with a crossentropy loss: see `tfkv.parallel.metrics`)
 goes to the progress line, TensorBoard and metrics.json as `train_<name>` / `test_<name>`; the
 test values are of the whole test split, each worker of a job evaluating its part of it.
+A training loss that is NaN or infinite fails its step inside the graph (tfkv.parallel.metrics)
+and ends the run in one line naming the epoch and step (Diverged), the last finite checkpoint kept.
 Worker 0 checkpoints at every epoch's end and where `checkpoint.every_steps`/`every_minutes` say
 (tfkv.checkpoint); a run resumed from the middle of an epoch skips that epoch's batches already
 taken, so it sees the batches, dropout masks and updates an uninterrupted run would have.
