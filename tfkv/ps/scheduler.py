@@ -21,7 +21,7 @@ from typing import Any
 
 import zmq
 
-from tfkv.errors import EXIT_PEER_FAILED
+from tfkv.errors import EXIT_PEER_FAILED, EXIT_PEER_SILENT
 from tfkv.ps import protocol as P
 from tfkv.ps import security, sums
 from tfkv.ps.cluster_env import ClusterEnv
@@ -65,7 +65,8 @@ class Scheduler:
 
     def run(self) -> int:
         """Run the job's membership to the end: 0 when every worker finished, EXIT_PEER_FAILED
-        when a node failed, 1 when the cluster never formed."""
+        when a node failed, EXIT_PEER_SILENT when one went silent (hung, or dead without a word),
+        1 when the cluster never formed."""
         if not self._gather():
             return 1
         return self._watch()
@@ -155,12 +156,12 @@ class Scheduler:
             f"{n.name}@{n.hostname}" for n in sorted(self.nodes.values(), key=lambda n: n.id)))
         return True
 
-    def _fail(self, culprit: str, reason: str) -> int:
+    def _fail(self, culprit: str, reason: str, status: int = EXIT_PEER_FAILED) -> int:
         log.error("scheduler: %s failed (%s); stopping every node", culprit, reason)
         for node in self.nodes.values():
             if not node.done and node.name != culprit:
                 self._send(node, P.Message(P.Type.FAILED, meta={"node": culprit, "reason": reason}))
-        return EXIT_PEER_FAILED
+        return status
 
     def _refuse_barrier(self, waiting: dict[bytes, P.Message], number: int, left: Node) -> None:
         """Answer every worker waiting at barrier `number` with an ERROR: `left` finished, so it
@@ -222,4 +223,4 @@ class Scheduler:
             for node in self.nodes.values():
                 if not node.done and now - node.last_seen > self.env.heartbeat_timeout:
                     return self._fail(node.name, f"no heartbeat for {now - node.last_seen:.1f} s "
-                                                 f"from pid {node.pid} on {node.hostname}")
+                                                 f"from pid {node.pid} on {node.hostname}", EXIT_PEER_SILENT)

@@ -5,9 +5,9 @@ left the job, so it can never be released) raises ClusterError in the caller; a 
 handed the workers that left (`left`).
 
 After registering, a background thread owns the socket: it heartbeats, answers the
-scheduler's heartbeats, releases barriers, and when a node fails (or the scheduler goes
-silent) it prints which one and ends this process with EXIT_PEER_FAILED, so that nothing waits
-forever on a peer that is gone. No TensorFlow here.
+scheduler's heartbeats, releases barriers, and when a node fails it prints which one and ends
+this process with EXIT_PEER_FAILED (EXIT_PEER_SILENT when the scheduler goes silent), so that
+nothing waits forever on a peer that is gone. No TensorFlow here.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from tfkv.errors import EXIT_PEER_FAILED, TfkvError
+from tfkv.errors import EXIT_PEER_FAILED, EXIT_PEER_SILENT, TfkvError
 from tfkv.ps import protocol as P
 from tfkv.ps import security, sums
 from tfkv.ps.cluster_env import ClusterEnv
@@ -155,10 +155,10 @@ class SchedulerLink:
             f"{self.env.scheduler_port} within {self.env.start_timeout:.0f} s; is it running, and are "
             "DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT right?")
 
-    def _die(self, reason: str) -> None:
+    def _die(self, reason: str, status: int = EXIT_PEER_FAILED) -> None:
         sys.stdout.flush()
         print(f"tfkv: {self.name}: {reason}; exiting", file=sys.stderr, flush=True)
-        os._exit(EXIT_PEER_FAILED)
+        os._exit(status)
 
     def _loop(self) -> None:
         interval, timeout = self.env.heartbeat_interval, self.env.heartbeat_timeout
@@ -203,7 +203,7 @@ class SchedulerLink:
                     self._die(f"{meta.get('node', 'a node')} failed ({meta.get('reason', 'no reason given')})")
             elif self._sock not in ready and time.monotonic() - last_heard > timeout and not self.shutdown.is_set():
                 self._die(f"the scheduler at {self.env.scheduler_host}:{self.env.scheduler_port} "
-                          f"has been silent for {timeout:.1f} s")
+                          f"has been silent for {timeout:.1f} s", EXIT_PEER_SILENT)
         self._sock.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
