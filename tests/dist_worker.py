@@ -589,6 +589,43 @@ def overflow(kv, out):
 SCENARIOS["overflow"] = overflow
 
 
+def worker_left(kv, out):
+    """Worker 0 pushes and pulls key 0 three times and closes; worker 1 then pushes and pulls a
+    fourth time (argv[3] "push"; "pushpull": keys 0 and 1 fused into one request each time; or
+    "barrier": a barrier instead of the fourth), either once worker 0 has left (argv[4] "after")
+    or while worker 0 waits a while before closing ("before"). What worker 1's fourth raised (and
+    when) goes to OUT, then it is raised again: a round or barrier that can never close."""
+    what, when = sys.argv[3], sys.argv[4]
+    kv.init([0, 1], [np.zeros(3, np.float32), np.zeros(3, np.float32)])
+
+    def step():
+        if what == "pushpull":
+            kv.pushpull([0, 1], [np.ones(3, np.float32), np.ones(3, np.float32)])
+        else:
+            kv.push(0, np.ones(3, np.float32))
+            kv.pull(0)
+
+    for _ in range(3):
+        step()
+    if kv.rank == 0:
+        if when == "before":
+            time.sleep(2.0)
+        json.dump({"closing_at": time.time()}, out)
+        return  # main() closes the store
+    if when == "after":
+        time.sleep(2.0)
+    acting_at = time.time()
+    try:
+        kv.barrier() if what == "barrier" else step()
+    except Exception as e:
+        json.dump({"error": f"{type(e).__name__}: {e}", "acting_at": acting_at, "at": time.time()}, out)
+        raise
+    json.dump({"error": None}, out)
+
+
+SCENARIOS["worker_left"] = worker_left
+
+
 if __name__ == "__main__":
     scenario, path = sys.argv[1], sys.argv[2]
     kind = os.environ.get("TEST_KVSTORE", "dist_sync")

@@ -28,6 +28,7 @@ CASES = [
                       "--batch", "32", "--trials", "1"], "tfkv/fit", marks=pytest.mark.bench),
     pytest.param("bench_checkpoint.py", ["--what", "overhead", "--trials", "1", "--epochs", "2"],
                  "ratio every_steps=50 / none", marks=pytest.mark.bench),
+    pytest.param("bench_failfast.py", ["--roles", "worker 1"], "ratio hang/death", marks=pytest.mark.bench),
 ]
 
 

@@ -110,6 +110,9 @@ def test_schema_rejects_typos_and_wrong_types():
     (["model=lstm_lm", "dataset=ptb", "devices=[cpu:0,cpu:1]", "placement=auto", "optimizer.clipnorm=1"],
      "optimizer.clipnorm clips each model copy's gradient (data parallelism)"),
     (["optimizer.momentum=-1"], "sgd.momentum=-1.0 must be at least 0"),
+    # training needs a positive rate; the store API takes any finite one (MXNet's tests use -1)
+    (["optimizer.lr=-1"], "optimizer.lr=-1.0 must be positive"),
+    (["optimizer.lr=nan"], "schedule.lr=nan must be a finite number"),
     (["optimizer=adam", "optimizer.beta1=1"], "adam.beta1=1.0 must be from 0 to below 1"),
     (["kvstore=dist_sync", "cluster=local", "kvstore.compression.type=2bit", "kvstore.compression.threshold=0"],
      "threshold=0.0 must be positive"),

@@ -90,6 +90,22 @@ def test_mxnet_names_and_arguments_create_the_optimizer():
         optim.create("sgd", lazy_update=False)
 
 
+def test_any_finite_learning_rate_as_in_mxnet():
+    """MXNet's KVStore tests build an "add what you receive" updater as SGD with a negative rate;
+    the rate is any finite number (numpy and TensorFlow, through JSON), and only a NaN or an
+    infinity is refused, in one line naming it."""
+    for opt in (optim.create("sgd", learning_rate=-1), optim.SGD(schedule=optim.Schedule(lr=-1.0)),
+                optim.from_dict(json.loads(json.dumps(optim.to_dict(optim.create("sgd", learning_rate=-1.0)))))):
+        w, g = np.ones(3, np.float32), np.array([0.5, 1.0, 2.0], np.float32)
+        assert np.array_equal(_run_numpy(opt, w, [g, g]), w + 2 * g)
+        tf_w, _ = opt.step(TFOps, tf.constant(0.0), tf.constant(w), tf.constant(g), ())
+        assert np.array_equal(tf_w.numpy(), w + g)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(ValueError) as e:
+            optim.create("sgd", learning_rate=bad)
+        assert str(e.value) == f"schedule.lr={bad!r} must be a finite number"
+
+
 def test_config_rescale_and_clip_reach_the_rule():
     from tfkv.config import AdamConfig, SGDConfig  # each optimizer's own schema
 

@@ -16,6 +16,10 @@ import sys
 # Exit status of a process that stopped because another node of its job failed: launchers
 # blame the first process that did not exit with it.
 EXIT_PEER_FAILED = 3
+# Exit status of a process that stopped because a node of its job went silent (no heartbeat, or
+# the scheduler's answers stopped): the silent one is still running, hung, and launchers blame
+# it without waiting for it to exit (a role only slow to exit reports its failure first).
+EXIT_PEER_SILENT = 4
 # Exit status after Ctrl-C, as a shell reports a process that SIGINT ended (128 + 2).
 EXIT_INTERRUPTED = 130
 # Exit status of a run that a preemption signal stopped after it checkpointed: the same command

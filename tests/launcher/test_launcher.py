@@ -1,5 +1,6 @@
 """The launcher's shared parts: hosts file, placement, the job record, tfkv-launch, local backend."""
 
+import os
 import socket
 import subprocess
 import sys
@@ -223,3 +224,34 @@ def test_the_supervisor_blames_the_first_failure_that_is_not_a_peers_reaction():
     assert failure == "worker 1 exited with status 5"
     assert children["server 0"].returncode == -supervisor.STOP
     assert time.monotonic() - t0 < supervisor.GRACE + 3
+
+
+def test_a_hung_role_that_a_peer_saw_go_silent_is_blamed_once_it_alone_runs_and_torn_down_at_once():
+    """Issue 28: a SIGSTOPped role took 13 s to bring its job down: every other role exited as a
+    peer's reaction, so the launcher waited HANG_GRACE (for a role only slow to exit), then the
+    teardown's SIGHUP waited 3 s on a process that acts on no signal while stopped. Now the role
+    that saw the silence exits EXIT_PEER_SILENT, so once the others have stopped the one still
+    running is the hung one and is blamed then, and the teardown resumes it (SIGCONT) so that the
+    SIGHUP ends it at once."""
+    import signal
+
+    from tfkv.errors import EXIT_PEER_FAILED, EXIT_PEER_SILENT
+    from tfkv.launcher import supervisor
+
+    def start(script: str) -> subprocess.Popen:
+        return subprocess.Popen(["sh", "-c", script], start_new_session=True)
+
+    children = {"scheduler": start(f"sleep 0.2; exit {EXIT_PEER_SILENT}"),
+                "worker 0": start(f"sleep 0.5; exit {EXIT_PEER_FAILED}"), "worker 1": start("exec sleep 60")}
+    os.kill(children["worker 1"].pid, signal.SIGSTOP)
+    ends = supervisor.Ends(list(children))
+    failure = supervisor.supervise(ends, supervisor.poll(children, ends),
+                                   lambda: supervisor.stop_groups(list(children.values())))
+    assert failure.startswith("worker 1 stopped answering"), failure
+    assert children["worker 1"].returncode == -supervisor.STOP  # the HUP, not the KILL 3 s later
+    silent = [("scheduler", EXIT_PEER_SILENT)]
+    assert supervisor.done_waiting(silent, 0.0, 0.1, running=1)  # the silent one alone: at once
+    # others still exiting (a loaded machine): they get HANG_GRACE, not blamed for a hang
+    assert not supervisor.done_waiting(silent, 0.0, supervisor.HANG_GRACE - 0.1, running=2)
+    # a reaction to a role that reported its own failure still waits for it to exit
+    assert not supervisor.done_waiting([("worker 0", EXIT_PEER_FAILED)], 0.0, supervisor.GRACE + 0.1, running=1)

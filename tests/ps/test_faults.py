@@ -177,10 +177,13 @@ def test_an_uncaught_exception_fails_the_job_at_once_with_its_cause(cluster):
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", ["worker 1", "server 0", "scheduler"])
 def test_a_stopped_role_is_the_one_blamed(tmp_path, victim):
-    """SIGSTOP (a hang: the process lives, answers nothing): the job goes down within a few
-    seconds and its failure line names the role that stopped answering, not one that exited
-    because of it."""
-    env = {**os.environ, TAG: f"stop-{tmp_path.name}", "TFKV_HEARTBEAT_TIMEOUT": "4"}
+    """SIGSTOP (a hang: the process lives, answers nothing): the job goes down within 10 s (issue
+    28: it took 13-14 s, a heartbeat timeout, then HANG_GRACE, then a teardown waiting on a
+    process that takes no signal while stopped) and its failure line names the role that stopped
+    answering, not one that exited because of it."""
+    # The tag names this test's processes: tmp_path's name alone is the same in every xdist
+    # worker, and the victim was then looked up among another test's roles.
+    env = {**os.environ, TAG: f"stop-{tmp_path.name}-{os.getpid()}", "TFKV_HEARTBEAT_TIMEOUT": "4"}
     launching = Launching(["-n", "2", "-s", "2", "--launcher", "local", "--run-dir", "rec", "--", sys.executable,
                            str(REPO / "tests" / "fault_worker.py"), "w{rank}.json", "120"], tmp_path, env, timeout=120)
     deadline = time.time() + 90
@@ -192,7 +195,7 @@ def test_a_stopped_role_is_the_one_blamed(tmp_path, victim):
     os.kill(role_pid(env[TAG], role, rank or 0), signal.SIGSTOP)
     t0 = time.time()
     rc, out = launching.end(timeout=40)
-    assert time.time() - t0 < 15, f"the job took {time.time() - t0:.1f} s to stop\n{out}"
+    assert time.time() - t0 < 10, f"the job took {time.time() - t0:.1f} s to stop\n{out}"
     assert rc == 1, out
     assert f"tfkv-launch: the job failed: {victim} stopped answering" in out, out[-3000:]
     assert not tagged_pids(env[TAG], wait=15)

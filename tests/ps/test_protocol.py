@@ -166,7 +166,6 @@ def _opt(base=SGD, schedule=None, **fields):
     (P.Type.SET_COMPRESSION, {"type": "2bit", "threshold": "0.5"}, "threshold"),
     (P.Type.SET_OPTIMIZER, {"optimizer": "sgd"}, "optimizer"),
     (P.Type.SET_OPTIMIZER, {}, "optimizer"),
-    (P.Type.SET_OPTIMIZER, _opt(schedule={"lr": -1.0}), "lr"),
     (P.Type.SET_OPTIMIZER, _opt(schedule={"name": "warp"}), "warp"),
     (P.Type.SET_OPTIMIZER, _opt(schedule={"warmup": 1.5}), "warmup"),
     (P.Type.SET_OPTIMIZER, _opt(schedule={"milestones": [1, "2"]}), "milestones"),

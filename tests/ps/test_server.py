@@ -2,6 +2,7 @@
 goes, and that it stays exact; and, on a real ROUTER socket, that a peer gone before its answer
 leaves the server serving."""
 
+import collections
 import logging
 from collections import Counter, defaultdict
 from types import SimpleNamespace
@@ -22,6 +23,7 @@ def _server(workers: int) -> Server:
     srv.env = ClusterEnv("server", "127.0.0.1", 1, 1, workers)
     srv._pool, srv.sync, srv.updater, srv.threshold = None, True, None, None
     srv.values, srv.rounds, srv._held, srv._grouped = {}, defaultdict(Round), Counter(), {}
+    srv._left, srv._rounds_closed = {}, Counter()
     srv.workers = set(range(9, 9 + workers))
     return srv
 
@@ -154,6 +156,71 @@ def test_a_fused_key_set_pushed_twice_before_its_round_closes_is_held_whole_for_
     _fused(srv, 10, 2, (3, 4), (1000, 2000), sent)
     assert [(seq, data) for _, _, seq, data in sent[2:]] == [(2, [1100] * 3 + [2200] * 3)] * 2
     assert srv._held[9] == srv._held[10] == 0
+
+
+def _left(srv, wid):
+    """What the server's loop does when the scheduler reports worker `wid` finished (LEFT)."""
+    srv.link = SimpleNamespace(name="server 0", left=collections.deque([{"id": wid, "node": f"worker {wid - 9}"}]))
+    srv.flush = lambda: None
+    srv._workers_left()
+
+
+@pytest.mark.parametrize("request_kind", ["push+pull", "one-key pushpull", "fused", "held"])
+def test_a_round_a_finished_worker_never_pushed_into_fails_every_request_waiting_on_it(request_kind):
+    """Three rounds of key 3 by both workers, then worker 9 pushes a fourth (as a PUSH and a
+    parked PULL, a one-key PUSHPULL, or a fused PUSHPULL of keys 3 and 4; "held": a fifth push
+    held behind it too) and worker 10 leaves: every request waiting on that round is answered at
+    once with one ERROR naming the key, the round and worker 10, none is left held, and a later
+    push into a round it can never join is refused the same way."""
+    srv = _server(2)
+    for k in (3, 4):
+        srv.values[k] = np.zeros(3, np.float32)
+    sent = []
+    srv.reply = lambda identity, msg: sent.append((identity, msg))
+    fused = request_kind == "fused"
+
+    def pushpull(w, seq):
+        if fused:
+            _fused(srv, w, seq, (3, 4), (1, 1), sent)
+        else:
+            srv.on_pushpull(b"w%d" % w, P.Message(P.Type.PUSHPULL, sender=w, seq=seq, key=3,
+                                                  data=np.ones(3, np.float32)))
+
+    for step in range(3):
+        for w in (9, 10):
+            pushpull(w, step + 1)
+    sent.clear()
+    if request_kind in ("fused", "one-key pushpull"):
+        pushpull(9, 4)
+    else:
+        srv.on_push(b"w9", P.Message(P.Type.PUSH, sender=9, seq=4, key=3, data=np.ones(3, np.float32),
+                                           want_ack=False))
+        srv.on_pull(b"w9", P.Message(P.Type.PULL, sender=9, seq=5, key=3))
+        if request_kind == "held":
+            pushpull(9, 6)
+    assert sent == []  # waiting for worker 10
+    _left(srv, 10)
+    why = ("round 4 can never close: worker 1 left the job (it finished and closed its store) before "
+           "pushing to it")
+    key = "key 3 (and the 1 keys pushed with it)" if fused else "key 3"
+    seqs = {"push+pull": [5], "one-key pushpull": [4], "fused": [4], "held": [5, 6]}[request_kind]
+    assert [(i, m.type, m.seq, m.meta["message"]) for i, m in sent] == [
+        (b"w9", P.Type.ERROR, seq, f"{key}: {why}") for seq in seqs]
+    assert srv._held[9] == 0 and not srv._grouped and not srv.rounds.get(3, Round()).pushed
+    sent.clear()
+    srv.on_push(b"w9", P.Message(P.Type.PUSH, sender=9, seq=7, key=3, data=np.ones(3, np.float32),
+                                           want_ack=False))
+    assert [(m.type, m.seq, m.meta["message"]) for _, m in sent] == [(P.Type.ERROR, 7, f"key 3: {why}")]
+
+
+def test_a_round_the_finished_worker_pushed_into_still_closes():
+    srv = _server(2)
+    srv.values[3] = np.zeros(3, np.float32)
+    sent = _replying(srv)
+    srv.on_push(b"w10", _push(10, np.ones(3, np.float32).tobytes()))  # worker 10's last push, then it leaves
+    _left(srv, 10)
+    srv.on_push(b"w9", _push(9, np.ones(3, np.float32).tobytes()))
+    assert sent == [] and srv.values[3].tolist() == [2.0] * 3 and not srv.rounds[3].pushed
 
 
 @pytest.mark.parametrize("other", ["push", "pull", "one-key pushpull", "another key set"])

@@ -87,6 +87,25 @@ def run(kv: Any, devices: int, state_dir: str) -> dict[str, Any]:
             np.array_equal(a[k], b[k]) for k in a.files)
     seen["load_missing"] = _raises(lambda: kv.load_optimizer_states(os.path.join(state_dir, "missing.npz")))
     seen.update(half_updates(kv, devices, state_dir))
+    seen.update(add_what_you_receive(kv, devices))
+    return seen
+
+
+def add_what_you_receive(kv: Any, devices: int) -> dict[str, Any]:
+    """MXNet's KVStore tests' updater: SGD with learning_rate=-1 (w -= -1 * g) adds every push to
+    the stored value, set through set_optimizer as MXNet's `create` builds it."""
+    from tfkv import optim
+
+    seen: dict[str, Any] = {"add_what_you_receive": None}
+
+    def three_pushes() -> None:
+        kv.set_optimizer(optim.create("sgd", learning_rate=-1))
+        kv.init(70, np.ones(3, np.float32))
+        for _ in range(3):  # each push sums to 0.5 * (1 + 2 + ... + devices)
+            kv.push(70, [np.full(3, 0.5 * (d + 1), np.float32) for d in range(devices)])
+        seen["add_what_you_receive"] = _arr(kv.pull(70))
+
+    seen["add_what_you_receive_set"] = _raises(three_pushes)
     return seen
 
 
@@ -184,6 +203,8 @@ def expected(sync: bool, devices: int) -> dict[str, Any]:
         for mp in (0, 1):
             want[f"{name}_sgd_mp{mp}"] = [name, sgd_reference(name, bool(mp))]
     want["half_state"] = ["float32", True]
+    want.update(add_what_you_receive_set=None,
+                add_what_you_receive=[1.0 + 3 * 0.5 * sum(range(1, devices + 1))] * 3)
     if sync:
         half_sum = [0.25 * sum(range(1, devices + 1))] * 4
         for name in HALF:

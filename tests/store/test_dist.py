@@ -195,6 +195,37 @@ def test_manual_launch_with_the_same_command_for_every_role(cluster, tmp_path):
     assert "import tensorflow" not in c.output("server 0")
 
 
+@pytest.mark.parametrize("what,when", [("push", "after"), ("push", "before"), ("barrier", "before"),
+                                       pytest.param("pushpull", "before", marks=pytest.mark.slow),
+                                       pytest.param("barrier", "after", marks=pytest.mark.slow)])
+def test_a_round_or_barrier_a_finished_worker_never_joins_fails_at_once(cluster, what, when):
+    """Issue 28: two dist_sync workers; worker 0 pushes and pulls key 0 three times and closes,
+    worker 1 pushes a fourth time (or pushpulls keys fused into one round, or enters a barrier).
+    Worker 1 used to wait without a word until killed (MXNet does). Now the round (barrier) that
+    can never close fails it at once, whether it was already waiting when worker 0 left or came
+    later, with one line naming the key, the round (barrier) and the worker that left; the job
+    then ends non-zero, worker 0's clean exit left as it was."""
+    c = cluster(num_servers=1, num_workers=2)
+    c.start_servers()
+    outs = c.start_workers("worker_left", what, when)
+    codes = c.wait(timeout=40)
+    assert (codes["worker 0"], codes["worker 1"]) == (0, 1), f"{codes}\n{c.outputs()}"
+    assert codes["scheduler"] != 0 and codes["server 0"] != 0, f"{codes}\n{c.outputs()}"
+    closed, failed = _results(outs)
+    error = failed["error"]
+    if what == "barrier":
+        assert error.startswith("ClusterError: worker 1: barrier "), error
+        assert "can never be released: worker 0 left the job" in error, error
+    else:
+        also = " (and the 1 keys pushed with it)" if what == "pushpull" else ""
+        assert error.startswith(f"DistError: server 0: key 0{also}: round 4 can never close: worker 0 left the job"), error
+    assert "\n" not in error
+    # At once: from worker 0's close, or worker 1's fourth if later, well inside the heartbeat
+    # timeout (3 s) that ends a dead peer.
+    assert failed["at"] - max(closed["closing_at"], failed["acting_at"]) < 2.0, (failed, closed)
+    assert error.split(": ", 1)[1] in c.output("worker 1")
+
+
 def test_a_barrier_after_a_push_sees_it_applied(cluster):
     _, outs = _job(cluster, "push_then_barrier", num_servers=2, num_workers=2)
     assert [r["after"] for r in _results(outs)] == [3.0, 3.0]

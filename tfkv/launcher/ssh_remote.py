@@ -143,7 +143,7 @@ def stop_groups(conn: Connection, running: list[int], every: list[int]) -> None:
         return
     term = " ".join(f"-{g}" for g in running)
     script = (f"alive() {{ for g in {term}; do kill -0 $g 2>/dev/null && return 0; done; return 1; }}; "
-              f"kill -HUP {term} 2>/dev/null; i=0; while [ $i -lt 30 ] && alive; do sleep 0.1; i=$((i+1)); done; "
+              f"kill -HUP {term} 2>/dev/null; kill -CONT {term} 2>/dev/null; i=0; while [ $i -lt 30 ] && alive; do sleep 0.1; i=$((i+1)); done; "
               if running else "")
     script += f"kill -KILL {' '.join(f'-{g}' for g in every)} 2>/dev/null; true"
     try:

@@ -7,9 +7,11 @@ roles' ends are seen (an `Ends`, fed from exit statuses, ssh channels or the rol
 lines) and how to stop what still runs (`teardown`). The policy is here, once:
 
 - a role that fails first gets the others GRACE seconds to notice on their own and exit; then the
-  rest is torn down. A role that exits with tfkv.errors.EXIT_PEER_FAILED only reacts to another
-  one's failure and is never the one blamed; while every failure is such a reaction, the cause is
-  a role still running (hung, or slow to exit), which gets HANG_GRACE before it is blamed;
+  rest is torn down. A role that exits with tfkv.errors.EXIT_PEER_FAILED or EXIT_PEER_SILENT only
+  reacts to another one's failure and is never the one blamed; while every failure is such a
+  reaction, the cause is a role still running (hung, or slow to exit), which gets HANG_GRACE
+  before it is blamed, unless a role saw a peer go silent (EXIT_PEER_SILENT) and only one role
+  still runs: that one is the silent one, hung (it never exits), blamed at once;
 - the first SIGINT/SIGTERM (tfkv.launcher.signals) stops the wait, the failure line says so and
   the teardown runs shielded from further signals;
 - the cause is told from what had ended when the teardown began: a role the teardown kills is
@@ -24,7 +26,7 @@ import threading
 import time
 from typing import Callable, Mapping, Sequence
 
-from tfkv.errors import EXIT_PEER_FAILED
+from tfkv.errors import EXIT_PEER_FAILED, EXIT_PEER_SILENT
 from tfkv.launcher import signals
 from tfkv.launcher.process import signal_group, status_text
 
@@ -39,16 +41,22 @@ INTERVAL = 0.05  # seconds between two looks at the roles
 # Not SIGTERM, which a role takes as a batch system's preemption (tfkv.preempt: a server serves
 # on, a worker finishes its step).
 STOP = signal.SIGHUP
+REACTIONS = (EXIT_PEER_FAILED, EXIT_PEER_SILENT)  # statuses of a role that stopped because of a peer
 
 
-def done_waiting(failed: list[tuple[str, int]], since: float | None, now: float) -> bool:
+def done_waiting(failed: list[tuple[str, int]], since: float | None, now: float, running: int = 0) -> bool:
     """Whether a launcher has waited long enough after the first failure (seen at `since`) to
-    tear the job down: GRACE once a failure names its own cause, HANG_GRACE while every failure
-    is a peer's reaction, so that a role still exiting is not blamed for a hang."""
+    tear the job down, `running` roles still running: GRACE once a failure names its own cause;
+    at once when a role saw a peer go silent and one role runs on (the silent one: the others
+    stopped as they were told to, so it is hung, not exiting); else HANG_GRACE, so that a role
+    still exiting is not blamed for a hang."""
     if since is None:
         return False
-    own_cause = any(code != EXIT_PEER_FAILED for _, code in failed)
-    return now - since > (GRACE if own_cause else HANG_GRACE)
+    if any(code not in REACTIONS for _, code in failed):
+        return now - since > GRACE
+    if running <= 1 and any(code == EXIT_PEER_SILENT for _, code in failed):
+        return True
+    return now - since > HANG_GRACE
 
 
 def first_cause(failed: list[tuple[str, int]], running: Sequence[str] = ()) -> str | None:
@@ -56,7 +64,7 @@ def first_cause(failed: list[tuple[str, int]], running: Sequence[str] = ()) -> s
     the first failure that did not. When every failure did, the cause is whatever is still
     `running` (roles that had not ended when the launcher looked): a role that hangs (stopped,
     deadlocked) lives on while the others stop because it stopped answering."""
-    causes = [f for f in failed if f[1] != EXIT_PEER_FAILED]
+    causes = [f for f in failed if f[1] not in REACTIONS]
     if causes:
         return f"{causes[0][0]} {status_text(causes[0][1])}"
     if failed and running:
@@ -93,7 +101,7 @@ class Ends:
     def grace_over(self, extra: float = 0.0) -> bool:
         """done_waiting after the first failure, plus `extra` seconds (a client's own teardown)."""
         with self.lock:
-            return done_waiting(self.failed, self.first_failure_at, time.monotonic() - extra)
+            return done_waiting(self.failed, self.first_failure_at, time.monotonic() - extra, len(self.running()))
 
     def freeze(self) -> None:
         """The teardown begins: the cause is told from what ended before it (a hung role then ends
@@ -161,6 +169,7 @@ def stop_groups(children: Sequence[subprocess.Popen], grace: float = 3.0) -> Non
     alive = [c for c in children if c.poll() is None]
     for c in alive:
         signal_group(c.pid, STOP)
+        signal_group(c.pid, signal.SIGCONT)  # a stopped (hung) role acts on STOP only once resumed
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and any(c.poll() is None for c in alive):
         time.sleep(INTERVAL)

@@ -85,6 +85,7 @@ class Type(enum.IntEnum):
     DONE = 6  # a worker finished cleanly
     SHUTDOWN = 7
     FAILED = 8  # meta: node, reason; every receiver exits non-zero
+    LEFT = 9  # scheduler -> servers, meta: id, node: a worker finished, so a round it owes never closes
     # worker <-> server
     CONFIGURE = 20  # meta: sync
     SET_OPTIMIZER = 21  # meta: optimizer dict (tfkv.optim.to_dict)

@@ -5,7 +5,11 @@ It waits for every server and worker to register, gives each a rank and the addr
 has arrived; a barrier whose workers each bring a vector releases them with its sum
 (`tfkv.ps.sums`). When a node goes silent for longer than the heartbeat timeout, every remaining node
 is told which one failed and the scheduler exits non-zero; when every worker reports DONE, the
-servers are told to shut down and it exits 0. No TensorFlow here.
+servers are told to shut down and it exits 0. A worker that reports DONE before the others has
+left for good: the servers are told (LEFT), so that a synchronous round it never pushed into
+fails at once instead of waiting for it, and a barrier, which needs every worker, is refused
+with an ERROR naming it, both to workers already waiting and to any that arrive later. No
+TensorFlow here.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Any
 
 import zmq
 
-from tfkv.errors import EXIT_PEER_FAILED
+from tfkv.errors import EXIT_PEER_FAILED, EXIT_PEER_SILENT
 from tfkv.ps import protocol as P
 from tfkv.ps import security, sums
 from tfkv.ps.cluster_env import ClusterEnv
@@ -61,7 +65,8 @@ class Scheduler:
 
     def run(self) -> int:
         """Run the job's membership to the end: 0 when every worker finished, EXIT_PEER_FAILED
-        when a node failed, 1 when the cluster never formed."""
+        when a node failed, EXIT_PEER_SILENT when one went silent (hung, or dead without a word),
+        1 when the cluster never formed."""
         if not self._gather():
             return 1
         return self._watch()
@@ -151,16 +156,28 @@ class Scheduler:
             f"{n.name}@{n.hostname}" for n in sorted(self.nodes.values(), key=lambda n: n.id)))
         return True
 
-    def _fail(self, culprit: str, reason: str) -> int:
+    def _fail(self, culprit: str, reason: str, status: int = EXIT_PEER_FAILED) -> int:
         log.error("scheduler: %s failed (%s); stopping every node", culprit, reason)
         for node in self.nodes.values():
             if not node.done and node.name != culprit:
                 self._send(node, P.Message(P.Type.FAILED, meta={"node": culprit, "reason": reason}))
-        return EXIT_PEER_FAILED
+        return status
+
+    def _refuse_barrier(self, waiting: dict[bytes, P.Message], number: int, left: Node) -> None:
+        """Answer every worker waiting at barrier `number` with an ERROR: `left` finished, so it
+        never comes and the barrier can never be released."""
+        for identity, barrier in waiting.items():
+            reason = (f"barrier {number} can never be released: {left.name} left the job (it finished "
+                      "and closed its store) and will not reach it")
+            log.error("scheduler: %s: %s", self.nodes[identity].name, reason)
+            self._send(self.nodes[identity], P.error(barrier, reason))
+        waiting.clear()
 
     def _watch(self) -> int:
-        waiting: dict[bytes, dict[str, Any] | None] = {}  # who is at the barrier, and the sum they bring
+        waiting: dict[bytes, P.Message] = {}  # who is at the barrier, with its BARRIER (and the sum it brings)
         workers = [n for n in self.nodes.values() if n.role == "worker"]
+        released = 0  # barriers released so far: the one waited on is released + 1
+        left: Node | None = None  # the first worker that finished while others still work
         while True:
             got = self._recv(self.env.heartbeat_interval * 500)
             now = time.monotonic()
@@ -173,16 +190,19 @@ class Scheduler:
                 if msg.type == P.Type.HEARTBEAT:
                     self._send(node, P.Message(P.Type.HEARTBEAT, reply=True))
                 elif msg.type == P.Type.BARRIER and node.role == "worker":
-                    waiting[identity] = msg.meta
-                    if len(waiting) == len(workers):
+                    waiting[identity] = msg
+                    if left is not None:
+                        self._refuse_barrier(waiting, released + 1, left)
+                    elif len(waiting) == len(workers):
                         ranked = sorted(workers, key=lambda n: n.rank)
                         try:
-                            meta = sums.release([waiting[w.identity] for w in ranked], [w.name for w in ranked])
+                            meta = sums.release([waiting[w.identity].meta for w in ranked], [w.name for w in ranked])
                         except ValueError as e:
                             return self._fail(node.name, str(e))
                         for w in workers:
                             self._send(w, P.Message(P.Type.BARRIER_DONE, meta=meta))
                         waiting.clear()
+                        released += 1
                 elif msg.type == P.Type.DONE and node.role == "worker":
                     node.done = True
                     if self.env.verbose >= 1:
@@ -193,9 +213,14 @@ class Scheduler:
                                 self._send(n, P.Message(P.Type.SHUTDOWN))
                         log.info("scheduler: every worker finished; shutting the servers down")
                         return 0
+                    left = left or node
+                    for n in self.nodes.values():
+                        if n.role == "server":
+                            self._send(n, P.Message(P.Type.LEFT, meta={"id": node.id, "node": node.name}))
+                    self._refuse_barrier(waiting, released + 1, left)
                 elif msg.type == P.Type.FAILED:
                     return self._fail(node.name, (msg.meta or {}).get("reason", "it reported a failure"))
             for node in self.nodes.values():
                 if not node.done and now - node.last_seen > self.env.heartbeat_timeout:
                     return self._fail(node.name, f"no heartbeat for {now - node.last_seen:.1f} s "
-                                                 f"from pid {node.pid} on {node.hostname}")
+                                                 f"from pid {node.pid} on {node.hostname}", EXIT_PEER_SILENT)

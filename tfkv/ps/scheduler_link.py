@@ -1,15 +1,18 @@
 """A server's or worker's line to the scheduler: registration, the address book, heartbeats,
 barriers (which may also sum a small vector over the workers: tfkv.ps.sums), and leaving at
-once when the scheduler reports that a node failed.
+once when the scheduler reports that a node failed. A barrier the scheduler refuses (a worker
+left the job, so it can never be released) raises ClusterError in the caller; a server is
+handed the workers that left (`left`).
 
 After registering, a background thread owns the socket: it heartbeats, answers the
-scheduler's heartbeats, releases barriers, and when a node fails (or the scheduler goes
-silent) it prints which one and ends this process with EXIT_PEER_FAILED, so that nothing waits
-forever on a peer that is gone. No TensorFlow here.
+scheduler's heartbeats, releases barriers, and when a node fails it prints which one and ends
+this process with EXIT_PEER_FAILED (EXIT_PEER_SILENT when the scheduler goes silent), so that
+nothing waits forever on a peer that is gone. No TensorFlow here.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import queue
@@ -22,7 +25,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from tfkv.errors import EXIT_PEER_FAILED, TfkvError
+from tfkv.errors import EXIT_PEER_FAILED, EXIT_PEER_SILENT, TfkvError
 from tfkv.ps import protocol as P
 from tfkv.ps import security, sums
 from tfkv.ps.cluster_env import ClusterEnv
@@ -67,6 +70,11 @@ class SchedulerLink:
         self.shutdown = threading.Event()
         self._barrier = threading.Event()
         self._released: dict[str, Any] | None = None  # the last BARRIER_DONE's metadata (its sum)
+        self._barriers = 0  # BARRIERs sent: each carries its number as seq, which a refusal answers
+        self._refusal: str | None = None  # why the scheduler refused the barrier waited on
+        # Workers that left the job before the others, as the scheduler reported them (LEFT:
+        # id, node), for the server's serving thread to take.
+        self.left: collections.deque[dict[str, Any]] = collections.deque()
         self._outbox: queue.Queue[P.Message] = queue.Queue()
         # A byte down this pipe wakes the link's thread as soon as a message is posted, instead of
         # at its next 50 ms poll: a barrier (an epoch's end, a split evaluation's sum) waits for it.
@@ -92,10 +100,13 @@ class SchedulerLink:
 
     def _meet(self, meta: dict[str, Any] | None) -> Any:
         self._barrier.clear()
-        self._released = None
-        self._post(P.Message(P.Type.BARRIER, sender=self.id, meta=meta))
+        self._released = self._refusal = None
+        self._barriers += 1
+        self._post(P.Message(P.Type.BARRIER, sender=self.id, seq=self._barriers, meta=meta))
         while not self._barrier.wait(0.2):
             pass
+        if self._refusal is not None:
+            raise ClusterError(f"{self.name}: {self._refusal}")
         return sums.decode(self._released["sum"]) if meta is not None and self._released else None
 
     def done(self) -> None:
@@ -144,10 +155,10 @@ class SchedulerLink:
             f"{self.env.scheduler_port} within {self.env.start_timeout:.0f} s; is it running, and are "
             "DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT right?")
 
-    def _die(self, reason: str) -> None:
+    def _die(self, reason: str, status: int = EXIT_PEER_FAILED) -> None:
         sys.stdout.flush()
         print(f"tfkv: {self.name}: {reason}; exiting", file=sys.stderr, flush=True)
-        os._exit(EXIT_PEER_FAILED)
+        os._exit(status)
 
     def _loop(self) -> None:
         interval, timeout = self.env.heartbeat_interval, self.env.heartbeat_timeout
@@ -180,6 +191,11 @@ class SchedulerLink:
                 if msg.type == P.Type.BARRIER_DONE:
                     self._released = msg.meta
                     self._barrier.set()
+                elif msg.type == P.Type.ERROR and msg.seq == self._barriers and not self._barrier.is_set():
+                    self._refusal = msg.meta["message"]
+                    self._barrier.set()
+                elif msg.type == P.Type.LEFT:
+                    self.left.append(msg.meta)
                 elif msg.type == P.Type.SHUTDOWN:
                     self.shutdown.set()
                 elif msg.type == P.Type.FAILED and not self._aborting:
@@ -187,7 +203,7 @@ class SchedulerLink:
                     self._die(f"{meta.get('node', 'a node')} failed ({meta.get('reason', 'no reason given')})")
             elif self._sock not in ready and time.monotonic() - last_heard > timeout and not self.shutdown.is_set():
                 self._die(f"the scheduler at {self.env.scheduler_host}:{self.env.scheduler_port} "
-                          f"has been silent for {timeout:.1f} s")
+                          f"has been silent for {timeout:.1f} s", EXIT_PEER_SILENT)
         self._sock.close()
         os.close(self._wake_r)
         os.close(self._wake_w)

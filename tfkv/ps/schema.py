@@ -162,6 +162,7 @@ SCHEMAS: dict[tuple[str, bool], Schema] = {
     ("DONE", False): Schema(),
     ("SHUTDOWN", False): Schema(),
     ("FAILED", False): Schema(obj({"node": text(200), "reason": text(2000)}, optional_fields=("node",))),
+    ("LEFT", False): Schema(obj({"id": _ID, "node": text(200)})),
     # worker -> server
     ("CONFIGURE", False): Schema(obj({"sync": boolean})),
     ("SET_OPTIMIZER", False): Schema(obj({"optimizer": built_by(_optimizer)})),

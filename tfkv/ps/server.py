@@ -7,6 +7,10 @@ that pushes the same key twice before the round closes has the second push held 
 round. Asynchronous mode (`dist_async*`): every push is applied on arrival; requests are handled
 one at a time, so each update of a key is atomic.
 
+A worker that finished (the scheduler's LEFT) pushes no more: an open round it has not pushed
+into can never close, so every request waiting on it is answered at once with an ERROR naming
+the key, the round and that worker, and so is any later push into such a round.
+
 Pushes may arrive 2-bit compressed (protocol dtype TWOBIT); they are decoded to float32 with the
 threshold a worker announced (SET_COMPRESSION) before they are summed. Summing arrays of at
 least the big-array bound uses MXNET_KVSTORE_REDUCTION_NTHREADS threads, one slice each (numpy
@@ -136,6 +140,8 @@ class Server:
         # Per sender: its requests held unanswered (pulls parked until their round closes,
         # acknowledged pushes held for the next round), what a PING answers with.
         self._held: Counter[int] = Counter()
+        self._left: dict[int, str] = {}  # workers that finished (LEFT), by id: their names
+        self._rounds_closed: Counter[int] = Counter()  # per key: the round numbers in errors
         self.max_count = env.max_message_bytes // 4
         self.threshold: float | None = None  # of 2-bit pushes, once a worker set compression
         self._pool: ThreadPoolExecutor | None = None
@@ -152,6 +158,8 @@ class Server:
         # one call into libzmq less per message (~5 us of a 4 KiB round trip).
         self.sock.rcvtimeo = 100
         while not self.link.shutdown.is_set():
+            if self.link.left:
+                self._workers_left()
             try:
                 frames = wire.recv(self.sock)
             except zmq.Again:
@@ -384,6 +392,8 @@ class Server:
         if msg.sender in r.pushed:
             self._hold(r, identity, msg)
             return  # acknowledged when its round opens
+        if self._left and self._refuse_owed(identity, msg, (msg.key,)):
+            return
         # The later pushes add into the first one's buffer: received (a zmq frame, or the channel's
         # opened frame) or decoded from 2 bits, it belongs to this round alone until the round
         # closes, and no stored value is ever written into (a reply may still be sending one).
@@ -415,6 +425,7 @@ class Server:
             self.values[key] = r.merged if value.dtype == _F32 else r.merged.astype(value.dtype)
         pulls, held = r.pulls, r.held
         self.rounds[key] = Round()
+        self._rounds_closed[key] += 1
         for identity, pull in pulls:
             if isinstance(pull, Fused):
                 self._fill(pull, key)
@@ -481,6 +492,8 @@ class Server:
             if r is not None:  # its push waits for the next round (as a second PUSH would): its pull too
                 self._hold(r, identity, msg)
                 return
+            if self._left and self.sync and self._refuse_owed(identity, msg, (msg.key,)):
+                return
             self.on_push(identity, P.Message(P.Type.PUSH, msg.sender, msg.seq, msg.key, data=msg.data, dtype=msg.dtype,
                                              count=msg.count, want_ack=False))
             self.on_pull(identity, P.Message(P.Type.PULL, msg.sender, msg.seq, msg.key))
@@ -499,6 +512,8 @@ class Server:
         sizes = [v.size for v in held]
         if sum(sizes) != msg.data.size:
             raise RequestError(f"PUSHPULL of {len(keys)} keys holding {sum(sizes)} values carries {msg.data.size}")
+        if self._left and self.sync and self._refuse_owed(identity, msg, keys):
+            return
         if self.sync and self._as_group(identity, msg, keys, sizes):
             return
         group, offset = Fused(identity, msg, keys), 0
@@ -552,6 +567,7 @@ class Server:
         for k, n in zip(group.keys, group.sizes):
             part = merged[offset:offset + n]
             offset += n
+            self._rounds_closed[k] += 1
             self.values[k] = part if self.updater is None else self.updater.update(k, self.values[k], part)
             values.append(self.values[k])
         data = merged if self.updater is None else np.concatenate(values)
@@ -561,6 +577,79 @@ class Server:
         for identity, request in group.held:  # each opens the next round
             self._held[request.sender] -= len(group.keys)
             self.on_pushpull(identity, request)
+
+    # -- a worker that left ---------------------------------------------------------------------
+
+    def _never_closes(self, keys: Sequence[int], worker: str) -> str:
+        """The one line a request waiting on a round of `keys` (pushed together) gets."""
+        also = f" (and the {len(keys) - 1} keys pushed with it)" if len(keys) > 1 else ""
+        return (f"key {keys[0]}{also}: round {self._rounds_closed[keys[0]] + 1} can never close: {worker} left "
+                "the job (it finished and closed its store) before pushing to it")
+
+    def _refuse_owed(self, identity: bytes, msg: P.Message, keys: Sequence[int]) -> bool:
+        """Answer `msg` (a push into the rounds of `keys`) with an ERROR if one of those rounds
+        can never close, because a worker that left has not pushed into it; True if it did. A push
+        its sender already made in a round waits for the next one and is asked when it opens. An
+        answer, not a RequestError: a held request is served again from inside a round's close."""
+        for key in keys:
+            group = self._grouped.get(key)
+            r = group if group is not None else self.rounds.get(key)
+            pushed = r.pushed if r is not None else set()
+            if msg.sender in pushed:
+                continue
+            gone = next((name for wid, name in self._left.items() if wid not in pushed), None)
+            if gone is not None:
+                self.reply(identity, P.error(msg, self._never_closes((key,), gone)))
+                return True
+        return False
+
+    def _workers_left(self) -> None:
+        """Take the workers the scheduler reported gone; fail every open synchronous round one of
+        them has not pushed into (it never will): its waiting pulls and held pushes get an ERROR."""
+        while self.link.left:
+            meta = self.link.left.popleft()
+            wid, name = meta["id"], meta["node"]
+            if wid not in self.workers:
+                continue
+            self._left[wid] = name
+            if not self.sync:
+                continue  # no rounds: every push was applied on arrival
+            failed: list[str] = []
+            answered: set[int] = set()  # a fused request waits in several rounds: answered once
+            for group in {id(g): g for g in self._grouped.values()}.values():
+                if wid not in group.pushed:
+                    failed.append(self._fail_group(group, name))
+            for key, r in list(self.rounds.items()):
+                if r.pushed and wid not in r.pushed:
+                    failed.append(self._fail_round(key, r, name, answered))
+            if failed:
+                log.error("%s: %s left; %d round(s) can never close, their requests refused: %s", self.link.name,
+                          name, len(failed), "; ".join(failed[:3]) + (" ..." if len(failed) > 3 else ""))
+        self.flush()
+
+    def _fail_round(self, key: int, r: Round, worker: str, answered: set[int]) -> str:
+        reason = self._never_closes((key,), worker)
+        del self.rounds[key]
+        waiting = [*r.pulls, *((i, push if pull is None else pull) for i, push, pull in r.held)]
+        for identity, request in waiting:
+            if id(request) in answered:
+                continue
+            answered.add(id(request))
+            if isinstance(request, Fused):
+                self._held[request.request.sender] -= len(request.keys)
+                self.reply(request.identity, P.error(request.request, reason))
+            else:
+                self._held[request.sender] -= 1 if request.type == P.Type.PULL else _awaits_answer(request)
+                self.reply(identity, P.error(request, reason))
+        return reason
+
+    def _fail_group(self, group: GroupRound, worker: str) -> str:
+        reason = self._never_closes(group.keys, worker)
+        self._release(group)
+        for identity, request in [*group.pulls, *group.held]:
+            self._held[request.sender] -= len(group.keys)
+            self.reply(identity, P.error(request, reason))
+        return reason
 
     def _apart(self, key: int) -> None:
         group = self._grouped.get(key)
