@@ -59,30 +59,35 @@ def _explain(e: BaseException) -> str | None:
 
 def _job(cfg: Any) -> float:
     global _run_dir
+    import contextlib
+
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
     from tfkv import check, knobs, store
+    from tfkv.checkpoint import lock
     from tfkv.ps.cluster_env import ClusterEnv
 
     check.validate(cfg)
     hc = HydraConfig.get()
     run_dir = _run_dir = Path(hc.runtime.output_dir)
     in_job = ClusterEnv.role_of() is not None
-    values = knobs.resolve(knobs.settings(cfg), os.environ)  # the environment wins over the config
-    knobs.configure(values)
-    if not in_job:
-        (run_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        knobs.record(run_dir, values)
-        if store.capabilities(cfg.kvstore.type).distributed and not cfg.eval_only:  # eval_only: here, alone
-            return _launch(cfg, run_dir, list(hc.overrides.task), Path(hc.runtime.cwd))
-    from tfkv.parallel import binding
+    # the run directory is this job's alone; a role of a launched job runs inside its launcher's hold
+    with contextlib.nullcontext() if in_job else lock.hold(run_dir):
+        values = knobs.resolve(knobs.settings(cfg), os.environ)  # the environment wins over the config
+        knobs.configure(values)
+        if not in_job:
+            (run_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+            knobs.record(run_dir, values)
+            if store.capabilities(cfg.kvstore.type).distributed and not cfg.eval_only:  # eval_only: here, alone
+                return _launch(cfg, run_dir, list(hc.overrides.task), Path(hc.runtime.cwd))
+        from tfkv.parallel import binding
 
-    cfg.devices = binding.bind(cfg.devices)  # {local_rank}: this process's GPU, before TensorFlow sees any
-    from tfkv.trainer import objective, train
+        cfg.devices = binding.bind(cfg.devices)  # {local_rank}: this process's GPU, before TensorFlow sees any
+        from tfkv.trainer import objective, train
 
-    final = train(cfg, run_dir, list(hc.overrides.task), search_root=Path(hc.runtime.cwd))
-    return objective(cfg, final, run_dir)
+        final = train(cfg, run_dir, list(hc.overrides.task), search_root=Path(hc.runtime.cwd))
+        return objective(cfg, final, run_dir)
 
 
 def _launch(cfg: Any, run_dir: Path, overrides: list[str], cwd: Path) -> float:
