@@ -153,7 +153,7 @@ def _launch(cfg: Any, run_dir: Path, overrides: list[str], cwd: Path) -> float:
                   f"tfkv-run (squeue; its output: {run_dir / 'launch' / 'slurm' / 'job.log'})", file=sys.stderr)
         sys.exit(EXIT_PREEMPTED)
     if result.failure:
-        raise ClusterFailed(f"the {cfg.kvstore.type} job failed: {result.failure}; logs in {run_dir}")
+        raise ClusterFailed(f"the {cfg.kvstore.type} job failed: {result.told()}; logs in {run_dir}")
     return objective(cfg, json.loads((run_dir / "metrics.json").read_text()), run_dir)
 
 
