@@ -34,9 +34,6 @@ def validate(cfg: Any) -> None:
                  "optimizer.schedule.name")
     launcher = checks.option_name(cfg.cluster, "cluster", "launcher")
     cfg.cluster = checks.typed(cfg.cluster, cluster_schema(launcher), "cluster", launcher)
-    models.check(cfg.model)
-    source.check(cfg.dataset)
-    _objective(cfg)
     checks.direction(cfg)
     checks.known("logger", cfg.logger.name, list(LOGGERS), "logger")
     if cfg.logger.name == "mlflow":  # before anything starts, not at worker 0's first epoch
@@ -50,10 +47,15 @@ def validate(cfg: Any) -> None:
     except ValueError as e:
         raise ConfigError(f"optimizer: {e}; fix it with optimizer.<setting>=...") from None
     _cluster(cfg)
-    _placement(cfg)
     checks.step_options(cfg, PRECISIONS)
     checks.resume(cfg, checkpoint.NO)
     checks.checkpointing(cfg.checkpoint)
+    # Last, what imports the model's, the data's, the loss's modules, which may import TensorFlow:
+    # a mistake the config alone shows is refused without it.
+    models.check(cfg.model)
+    source.check(cfg.dataset)
+    _objective(cfg)
+    _placement(cfg)
 
 
 def cluster_schema(launcher: str) -> type:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 import sys
@@ -59,30 +60,49 @@ def _explain(e: BaseException) -> str | None:
 
 def _job(cfg: Any) -> float:
     global _run_dir
+    import contextlib
+
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
-    from tfkv import check, knobs, store
+    from tfkv import check, checkpoint, knobs, store
+    from tfkv.checkpoint import lock
     from tfkv.ps.cluster_env import ClusterEnv
 
     check.validate(cfg)
     hc = HydraConfig.get()
     run_dir = _run_dir = Path(hc.runtime.output_dir)
     in_job = ClusterEnv.role_of() is not None
-    values = knobs.resolve(knobs.settings(cfg), os.environ)  # the environment wins over the config
-    knobs.configure(values)
-    if not in_job:
-        (run_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        knobs.record(run_dir, values)
-        if store.capabilities(cfg.kvstore.type).distributed and not cfg.eval_only:  # eval_only: here, alone
-            return _launch(cfg, run_dir, list(hc.overrides.task), Path(hc.runtime.cwd))
-    from tfkv.parallel import binding
+    if cfg.resume == checkpoint.AUTO and not in_job and _new_each_run(hc):
+        logging.getLogger("tfkv").warning(
+            "resume=auto looks for checkpoints in the run's own directory, but %s is named after the time it "
+            "started: a rerun gets another one and never resumes; fix it with hydra.run.dir=runs/<name>", run_dir)
+    # the run directory is this job's alone; a role of a launched job runs inside its launcher's hold
+    with contextlib.nullcontext() if in_job else lock.hold(run_dir):
+        values = knobs.resolve(knobs.settings(cfg), os.environ)  # the environment wins over the config
+        knobs.configure(values)
+        if not in_job:
+            (run_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+            knobs.record(run_dir, values)
+            if store.capabilities(cfg.kvstore.type).distributed and not cfg.eval_only:  # eval_only: here, alone
+                return _launch(cfg, run_dir, list(hc.overrides.task), Path(hc.runtime.cwd))
+        from tfkv.parallel import binding
 
-    cfg.devices = binding.bind(cfg.devices)  # {local_rank}: this process's GPU, before TensorFlow sees any
-    from tfkv.trainer import objective, train
+        cfg.devices = binding.bind(cfg.devices)  # {local_rank}: this process's GPU, before TensorFlow sees any
+        from tfkv.trainer import objective, train
 
-    final = train(cfg, run_dir, list(hc.overrides.task), search_root=Path(hc.runtime.cwd))
-    return objective(cfg, final, run_dir)
+        final = train(cfg, run_dir, list(hc.overrides.task), search_root=Path(hc.runtime.cwd))
+        return objective(cfg, final, run_dir)
+
+
+def _new_each_run(hc: Any) -> bool:
+    """Whether the run directory is named after the time the run started (Hydra's default, kept
+    where no hydra.run.dir or hydra.sweep.dir is given): every run gets a new one."""
+    from hydra.types import RunMode
+    from omegaconf import OmegaConf
+
+    node = hc.sweep if hc.mode == RunMode.MULTIRUN else hc.run
+    return "${now:" in str(OmegaConf.to_container(node, resolve=False)["dir"])
 
 
 def _launch(cfg: Any, run_dir: Path, overrides: list[str], cwd: Path) -> float:
@@ -139,7 +159,8 @@ def _launch(cfg: Any, run_dir: Path, overrides: list[str], cwd: Path) -> float:
         signal.signal(preemption.SIGNAL, asked)
     preempted = preemption.done(run_dir)
     if result.returncode > 128:  # stopped by Ctrl-C (130) or SIGTERM (143): exit as a single run does
-        print(f"tfkv-run: the {cfg.kvstore.type} job failed: {result.failure}; logs in {run_dir}", file=sys.stderr)
+        print(f"tfkv-run: the {cfg.kvstore.type} job failed: {result.failure}{_left(run_dir) or f'; logs in {run_dir}'}",
+              file=sys.stderr)
         sys.exit(result.returncode)
     if preempted:  # worker 0 checkpointed and stopped; the rest of the job stopped with it
         print(f"tfkv-run: {preempted}", file=sys.stderr)
@@ -148,7 +169,7 @@ def _launch(cfg: Any, run_dir: Path, overrides: list[str], cwd: Path) -> float:
                   f"tfkv-run (squeue; its output: {run_dir / 'launch' / 'slurm' / 'job.log'})", file=sys.stderr)
         sys.exit(EXIT_PREEMPTED)
     if result.failure:
-        raise ClusterFailed(f"the {cfg.kvstore.type} job failed: {result.failure}; logs in {run_dir}")
+        raise ClusterFailed(f"the {cfg.kvstore.type} job failed: {result.told()}; logs in {run_dir}")
     return objective(cfg, json.loads((run_dir / "metrics.json").read_text()), run_dir)
 
 
@@ -192,14 +213,16 @@ def expand_home(arg: str) -> str:
 
 def _interrupted() -> str:
     """The Ctrl-C line: where the newest checkpoint is, when this job got one."""
-    if _run_dir is not None:
-        from tfkv import checkpoint
+    return "interrupted" + (_left(_run_dir) if _run_dir is not None else "")
 
-        newest = checkpoint.latest(_run_dir)
-        if newest is not None:
-            return (f"interrupted; checkpoint {newest.name} is in {_run_dir} "
-                    "(resume=true continues from it)")
-    return "interrupted"
+
+def _left(run_dir: Path) -> str:
+    """`; checkpoint <name> is in <run_dir> (...)` for a run stopped by a signal, where it
+    got one; else nothing."""
+    from tfkv import checkpoint
+
+    newest = checkpoint.latest(run_dir)
+    return f"; checkpoint {newest.name} is in {run_dir} (resume=true continues from it)" if newest else ""
 
 
 def _hydra_app() -> Callable[[], Any]:

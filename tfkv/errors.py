@@ -11,6 +11,7 @@ it as a second base. This module imports only the standard library: every layer 
 from __future__ import annotations
 
 import errno
+import os
 import sys
 
 # Exit status of a process that stopped because another node of its job failed: launchers
@@ -81,8 +82,21 @@ def message(e: BaseException) -> str | None:
         return text
     if isinstance(e, OSError) and e.errno in DISK_ERRNOS:
         where = f" writing {e.filename}" if e.filename else ""
-        return f"{e.strerror}{where}; free space there or choose another hydra.run.dir"
+        return f"{e.strerror}{where}; {unwritable(e.errno)}"
     return None
+
+
+def unwritable(reason: int | str | None) -> str:
+    """What to do about a write into the run directory that failed for `reason`: the errno, or
+    the system's text of it as TensorFlow's errors carry it ("...; Read-only file system")."""
+    def why(code: int) -> bool:
+        return reason == code or (isinstance(reason, str) and os.strerror(code) in reason)
+
+    if why(errno.ENOSPC) or why(errno.EDQUOT):
+        return "free space there or choose another hydra.run.dir"
+    if why(errno.EROFS) or why(errno.EACCES) or why(errno.EPERM):
+        return "make it writable or choose another hydra.run.dir"
+    return "check that the run directory is there and writable, or choose another hydra.run.dir"
 
 
 def exit_code(e: BaseException) -> int:

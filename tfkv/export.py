@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from tfkv.errors import ConfigError, OutputError
+from tfkv.errors import ConfigError, OutputError, unwritable
 
 MODEL_FILE = "model.keras"
 SAVED_MODEL_DIR = "saved_model"
@@ -93,7 +93,7 @@ def write(cfg: Any, source: Any, weights: Sequence[np.ndarray], run_dir: Path) -
     from tfkv import models
 
     model = models.build(cfg.model, input_shape=source.input_shape, input_spec=source.input_spec,
-                         num_classes=source.num_classes)
+                         num_classes=source.outputs)
     model.set_weights(list(weights))
     path = save(model, run_dir, bool(cfg.export.saved_model))
     log.info("model saved: %s%s", path, f" and {run_dir / SAVED_MODEL_DIR}" if cfg.export.saved_model else "")
@@ -128,7 +128,7 @@ def written(write: Callable[[], Any], where: Path) -> Any:
     except tf.errors.OpError as e:
         # "{{function_node ...}} PATH; No space left on device\n\tFailed to flush ...": the reason
         reason = e.message.splitlines()[0].rsplit("; ", 1)[-1]
-    raise OutputError(f"cannot write {where} ({reason}); free space there or choose another hydra.run.dir")
+    raise OutputError(f"cannot write {where} ({reason}); {unwritable(reason)}")
 
 
 def write_metrics(run_dir: Path, metrics: dict[str, Any]) -> None:

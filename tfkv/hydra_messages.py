@@ -40,7 +40,10 @@ def one_line(exc: BaseException) -> str:
         return f"{text}: it is a Hydra plug-in that is not installed; {also}pip install {plugin}"
     if isinstance(exc, MissingConfigException) and exc.options:
         # `model=resnet19`: Hydra's list of what there is, and the nearest name
-        wanted = str(exc.missing_cfg_file).rsplit("/", 1)[-1]
+        group, _, wanted = str(exc.missing_cfg_file).rpartition("/")
+        mxnet = _mxnet_store(wanted) if group.endswith("kvstore") else None
+        if mxnet:  # kvstore=nccl: the type to use, as tfkv.store.create says it
+            return f"{text}; {mxnet}; see tfkv-run --help"
         text += f"; available: {', '.join(exc.options)}"
         close = difflib.get_close_matches(wanted, exc.options, n=1)
         if close:
@@ -68,6 +71,18 @@ def one_line(exc: BaseException) -> str:
         if close:
             text += f" (did you mean {close[0]!r}?)"
     return text + "; see tfkv-run --help"
+
+
+def _mxnet_store(name: str) -> str | None:
+    """For a KVStore type MXNet has and tfkv has not as an option (nccl, horovod, local_update_cpu):
+    which one to use (tfkv.store's tables, as its canonical() says for the Python API); None for any other name."""
+    from tfkv import store
+
+    key = name.strip().lower()
+    if key in store.INSTEAD:
+        return f"{name} is MXNet's KVStore type, not tfkv's; write kvstore={store.INSTEAD[key]}"
+    return f"{name} is MXNet's name for {store.ALIASES[key]}; write kvstore={store.ALIASES[key]}" \
+        if key in store.ALIASES else None
 
 
 # Hydra's launcher and sweeper plug-ins on PyPI, by the option name each registers.
@@ -135,6 +150,19 @@ def _option_keys(message: str) -> str | None:
             option = node.get("name") or node.get("launcher") or node.get("type")
     except Exception:  # noqa: BLE001 - only a better message; the plain one stands without it
         return None
-    close = difflib.get_close_matches(m.group(2).split(".")[0], keys, n=1)
-    mean = f"did you mean {group}.{close[0]}? " if close else ""
+    key = m.group(2).split(".")[0]
+    owner = _option_with(group, key)
+    close = difflib.get_close_matches(key, keys, n=1)
+    if owner is not None:  # model.path=my.keras: a setting of model=saved
+        mean = f"{group}.{key} is a setting of {group}={owner}: write {group}={owner} {group}.{key}=...; "
+    else:
+        mean = f"did you mean {group}.{close[0]}? " if close else ""
     return f"{mean}{group} {option} has the settings: {', '.join(keys)}"
+
+
+def _option_with(group: str, key: str) -> str | None:
+    """The option of `group` (conf/<group>/*.yaml) whose node has `key`, if exactly one has it."""
+    from omegaconf import OmegaConf
+
+    owners = [p.stem for p in sorted((Path(conf_dir()) / group).glob("*.yaml")) if key in OmegaConf.load(p).keys()]
+    return owners[0] if len(owners) == 1 else None

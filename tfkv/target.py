@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import difflib
 import functools
-import importlib
 import inspect
 from typing import Any, Callable, Iterable, Mapping
 
 from tfkv.errors import ConfigError
+from tfkv.tfimport import quietly
 
 # Hydra's own keys in an instantiable node: never arguments of the callable.
 HYDRA_KEYS = frozenset({"_target_", "_partial_", "_recursive_", "_convert_", "_args_"})
@@ -30,7 +30,7 @@ def locate(path: str, key: str) -> Callable[..., Any]:
     if not module_name or not attr:
         raise ConfigError(f"{key}={text!r} does not name a callable; write package.module.function")
     try:
-        module = importlib.import_module(module_name)
+        module = quietly(module_name)  # TensorFlow's load-time lines, should it load it, as tfkv-run's own
     except ImportError as e:
         # e.name: the module that is missing, which may be one the target's module imports
         missing = getattr(e, "name", None) or module_name

@@ -7,11 +7,13 @@ and an `I0000 ...] oneDNN custom operations are on` line. They turned tfkv's one
 three lines and put a WARNING into every run's output. `import_tensorflow` imports it with fd 2
 going to a temporary file, then writes back every line TF_CPP_MIN_LOG_LEVEL does not hide (its
 levels: 1 hides INFO, 2 also WARNING, 3 also ERROR), so nothing else TensorFlow or Python says
-while importing is lost. Imports nothing of tfkv.
+while importing is lost. `quietly` does the same for any module that may import TensorFlow first
+(the user's model or data module, a streaming reader: tfkv.target). Imports nothing of tfkv.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import sys
@@ -33,8 +35,15 @@ def shown(line: str, level: int) -> bool:
 
 def import_tensorflow() -> ModuleType:
     """`import tensorflow`, quiet as TF_CPP_MIN_LOG_LEVEL asks (the module if already imported)."""
-    if "tensorflow" in sys.modules:
-        return sys.modules["tensorflow"]
+    return quietly("tensorflow")
+
+
+def quietly(name: str) -> ModuleType:
+    """`importlib.import_module(name)`, with TensorFlow's load-time lines filtered as
+    TF_CPP_MIN_LOG_LEVEL asks when the import may load TensorFlow for the first time: a user's
+    model or data module, a streaming reader, that imports it at its top."""
+    if "tensorflow" in sys.modules or name in sys.modules:
+        return importlib.import_module(name)
     try:
         level = int(os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0"))
     except ValueError:
@@ -44,7 +53,7 @@ def import_tensorflow() -> ModuleType:
     with tempfile.TemporaryFile() as caught:
         os.dup2(caught.fileno(), 2)
         try:
-            import tensorflow
+            return importlib.import_module(name)
         finally:
             sys.stderr.flush()
             os.dup2(saved, 2)
@@ -54,4 +63,3 @@ def import_tensorflow() -> ModuleType:
                 if shown(line, level):
                     sys.stderr.write(line)
             sys.stderr.flush()
-    return tensorflow

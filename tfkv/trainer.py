@@ -122,7 +122,7 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | No
             else:
                 dp = DataParallel(
                     lambda: models.build(cfg.model, input_shape=source.input_shape, input_spec=source.input_spec,
-                                         num_classes=source.num_classes),
+                                         num_classes=source.outputs),
                     tf_devices, store, optimizer, sizes,
                     update_on_kvstore=cfg.kvstore.update_on_kvstore,
                     initial_weights=ckpt.weights if ckpt else None,
@@ -357,7 +357,7 @@ def _model_parallel(cfg: Any, source: Any, tf_devices: list[str], store: Any, op
     from tfkv.parallel import placement
     from tfkv.parallel.model_parallel import ModelParallel
 
-    groups = models.build_groups(cfg.model, source.input_shape, source.num_classes)
+    groups = models.build_groups(cfg.model, source.input_shape, source.outputs)
     specs = placement.assign(cfg.placement, groups, list(cfg.devices), models.name(cfg.model))
     mode = "placement=auto" if placement.is_auto(cfg.placement) else "placement from config"
     log.info("%s", placement.format_plan(placement.stages(groups, specs),

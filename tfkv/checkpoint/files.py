@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from tfkv.errors import ConfigError, OutputError
+from tfkv.errors import ConfigError, OutputError, unwritable
 
 CHECKPOINTS = "checkpoints"
 SUMS = "SHA256SUMS"
@@ -167,7 +167,7 @@ def _failed(e: BaseException, tmp: Path, final: Path) -> BaseException:
     shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint only fills the disk
     if isinstance(e, OSError):
         return OutputError(f"checkpoint {final.name}: cannot write {e.filename or tmp} ({e.strerror or e}); "
-                           "free space there or pick another hydra.run.dir")
+                           f"{unwritable(e.errno)}")
     return e
 
 

@@ -150,6 +150,18 @@ class Source:
         return self._unbatched(self._spec[1])
 
     @property
+    def outputs(self) -> int | None:
+        """What a builder's `num_classes` is: the number of classes, or for a floating-point label
+        (a regression target, e.g. the csv reader's price column) the label's width, as a
+        Keras regressor ends in Dense(width); None for class labels of an unknown count."""
+        import tensorflow as tf
+
+        spec = self.label_spec
+        if not self.num_classes and isinstance(spec, tf.TensorSpec) and spec.dtype.is_floating:
+            return int(np.prod([d or 1 for d in spec.shape]))
+        return self.num_classes
+
+    @property
     def input_shape(self) -> Any:
         """A tuple, or a dict input name -> tuple for dict inputs."""
         import tensorflow as tf

@@ -42,6 +42,11 @@ class Result:
     returncode: int
     failure: str | None  # what failed first, e.g. "worker 1 @node2 exited with status 1"
     requeued: bool = False  # preempted, the batch job requeued itself: it goes on without the launcher
+    restarts: str | None = None  # with cluster.max_restarts: spent, or why none was tried
+
+    def told(self) -> str:
+        """The failure as the final line tells it: with how cluster.max_restarts went."""
+        return f"{self.failure}; {self.restarts}" if self.restarts else str(self.failure)
 
 
 class Launcher(Protocol):

@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"tfkv-launch: {preempted}", file=sys.stderr)
         sys.exit(EXIT_PREEMPTED)
     if result.failure:
-        print(f"tfkv-launch: the job failed: {result.failure}; record in {run_dir}", file=sys.stderr)
+        print(f"tfkv-launch: the job failed: {result.told()}; record in {run_dir}", file=sys.stderr)
         sys.exit(result.returncode if result.returncode > 128 else 1)  # 130 Ctrl-C, 143 SIGTERM
 
 

@@ -20,6 +20,7 @@ from tfkv.launcher.hosts import Host, read_hosts
 from tfkv.launcher.hosts import slots as host_slots
 from tfkv.launcher.plan import RUN_DIR, make_plan, worker_hosts
 from tfkv.launcher.ports import free_port, release_port
+from tfkv.launcher.process import repeats
 from tfkv import keys as jobkeys
 
 log = logging.getLogger("tfkv")
@@ -165,8 +166,10 @@ def launch(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path, 
     `preemptible`: the first SIGTERM asks the job to checkpoint and end instead (tfkv.launcher.signals;
     not for a trial of a sweep, where SIGTERM ends the sweep).
 
-    With `opts.max_restarts`, a job that failed (not one a signal stopped) is torn down as ever,
-    then planned and started again, up to that many times: each restart is a line naming the
+    With `opts.max_restarts`, a job that failed (not one a signal stopped, nor a role's own error
+    that a restart would meet again: tfkv.launcher.process.repeats) is torn down as ever,
+    then planned and started again, up to that many times (the result's `restarts` says when
+    they were spent or why none was tried): each restart is a line naming the
     cause and an entry of launch/restarts.json. `again(result)` gives the roles' `env` for the
     next attempt (tfkv-run: the newest checkpoint to resume), or None for no restart. A host
     whose roles failed twice is left out of the next attempt for one of `opts.spare_hosts`
@@ -177,10 +180,17 @@ def launch(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path, 
     while True:
         result = _attempt(attempt_opts, worker_argv, workdir, run_dir, argv, out, env, settings, devices,
                           preemptible)
-        if result.failure is None or result.returncode > 128 or restarts >= opts.max_restarts:
+        if result.failure is None or result.returncode > 128 or not opts.max_restarts:
             return result
         if (Path(run_dir) / preemption.DONE).exists():  # preempted: its owner or Slurm starts it again
             return result
+        done = f"after {restarts} restart(s), " if restarts else ""
+        if repeats(result.failure):
+            return dataclasses.replace(result, restarts=(
+                f"{done}not restarted: a role's own error, which a restart meets again (cluster.max_restarts "
+                "restarts a job whose role was killed (a preemption too) or lost, or whose host went down)"))
+        if restarts >= opts.max_restarts:
+            return dataclasses.replace(result, restarts=f"all {restarts} restart(s) of cluster.max_restarts spent")
         following = again(result) if again is not None else dict(env or {})  # the same job again
         if following is None:
             return result

@@ -10,6 +10,7 @@ import ctypes
 import functools
 import logging
 import os
+import re
 import signal
 
 PR_SET_PDEATHSIG, PR_GET_PDEATHSIG = 1, 2
@@ -63,7 +64,24 @@ def signal_group(pid: int, sig: int) -> None:
         pass
 
 
+# The exit statuses of a role that ended by itself on an error which the same role, started again,
+# meets again: 1, Python's for an uncaught exception (a bug, a model factory that raises), and 2,
+# tfkv's for a mistake the user fixes (tfkv.errors.TfkvError: the config, the data, the output).
+REPEATS = (1, 2)
+EXITED = "exited with status"
+_EXITED = re.compile(rf"\b{EXITED} (\d+)\b")
+
+
 def status_text(code: int) -> str:
     if code < 0:
         return f"was killed by {signal.Signals(-code).name}"
-    return f"exited with status {code}"
+    return f"{EXITED} {code}"
+
+
+def repeats(failure: str) -> bool:
+    """Whether a job's failure line (its cause first, as tfkv.launcher.supervisor names it) is a
+    role's own error that a restart would meet again (REPEATS), rather than something a restart
+    can cure: a role killed by a signal, lost (no heartbeat, stopped answering) or preempted, a
+    host down (ssh's 255, no answer)."""
+    m = _EXITED.search(failure)
+    return m is not None and int(m.group(1)) in REPEATS

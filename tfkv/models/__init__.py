@@ -58,7 +58,7 @@ def build(node: Mapping[str, Any], **provided: Any) -> Any:
     fn = check(node)
     if target.accepts(fn, "num_classes") and provided.get("num_classes") is None:
         raise ConfigError("model: the builder takes num_classes but the data set does not say how many classes "
-                          "it has; set dataset.num_classes=N (or return tfkv.data.Split(data, num_classes=N) "
+                          "it has; set ++dataset.num_classes=N (or return tfkv.data.Split(data, num_classes=N) "
                           "from the factory)")
     model = target.call(node, "model", provided, OWN_KEYS)
     import keras
