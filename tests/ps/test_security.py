@@ -362,3 +362,56 @@ def test_the_job_key_helpers_load_no_runtime_and_write_a_keyfile(tmp_path):
     path = tmp_path / "job.key"
     subprocess.run([sys.executable, "-m", "tfkv.keys", str(path)], check=True, capture_output=True)
     assert job_keys.keys_from_env({job_keys.KEYFILE: str(path)}) is not None
+
+
+# -- the data plane's cipher where `aeg` is missing -------------------------------------------------
+
+
+def _hiding_aeg(tmp_path) -> dict[str, str]:
+    """The environment of a process for which `import aeg` fails, as on Linux aarch64, musl or an
+    Intel Mac, where the package has no wheel (tests/handshakes.without_aeg)."""
+    import handshakes
+
+    return {"PYTHONPATH": os.pathsep.join([str(handshakes.without_aeg(tmp_path)), os.environ.get("PYTHONPATH", "")])}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("without", ["every node", "the server", "worker 1"])
+def test_a_secure_job_runs_where_aeg_is_missing_on_aes_gcm(cluster, tmp_path, without):
+    """`aeg` absent on every node, on the server only, or on one worker only: the job runs
+    secure and ends exact; a connection is sealed with AEGIS-128X4 where both its ends have it,
+    with AES-256-GCM otherwise."""
+    steps = 20
+    hidden = _hiding_aeg(tmp_path)
+    c = cluster(num_servers=1, num_workers=2, **(hidden if without == "every node" else {}))
+    c.start("scheduler", "scheduler", [sys.executable, "-m", "tfkv.ps.node"])
+    c.start("server 0", "server", [sys.executable, "-m", "tfkv.ps.node"], TFKV_RANK_HINT="0",
+            **(hidden if without == "the server" else {}))
+    outs = []
+    for i in range(2):
+        outs.append(tmp_path / f"worker{i}.json")
+        c.start(f"worker {i}", "worker", [sys.executable, WORKER, "int_sgd", str(outs[-1]), str(steps), "1", "16"],
+                TFKV_RANK_HINT=str(i), **(hidden if without == "worker 1" and i == 1 else {}))
+    codes = c.wait(120)
+    assert all(v == 0 for v in codes.values()), c.outputs()
+    for out in outs:
+        assert json.loads(out.read_text())["final"] == expected(steps, 1, 2)
+    ciphers = {"every node": "AES-256-GCM: 2", "the server": "AES-256-GCM: 2",
+               "worker 1": "AEGIS-128X4: 1, AES-256-GCM: 1"}[without]
+    assert f"data plane connections by cipher: {ciphers}" in c.output("server 0"), c.output("server 0")[-3000:]
+    assert (tmp_path / "aeg-imports.log").exists()  # it was looked for, and missed
+    assert "Traceback" not in c.outputs()
+
+
+@pytest.mark.slow
+def test_a_plain_job_never_imports_aeg(cluster, tmp_path):
+    """With security off no process of the job (scheduler, server, workers) so much as tries to
+    import `aeg`: tfkv.ps.aead imports it at the first secure handshake only."""
+    c = cluster(num_servers=1, num_workers=2, TFKV_SECURE="0", **_hiding_aeg(tmp_path))
+    c.start_servers()
+    outs = c.start_workers("int_sgd", "5", "1", "8")
+    codes = c.wait(120)
+    assert all(v == 0 for v in codes.values()), c.outputs()
+    for out in outs:
+        assert json.loads(out.read_text())["final"] == expected(5, 1, 2)
+    assert not (tmp_path / "aeg-imports.log").exists(), (tmp_path / "aeg-imports.log").read_text()
