@@ -108,7 +108,7 @@ class Server:
         # with this connection's keys (tfkv.ps.channel): CURVE's cipher ran at a 28th of AEGIS-128X4.
         self.sock = security.router_socket(None, P.max_frame(env.keys is not None, env.max_message_bytes))
         # A secure job's handshakes and the sessions they open, per connection (ROUTER identity).
-        self.doors = channel.Acceptor(channel.psk(env.keys.secret)) if env.keys is not None else None
+        self.acceptor = channel.Acceptor(channel.psk(env.keys.secret)) if env.keys is not None else None
         self._outbox: dict[bytes, list[Any]] = {}  # replies queued per connection until `flush`
         self.refused: Counter[str] = Counter()  # messages refused by the channel, by reason
         self._refused_by: Counter[bytes] = Counter()
@@ -156,7 +156,7 @@ class Server:
             except zmq.Again:
                 continue
             identity, frames = frames[0].bytes, frames[1:]
-            if self.doors is not None:
+            if self.acceptor is not None:
                 frames = self._open(identity, frames)
                 if frames is None:
                     continue
@@ -167,8 +167,8 @@ class Server:
         if self.refused:
             log.warning("%s: refused %d messages that failed the channel's checks (%s)", self.link.name,
                         sum(self.refused.values()), ", ".join(f"{k}: {v}" for k, v in sorted(self.refused.items())))
-        if self.doors is not None:
-            ciphers = Counter(s.cipher.NAME for s in self.doors.sessions.values())
+        if self.acceptor is not None:
+            ciphers = Counter(s.cipher.NAME for s in self.acceptor.sessions.values())
             log.info("%s: data plane connections by cipher: %s", self.link.name,
                      ", ".join(f"{k}: {v}" for k, v in sorted(ciphers.items())) or "none")
         log.info("%s: shut down by the scheduler", self.link.name)
@@ -180,10 +180,10 @@ class Server:
         checks cannot read an answer)."""
         try:
             if channel.envelope(frames)[0] == channel.HELLO:
-                if not self._welcome(identity, self.doors.hello(identity, frames)):
-                    self.doors.forget(identity)
+                if not self._welcome(identity, self.acceptor.hello(identity, frames)):
+                    self.acceptor.forget(identity)
                 return None
-            return self.doors.open(identity, frames)
+            return self.acceptor.open(identity, frames)
         except channel.Refused as e:
             self.refused[e.reason] += 1
             # One line per refusal, naming the peer, for the first few of each of the first
@@ -214,10 +214,10 @@ class Server:
             self._send(identity, frames)
 
     def _send(self, identity: bytes, frames: list[Any]) -> None:
-        if self.doors is None:
+        if self.acceptor is None:
             sent = self._to(identity, frames)
         else:
-            session = self.doors.sessions.get(identity)
+            session = self.acceptor.sessions.get(identity)
             if session is None:
                 return  # no connection of this job: nothing it could read
             # Each piece sent as soon as sealed (the worker opens it meanwhile); none sealed once
