@@ -1,13 +1,16 @@
 """What security costs: push+pull GB/s of one worker against one server, secure (the default:
-the job's keys, AEGIS-128X4 data plane) and plain (TFKV_SECURE=0), in the same run.
+the job's keys, AEGIS-128X4 data plane), secure on AES-256-GCM (the data plane where `aeg` is
+missing: the job's processes run with it hidden) and plain (TFKV_SECURE=0), in the same run.
 
     python3 benchmarks/bench_security.py [--sizes 4K,1M,16M,64M] [--seconds 1] [--rounds 3]
-                                         [--op push+pull|pushpull]
+                                         [--op push+pull|pushpull] [--gcm]
 
 Each round starts a scheduler and a server (python -m tfkv.ps.node) on loopback for each mode, and
 a child process per mode is the worker; rounds alternate the modes (in reversed order every other
 round) and the medians are reported, because this machine is shared and noisy. GB/s counts the
 bytes pushed plus the bytes pulled; the ratio is secure over plain. Target: >= 0.7 from 1 MiB up.
+With --gcm a third mode, gcm, runs secure with `aeg` hidden from the worker and the servers
+(a directory first on PYTHONPATH whose `aeg` raises ImportError, as tests/handshakes.py does).
 """
 
 import argparse
@@ -16,12 +19,13 @@ import statistics
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
 
 
-def run(secure: bool, sizes_mib: list[float], seconds: float, op: str = "push+pull") -> dict[float, float]:
+def run(secure: bool, sizes_mib: list[float], seconds: float, op: str = "push+pull") -> dict:
     from dist_job import start_ps  # benchmarks/, this script's directory
 
     procs, env = start_ps(secure, quiet=True)
@@ -31,7 +35,8 @@ def run(secure: bool, sizes_mib: list[float], seconds: float, op: str = "push+pu
     from tfkv.store.dist import DistStore
 
     kv = DistStore(env=ClusterEnv.from_env())
-    out = {}
+    sessions = kv.servers.sessions
+    out = {"cipher": sessions[0].cipher.NAME if sessions else "none"}
     for i, mib in enumerate(sizes_mib):
         n = int(mib * (1 << 20) // 4)
         kv.init(i, np.zeros(n, np.float32))
@@ -73,26 +78,41 @@ if __name__ == "__main__":
     ap.add_argument("--seconds", type=float, default=1.0, help="per size, mode and round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--mode", choices=["both", "plain", "secure"], default="both")
+    ap.add_argument("--gcm", action="store_true", help="also measure secure with aeg hidden (AES-256-GCM)")
     ap.add_argument("--op", choices=["push+pull", "pushpull"], default="push+pull",
                     help="an iteration: push then pull (two requests), or one pushpull (training's)")
     a = ap.parse_args()
     sizes = [_size(s) for s in a.sizes.split(",")]
     if a.mode == "both":  # each mode in a fresh process: one ZeroMQ context, one environment
-        got: dict[str, list[dict]] = {"plain": [], "secure": []}
+        modes = ["plain", "secure", "gcm"] if a.gcm else ["plain", "secure"]
+        got: dict[str, list[dict]] = {m: [] for m in modes}
+        hidden = tempfile.mkdtemp(prefix="no-aeg-")
+        os.mkdir(os.path.join(hidden, "aeg"))
+        with open(os.path.join(hidden, "aeg", "__init__.py"), "w") as f:
+            f.write("raise ImportError('aeg hidden by bench_security.py --gcm')\n")
         for r in range(a.rounds):
-            for mode in (("secure", "plain") if r % 2 else ("plain", "secure")):
-                lines = subprocess.run([sys.executable, __file__, "--mode", mode, "--seconds", str(a.seconds),
-                                        "--sizes", a.sizes, "--op", a.op], check=True, capture_output=True,
-                                       text=True).stdout
+            for mode in (modes[::-1] if r % 2 else modes):
+                env = dict(os.environ)
+                if mode == "gcm":
+                    env["PYTHONPATH"] = os.pathsep.join([hidden, env.get("PYTHONPATH", "")])
+                lines = subprocess.run([sys.executable, __file__, "--mode", "plain" if mode == "plain" else "secure",
+                                        "--seconds", str(a.seconds), "--sizes", a.sizes, "--op", a.op], check=True,
+                                       capture_output=True, text=True, env=env).stdout
                 got[mode].append(json.loads(lines.strip().splitlines()[-1]))
+                assert got[mode][-1]["cipher"] == {"plain": "none", "secure": "AEGIS-128X4", "gcm": "AES-256-GCM"}[mode], (
+                    f"the {mode} run's data plane was sealed with {got[mode][-1]['cipher']}")
             print(f"  round {r + 1}/{a.rounds} done", flush=True)
         print(f"{a.op} GB/s, 1 worker x 1 server, loopback, median of {a.rounds} alternating rounds")
-        print(f"{'size':>8} {'plain':>8} {'secure':>8} {'secure/plain':>13}")
+        extra = f" {'gcm':>8} {'gcm/plain':>10} {'gcm/secure':>11}" if a.gcm else ""
+        print(f"{'size':>8} {'plain':>8} {'secure':>8} {'secure/plain':>13}{extra}")
         for mib in sizes:
-            plain = statistics.median(g[f"{mib:g}"] for g in got["plain"])
-            secure = statistics.median(g[f"{mib:g}"] for g in got["secure"])
-            print(f"{_label(mib):>8} {plain:8.3f} {secure:8.3f} {secure / plain:13.2f}", flush=True)
-        print("secure = the default (job keys: AEGIS-128X4 data plane, CURVE control plane); plain = TFKV_SECURE=0. "
-              "Target: secure/plain >= 0.7 from 1 MiB up.")
+            gbs = {m: statistics.median(g[f"{mib:g}"] for g in got[m]) for m in modes}
+            line = f"{_label(mib):>8} {gbs['plain']:8.3f} {gbs['secure']:8.3f} {gbs['secure'] / gbs['plain']:13.2f}"
+            if a.gcm:
+                line += f" {gbs['gcm']:8.3f} {gbs['gcm'] / gbs['plain']:10.2f} {gbs['gcm'] / gbs['secure']:11.2f}"
+            print(line, flush=True)
+        print("secure = the default (job keys: AEGIS-128X4 data plane, CURVE control plane); plain = TFKV_SECURE=0; "
+              "gcm = secure where aeg is missing (AES-256-GCM). Target: secure/plain >= 0.7 from 1 MiB up.")
     else:  # the child: its figures as one JSON line
-        print(json.dumps({f"{mib:g}": gbs for mib, gbs in run(a.mode == "secure", sizes, a.seconds, a.op).items()}))
+        print(json.dumps({k if isinstance(k, str) else f"{k:g}": v
+                          for k, v in run(a.mode == "secure", sizes, a.seconds, a.op).items()}))

@@ -1,18 +1,32 @@
-"""The data plane's AEAD channel, in one process: handshake, sealing, and every refusal."""
+"""The data plane's AEAD channel, in one process: handshake, sealing, and every refusal.
+
+Tests that take `cipher` run once per cipher: a node without `aeg` is emulated here by replacing
+aead.available (what this process has); tests/ps/test_protocol_attacks.py runs real jobs whose
+processes lack the package."""
+
+import time
 
 import numpy as np
 import pytest
 
 from tfkv import keys as job_keys
-from tfkv.ps import channel
+from tfkv.ps import aead, channel
 from tfkv.ps import protocol as P
+
+
+@pytest.fixture(params=["AEGIS-128X4", "AES-256-GCM"])
+def cipher(request, monkeypatch):
+    if request.param == "AES-256-GCM":
+        monkeypatch.setattr(aead, "available", lambda: (aead.AesGcm256,))
+    return request.param
 
 
 def _pair(keys=None):
     keys = keys or job_keys.new_keys()
     hello = channel.Hello(channel.psk(keys.secret))
-    server, answer = channel.welcome(channel.psk(keys.secret), hello.message)
-    return hello.welcome(answer), server
+    doors = channel.Acceptor(channel.psk(keys.secret))
+    answer = doors.hello(b"worker", hello.message)
+    return hello.welcome(answer), doors.sessions[b"worker"]
 
 
 def _through(receiver, pieces):
@@ -28,8 +42,9 @@ def _msg(n=1000, seq=1):
     return P.encode(P.Message(P.Type.PUSH, sender=9, seq=seq, key=3, data=np.arange(n, dtype=np.float32)))
 
 
-def test_a_sealed_message_opens_to_the_same_frames_and_hides_them():
+def test_a_sealed_message_opens_to_the_same_frames_and_hides_them(cipher):
     worker, server = _pair()
+    assert worker.cipher.NAME == server.cipher.NAME == cipher
     data = np.arange(600_000, dtype=np.float32)  # 2.4 MB: in pieces of 1 MiB
     sealed = list(worker.seal(P.encode(P.Message(P.Type.PUSH, sender=9, seq=1, key=3, data=data))))
     pieces = -(-data.nbytes // channel.PIECE)  # the header alone, then the payload in runs of pieces
@@ -84,7 +99,7 @@ def test_a_received_frame_is_opened_in_place_and_a_tampered_one_still_refused():
 
 
 @pytest.mark.parametrize("where", ["envelope", "header", "payload", "tag"])
-def test_a_flipped_bit_anywhere_is_refused(where):
+def test_a_flipped_bit_anywhere_is_refused(where, cipher):
     worker, server = _pair()
     sealed = [[bytearray(f) for f in piece] for piece in worker.seal(_msg())]  # small: one message
     assert len(sealed) == 1 and len(sealed[0]) == 3
@@ -131,10 +146,12 @@ def test_frames_from_another_connection_or_message_are_refused():
 
 def test_a_stranger_cannot_handshake_nor_pass_for_the_server():
     keys, other = job_keys.new_keys(), job_keys.new_keys()
+    doors = channel.Acceptor(channel.psk(keys.secret))
     with pytest.raises(channel.Refused, match="bad handshake"):
-        channel.welcome(channel.psk(keys.secret), channel.Hello(channel.psk(other.secret)).message)
+        doors.hello(b"stranger", channel.Hello(channel.psk(other.secret)).message)
+    assert not doors.sessions
     hello = channel.Hello(channel.psk(keys.secret))
-    _, forged = channel.welcome(channel.psk(other.secret), channel.Hello(channel.psk(other.secret)).message)
+    forged = channel.Acceptor(channel.psk(other.secret)).hello(b"w", channel.Hello(channel.psk(other.secret)).message)
     with pytest.raises(channel.Refused, match="bad handshake"):
         hello.welcome(forged)
     for junk in ([b"garbage"], P.encode(P.Message(P.Type.PULL, sender=1, seq=1, key=0)), []):
@@ -178,7 +195,7 @@ def test_into_may_decline_and_may_not_name_a_buffer_of_another_size():
         worker.open(next(server.seal(_reply(data))), lambda head, frame, size: np.zeros(999, np.float32).view(np.uint8))
 
 
-def test_a_tampered_payload_opened_into_a_destination_is_refused_and_leaves_no_plaintext_there():
+def test_a_tampered_payload_opened_into_a_destination_is_refused_and_leaves_no_plaintext_there(cipher):
     worker, server = _pair()
     data = np.arange(1000, dtype=np.float32) + 1
     dest = np.full(1000, 5, np.float32)
@@ -186,7 +203,7 @@ def test_a_tampered_payload_opened_into_a_destination_is_refused_and_leaves_no_p
     sealed[-1][100] ^= 1
     with pytest.raises(channel.Refused, match="authentication"):
         worker.open(sealed, lambda head, frame, size: dest.view(np.uint8))
-    assert not dest.any()  # zeroed by libaegis: never unauthenticated bytes
+    assert not dest.any()  # zeroed: never unauthenticated bytes (OpenSSL's GCM writes them before the tag check)
 
 
 def test_each_reply_of_a_batch_is_asked_for_with_its_own_header():
@@ -223,3 +240,120 @@ def test_into_is_asked_for_payloads_only_with_their_own_headers_whatever_a_paylo
     assert asked == [(1, 1, 28), (2, 3, 28)]
     first, second = (P.decode(m) for m in P.split(got))
     assert first.data.tobytes() == lookalike.tobytes() and second.seq == 2
+
+
+# -- the handshake ------------------------------------------------------------------------------
+
+
+def test_a_hello_seen_before_gets_no_welcome_on_another_connection_and_no_session():
+    """A HELLO replayed on fresh connections (by one who saw it and holds no key) is refused and
+    keeps nothing; resent on its own connection (its WELCOME lost) it gets the same WELCOME."""
+    psk = channel.psk(job_keys.new_keys().secret)
+    doors, hello = channel.Acceptor(psk), channel.Hello(psk)
+    answer = doors.hello(b"worker", hello.message)
+    assert doors.hello(b"worker", hello.message) == answer  # resent: the same WELCOME
+    for i in range(100):
+        with pytest.raises(channel.Refused, match="replay"):
+            doors.hello(b"replayer %d" % i, hello.message)
+    assert list(doors.sessions) == [b"worker"]
+    worker = hello.welcome(answer)
+    assert P.decode(doors.open(b"worker", next(worker.seal(_msg())))).seq == 1
+
+
+def test_a_hello_too_old_or_from_the_future_is_refused_naming_the_clock():
+    import handshakes
+
+    psk = channel.psk(job_keys.new_keys().secret)
+    doors = channel.Acceptor(psk)
+    public = channel.Hello(psk).public
+    for off in (-channel.FRESH - 5, channel.FRESH + 5):
+        with pytest.raises(channel.Refused, match=r"s (before|after) this server's clock says.*NTP") as e:
+            doors.hello(b"w", handshakes.hello(psk, public, time.time_ns() - int(off * 1e9)))
+        assert e.value.reason == "stale"
+    doors.hello(b"w", handshakes.hello(psk, public, time.time_ns() - int((channel.FRESH - 5) * 1e9)))
+
+
+def test_connections_welcomed_and_silent_are_bounded(monkeypatch):
+    monkeypatch.setattr(channel, "MAX_PENDING", 5)
+    psk = channel.psk(job_keys.new_keys().secret)
+    doors = channel.Acceptor(psk)
+    hellos = [channel.Hello(psk) for _ in range(8)]
+    worker = hellos[0].welcome(doors.hello(b"c0", hellos[0].message))
+    doors.open(b"c0", next(worker.seal(_msg())))  # established: no longer pending
+    for i, h in enumerate(hellos[1:], 1):
+        doors.hello(b"c%d" % i, h.message)
+    assert sorted(doors.sessions) == [b"c0", b"c3", b"c4", b"c5", b"c6", b"c7"]  # the oldest silent ones forgotten
+
+
+def test_the_replay_cache_is_bounded_and_forgets_no_replay(monkeypatch):
+    monkeypatch.setattr(channel, "MAX_SEEN", 4)
+    psk = channel.psk(job_keys.new_keys().secret)
+    doors = channel.Acceptor(psk)
+    hellos = [channel.Hello(psk) for _ in range(10)]
+    for i, h in enumerate(hellos):
+        doors.hello(b"c%d" % i, h.message)
+    assert len(doors._seen) <= 4
+    for h in hellos:  # forgotten by the cache or not, none is welcomed again
+        with pytest.raises(channel.Refused, match="replay"):
+            doors.hello(b"again", h.message)
+
+
+@pytest.mark.parametrize("key", range(14))
+def test_a_small_order_key_is_a_bad_handshake_at_either_end(key):
+    """A HELLO or a WELCOME made with the job's key around an X25519 key of small order: refused
+    as a bad handshake (cryptography's ValueError used to end the server, or the worker)."""
+    import handshakes
+
+    psk = channel.psk(job_keys.new_keys().secret)
+    doors = channel.Acceptor(psk)
+    with pytest.raises(channel.Refused, match="small order") as e:
+        doors.hello(b"member", handshakes.hello(psk, handshakes.SMALL_ORDER[key]))
+    assert e.value.reason == "bad handshake" and not doors.sessions
+    hello = channel.Hello(psk)
+    with pytest.raises(channel.Refused, match="small order") as e:
+        hello.welcome(handshakes.welcome(psk, hello.message, handshakes.SMALL_ORDER[key], aead.AesGcm256.ID))
+    assert e.value.reason == "bad handshake"
+
+
+def test_the_cipher_is_aegis_where_both_ends_have_it_else_aes_gcm(monkeypatch):
+    psk = channel.psk(job_keys.new_keys().secret)
+    both = channel.Hello(psk)
+    assert both.welcome(channel.Acceptor(psk).hello(b"w", both.message)).cipher is aead.Aegis128X4
+    monkeypatch.setattr(aead, "available", lambda: (aead.AesGcm256,))
+    worker_without = channel.Hello(psk)
+    monkeypatch.undo()
+    session = worker_without.welcome(channel.Acceptor(psk).hello(b"w", worker_without.message))
+    assert session.cipher is aead.AesGcm256
+    worker_with = channel.Hello(psk)
+    monkeypatch.setattr(aead, "available", lambda: (aead.AesGcm256,))
+    doors = channel.Acceptor(psk)  # a server without aeg
+    worker = worker_with.welcome(doors.hello(b"w", worker_with.message))
+    assert worker.cipher is aead.AesGcm256 and doors.sessions[b"w"].cipher is aead.AesGcm256
+    assert P.decode(doors.open(b"w", next(worker.seal(_msg())))).seq == 1
+
+
+def test_a_downgrade_on_the_path_is_refused():
+    """One on the path without the key strips AEGIS from a HELLO, or turns a WELCOME's choice to
+    AES-256-GCM: the HMAC over the offer and the choice refuses both (and the keys are derived
+    from the whole exchange, so agreeing on another cipher would give other keys)."""
+    psk = channel.psk(job_keys.new_keys().secret)
+    doors, hello = channel.Acceptor(psk), channel.Hello(psk)
+    stripped = [hello.message[0], bytearray(hello.message[1])]
+    assert stripped[1][channel._PUBLIC + 8] == 0b110  # AEGIS-128X4 and AES-256-GCM offered
+    stripped[1][channel._PUBLIC + 8] = 1 << aead.AesGcm256.ID
+    with pytest.raises(channel.Refused, match="bad handshake"):
+        doors.hello(b"w", stripped)
+    answer = doors.hello(b"w", hello.message)
+    assert answer[1][channel._PUBLIC] == aead.Aegis128X4.ID
+    downgraded = [answer[0], bytearray(answer[1])]
+    downgraded[1][channel._PUBLIC] = aead.AesGcm256.ID
+    with pytest.raises(channel.Refused, match="bad handshake"):
+        hello.welcome(downgraded)
+    assert hello.welcome(answer).cipher is aead.Aegis128X4
+
+
+def test_the_keys_depend_on_the_cipher_and_on_every_byte_of_the_exchange():
+    a = channel._derive(aead.AesGcm256, b"p" * 32, b"s" * 32, b"transcript")
+    assert a != channel._derive(aead.AesGcm256, b"p" * 32, b"s" * 32, b"transcripT")
+    assert a[0][:16] != channel._derive(aead.Aegis128X4, b"p" * 32, b"s" * 32, b"transcript")[0]
+    assert [len(k) for k in a] == [32, 4, 32, 4]  # AES-256 keys, 4-byte salts + 8-byte counters

@@ -1,11 +1,9 @@
 """Trust: CURVE keys on every socket, strangers refused, keys never on a command line, and a lossy
 link under PS_RESEND that still ends with exactly the clean run's weights."""
 
-import heapq
 import json
 import logging
 import os
-import random
 import subprocess
 import sys
 import threading
@@ -17,6 +15,7 @@ import pytest
 import zmq
 
 from conftest import REPO, TAG, expected, tagged_pids
+from proxy import LossyProxy
 from tfkv.launcher.ports import free_port
 from tfkv.ps import protocol as P
 from tfkv import keys as job_keys
@@ -195,80 +194,6 @@ def test_the_launcher_puts_no_key_on_any_command_line(tmp_path):
 # -- a lossy link -------------------------------------------------------------------------------
 
 
-class LossyProxy:
-    """A ROUTER-DEALER forwarder between the workers and one server that drops, duplicates and
-    delays a share of the messages each way (seeded): a bad network. It needs no keys: the data
-    plane's messages are sealed end to end (tfkv.ps.channel), and it forwards them as they are."""
-
-    def __init__(self, port: int, server, keys: job_keys.Keys | None, seed: int = 1,
-                 drop: float = 0.1, dup: float = 0.1, delay: float = 0.1):
-        self.port, self.server, self.keys = port, server, keys
-        self.rng = random.Random(seed)
-        self.drop, self.dup, self.delay = drop, dup, delay
-        self.stats = {"dropped": 0, "duplicated": 0, "delayed": 0, "forwarded": 0}
-        self.stop = threading.Event()
-        self.ready = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        assert self.ready.wait(10)
-
-    def _fate(self) -> list[float]:
-        """Delays (seconds) of the copies to deliver: none for a drop, two for a duplicate."""
-        x = self.rng.random()
-        if x < self.drop:
-            self.stats["dropped"] += 1
-            return []
-        if x < self.drop + self.dup:
-            self.stats["duplicated"] += 1
-            return [0.0, self.rng.uniform(0, 0.05)]
-        if x < self.drop + self.dup + self.delay:
-            self.stats["delayed"] += 1
-            return [self.rng.uniform(0.01, 0.2)]
-        return [0.0]
-
-    def _run(self) -> None:
-        ctx = zmq.Context()
-        front = ctx.socket(zmq.ROUTER)
-        front.setsockopt(zmq.LINGER, 0)
-        security.server_socket(front, None)
-        front.bind(f"tcp://127.0.0.1:{self.port}")
-        backs: dict[bytes, zmq.Socket] = {}
-        owner: dict[zmq.Socket, bytes] = {}
-        poller = zmq.Poller()
-        poller.register(front, zmq.POLLIN)
-        queue: list[tuple[float, int, object, list[bytes]]] = []
-        n = 0
-        self.ready.set()
-        while not self.stop.is_set():
-            for sock, _ in poller.poll(5):
-                frames = sock.recv_multipart()
-                if sock is front:
-                    ident, frames = frames[0], frames[1:]
-                    if ident not in backs:
-                        b = ctx.socket(zmq.DEALER)
-                        b.setsockopt(zmq.LINGER, 0)
-                        security.client_socket(b, None)
-                        if callable(self.server):
-                            self.server = self.server()  # known once the cluster formed
-                        b.connect(self.server)
-                        backs[ident], owner[b] = b, ident
-                        poller.register(b, zmq.POLLIN)
-                    target, out = backs[ident], frames
-                else:
-                    target, out = front, [owner[sock], *frames]
-                for d in self._fate():
-                    n += 1
-                    heapq.heappush(queue, (time.monotonic() + d, n, target, out))
-            now = time.monotonic()
-            while queue and queue[0][0] <= now:
-                _, _, target, out = heapq.heappop(queue)
-                target.send_multipart(out)
-                self.stats["forwarded"] += 1
-        for s in [front, *backs.values()]:
-            s.close()
-        ctx.term()
-
-
 @pytest.mark.slow
 def test_a_lossy_link_with_resend_ends_with_the_clean_weights(cluster):
     steps, nkeys, workers = 30, 3, 2
@@ -278,7 +203,7 @@ def test_a_lossy_link_with_resend_ends_with_the_clean_weights(cluster):
     # The server registers the proxy's address: every worker's request and every reply crosses it.
     c.start("server 0", "server", [sys.executable, "-m", "tfkv.ps.node"], TFKV_RANK_HINT="0",
             TFKV_ADVERTISE_ADDRESS=f"127.0.0.1:{proxy_port}")
-    proxy = LossyProxy(proxy_port, lambda: "tcp://%s:%d" % c.listening("server 0"), c.keys, seed=7)
+    proxy = LossyProxy(proxy_port, lambda: "tcp://%s:%d" % c.listening("server 0"), seed=7)
     try:
         outs = c.start_workers("int_sgd", str(steps), str(nkeys), "32")
         codes = c.wait(180)
@@ -437,3 +362,56 @@ def test_the_job_key_helpers_load_no_runtime_and_write_a_keyfile(tmp_path):
     path = tmp_path / "job.key"
     subprocess.run([sys.executable, "-m", "tfkv.keys", str(path)], check=True, capture_output=True)
     assert job_keys.keys_from_env({job_keys.KEYFILE: str(path)}) is not None
+
+
+# -- the data plane's cipher where `aeg` is missing -------------------------------------------------
+
+
+def _hiding_aeg(tmp_path) -> dict[str, str]:
+    """The environment of a process for which `import aeg` fails, as on Linux aarch64, musl or an
+    Intel Mac, where the package has no wheel (tests/handshakes.without_aeg)."""
+    import handshakes
+
+    return {"PYTHONPATH": os.pathsep.join([str(handshakes.without_aeg(tmp_path)), os.environ.get("PYTHONPATH", "")])}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("without", ["every node", "the server", "worker 1"])
+def test_a_secure_job_runs_where_aeg_is_missing_on_aes_gcm(cluster, tmp_path, without):
+    """`aeg` absent on every node, on the server only, or on one worker only: the job runs
+    secure and ends exact; a connection is sealed with AEGIS-128X4 where both its ends have it,
+    with AES-256-GCM otherwise."""
+    steps = 20
+    hidden = _hiding_aeg(tmp_path)
+    c = cluster(num_servers=1, num_workers=2, **(hidden if without == "every node" else {}))
+    c.start("scheduler", "scheduler", [sys.executable, "-m", "tfkv.ps.node"])
+    c.start("server 0", "server", [sys.executable, "-m", "tfkv.ps.node"], TFKV_RANK_HINT="0",
+            **(hidden if without == "the server" else {}))
+    outs = []
+    for i in range(2):
+        outs.append(tmp_path / f"worker{i}.json")
+        c.start(f"worker {i}", "worker", [sys.executable, WORKER, "int_sgd", str(outs[-1]), str(steps), "1", "16"],
+                TFKV_RANK_HINT=str(i), **(hidden if without == "worker 1" and i == 1 else {}))
+    codes = c.wait(120)
+    assert all(v == 0 for v in codes.values()), c.outputs()
+    for out in outs:
+        assert json.loads(out.read_text())["final"] == expected(steps, 1, 2)
+    ciphers = {"every node": "AES-256-GCM: 2", "the server": "AES-256-GCM: 2",
+               "worker 1": "AEGIS-128X4: 1, AES-256-GCM: 1"}[without]
+    assert f"data plane connections by cipher: {ciphers}" in c.output("server 0"), c.output("server 0")[-3000:]
+    assert (tmp_path / "aeg-imports.log").exists()  # it was looked for, and missed
+    assert "Traceback" not in c.outputs()
+
+
+@pytest.mark.slow
+def test_a_plain_job_never_imports_aeg(cluster, tmp_path):
+    """With security off no process of the job (scheduler, server, workers) so much as tries to
+    import `aeg`: tfkv.ps.aead imports it at the first secure handshake only."""
+    c = cluster(num_servers=1, num_workers=2, TFKV_SECURE="0", **_hiding_aeg(tmp_path))
+    c.start_servers()
+    outs = c.start_workers("int_sgd", "5", "1", "8")
+    codes = c.wait(120)
+    assert all(v == 0 for v in codes.values()), c.outputs()
+    for out in outs:
+        assert json.loads(out.read_text())["final"] == expected(5, 1, 2)
+    assert not (tmp_path / "aeg-imports.log").exists(), (tmp_path / "aeg-imports.log").read_text()

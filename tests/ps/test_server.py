@@ -351,8 +351,8 @@ def test_a_peer_gone_before_its_answer_leaves_the_server_serving(caplog):
     what ROUTER sees for such a connection."""
     psk = channel.psk(job_keys.new_keys().secret)
     srv = _server(1)
-    srv.link, srv._psk = SimpleNamespace(name="server 0"), psk
-    srv.sessions, srv._hellos, srv.refused, srv._refused_by = {}, {}, Counter(), Counter()
+    srv.link, srv.acceptor = SimpleNamespace(name="server 0"), channel.Acceptor(psk)
+    srv.refused, srv._refused_by = Counter(), Counter()
     srv.sock = zmq.Context.instance().socket(zmq.ROUTER)
     srv.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     srv.sock.linger = 0
@@ -361,10 +361,10 @@ def test_a_peer_gone_before_its_answer_leaves_the_server_serving(caplog):
         hello = [zmq.Frame(f) for f in channel.Hello(psk).message]  # as received
         with caplog.at_level(logging.WARNING, logger="tfkv"):
             assert srv._open(gone, hello) is None
-            assert gone not in srv.sessions and not srv.refused  # nothing kept for a peer that left
-            srv.sessions[gone] = channel.welcome(psk, hello)[0]  # a session, then its peer gone
+            assert gone not in srv.acceptor.sessions and not srv.refused  # nothing kept for a peer that left
+            srv.acceptor.hello(gone, channel.Hello(psk).message)  # a session, then its peer gone
             srv._send(gone, P.encode(P.Message(P.Type.ACK, seq=5, reply=True)))
-            srv._psk = None  # a plain job's reply
+            srv.acceptor = None  # a plain job's reply
             srv._send(gone, P.encode(P.Message(P.Type.ACK, seq=6, reply=True)))
     finally:
         srv.sock.close()

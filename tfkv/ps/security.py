@@ -1,7 +1,7 @@
 """ZeroMQ CURVE on the control plane of a job (the scheduler's socket and every node's link to
 it): authentication and encryption with the job's keys. The data plane (workers <-> servers)
-is a plain socket whose every message is sealed with AEGIS-128X4 (tfkv.ps.channel), keyed from
-the same job keys; SECURITY.md has the threat model.
+is a plain socket whose every message is sealed with AEGIS-128X4 or AES-256-GCM (tfkv.ps.channel),
+keyed from the same job keys; SECURITY.md has the threat model.
 
 One keypair per job, made fresh by the launcher (tfkv.keys: making, handing over, reading keys). Every process of the job gets it
 privately, never on a command line:

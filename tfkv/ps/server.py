@@ -109,12 +109,11 @@ class Server:
         self.env = env
         memory.keep_freed_buffers()  # the same large buffers every step (tfkv.ps.memory)
         # Workers' requests come on a plain socket and, in a secure job, every message is sealed
-        # with this connection's AEGIS-128X4 keys (tfkv.ps.channel): CURVE's cipher ran at a 28th of it.
+        # with this connection's keys (tfkv.ps.channel): CURVE's cipher ran at a 28th of AEGIS-128X4.
         self.sock = security.router_socket(None, P.max_frame(env.keys is not None, env.max_message_bytes))
-        self._psk = channel.psk(env.keys.secret) if env.keys is not None else None
-        self.sessions: dict[bytes, channel.Session] = {}  # per connection (ROUTER identity)
+        # A secure job's handshakes and the sessions they open, per connection (ROUTER identity).
+        self.acceptor = channel.Acceptor(channel.psk(env.keys.secret)) if env.keys is not None else None
         self._outbox: dict[bytes, list[Any]] = {}  # replies queued per connection until `flush`
-        self._hellos: dict[bytes, tuple[bytes, list[bytes]]] = {}  # the HELLO each was welcomed for
         self.refused: Counter[str] = Counter()  # messages refused by the channel, by reason
         self._refused_by: Counter[bytes] = Counter()
         # A reply to a peer that is gone raises (ROUTER_MANDATORY) and is logged, not lost unseen.
@@ -165,7 +164,7 @@ class Server:
             except zmq.Again:
                 continue
             identity, frames = frames[0].bytes, frames[1:]
-            if self._psk is not None:
+            if self.acceptor is not None:
                 frames = self._open(identity, frames)
                 if frames is None:
                     continue
@@ -176,6 +175,10 @@ class Server:
         if self.refused:
             log.warning("%s: refused %d messages that failed the channel's checks (%s)", self.link.name,
                         sum(self.refused.values()), ", ".join(f"{k}: {v}" for k, v in sorted(self.refused.items())))
+        if self.acceptor is not None:
+            ciphers = Counter(s.cipher.NAME for s in self.acceptor.sessions.values())
+            log.info("%s: data plane connections by cipher: %s", self.link.name,
+                     ", ".join(f"{k}: {v}" for k, v in sorted(ciphers.items())) or "none")
         log.info("%s: shut down by the scheduler", self.link.name)
         return 0
 
@@ -183,24 +186,12 @@ class Server:
         """A secure job's message as protocol frames, or None: a handshake (answered here), a piece
         of a message still arriving, or a message refused (dropped unanswered: who fails the
         checks cannot read an answer)."""
-        session = self.sessions.get(identity)
         try:
-            kind = channel.envelope(frames)[0]
-            if kind == channel.HELLO:
-                hello = bytes(frames[1])
-                known = self._hellos.get(identity)
-                if known is not None and known[0] == hello:  # resent: our WELCOME was lost
-                    self._welcome(identity, known[1])
-                    return None
-                if session is not None and session.established:
-                    raise channel.Refused("malformed", "a HELLO on a connection already in use")
-                session, answer = channel.welcome(self._psk, frames)
-                if self._welcome(identity, answer):
-                    self.sessions[identity], self._hellos[identity] = session, (hello, answer)
+            if channel.envelope(frames)[0] == channel.HELLO:
+                if not self._welcome(identity, self.acceptor.hello(identity, frames)):
+                    self.acceptor.forget(identity)
                 return None
-            if session is None:
-                raise channel.Refused("no session", "a message before any handshake")
-            return session.open(frames)
+            return self.acceptor.open(identity, frames)
         except channel.Refused as e:
             self.refused[e.reason] += 1
             # One line per refusal, naming the peer, for the first few of each of the first
@@ -231,10 +222,10 @@ class Server:
             self._send(identity, frames)
 
     def _send(self, identity: bytes, frames: list[Any]) -> None:
-        if self._psk is None:
+        if self.acceptor is None:
             sent = self._to(identity, frames)
         else:
-            session = self.sessions.get(identity)
+            session = self.acceptor.sessions.get(identity)
             if session is None:
                 return  # no connection of this job: nothing it could read
             # Each piece sent as soon as sealed (the worker opens it meanwhile); none sealed once

@@ -14,13 +14,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from typing import Any, Callable, Hashable, Iterator, Sequence
 
 import numpy as np
 import zmq
 
 from tfkv.errors import TfkvError
-from tfkv.ps import channel
+from tfkv.ps import aead, channel
 from tfkv.ps import protocol as P
 from tfkv.ps import security, wire
 from tfkv.ps.cluster_env import ClusterEnv
@@ -49,6 +50,17 @@ def _seqs(start: int = 1) -> Iterator[int]:
 def _before(seq: int, probe: int) -> bool:
     """Whether request `seq` was sent before request `probe`, across the wrap of 32 bits."""
     return 0 < (probe - seq) & P.SEQ_MASK < 1 << 31
+
+
+def _log_ciphers(sessions: list[channel.Session]) -> None:
+    """Say which cipher seals the data plane, and why not AEGIS-128X4 where it is not."""
+    names = Counter(s.cipher.NAME for s in sessions)
+    line = "; ".join(f"{name} with {n} of {len(sessions)} server(s)" for name, n in names.items())
+    if aead.Aegis128X4 not in aead.available():
+        line += " (AEGIS-128X4 needs the `aeg` package, not installed here: pip install 'tfkv[aegis]')"
+    elif aead.AesGcm256.NAME in names:
+        line += " (AEGIS-128X4 where both ends have the `aeg` package: a server lacks it)"
+    log.info("data plane sealed with %s", line)
 
 
 class Member:
@@ -94,8 +106,8 @@ class ServerLink:
         self._staged: list[list[tuple[int, Any, int]]] = [[] for _ in self.socks]
         self._staged_bytes = [0] * len(self.socks)
         self._groups: dict[int, list[tuple[int, int]]] = {}  # PUSHPULL seq -> (member pull seq, values)
+        self.refused = 0  # replies (and handshake answers) that failed authentication (dropped)
         self.sessions: list[channel.Session] | None = self._handshake() if env.keys is not None else None
-        self.refused = 0  # replies that failed authentication (dropped; a lost reply is then noticed)
         # Sequence numbers as the header carries them (32 bits, protocol.HEADER): wrapping here
         # too, a job past 2**32 requests (430,000 steps of a 10,000-key model) still matches
         # every reply to its request. Requests in flight are never 2**31 apart.
@@ -133,10 +145,13 @@ class ServerLink:
             if now > deadline:
                 server = sessions.index(None)
                 raise DistError(f"{self._server_name(server)} did not complete the data plane's handshake in "
-                                f"{wait:.0f} s: it is not of this job (other keys) or not reachable")
+                                f"{wait:.0f} s: it is not of this job (other keys), not reachable, or its clock "
+                                f"is more than {channel.FRESH:.0f} s from this host's (its log says which)")
             if now >= resend:
                 for i, sock in enumerate(self.socks):
                     if sessions[i] is None:
+                        if hellos[i].stale():
+                            hellos[i] = channel.Hello(psk)
                         sock.send_multipart(hellos[i].message)
                 resend = now + 1.0
             for sock, _ in self._poller.poll(100):
@@ -146,7 +161,9 @@ class ServerLink:
                     try:
                         sessions[i] = hellos[i].welcome(frames)
                     except channel.Refused as e:
+                        self.refused += 1
                         log.warning("refused a handshake answer from %s: %s", self._server_name(i), e)
+        _log_ciphers(sessions)  # type: ignore[arg-type]
         return sessions  # type: ignore[return-value]
 
     def _put(self, server: int, frames: list[Any]) -> None:
