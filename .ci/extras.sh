@@ -40,7 +40,7 @@ venv() {  # venv NAME PIP-ARGS...: a fresh venv with these installed; its bin/ f
   export PATH="$dir/bin:${PATH#"$WORK"/*/bin:}" VIRTUAL_ENV="$dir"
   echo "== $(basename "$dir"): $("$dir/bin/python" -c 'from importlib import metadata as m
 print(" ".join(f"{d.name}=={d.version}" for d in m.distributions()
-               if d.name.lower() in ("tfkv", "optuna", "mlflow", "hydra-optuna-sweeper", "sqlalchemy"))))')"
+               if d.name.lower() in ("tfkv", "optuna", "mlflow", "hydra-optuna-sweeper", "sqlalchemy")))')"
 }
 
 fresh() { local d="$WORK/run-$1"; rm -rf "$d"; mkdir -p "$d"; echo "$d"; }
