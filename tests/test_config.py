@@ -297,3 +297,53 @@ def test_a_knob_variable_of_the_wrong_type_is_one_line_before_any_process_starts
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [
         "tfkv-run: TFKV_BIGARRAY_BOUND='x' is not a int; set it to one or unset it (kvstore.bigarray_bound in the config)"]
+
+
+# Keras metrics that need arguments to be built, with some.
+KERAS_METRIC_ARGS = {"PrecisionAtRecall": (0.5,), "RecallAtPrecision": (0.5,), "SensitivityAtSpecificity": (0.5,),
+                     "SpecificityAtSensitivity": (0.5,), "IoU": (2, [0]), "MeanIoU": (2,), "OneHotIoU": (2, [0]),
+                     "OneHotMeanIoU": (2,)}
+
+
+def test_direction_follows_the_objective_as_keras_s_own_metrics_declare_it():
+    """The oracle is Keras: every metric class it ships says which way it is better (what its
+    callbacks' mode="auto" follows); tfkv's direction of test_<its name> must be the same."""
+    import inspect
+
+    import keras
+
+    from tfkv.config import objective
+
+    checked = 0
+    for name, cls in vars(keras.metrics).items():
+        if not (inspect.isclass(cls) and issubclass(cls, keras.metrics.Metric)) or name == "MeanMetricWrapper":
+            continue
+        metric = cls(*KERAS_METRIC_ARGS.get(name, ()))
+        way = {"up": "maximize", "down": "minimize"}.get(getattr(metric, "_direction", None))
+        if way is not None:
+            assert objective.better(f"test_{metric.name}") == way, (name, metric.name)
+            checked += 1
+    assert checked >= 30  # Keras declares a direction for most of its metrics
+    for name, way in {"test_loss": "minimize", "train_loss": "minimize", "test_mae": "minimize",
+                      "test_mse": "minimize", "test_acc": "maximize", "test_perplexity": "minimize",
+                      "test_fmeasure": "maximize", "samples_per_sec": "maximize"}.items():
+        assert objective.better(name) == way, name
+
+
+def test_a_run_that_names_no_objective_returns_what_it_reports():
+    """Not a sweep: no objective needed. Its default is test_accuracy where the run reports it,
+    else test_loss; direction (auto) follows it, and a user's own direction stays."""
+    cfg = _compose("loss=mse", "metrics=[mae]")
+    check.validate(cfg)
+    assert (cfg.objective, cfg.direction) == ("test_loss", "minimize")
+    cfg = _compose()
+    check.validate(cfg)
+    assert (cfg.objective, cfg.direction) == ("test_accuracy", "maximize")
+    cfg = _compose("objective=test_loss")
+    check.validate(cfg)
+    assert cfg.direction == "minimize"
+    cfg = _compose("loss=mse", "metrics=[mae]", "objective=test_mae", "direction=maximize")
+    check.validate(cfg)
+    assert (cfg.objective, cfg.direction) == ("test_mae", "maximize")
+    with pytest.raises(ConfigError, match="direction='up' is not a direction"):
+        check.validate(_compose("direction=up"))

@@ -10,9 +10,10 @@ This module belongs to the cli layer: it may import every layer; tfkv.config imp
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
 
 from tfkv.config import checks
+from tfkv.config import objective as objectives
 from tfkv.config.cluster import CLUSTER_SCHEMAS, ClusterConfig
 from tfkv.config.schema import ALWAYS_REPORTED, LOGGERS, OPTIMIZER_SCHEMAS, PRECISIONS, Config
 from tfkv.errors import ConfigError
@@ -87,26 +88,45 @@ def _store_type(kind: str) -> None:
 
 def _objective(cfg: Any) -> None:
     """The loss and metrics build (names known, `_target_`s import), and `objective` is one of the
-    values the run will report, so a sweep does not learn it only after the first trial trains."""
+    values the run will report, so a sweep does not learn it only after the first trial trains.
+    A config without one gets the default (tfkv.config.objective), `direction` its way."""
     import difflib
 
+    objective, reported, per_output = _reported(cfg)
+    if cfg.get("eval_only") and not objective.startswith("test_"):
+        raise ConfigError(f"objective={objective}: eval_only reports only test values; choose one, e.g. "
+                          "objective=test_loss")
+    if objective not in reported and not per_output(objective):
+        close = difflib.get_close_matches(objective, reported, n=1)
+        mean = f"did you mean {close[0]}? " if close else ""
+        raise ConfigError(f"objective={objective} is not a value this run reports; {mean}it reports "
+                          f"{', '.join(reported[:-2])} (and perplexities for language models)")
+    cfg.objective = objective
+    checks.direction(cfg)
+    cfg.direction = objectives.direction(objective, cfg.direction)
+
+
+def objective_of(cfg: Any) -> tuple[str, str]:
+    """The objective a config's run returns and which way it is better, without checking either."""
+    objective = _reported(cfg)[0]
+    return objective, objectives.direction(objective, cfg.get("direction"))
+
+
+def _reported(cfg: Any) -> tuple[str, list[str], Callable[[str], bool]]:
+    """The config's objective (its default where null), the values the run reports, and whether
+    a name is one of a dict-output model's (<phase>_<output>_<metric>, known once the data is)."""
     from tfkv.parallel.criterion import Criterion
 
     criterion = Criterion.from_config(cfg.loss, cfg.metrics)
     names = criterion.value_names()  # without Keras metric objects, which would start TensorFlow
     reported = [f"{phase}_{n}" for phase in ("train", "test") for n in names] + list(ALWAYS_REPORTED)
-    objective = str(cfg.objective)
-    if cfg.get("eval_only") and not objective.startswith("test_"):
-        raise ConfigError(f"objective={objective}: eval_only reports only test values; choose one, e.g. "
-                          "objective=test_loss")
-    # a model with dict outputs reports <phase>_<output>_<metric> too: known once the data is
-    per_output = any(objective.startswith(f"{phase}_") and objective.endswith(f"_{n}")
-                     for phase in ("train", "test") for n in names)
-    if objective not in reported and not per_output:
-        close = difflib.get_close_matches(objective, reported, n=1)
-        mean = f"did you mean {close[0]}? " if close else ""
-        raise ConfigError(f"objective={objective} is not a value this run reports; {mean}it reports "
-                          f"{', '.join(reported[:-2])} (and perplexities for language models)")
+
+    def per_output(objective: str) -> bool:
+        return any(objective.startswith(f"{phase}_") and objective.endswith(f"_{n}")
+                   for phase in ("train", "test") for n in names)
+
+    named = cfg.get("objective")
+    return (str(named) if named is not None else objectives.default(reported)), reported, per_output
 
 
 def _cluster(cfg: Any) -> None:

@@ -90,8 +90,7 @@ HYDRA_PLUGINS = {
     "hydra/launcher": {"joblib": "hydra-joblib-launcher", "ray": "hydra-ray-launcher",
                        "ray_aws": "hydra-ray-launcher", "rq": "hydra-rq-launcher",
                        "submitit_local": "hydra-submitit-launcher", "submitit_slurm": "hydra-submitit-launcher"},
-    "hydra/sweeper": {"ax": "hydra-ax-sweeper", "optuna": "hydra-optuna-sweeper",
-                      "tfkv_optuna": "hydra-optuna-sweeper", "nevergrad": "hydra-nevergrad-sweeper"},
+    "hydra/sweeper": {"ax": "hydra-ax-sweeper", "optuna": "hydra-optuna-sweeper", "nevergrad": "hydra-nevergrad-sweeper"},
 }
 
 

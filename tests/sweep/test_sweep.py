@@ -115,11 +115,31 @@ def test_a_successful_sweep_exits_0_and_names_the_best_trial_by_direction(tmp_pa
     assert f"best: trial #{best} (optimizer.lr=" in proc.stdout
 
 
+def test_a_sweep_on_a_loss_names_the_lowest_loss_best(tmp_path):
+    """direction follows the objective: a loss is minimised without direction=minimize."""
+    proc = tfkv_run("-m", "optimizer.lr=0.5,0.0001", "objective=test_loss", *QUICK, cwd=tmp_path)
+    sweep = _sweep_dir(tmp_path)
+    summary = json.loads((sweep / "sweep.json").read_text())
+    losses = {t["num"]: json.loads((sweep / str(t["num"]) / "metrics.json").read_text())["test_loss"]
+              for t in summary["trials"]}
+    best = min(losses, key=losses.get)
+    assert losses[0] != losses[1] and summary["best"] == best and summary["direction"] == "minimize"
+    assert f"best: trial #{best} (optimizer.lr=" in proc.stdout
+
+
+def test_trials_that_return_different_objectives_are_one_line_before_the_first(tmp_path):
+    proc = tfkv_run("-m", "metrics=[accuracy],[]", *QUICK, cwd=tmp_path, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (line,) = _tfkv_lines(proc.stderr)
+    assert "returns test_accuracy (maximize) but trial metrics=[] test_loss (minimize)" in line, line
+    assert not (tmp_path / "multirun").exists()
+
+
 @pytest.mark.parametrize("args,words", [
     (["objective=test_accuracy,test_acc"], ["trial objective=test_acc:", "did you mean test_accuracy?"]),
     (["optimizer=sgd,adam", "optimizer.momentum=0.9"], ["trial optimizer=adam:", "momentum", "AdamConfig"]),
     (["optimizer.lr=0.1,-1"], ["trial optimizer.lr=-1:", "must be positive"]),
-    (["hydra/sweeper=optuna", "optimizer.lr=interval(0.01,0.1)", "objective=bogus"],
+    (["hydra/sweeper=tfkv_optuna", "optimizer.lr=interval(0.01,0.1)", "objective=bogus"],
      ["objective=bogus is not a value this run reports"]),
     (["dataset.test_fraction=0.2,${oc.env:TFKV_TEST_UNSET}"],
      ["trial dataset.test_fraction=${oc.env:TFKV_TEST_UNSET}:", "Environment variable 'TFKV_TEST_UNSET' not found"]),

@@ -12,6 +12,7 @@ import re
 import typing
 from typing import Any, List, Optional
 
+from tfkv.config import objective
 from tfkv.errors import ConfigError
 
 _DEVICE = re.compile(r"^(cpu|gpu):(\d+)$")
@@ -143,9 +144,9 @@ def typed(node: Any, schema: type, group: str, option: str) -> Any:
 
 
 def direction(cfg: Any) -> None:
-    if cfg.direction not in ("maximize", "minimize"):
+    if cfg.direction not in (objective.AUTO, *objective.DIRECTIONS):
         raise ConfigError(f"direction={cfg.direction!r} is not a direction; write direction=maximize or "
-                          "direction=minimize (which way objective is better)")
+                          "direction=minimize (which way objective is better), or direction=auto (from its name)")
 
 
 def workload(cfg: Any) -> None:

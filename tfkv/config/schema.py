@@ -143,8 +143,10 @@ class Config:
     # or {output name: list}.
     loss: Any = None
     metrics: Any = None  # null: accuracy when the loss is a crossentropy (as above), else none
-    objective: str = "test_accuracy"  # the metric tfkv-run returns (to a sweeper)
-    direction: str = "maximize"  # maximize | minimize: which way `objective` is better
+    # the value tfkv-run returns (to a sweeper); null: test_accuracy where reported, else test_loss
+    objective: Optional[str] = None
+    # auto (from objective's name: tfkv.config.objective) | maximize | minimize: which way it is better
+    direction: str = "auto"
     optimizer: Any = MISSING  # one of OPTIMIZER_SCHEMAS, by optimizer.name
     kvstore: KVStoreConfig = MISSING
     cluster: Any = field(default_factory=lambda: {"launcher": "none"})  # one of CLUSTER_SCHEMAS

@@ -1,17 +1,24 @@
-"""`hydra/sweeper=tfkv_optuna`: Hydra's Optuna sweeper, with a pruner that stops bad trials early.
+"""`hydra/sweeper=tfkv_optuna`: Optuna's search, on Optuna's public API (ask and tell), with a
+pruner that stops bad trials early and a study every trial's processes share.
 
-Hydra's own (`hydra/sweeper=optuna`) asks Optuna for trials and tells it what each job returned:
-a job never learns which trial it is, the study lives in the sweeping process only, and a failed
-trial's NaN ends the whole sweep (hydra-optuna-sweeper 1.3.0 tells FAIL with the value attached).
-This sweeper keeps the study in storage every trial's processes reach (default: SQLite,
-optuna.db in the sweep directory), gives each job `sweep.study`, `sweep.storage` and
+Hydra's own Optuna sweeper (`hydra/sweeper=optuna`, hydra-optuna-sweeper) pins Optuna 2, keeps
+its study in the sweeping process and never lets a job know which trial it is. This one asks
+Optuna (4 or later) for each batch of trials, gives each job `sweep.study`, `sweep.storage` and
 `sweep.trial` so that its worker 0 reports the objective every epoch and asks the pruner
-(tfkv.sweep.pruning), and tells Optuna each trial's outcome from the trial's record
-(tfkv.sweep.trial): COMPLETE with its value, PRUNED, or FAIL. The direction is the config's
-`direction`. Optuna is imported once a sweep starts, never when Hydra scans its plug-ins.
+(tfkv.sweep.pruning), launches the batch with Hydra's launcher, and tells Optuna each trial's
+outcome from the trial's record (tfkv.sweep.trial): COMPLETE with its value, PRUNED, or FAIL.
+The study lives in a storage every trial reaches: by default a journal file (Optuna's
+JournalStorage), optuna.journal in the sweep directory, which trials on other hosts share through
+the file system without a database server; `hydra.sweeper.storage` may name another journal
+file (`journal:<path>`, or a path) or a database URL (sqlite:///..., postgresql://...). The
+direction is the objective's (tfkv.config.objective), which `hydra.sweeper.direction` may only
+repeat. Optuna is imported once a sweep starts, never when Hydra scans its plug-ins.
 
-Hydra instantiates sweepers only from `hydra_plugins.*`: hydra_plugins/tfkv_sweep/tfkv_optuna.py
-names this class there and registers the config below.
+The search space is Hydra's sweep syntax (on the command line or in hydra.sweeper.params), read
+with Hydra's public override parser: choice(...) and a,b,c are categorical, range(...) an
+integer (or stepped float) range, interval(...) a float or int interval, tag(log, ...) on a log
+scale. Hydra instantiates sweepers only from `hydra_plugins.*`: hydra_plugins/tfkv_sweep/
+tfkv_optuna.py names this class there and registers the config below.
 """
 
 from __future__ import annotations
@@ -21,12 +28,12 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
+from hydra.core.plugins import Plugins
 from hydra.core.utils import JobReturn, JobStatus
+from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
-from hydra_plugins.hydra_optuna_sweeper.config import OptunaSweeperConf
-from hydra_plugins.hydra_optuna_sweeper.optuna_sweeper import OptunaSweeper
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from tfkv.errors import ConfigError
@@ -34,10 +41,51 @@ from tfkv.errors import ConfigError
 log = logging.getLogger(__name__)
 
 TARGET = "hydra_plugins.tfkv_sweep.tfkv_optuna.TfkvOptunaSweeper"
-DB = "optuna.db"  # the study's SQLite file in the sweep directory, unless hydra.sweeper.storage says
+JOURNAL = "optuna.journal"  # the study's file in the sweep directory, unless hydra.sweeper.storage says
 
 
-# hydra/sweeper/pruner=<name>: Optuna's pruners with their settings (optuna 2.10's defaults).
+# hydra/sweeper/sampler=<name>: Optuna's samplers, the settings a sweep usually sets (others: +key=).
+@dataclass
+class TPESamplerConf:
+    _target_: str = "optuna.samplers.TPESampler"
+    seed: Optional[int] = None
+    n_startup_trials: int = 10
+    n_ei_candidates: int = 24
+    multivariate: bool = False
+    constant_liar: bool = False  # trials of one batch (n_jobs > 1) steer away from each other
+
+
+@dataclass
+class RandomSamplerConf:
+    _target_: str = "optuna.samplers.RandomSampler"
+    seed: Optional[int] = None
+
+
+@dataclass
+class CmaEsSamplerConf:
+    _target_: str = "optuna.samplers.CmaEsSampler"
+    seed: Optional[int] = None
+    sigma0: Optional[float] = None
+    n_startup_trials: int = 1
+
+
+@dataclass
+class GridSamplerConf:
+    _target_: str = "optuna.samplers.GridSampler"
+    _partial_: bool = True  # the grid is the search space, known once the sweep's overrides are
+    seed: Optional[int] = None
+
+
+@dataclass
+class NSGAIISamplerConf:
+    _target_: str = "optuna.samplers.NSGAIISampler"
+    seed: Optional[int] = None
+    population_size: int = 50
+
+
+SAMPLERS = {"tpe": TPESamplerConf, "random": RandomSamplerConf, "cmaes": CmaEsSamplerConf,
+            "grid": GridSamplerConf, "nsgaii": NSGAIISamplerConf}
+# hydra/sweeper/pruner=<name>: Optuna's pruners with their settings (Optuna's defaults).
 @dataclass
 class MedianPrunerConf:
     _target_: str = "optuna.pruners.MedianPruner"
@@ -82,83 +130,94 @@ PRUNERS = {"median": MedianPrunerConf, "percentile": PercentilePrunerConf,
 
 
 @dataclass
-class TfkvOptunaSweeperConf(OptunaSweeperConf):
+class TfkvOptunaSweeperConf:
     _target_: str = TARGET
+    _recursive_: bool = False  # sampler and pruner built once Optuna is known to be there (setup)
     defaults: List[Any] = field(default_factory=lambda: [{"sampler": "tpe"}, {"pruner": "median"}])
-    direction: Any = "${direction}"  # the run config's: which way `objective` is better
-    storage: Optional[Any] = None  # null: sqlite:///<hydra.sweep.dir>/optuna.db
+    sampler: Any = MISSING
+    pruner: Any = MISSING
+    # null: the objective's (tfkv.config.objective); set, it must be the same
+    direction: Optional[str] = None
+    # null: journal:<hydra.sweep.dir>/optuna.journal; journal:<path> (or a path), or a database URL
+    storage: Optional[str] = None
+    study_name: Optional[str] = None  # null: Optuna names a new study
+    n_trials: int = 20
+    n_jobs: int = 2  # trials launched at once (one batch)
     # A failed trial is a result (tfkv's sweep.fail_fast ends a sweep at the first); below 1.0,
     # the sweep ends once more than this share of one batch of trials failed.
     max_failure_rate: float = 1.0
-    pruner: Any = MISSING
+    params: Optional[Dict[str, str]] = None  # the search space: {key: sweep}, before the command line's
 
 
-class TfkvOptunaSweeper(OptunaSweeper):
-    """Optuna's sweeper (its search space, samplers and launch batches) with a pruner."""
+class TfkvOptunaSweeper(Sweeper):
+    """Optuna's ask and tell around Hydra's launcher, one batch of n_jobs trials at a time."""
 
-    def __init__(self, pruner: Any, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.pruner = pruner
+    def __init__(self, sampler: Any, pruner: Any, direction: Optional[str], storage: Optional[str],
+                 study_name: Optional[str], n_trials: int, n_jobs: int, max_failure_rate: float,
+                 params: Optional[DictConfig]) -> None:
+        self.sampler, self.pruner, self.declared = sampler, pruner, direction
+        self.storage, self.study_name = storage, study_name
+        self.n_trials, self.n_jobs, self.max_failure_rate = n_trials, max(1, n_jobs), max_failure_rate
+        self.params = {} if params is None else {str(k): str(v) for k, v in params.items()}
         self.config: DictConfig | None = None
+        self.launcher: Any = None
+        self.job_idx = 0
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
-        self.sweeper.setup(hydra_context=hydra_context, task_function=task_function, config=config)
+        from hydra.utils import instantiate
+
+        from tfkv import check
+        from tfkv.sweep import pruning
+
+        pruning.check_optuna()
+        self.sampler, self.pruner = instantiate(self.sampler), instantiate(self.pruner)
         self.config = config
-        directions = self.sweeper._get_directions()
-        if len(directions) != 1:
-            raise ConfigError(f"hydra.sweeper.direction={directions}: tfkv-run returns one objective; "
-                              "give one direction (the default is the config's direction)")
-        if directions[0] != config.direction:
-            raise ConfigError(f"hydra.sweeper.direction={directions[0]} but direction={config.direction}; "
-                              "leave hydra.sweeper.direction out (it follows direction) or set both alike")
-        self.direction = directions[0]
-        sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
-        self.storage_url = _absolute(self.sweeper.storage or f"sqlite:///{sweep_dir / DB}")
-        self.sweep_dir = sweep_dir
+        self.objective, self.direction = check.objective_of(config)
+        if self.declared is not None and str(self.declared) != self.direction:  # the precheck said so first
+            raise ConfigError(f"hydra.sweeper.direction={self.declared} but objective {self.objective} is to "
+                              f"{self.direction}; leave hydra.sweeper.direction out (it follows the objective)")
+        self.sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
+        self.storage_url = pruning.storage_url(self.storage or f"journal:{self.sweep_dir / JOURNAL}")
+        self.launcher = Plugins.instance().instantiate_launcher(hydra_context=hydra_context,
+                                                                task_function=task_function, config=config)
 
     def sweep(self, arguments: List[str]) -> None:
         import optuna
-        from hydra_plugins.hydra_optuna_sweeper import _impl
 
         from tfkv.sweep import pruning
         from tfkv.sweep.trial import SweepStopped
 
-        impl, config = self.sweeper, self.config
+        config = self.config
         assert config is not None, "setup() comes first"
         optuna.logging.disable_default_handler()  # Optuna's lines through Hydra's log, as ours
         optuna.logging.enable_propagation()
-        impl._process_searchspace_config()
-        distributions, fixed = _impl.create_params_from_overrides(impl._parse_sweeper_params_config() + arguments)
-        distributions = {**(impl.search_space_distributions or {}), **distributions}
-        for name in fixed:
-            distributions.pop(name, None)
-        sampler, n_trials = impl.sampler, impl.n_trials
+        distributions, fixed = search_space([f"{k}={v}" for k, v in self.params.items()] + arguments)
+        sampler, n_trials = self.sampler, self.n_trials
         if getattr(sampler, "func", None) is optuna.samplers.GridSampler:  # a partial: it needs the grid
-            grid = {name: impl._to_grid_sampler_choices(d) for name, d in distributions.items()}
+            grid = {name: _grid(name, d) for name, d in distributions.items()}
             sampler = sampler(grid)
             n_trials = min(n_trials, math.prod(len(v) for v in grid.values()))
 
-        self.sweep_dir.mkdir(parents=True, exist_ok=True)  # the SQLite file's directory
-        study = optuna.create_study(study_name=impl.study_name, storage=pruning.open_storage(self.storage_url),
+        self.sweep_dir.mkdir(parents=True, exist_ok=True)  # the study file's directory
+        study = optuna.create_study(study_name=self.study_name, storage=pruning.open_storage(self.storage_url),
                                     sampler=sampler, pruner=self.pruner, direction=self.direction,
                                     load_if_exists=True)
-        pruner_node = config.hydra.sweeper.pruner
-        study.set_user_attr(pruning.PRUNER_ATTR, OmegaConf.to_container(pruner_node, resolve=True))
-        log.info("Optuna study %s (%s), storage %s, sampler %s, pruner %s", study.study_name, self.direction,
-                 self.storage_url, type(sampler).__name__, type(self.pruner).__name__)
+        study.set_user_attr(pruning.PRUNER_ATTR, OmegaConf.to_container(config.hydra.sweeper.pruner, resolve=True))
+        log.info("Optuna %s study %s (%s), storage %s, sampler %s, pruner %s", optuna.__version__, study.study_name,
+                 self.direction, self.storage_url, type(sampler).__name__, type(self.pruner).__name__)
 
         left = n_trials
         while left > 0:
-            trials = [study.ask() for _ in range(min(left, impl.n_jobs))]
-            overrides = [[*params, *self._trial_overrides(study.study_name, t.number)]
-                         for params, t in zip(impl._configure_trials(trials, distributions, fixed), trials)]
+            trials = [study.ask(distributions) for _ in range(min(left, self.n_jobs))]
+            overrides = [[*(f"{name}={value}" for name, value in {**t.params, **fixed}.items()),
+                          *self._trial_overrides(study.study_name, t.number)] for t in trials]
             try:
-                returns = impl.launcher.launch(overrides, initial_job_idx=impl.job_idx)
+                returns = self.launcher.launch(overrides, initial_job_idx=self.job_idx)
             except BaseException:  # Ctrl-C, a launcher's error: these trials never finish
                 for t in trials:
                     _tell(study, t, optuna.trial.TrialState.FAIL, None)
                 raise
-            impl.job_idx += len(returns)
+            self.job_idx += len(returns)
             failed = 0
             for t, ret in zip(trials, returns):
                 state, value = _outcome(ret)
@@ -167,9 +226,9 @@ class TfkvOptunaSweeper(OptunaSweeper):
             for ret in returns:  # a task function raises only to end the sweep (fail_fast, SIGTERM)
                 if ret.status == JobStatus.FAILED:
                     ret.return_value  # noqa: B018 - raises the job's exception
-            if failed / len(returns) > impl.max_failure_rate:
+            if failed / len(returns) > self.max_failure_rate:
                 raise SweepStopped(f"{failed} of {len(returns)} trials of a batch failed, more than "
-                                   f"hydra.sweeper.max_failure_rate={impl.max_failure_rate}; the sweep ends")
+                                   f"hydra.sweeper.max_failure_rate={self.max_failure_rate}; the sweep ends")
             left -= len(trials)
         self._write_results(study)
 
@@ -194,11 +253,65 @@ class TfkvOptunaSweeper(OptunaSweeper):
         if counts["complete"]:
             best = study.best_trial
             results.update(best_params=best.params, best_value=best.value, best_trial=best.number)
-            log.info("Best trial #%d: %s %s; parameters %s", best.number, self.config.objective, best.value,
+            log.info("Best trial #%d: %s %s; parameters %s", best.number, self.objective, best.value,
                      best.params)
         else:
             log.warning("no trial of study %s completed: no best parameters", study.study_name)
         OmegaConf.save(OmegaConf.create(results), self.sweep_dir / "optimization_results.yaml")
+
+
+def search_space(overrides: List[str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Optuna's distributions of the swept keys, and the keys set to one value, from Hydra's
+    sweep syntax: a later override of a key replaces an earlier one (params, then the command line)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import IntervalSweep, RangeSweep, Transformer
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+    distributions: dict[str, Any] = {}
+    fixed: dict[str, str] = {}
+    for o in OverridesParser.create().parse_overrides(overrides):
+        key = o.get_key_element()
+        distributions.pop(key, None)
+        fixed.pop(key, None)
+        value = o.value()
+        if not o.is_sweep_override():
+            fixed[key] = o.get_value_element_as_str()
+        elif o.is_interval_sweep():
+            assert isinstance(value, IntervalSweep)
+            log_scale = "log" in (value.tags or set())
+            if isinstance(value.start, int) and isinstance(value.end, int) or "int" in (value.tags or set()):
+                distributions[key] = IntDistribution(int(value.start), int(value.end), log=log_scale)
+            else:
+                distributions[key] = FloatDistribution(float(value.start), float(value.end), log=log_scale)
+        elif o.is_range_sweep() and not value.shuffle:
+            assert isinstance(value, RangeSweep)
+            values = list(o.sweep_iterator())
+            if not values:
+                raise ConfigError(f"{key}: {o.input_line} has no value; give a range with at least one")
+            if all(isinstance(v, int) for v in values) and isinstance(value.step, int):
+                distributions[key] = IntDistribution(values[0], values[-1], step=abs(value.step)) \
+                    if value.step > 0 else CategoricalDistribution(values)
+            else:  # Hydra's range leaves out its stop, as Python's does; Optuna's high is the last value
+                distributions[key] = FloatDistribution(min(values), max(values), step=abs(float(value.step))) \
+                    if len(values) > 1 else CategoricalDistribution(values)
+        else:  # choice(...), a,b,c, a shuffled range, glob(...): their values, as Hydra writes them
+            distributions[key] = CategoricalDistribution(list(o.sweep_iterator(transformer=Transformer.encode)))
+    return distributions, fixed
+
+
+def _grid(name: str, distribution: Any) -> list[Any]:
+    """GridSampler's values for one key: a choice's, or every value of an integer or stepped range."""
+    from optuna.distributions import CategoricalDistribution
+
+    if isinstance(distribution, CategoricalDistribution):
+        return list(distribution.choices)
+    step = getattr(distribution, "step", None)
+    if step is None or distribution.log:
+        raise ConfigError(f"{name}: hydra/sweeper/sampler=grid needs a finite set of values, not "
+                          f"{type(distribution).__name__}({distribution.low}, {distribution.high}); "
+                          "use choice(...) or range(...)")
+    count = int(round((distribution.high - distribution.low) / step)) + 1
+    return [distribution.low + i * step for i in range(count)]
 
 
 def _tell(study: Any, trial: Any, state: Any, value: float | None) -> None:
@@ -232,14 +345,6 @@ def _outcome(ret: JobReturn) -> tuple[Any, float | None]:
     if status not in (None, "ok") or not math.isfinite(value):
         return states.FAIL, None
     return states.COMPLETE, value
-
-
-def _absolute(url: str) -> str:
-    """A SQLite URL with a relative path, made absolute: trials may run in other directories."""
-    prefix = "sqlite:///"
-    if url.startswith(prefix) and not url[len(prefix):].startswith("/") and url[len(prefix):] != ":memory:":
-        return prefix + os.path.abspath(url[len(prefix):])
-    return url
 
 
 def _quoted(value: str) -> str:

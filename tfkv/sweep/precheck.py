@@ -44,6 +44,7 @@ def problem(config: Any) -> str | None:
         values = _values(parsed)
     except (HydraException, OmegaConfBaseException) as e:
         return one_line(e)
+    objectives: dict[tuple[str, str], str] = {}  # (objective, direction): the first trial that has it
     for combo in combinations(values):
         # Hydra escapes a sweep's values (`$\{oc.env\:X\}`): shown as the user wrote them
         named = " ".join(re.sub(r"\\(.)", r"\1", o) for o, (_, choices) in zip(combo, values.items())
@@ -63,7 +64,38 @@ def problem(config: Any) -> str | None:
             if text is None:
                 raise
             return where + text
-    return None
+        objectives.setdefault((str(task.objective), str(task.direction)), named or "(no overrides)")
+    return _one_objective(objectives) or _sweeper_direction(config, *next(iter(objectives)))
+
+
+def _one_objective(objectives: dict[tuple[str, str], str]) -> str | None:
+    """Trials compared to each other must return the same value, better the same way."""
+    if len(objectives) < 2:
+        return None
+    (a, first), (b, second) = list(objectives.items())[:2]
+    return (f"trial {first} returns {a[0]} ({a[1]}) but trial {second} {b[0]} ({b[1]}): the best trial "
+            "would compare different values; set objective= (and direction=) for the whole sweep")
+
+
+def _sweeper_direction(config: Any, objective: str, direction: str) -> str | None:
+    """An Optuna sweeper's hydra.sweeper.direction against the objective's (tfkv.config.objective):
+    one study and one table, one best trial. Hydra's sweeper defaults to minimize; tfkv's follows."""
+    from enum import Enum
+
+    from omegaconf import OmegaConf
+
+    if not str(OmegaConf.select(config, "hydra.sweeper._target_", default="")).endswith("OptunaSweeper"):
+        return None
+    declared = OmegaConf.select(config, "hydra.sweeper.direction")
+    if declared is None:  # tfkv_optuna's default: the objective's
+        return None
+    ways = [d.name if isinstance(d, Enum) else str(d) for d in (declared if OmegaConf.is_list(declared)
+                                                                 or isinstance(declared, list) else [declared])]
+    if ways == [direction]:
+        return None
+    return (f"hydra.sweeper.direction={','.join(ways)} but objective {objective} is to {direction} (direction="
+            f"{OmegaConf.select(config, 'direction')}); set hydra.sweeper.direction={direction}, or direction= "
+            "and hydra.sweeper.direction= alike where the objective's better way is the other")
 
 
 def _resolve(cfg: Any, task: Any) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -30,29 +31,54 @@ PRUNER_ATTR = "tfkv_pruner"
 PRUNER_PREFIX = "optuna.pruners."
 
 
-def open_storage(url: str) -> Any:
-    """Optuna's storage at `url`, uncached: trials report from other processes, so every read
-    must see the database. SQLite waits for another process's write instead of failing."""
-    import optuna
-
-    _check_rdb(url)
-    if url.startswith("redis"):
-        return optuna.storages.RedisStorage(url)
-    engine = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
-    return optuna.storages.RDBStorage(url, engine_kwargs=engine)
+JOURNAL = "journal:"  # storage=journal:<path>: Optuna's JournalStorage in that file
+OPTUNA = 4  # the oldest Optuna major version tested (public ask/tell, JournalFileBackend)
 
 
-def _check_rdb(url: str) -> None:
-    """Optuna 2 (what hydra-optuna-sweeper 1.x allows) cannot use a database through SQLAlchemy 2
-    (an AssertionError deep in SQLAlchemy): one line saying what to install instead."""
+def check_optuna() -> None:
+    """Optuna 4 or later is installed, else one line saying what to install."""
+    import importlib.util
     from importlib import metadata
 
-    if url.startswith("redis"):
-        return
-    optuna, sqlalchemy = (metadata.version(p) for p in ("optuna", "sqlalchemy"))
-    if int(optuna.split(".")[0]) < 3 and int(sqlalchemy.split(".")[0]) >= 2:
-        raise ConfigError(f"Optuna {optuna} cannot keep a study in {url.split(':')[0]} with SQLAlchemy {sqlalchemy}; "
-                          "pip install 'tfkv[sweep]' (it pins SQLAlchemy<2 for Optuna 2)")
+    try:
+        version = metadata.version("optuna") if importlib.util.find_spec("optuna") else None
+    except (ValueError, metadata.PackageNotFoundError):  # ValueError: sys.modules["optuna"] is None
+        version = None
+    if version is None or int(version.split(".")[0]) < OPTUNA:
+        found = f"finds Optuna {version}" if version else "needs Optuna, which is not installed"
+        raise ConfigError(f"hydra/sweeper=tfkv_optuna {found}; it needs Optuna {OPTUNA} or later: "
+                          "pip install 'tfkv[sweep]' (Hydra's own hydra/sweeper=optuna, which pins Optuna 2, "
+                          "belongs in an environment of its own)")
+
+
+def storage_url(storage: str) -> str:
+    """The study's storage as every trial names it: `journal:<absolute path>` for a journal file
+    (written `journal:<path>` or as a bare path), a database URL with a relative SQLite path made
+    absolute (trials may run in other directories)."""
+    if storage.startswith(JOURNAL):
+        return JOURNAL + os.path.abspath(os.path.expanduser(storage[len(JOURNAL):]))
+    if "://" not in storage:
+        return JOURNAL + os.path.abspath(os.path.expanduser(storage))
+    prefix = "sqlite:///"
+    path = storage[len(prefix):]
+    if storage.startswith(prefix) and not path.startswith("/") and path != ":memory:":
+        return prefix + os.path.abspath(path)
+    return storage
+
+
+def open_storage(url: str) -> Any:
+    """Optuna's storage at `url` (storage_url's form). A journal file is shared through the file
+    system by every process and host that sees it (Optuna's lock file beside it, safe on NFS);
+    a database is opened uncached, so every read sees other processes' writes, and SQLite waits
+    for another process's write instead of failing."""
+    import optuna
+
+    if url.startswith(JOURNAL):
+        from optuna.storages.journal import JournalFileBackend
+
+        return optuna.storages.JournalStorage(JournalFileBackend(url[len(JOURNAL):]))
+    engine = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
+    return optuna.storages.RDBStorage(url, engine_kwargs=engine)
 
 
 def build_pruner(node: Any) -> Any:
@@ -117,6 +143,7 @@ def build(cfg: Any, run_dir: Path) -> Pruning | None:
         return None
     import optuna
 
+    check_optuna()
     storage = open_storage(str(sweep.storage))
     study = optuna.load_study(study_name=str(sweep.study), storage=storage)
     if str(cfg.direction) != study.direction.name.lower():

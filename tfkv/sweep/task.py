@@ -64,6 +64,8 @@ def run(cfg: Any, job: Callable[[Any], float], explain: Callable[[BaseException]
         except (OSError, ValueError):
             metrics = {}
         record["metrics"] = trial.final_metrics(metrics)
+        # what the run's check resolved (tfkv.config.objective): objective null, direction auto
+        record.update(objective=cfg.get("objective"), direction=cfg.get("direction"))
         record["ended"] = time.time()
         record["duration_s"] = round(record["ended"] - record["started"], 3)
         record["value"] = value if record["status"] == "ok" else None
