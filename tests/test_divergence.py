@@ -127,4 +127,7 @@ def test_every_worker_of_a_distributed_job_stops_at_a_nan_loss(project: Path, kv
             timeout=420)
     found = check_stopped(project, r, step=(70 // 2) // 32 + 1)
     assert ("2", "4", "0") in {f[:3] for f in found}, found  # worker 0 names its step, of 4
-    assert "job failed: worker 0 exited with status 2" in r.stderr, r.stderr[-3000:]
+    # the job's final line says why, from worker 0's own line, not only that it exited
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"tfkv-run: the {kvstore} job failed: worker 0 exited with status 2: training diverged: "
+                           "the loss became NaN or infinite at epoch 2, step 2 of 4 (worker 0)"), r.stderr[-3000:]

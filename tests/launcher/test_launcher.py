@@ -85,7 +85,8 @@ def test_a_taken_port_is_a_clear_failure_not_a_hang(tmp_path):
                        cwd=tmp_path, timeout=60)
     assert proc.returncode == 1
     assert f"scheduler cannot listen on 127.0.0.1:{port}" in proc.stdout
-    assert "the job failed: scheduler exited with status 2" in proc.stderr
+    # the final line says why, from the scheduler's own line (tfkv.launcher.record.said)
+    assert f"the job failed: scheduler exited with status 2: scheduler cannot listen on 127.0.0.1:{port}" in proc.stderr
 
 
 @pytest.mark.parametrize("first, said, status", [(["SIGINT"], "interrupted (Ctrl-C)", 130),

@@ -240,7 +240,10 @@ def _launch(opts: Options, job: base.Job, run_dir: Path, argv: Sequence[str], ou
             except KeyboardInterrupt as e:  # after the backend's own teardown, or before it started any
                 result = base.Result(1, signals.failure(e))
         # Every backend: a job stopped by a signal ends as a process killed by it (130, 143).
-        return base.Result(stop.status, result.failure) if stop.status else result
+        if stop.status:
+            return base.Result(stop.status, result.failure)
+        reason = record.said(tee.path, result.failure) if result.failure else None  # the log is line-buffered
+        return dataclasses.replace(result, failure=f"{result.failure}: {reason}") if reason else result
     finally:
         tee.close()
         if not (result is not None and result.requeued):  # a requeued job's script removes them at its end

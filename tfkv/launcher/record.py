@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shlex
 import sys
 import time
@@ -74,6 +75,33 @@ def tree_hash(root: Path) -> dict[str, Any]:
             files[str(path.relative_to(root))] = h.hexdigest()
     total = hashlib.sha256("".join(f"{k}\0{v}\n" for k, v in sorted(files.items())).encode()).hexdigest()
     return {"sha256": total, "files": files}
+
+
+# A failure line's role (`worker 1 @node2 exited with status 2`) and tfkv's own one-line error,
+# as a role prints it to the job log (`[worker 1] tfkv-run: <what is wrong>`, tfkv.errors.report).
+_ROLE = re.compile(r"(?P<role>.+?)(?: @\S+)? exited with status 2\b")
+_SAID = re.compile(r"\[(?P<role>[^\]]+)\] tfkv(?:-run)?: (?P<text>.+)")  # not tfkv-role's own exit line
+_TAIL = 1 << 20  # the end of a long job's log is where a role's last line is
+
+
+def said(log: Path, failure: str) -> str | None:
+    """The one line of tfkv's own error (exit status 2: the config, the data, a diverged loss)
+    that the role a failure names printed last to the job log, so that the job's final line says
+    why and not only that it exited; None for any other failure or a log that cannot be read."""
+    m = _ROLE.match(failure)
+    if m is None:
+        return None
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - _TAIL))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        s = _SAID.fullmatch(line.strip())
+        if s and s["role"] == m["role"]:
+            return s["text"]
+    return None
 
 
 class Tee:
