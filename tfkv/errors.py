@@ -70,6 +70,14 @@ class TrialPruned(TfkvError):
     result of the sweep, not a failure."""
 
 
+def reacting(e: TfkvError) -> TfkvError:
+    """`e`, raised because a peer left the job (a round or barrier it never joins), exits as a
+    peer's reaction (EXIT_PEER_FAILED): launchers then blame that peer's own failure, if it had
+    one (a worker that exits 5 after its store left), not this process."""
+    e.exit_code = EXIT_PEER_FAILED
+    return e
+
+
 def message(e: BaseException) -> str | None:
     """The one line for an error the user fixes outside tfkv's code, or None for a bug."""
     if isinstance(e, TfkvError):

@@ -254,10 +254,12 @@ def test_hydra_s_own_sweeper_s_direction_is_checked_against_the_objective_s():
 
 
 def _without_hydra_s_optuna_sweeper(argv: list[str]) -> str:
-    """A fresh interpreter running tfkv-run with `argv`, where Hydra's plug-in packages are tfkv's
-    shims alone (as if none were installed: no hydra-optuna-sweeper)."""
-    return ("import sys, hydra_plugins\n"
-            "hydra_plugins.__path__ = [p for p in hydra_plugins.__path__ if 'site-packages' not in p]\n"
+    """A fresh interpreter running tfkv-run with `argv`, where hydra-optuna-sweeper cannot be
+    imported, as if it were not installed (Hydra's plug-in scan skips a module that sys.modules
+    holds as None; a filter on hydra_plugins' paths would also drop tfkv's own shim where tfkv is
+    installed into site-packages rather than editable)."""
+    return ("import sys\n"
+            "sys.modules['hydra_plugins.hydra_optuna_sweeper'] = None\n"
             f"sys.argv = ['tfkv-run', *{argv!r}]\n"
             "from tfkv import cli\n"
             "cli.run()\n")

@@ -276,12 +276,15 @@ def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def error(to: Message, text: str, sender: int = 0) -> Message:
+def error(to: Message, text: str, sender: int = 0, left: str | None = None) -> Message:
     """The ERROR answering `to`. Every ERROR a node sends is made here: its text is cut to what
-    the ERROR schema admits, so that no explanation is itself refused as malformed."""
+    the ERROR schema admits, so that no explanation is itself refused as malformed. `left`: the
+    worker that left the job, when that is why `to` can never be answered (a peer's fault, not
+    the asker's)."""
     if len(text) > schema.MAX_ERROR_TEXT:
         text = text[:schema.MAX_ERROR_TEXT - 3] + "..."
-    return Message(Type.ERROR, sender=sender, seq=to.seq, key=to.key, meta={"message": text}, reply=True)
+    meta = {"message": text} if left is None else {"message": text, "left": left}
+    return Message(Type.ERROR, sender=sender, seq=to.seq, key=to.key, meta=meta, reply=True)
 
 
 def refusal(frames: Sequence[Any], text: str) -> Message:

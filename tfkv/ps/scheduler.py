@@ -170,7 +170,7 @@ class Scheduler:
             reason = (f"barrier {number} can never be released: {left.name} left the job (it finished "
                       "and closed its store) and will not reach it")
             log.error("scheduler: %s: %s", self.nodes[identity].name, reason)
-            self._send(self.nodes[identity], P.error(barrier, reason))
+            self._send(self.nodes[identity], P.error(barrier, reason, left=left.name))
         waiting.clear()
 
     def _watch(self) -> int:

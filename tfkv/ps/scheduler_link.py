@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from tfkv.errors import EXIT_PEER_FAILED, EXIT_PEER_SILENT, TfkvError
+from tfkv.errors import EXIT_PEER_FAILED, EXIT_PEER_SILENT, TfkvError, reacting
 from tfkv.ps import protocol as P
 from tfkv.ps import security, sums
 from tfkv.ps.cluster_env import ClusterEnv
@@ -71,7 +71,7 @@ class SchedulerLink:
         self._barrier = threading.Event()
         self._released: dict[str, Any] | None = None  # the last BARRIER_DONE's metadata (its sum)
         self._barriers = 0  # BARRIERs sent: each carries its number as seq, which a refusal answers
-        self._refusal: str | None = None  # why the scheduler refused the barrier waited on
+        self._refusal: dict[str, str] | None = None  # the scheduler's ERROR refusing the barrier waited on
         # Workers that left the job before the others, as the scheduler reported them (LEFT:
         # id, node), for the server's serving thread to take.
         self.left: collections.deque[dict[str, Any]] = collections.deque()
@@ -106,7 +106,8 @@ class SchedulerLink:
         while not self._barrier.wait(0.2):
             pass
         if self._refusal is not None:
-            raise ClusterError(f"{self.name}: {self._refusal}")
+            error = ClusterError(f"{self.name}: {self._refusal['message']}")
+            raise reacting(error) if "left" in self._refusal else error
         return sums.decode(self._released["sum"]) if meta is not None and self._released else None
 
     def done(self) -> None:
@@ -192,7 +193,7 @@ class SchedulerLink:
                     self._released = msg.meta
                     self._barrier.set()
                 elif msg.type == P.Type.ERROR and msg.seq == self._barriers and not self._barrier.is_set():
-                    self._refusal = msg.meta["message"]
+                    self._refusal = msg.meta
                     self._barrier.set()
                 elif msg.type == P.Type.LEFT:
                     self.left.append(msg.meta)

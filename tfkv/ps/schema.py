@@ -182,7 +182,8 @@ SCHEMAS: dict[tuple[str, bool], Schema] = {
     ("GET_STATE", True): Schema(_STATE, data="required"),
     ("ACK", True): Schema(),
     ("PING", True): Schema(obj({"held": integer()})),  # how many earlier requests the server holds
-    ("ERROR", True): Schema(obj({"message": text(MAX_ERROR_TEXT)})),
+    # "left": the worker whose leaving the job makes the request impossible (tfkv.errors.reacting)
+    ("ERROR", True): Schema(obj({"message": text(MAX_ERROR_TEXT), "left": text(200)}, optional_fields=("left",))),
 }
 
 

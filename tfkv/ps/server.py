@@ -590,7 +590,7 @@ class Server:
                 continue
             gone = next((name for wid, name in self._left.items() if wid not in pushed), None)
             if gone is not None:
-                self.reply(identity, P.error(msg, self._never_closes((key,), gone)))
+                self.reply(identity, P.error(msg, self._never_closes((key,), gone), left=gone))
                 return True
         return False
 
@@ -628,10 +628,10 @@ class Server:
             answered.add(id(request))
             if isinstance(request, Fused):
                 self._held[request.request.sender] -= len(request.keys)
-                self.reply(request.identity, P.error(request.request, reason))
+                self.reply(request.identity, P.error(request.request, reason, left=worker))
             else:
                 self._held[request.sender] -= 1 if request.type == P.Type.PULL else _awaits_answer(request)
-                self.reply(identity, P.error(request, reason))
+                self.reply(identity, P.error(request, reason, left=worker))
         return reason
 
     def _fail_group(self, group: GroupRound, worker: str) -> str:
@@ -639,7 +639,7 @@ class Server:
         self._release(group)
         for identity, request in [*group.pulls, *group.held]:
             self._held[request.sender] -= len(group.keys)
-            self.reply(identity, P.error(request, reason))
+            self.reply(identity, P.error(request, reason, left=worker))
         return reason
 
     def _apart(self, key: int) -> None:

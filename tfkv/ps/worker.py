@@ -20,7 +20,7 @@ from typing import Any, Callable, Hashable, Iterator, Sequence
 import numpy as np
 import zmq
 
-from tfkv.errors import TfkvError
+from tfkv.errors import TfkvError, reacting
 from tfkv.ps import aead, channel
 from tfkv.ps import protocol as P
 from tfkv.ps import security, wire
@@ -347,7 +347,9 @@ class ServerLink:
             self._answered(msg.seq)
             for seq, _ in members or ():
                 self._answered(seq)
-            return DistError(f"server {server}: {(msg.meta or {}).get('message')}")
+            meta = msg.meta or {}
+            error = DistError(f"server {server}: {meta.get('message')}")
+            return reacting(error) if "left" in meta else error
         if msg.type == P.Type.PUSHPULL:  # each member's value, as the PULL reply it awaits
             if members is None or msg.data.size != sum(n for _, n in members):
                 log.warning("dropped a PUSHPULL reply from server %d that answers no request of this worker", server)

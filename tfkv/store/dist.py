@@ -37,6 +37,7 @@ from typing import Any, Hashable, Iterator, Sequence
 import numpy as np
 
 from tfkv import optim
+from tfkv.errors import EXIT_PEER_FAILED
 from tfkv.ps import compression, dtypes, memory, parts
 from tfkv.ps import protocol as P
 from tfkv.ps.cluster_env import ClusterEnv
@@ -456,6 +457,10 @@ class DistStore(KVStore):
         exc = getattr(sys, "last_value", None)
         if exc is not None and exc is not self._shown_before:
             self.abort(f"{type(exc).__name__}: {exc}")
+            if getattr(exc, "exit_code", None) == EXIT_PEER_FAILED:  # errors.reacting: a peer left
+                sys.stdout.flush()
+                logging.shutdown()
+                os._exit(EXIT_PEER_FAILED)  # the interpreter would exit 1, as for a failure of its own
             return
         try:
             self.close()
