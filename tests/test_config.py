@@ -328,6 +328,12 @@ def test_direction_follows_the_objective_as_keras_s_own_metrics_declare_it():
                       "test_mse": "minimize", "test_acc": "maximize", "test_perplexity": "minimize",
                       "test_fmeasure": "maximize", "samples_per_sec": "maximize"}.items():
         assert objective.better(name) == way, name
+    # one output's values (<output>_loss, <output>_<metric>, tfkv.parallel.criterion) whose output
+    # name holds "r2", "f1", "acc", "auc" or "iou" as letters of a word, not as a word of the name
+    for name, way in {"test_decoder2_loss": "minimize", "test_tower2_loss": "minimize", "test_conf1_loss": "minimize",
+                      "test_previous_loss": "minimize", "test_header2_mae": "minimize", "test_caucus_mse": "minimize",
+                      "test_decoder2_accuracy": "maximize", "test_mean_io_u": "maximize"}.items():
+        assert objective.better(name) == way, name
 
 
 def test_a_run_that_names_no_objective_returns_what_it_reports():

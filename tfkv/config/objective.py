@@ -25,11 +25,18 @@ HIGHER_IS_BETTER = ("acc", "auc", "precision", "recall", "iou", "io_u", "f1", "f
 
 
 def better(name: str) -> str:
-    """"maximize" or "minimize": the way `name`'s value is better, from the name alone."""
-    lowered = name.lower()
-    if lowered.removeprefix("train_").removeprefix("test_").startswith("fmeasure"):
+    """"maximize" or "minimize": the way `name`'s value is better, from the name alone. Matched
+    on the name's words (split at "_"), never on letters inside one: `test_decoder2_loss` (one
+    output's loss) and `test_header2_mae` are minimised although "r2" and "acc" hide in them."""
+    words = name.lower().removeprefix("train_").removeprefix("test_").split("_")
+    if words[0].startswith("fmeasure"):
         return "maximize"
-    return "maximize" if any(part in lowered for part in HIGHER_IS_BETTER) else "minimize"
+    if words[-1] == "loss":  # a loss, also one output's (<output>_loss)
+        return "minimize"
+    joined = f"_{'_'.join(words)}_"
+    if any(w.startswith("acc") for w in words) or any(f"_{part}_" in joined for part in HIGHER_IS_BETTER):
+        return "maximize"
+    return "minimize"
 
 
 def default(reported: Iterable[str]) -> str:
