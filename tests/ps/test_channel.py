@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tfkv import keys as job_keys
-from tfkv.ps import aead, channel
+from tfkv.ps import aead, channel, handshake
 from tfkv.ps import protocol as P
 
 
@@ -23,8 +23,8 @@ def cipher(request, monkeypatch):
 
 def _pair(keys=None):
     keys = keys or job_keys.new_keys()
-    hello = channel.Hello(channel.psk(keys.secret))
-    doors = channel.Acceptor(channel.psk(keys.secret))
+    hello = handshake.Hello(handshake.psk(keys.secret))
+    doors = handshake.Acceptor(handshake.psk(keys.secret))
     answer = doors.hello(b"worker", hello.message)
     return hello.welcome(answer), doors.sessions[b"worker"]
 
@@ -146,12 +146,12 @@ def test_frames_from_another_connection_or_message_are_refused():
 
 def test_a_stranger_cannot_handshake_nor_pass_for_the_server():
     keys, other = job_keys.new_keys(), job_keys.new_keys()
-    doors = channel.Acceptor(channel.psk(keys.secret))
+    doors = handshake.Acceptor(handshake.psk(keys.secret))
     with pytest.raises(channel.Refused, match="bad handshake"):
-        doors.hello(b"stranger", channel.Hello(channel.psk(other.secret)).message)
+        doors.hello(b"stranger", handshake.Hello(handshake.psk(other.secret)).message)
     assert not doors.sessions
-    hello = channel.Hello(channel.psk(keys.secret))
-    forged = channel.Acceptor(channel.psk(other.secret)).hello(b"w", channel.Hello(channel.psk(other.secret)).message)
+    hello = handshake.Hello(handshake.psk(keys.secret))
+    forged = handshake.Acceptor(handshake.psk(other.secret)).hello(b"w", handshake.Hello(handshake.psk(other.secret)).message)
     with pytest.raises(channel.Refused, match="bad handshake"):
         hello.welcome(forged)
     for junk in ([b"garbage"], P.encode(P.Message(P.Type.PULL, sender=1, seq=1, key=0)), []):
@@ -248,8 +248,8 @@ def test_into_is_asked_for_payloads_only_with_their_own_headers_whatever_a_paylo
 def test_a_hello_seen_before_gets_no_welcome_on_another_connection_and_no_session():
     """A HELLO replayed on fresh connections (by one who saw it and holds no key) is refused and
     keeps nothing; resent on its own connection (its WELCOME lost) it gets the same WELCOME."""
-    psk = channel.psk(job_keys.new_keys().secret)
-    doors, hello = channel.Acceptor(psk), channel.Hello(psk)
+    psk = handshake.psk(job_keys.new_keys().secret)
+    doors, hello = handshake.Acceptor(psk), handshake.Hello(psk)
     answer = doors.hello(b"worker", hello.message)
     assert doors.hello(b"worker", hello.message) == answer  # resent: the same WELCOME
     for i in range(100):
@@ -263,21 +263,21 @@ def test_a_hello_seen_before_gets_no_welcome_on_another_connection_and_no_sessio
 def test_a_hello_too_old_or_from_the_future_is_refused_naming_the_clock():
     import handshakes
 
-    psk = channel.psk(job_keys.new_keys().secret)
-    doors = channel.Acceptor(psk)
-    public = channel.Hello(psk).public
-    for off in (-channel.FRESH - 5, channel.FRESH + 5):
+    psk = handshake.psk(job_keys.new_keys().secret)
+    doors = handshake.Acceptor(psk)
+    public = handshake.Hello(psk).public
+    for off in (-handshake.FRESH - 5, handshake.FRESH + 5):
         with pytest.raises(channel.Refused, match=r"s (before|after) this server's clock says.*NTP") as e:
             doors.hello(b"w", handshakes.hello(psk, public, time.time_ns() - int(off * 1e9)))
         assert e.value.reason == "stale"
-    doors.hello(b"w", handshakes.hello(psk, public, time.time_ns() - int((channel.FRESH - 5) * 1e9)))
+    doors.hello(b"w", handshakes.hello(psk, public, time.time_ns() - int((handshake.FRESH - 5) * 1e9)))
 
 
 def test_connections_welcomed_and_silent_are_bounded(monkeypatch):
-    monkeypatch.setattr(channel, "MAX_PENDING", 5)
-    psk = channel.psk(job_keys.new_keys().secret)
-    doors = channel.Acceptor(psk)
-    hellos = [channel.Hello(psk) for _ in range(8)]
+    monkeypatch.setattr(handshake, "MAX_PENDING", 5)
+    psk = handshake.psk(job_keys.new_keys().secret)
+    doors = handshake.Acceptor(psk)
+    hellos = [handshake.Hello(psk) for _ in range(8)]
     worker = hellos[0].welcome(doors.hello(b"c0", hellos[0].message))
     doors.open(b"c0", next(worker.seal(_msg())))  # established: no longer pending
     for i, h in enumerate(hellos[1:], 1):
@@ -286,10 +286,10 @@ def test_connections_welcomed_and_silent_are_bounded(monkeypatch):
 
 
 def test_the_replay_cache_is_bounded_and_forgets_no_replay(monkeypatch):
-    monkeypatch.setattr(channel, "MAX_SEEN", 4)
-    psk = channel.psk(job_keys.new_keys().secret)
-    doors = channel.Acceptor(psk)
-    hellos = [channel.Hello(psk) for _ in range(10)]
+    monkeypatch.setattr(handshake, "MAX_SEEN", 4)
+    psk = handshake.psk(job_keys.new_keys().secret)
+    doors = handshake.Acceptor(psk)
+    hellos = [handshake.Hello(psk) for _ in range(10)]
     for i, h in enumerate(hellos):
         doors.hello(b"c%d" % i, h.message)
     assert len(doors._seen) <= 4
@@ -304,29 +304,29 @@ def test_a_small_order_key_is_a_bad_handshake_at_either_end(key):
     as a bad handshake (cryptography's ValueError used to end the server, or the worker)."""
     import handshakes
 
-    psk = channel.psk(job_keys.new_keys().secret)
-    doors = channel.Acceptor(psk)
+    psk = handshake.psk(job_keys.new_keys().secret)
+    doors = handshake.Acceptor(psk)
     with pytest.raises(channel.Refused, match="small order") as e:
         doors.hello(b"member", handshakes.hello(psk, handshakes.SMALL_ORDER[key]))
     assert e.value.reason == "bad handshake" and not doors.sessions
-    hello = channel.Hello(psk)
+    hello = handshake.Hello(psk)
     with pytest.raises(channel.Refused, match="small order") as e:
         hello.welcome(handshakes.welcome(psk, hello.message, handshakes.SMALL_ORDER[key], aead.AesGcm256.ID))
     assert e.value.reason == "bad handshake"
 
 
 def test_the_cipher_is_aegis_where_both_ends_have_it_else_aes_gcm(monkeypatch):
-    psk = channel.psk(job_keys.new_keys().secret)
-    both = channel.Hello(psk)
-    assert both.welcome(channel.Acceptor(psk).hello(b"w", both.message)).cipher is aead.Aegis128X4
+    psk = handshake.psk(job_keys.new_keys().secret)
+    both = handshake.Hello(psk)
+    assert both.welcome(handshake.Acceptor(psk).hello(b"w", both.message)).cipher is aead.Aegis128X4
     monkeypatch.setattr(aead, "available", lambda: (aead.AesGcm256,))
-    worker_without = channel.Hello(psk)
+    worker_without = handshake.Hello(psk)
     monkeypatch.undo()
-    session = worker_without.welcome(channel.Acceptor(psk).hello(b"w", worker_without.message))
+    session = worker_without.welcome(handshake.Acceptor(psk).hello(b"w", worker_without.message))
     assert session.cipher is aead.AesGcm256
-    worker_with = channel.Hello(psk)
+    worker_with = handshake.Hello(psk)
     monkeypatch.setattr(aead, "available", lambda: (aead.AesGcm256,))
-    doors = channel.Acceptor(psk)  # a server without aeg
+    doors = handshake.Acceptor(psk)  # a server without aeg
     worker = worker_with.welcome(doors.hello(b"w", worker_with.message))
     assert worker.cipher is aead.AesGcm256 and doors.sessions[b"w"].cipher is aead.AesGcm256
     assert P.decode(doors.open(b"w", next(worker.seal(_msg())))).seq == 1
@@ -336,24 +336,24 @@ def test_a_downgrade_on_the_path_is_refused():
     """One on the path without the key strips AEGIS from a HELLO, or turns a WELCOME's choice to
     AES-256-GCM: the HMAC over the offer and the choice refuses both (and the keys are derived
     from the whole exchange, so agreeing on another cipher would give other keys)."""
-    psk = channel.psk(job_keys.new_keys().secret)
-    doors, hello = channel.Acceptor(psk), channel.Hello(psk)
+    psk = handshake.psk(job_keys.new_keys().secret)
+    doors, hello = handshake.Acceptor(psk), handshake.Hello(psk)
     stripped = [hello.message[0], bytearray(hello.message[1])]
-    assert stripped[1][channel._PUBLIC + 8] == 0b110  # AEGIS-128X4 and AES-256-GCM offered
-    stripped[1][channel._PUBLIC + 8] = 1 << aead.AesGcm256.ID
+    assert stripped[1][handshake._PUBLIC + 8] == 0b110  # AEGIS-128X4 and AES-256-GCM offered
+    stripped[1][handshake._PUBLIC + 8] = 1 << aead.AesGcm256.ID
     with pytest.raises(channel.Refused, match="bad handshake"):
         doors.hello(b"w", stripped)
     answer = doors.hello(b"w", hello.message)
-    assert answer[1][channel._PUBLIC] == aead.Aegis128X4.ID
+    assert answer[1][handshake._PUBLIC] == aead.Aegis128X4.ID
     downgraded = [answer[0], bytearray(answer[1])]
-    downgraded[1][channel._PUBLIC] = aead.AesGcm256.ID
+    downgraded[1][handshake._PUBLIC] = aead.AesGcm256.ID
     with pytest.raises(channel.Refused, match="bad handshake"):
         hello.welcome(downgraded)
     assert hello.welcome(answer).cipher is aead.Aegis128X4
 
 
 def test_the_keys_depend_on_the_cipher_and_on_every_byte_of_the_exchange():
-    a = channel._derive(aead.AesGcm256, b"p" * 32, b"s" * 32, b"transcript")
-    assert a != channel._derive(aead.AesGcm256, b"p" * 32, b"s" * 32, b"transcripT")
-    assert a[0][:16] != channel._derive(aead.Aegis128X4, b"p" * 32, b"s" * 32, b"transcript")[0]
+    a = handshake._derive(aead.AesGcm256, b"p" * 32, b"s" * 32, b"transcript")
+    assert a != handshake._derive(aead.AesGcm256, b"p" * 32, b"s" * 32, b"transcripT")
+    assert a[0][:16] != handshake._derive(aead.Aegis128X4, b"p" * 32, b"s" * 32, b"transcript")[0]
     assert [len(k) for k in a] == [32, 4, 32, 4]  # AES-256 keys, 4-byte salts + 8-byte counters

@@ -16,7 +16,7 @@ import zmq
 from conftest import REPO, TAG, Launching, role_pid, tagged_pids
 
 from tfkv.ps import protocol as P
-from tfkv.ps import channel, security, strangers
+from tfkv.ps import handshake, security, strangers
 
 
 def _start(c, seconds, kind):
@@ -112,7 +112,7 @@ def test_live_server_and_scheduler_survive_fuzzing(cluster):
             sock.connect(address)
         else:  # the data plane: this peer makes the channel's handshake and seals what it sends,
             sock.connect(address)  # so every mutation reaches the server's decoder
-            hello = channel.Hello(channel.psk(c.keys.secret))
+            hello = handshake.Hello(handshake.psk(c.keys.secret))
             sock.send_multipart(hello.message)
             assert sock.poll(10_000), c.output(name)
             session = hello.welcome(sock.recv_multipart())

@@ -17,7 +17,7 @@ import zmq
 from conftest import expected
 from proxy import Proxy
 from tfkv import keys as job_keys
-from tfkv.ps import aead, channel
+from tfkv.ps import aead, channel, handshake
 from tfkv.ps import protocol as P
 
 
@@ -31,7 +31,7 @@ def _dealer(address: str) -> zmq.Socket:
 def _session(address: str, keys) -> tuple[zmq.Socket, channel.Session]:
     """A connection that completed the handshake with the job's key."""
     sock = _dealer(address)
-    hello = channel.Hello(channel.psk(keys.secret))
+    hello = handshake.Hello(handshake.psk(keys.secret))
     sock.send_multipart(hello.message)
     assert sock.poll(10_000), "the server never welcomed a HELLO made with the job's key"
     return sock, hello.welcome(sock.recv_multipart())
@@ -87,7 +87,7 @@ def test_every_attack_on_the_data_plane_is_refused_counted_and_the_job_goes_on(c
     stranger = _dealer(address)
     stranger.send_multipart(P.encode(P.Message(P.Type.PUSH, sender=1, seq=1, key=0, data=np.ones(64, np.float32))))
     stranger.send_multipart([b"garbage"])
-    stranger.send_multipart(channel.Hello(channel.psk(job_keys.new_keys().secret)).message)
+    stranger.send_multipart(handshake.Hello(handshake.psk(job_keys.new_keys().secret)).message)
     assert not _answered(stranger)
 
     # A peer with the job's key: its own well-formed message is answered...
@@ -137,7 +137,7 @@ def test_a_replayed_hello_gets_nothing_and_costs_the_server_no_memory(cluster):
     pid = c.procs["server 0"].pid
     time.sleep(1.5)  # the job is under way
     seen = _dealer(address)  # the HELLO's first use: welcomed
-    hello = channel.Hello(channel.psk(c.keys.secret))
+    hello = handshake.Hello(handshake.psk(c.keys.secret))
     seen.send_multipart(hello.message)
     assert seen.poll(10_000), "the HELLO's own connection got no WELCOME"
     welcomed, rss = 0, []
@@ -177,7 +177,7 @@ def test_small_order_keys_in_hellos_are_bad_handshakes_and_the_server_serves_on(
     outs = c.start_workers("int_sgd", str(steps), "1", "64", "0.05")
     host, port = c.listening("server 0")
     time.sleep(1.5)  # the job is under way
-    psk = channel.psk(c.keys.secret)
+    psk = handshake.psk(c.keys.secret)
     socks = []
     for key in handshakes.SMALL_ORDER:
         socks.append(_dealer(f"tcp://{host}:{port}"))
@@ -209,7 +209,7 @@ class _ForgingProxy(Proxy):
                 self.hellos[ident] = frames
             return [(0.0, frames)]
         downgraded = [frames[0], bytearray(frames[1])]
-        downgraded[1][channel._PUBLIC] = aead.AesGcm256.ID
+        downgraded[1][handshake._PUBLIC] = aead.AesGcm256.ID
         forged = [handshakes.welcome(self.psk, self.hellos[ident], key, aead.AesGcm256.ID)
                   for key in handshakes.SMALL_ORDER]
         self.forged += 1 + len(forged)
@@ -229,7 +229,7 @@ def test_a_worker_refuses_downgraded_and_small_order_welcomes_and_trains_on(clus
     c.start("scheduler", "scheduler", [sys.executable, "-m", "tfkv.ps.node"])
     c.start("server 0", "server", [sys.executable, "-m", "tfkv.ps.node"], TFKV_RANK_HINT="0",
             TFKV_ADVERTISE_ADDRESS=f"127.0.0.1:{proxy_port}")
-    proxy = _ForgingProxy(proxy_port, lambda: "tcp://%s:%d" % c.listening("server 0"), channel.psk(c.keys.secret))
+    proxy = _ForgingProxy(proxy_port, lambda: "tcp://%s:%d" % c.listening("server 0"), handshake.psk(c.keys.secret))
     try:
         outs = c.start_workers("int_sgd", str(steps), "1", "32")
         codes = c.wait(120)

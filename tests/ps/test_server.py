@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from tfkv import keys as job_keys
-from tfkv.ps import channel
+from tfkv.ps import handshake
 from tfkv.ps import protocol as P
 from tfkv.ps.cluster_env import ClusterEnv
 from tfkv.ps.server import Round, Server
@@ -349,20 +349,20 @@ def test_a_peer_gone_before_its_answer_leaves_the_server_serving(caplog):
     WELCOME goes out, or a worker gone before its reply, must cost a log line, not the server's
     loop (the HELLO's WELCOME used to go out unguarded). An identity the socket never had is
     what ROUTER sees for such a connection."""
-    psk = channel.psk(job_keys.new_keys().secret)
+    psk = handshake.psk(job_keys.new_keys().secret)
     srv = _server(1)
-    srv.link, srv.acceptor = SimpleNamespace(name="server 0"), channel.Acceptor(psk)
+    srv.link, srv.acceptor = SimpleNamespace(name="server 0"), handshake.Acceptor(psk)
     srv.refused, srv._refused_by = Counter(), Counter()
     srv.sock = zmq.Context.instance().socket(zmq.ROUTER)
     srv.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     srv.sock.linger = 0
     gone = b"\x00gone"
     try:
-        hello = [zmq.Frame(f) for f in channel.Hello(psk).message]  # as received
+        hello = [zmq.Frame(f) for f in handshake.Hello(psk).message]  # as received
         with caplog.at_level(logging.WARNING, logger="tfkv"):
             assert srv._open(gone, hello) is None
             assert gone not in srv.acceptor.sessions and not srv.refused  # nothing kept for a peer that left
-            srv.acceptor.hello(gone, channel.Hello(psk).message)  # a session, then its peer gone
+            srv.acceptor.hello(gone, handshake.Hello(psk).message)  # a session, then its peer gone
             srv._send(gone, P.encode(P.Message(P.Type.ACK, seq=5, reply=True)))
             srv.acceptor = None  # a plain job's reply
             srv._send(gone, P.encode(P.Message(P.Type.ACK, seq=6, reply=True)))

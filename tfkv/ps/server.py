@@ -42,7 +42,7 @@ import zmq
 
 from tfkv import optim
 from tfkv.errors import TfkvError
-from tfkv.ps import channel, compression, dtypes, memory
+from tfkv.ps import channel, compression, dtypes, handshake, memory
 from tfkv.ps import protocol as P
 from tfkv.ps import security
 from tfkv.ps.cluster_env import ClusterEnv
@@ -112,7 +112,7 @@ class Server:
         # with this connection's keys (tfkv.ps.channel): CURVE's cipher ran at a 28th of AEGIS-128X4.
         self.sock = security.router_socket(None, P.max_frame(env.keys is not None, env.max_message_bytes))
         # A secure job's handshakes and the sessions they open, per connection (ROUTER identity).
-        self.acceptor = channel.Acceptor(channel.psk(env.keys.secret)) if env.keys is not None else None
+        self.acceptor = handshake.Acceptor(handshake.psk(env.keys.secret)) if env.keys is not None else None
         self._outbox: dict[bytes, list[Any]] = {}  # replies queued per connection until `flush`
         self.refused: Counter[str] = Counter()  # messages refused by the channel, by reason
         self._refused_by: Counter[bytes] = Counter()

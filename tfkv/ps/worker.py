@@ -21,7 +21,7 @@ import numpy as np
 import zmq
 
 from tfkv.errors import TfkvError, reacting
-from tfkv.ps import aead, channel
+from tfkv.ps import aead, channel, handshake
 from tfkv.ps import protocol as P
 from tfkv.ps import security, wire
 from tfkv.ps.cluster_env import ClusterEnv
@@ -135,8 +135,8 @@ class ServerLink:
     def _handshake(self) -> list[channel.Session]:
         """Open a session with every server (HELLO, resent until WELCOME: a lossy network may drop
         either); a server that does not answer in time is not of this job, or not there."""
-        psk = channel.psk(self.env.keys.secret)
-        hellos = [channel.Hello(psk) for _ in self.socks]
+        psk = handshake.psk(self.env.keys.secret)
+        hellos = [handshake.Hello(psk) for _ in self.socks]
         sessions: list[channel.Session | None] = [None] * len(self.socks)
         wait = max(30.0, 5 * self.env.heartbeat_timeout)
         deadline, resend = time.monotonic() + wait, 0.0
@@ -146,12 +146,12 @@ class ServerLink:
                 server = sessions.index(None)
                 raise DistError(f"{self._server_name(server)} did not complete the data plane's handshake in "
                                 f"{wait:.0f} s: it is not of this job (other keys), not reachable, or its clock "
-                                f"is more than {channel.FRESH:.0f} s from this host's (its log says which)")
+                                f"is more than {handshake.FRESH:.0f} s from this host's (its log says which)")
             if now >= resend:
                 for i, sock in enumerate(self.socks):
                     if sessions[i] is None:
                         if hellos[i].stale():
-                            hellos[i] = channel.Hello(psk)
+                            hellos[i] = handshake.Hello(psk)
                         sock.send_multipart(hellos[i].message)
                 resend = now + 1.0
             for sock, _ in self._poller.poll(100):
