@@ -8,6 +8,8 @@ shows it and tfkv imports there.
 
 from __future__ import annotations
 
+import functools
+import shutil
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +21,11 @@ from tfkv.emulate import budget, net
 # $3: the hosts file; the command follows.
 _ENTER = ('[ -z "$1" ] || echo $$ > "$1" || exit 125; hostname "$2" && mount --bind "$3" /etc/hosts || exit 125; '
           'shift 3; exec "$@"')
+
+
+@functools.cache
+def _which(program: str) -> str:
+    return shutil.which(program) or program
 
 
 @dataclass
@@ -38,8 +45,9 @@ class Host:
         """argv, as a command run here that runs it on this host."""
         procs = str(self.cgroup / "cgroup.procs") if self.cgroup else ""
         # nsenter, not `ip netns exec`, which mounts a /sys of its own and hides /sys/fs/cgroup.
-        return ["nsenter", f"--net=/run/netns/{self.namespace}", "unshare", "--uts", "--mount", "--",
-                "sh", "-c", _ENTER, f"on-{self.name}", procs, self.name, str(self.etc_hosts), *argv]
+        # By absolute path: a caller's env= may have no PATH.
+        return [_which("nsenter"), f"--net=/run/netns/{self.namespace}", _which("unshare"), "--uts", "--mount", "--",
+                "/bin/sh", "-c", _ENTER, f"on-{self.name}", procs, self.name, str(self.etc_hosts), *argv]
 
     def popen(self, argv: list[str], env: dict[str, str] | None = None, cwd: str | Path | None = None,
               **popen_kwargs) -> subprocess.Popen:
