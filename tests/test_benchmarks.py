@@ -5,6 +5,7 @@ The scripts that start jobs or train models are marked `bench` as well: CI leave
 costs 20-50 s of its 20 minutes); `pytest -m bench` runs them, before a benchmark is changed or
 its figures quoted."""
 
+import json
 import subprocess
 import sys
 
@@ -39,3 +40,24 @@ def test_benchmark_runs(script, args, expected):
                           text=True, timeout=240, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert expected in proc.stdout, proc.stdout[-3000:]
+
+
+@pytest.mark.slow
+def test_control_plane_benchmark_writes_a_row_per_job(tmp_path):
+    """bench_control_plane.py with one job size (8 nodes: 6 workers, 2 servers), secure and plain:
+    every row's figures are there and plausible, the job ended clean, the table is written beside."""
+    out = tmp_path / "cp.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_control_plane.py"), "--nodes", "8",
+                           "--barriers", "3", "--idle", "0.5", "--json", str(out)],
+                          capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [(r["nodes"], r["workers"], r["servers"], r["secure"]) for r in rows] == [(8, 6, 2, True), (8, 6, 2, False)]
+    for r in rows:
+        assert r["exit"] == "every process 0" and r["false_failures"] == 0, r
+        assert 0 < r["protocol_s"] < r["startup_s"] and 0 < r["python_s"] < r["startup_s"], r
+        assert 0 < r["barrier_ms"] <= r["barrier_max_ms"] and 0 < r["shutdown_s"] < 60, r
+        assert 10 < r["sched_rss_mib"] <= r["sched_peak_mib"] < 1000, r
+        assert 0 < r["heartbeats_per_s"] and r["heartbeats_expected_per_s"] == 16, r
+    assert "| 8 (6+2) | secure |" in (tmp_path / "cp.md").read_text()
+    assert "no false failure met" in proc.stdout
