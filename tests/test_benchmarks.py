@@ -61,3 +61,39 @@ def test_control_plane_benchmark_writes_a_row_per_job(tmp_path):
         assert 0 < r["heartbeats_per_s"] and r["heartbeats_expected_per_s"] == 16, r
     assert "| 8 (6+2) | secure |" in (tmp_path / "cp.md").read_text()
     assert "no false failure met" in proc.stdout
+
+
+def _scaling_model(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "benchmarks" / "scaling_model.py"), *args], capture_output=True,
+                          text=True, timeout=60, stdin=subprocess.DEVNULL)
+
+
+def test_scaling_model_compares_its_predictions_with_a_cluster_run(tmp_path):
+    """--compare on made-up costs whose prediction is closed form: 100 ms of compute per step of 64,
+    one 1,000-float key, free messages, bytes and server work, so samples/s = 64 H / (0.1 s + the
+    wire time of 2 x 4,000 x (H-1)/H bytes at 0.95 of the link)."""
+    comm = {"a_s": 0.0, "b_s_per_byte": 0.0, "k_s": 0.0}
+    costs = {"cpus": 0.4, "batch": 64, "compute": {"lenet": {"step_s": 0.1, "keys": [1000]}},
+             "comm": {"secure": comm, "plain": comm}, "server": {"sum_s_per_byte": 0.0, "update_s_per_byte": 0.0}}
+    (tmp_path / "costs.json").write_text(json.dumps(costs))
+    wire = 2 * 4000 * 3 / 4 / (0.95 * 1e10 / 8)
+    rows = [{"model": "lenet", "hosts": 2, "link": "1gbit", "contender": "tfkv", "samples_per_sec": 1280.0, "cpus": 0.4},
+            {"model": "lenet", "hosts": 4, "link": "10gbit", "contender": "tfkv_plain", "samples_per_sec": 2000.0,
+             "cpus": 0.4},
+            {"model": "lenet", "hosts": 4, "link": "10gbit", "contender": "mwms", "samples_per_sec": 1.0, "cpus": 0.4}]
+    (tmp_path / "cluster.json").write_text(json.dumps(rows))
+    proc = _scaling_model("--costs", str(tmp_path / "costs.json"), "--compare", str(tmp_path / "cluster.json"))
+    assert proc.returncode == 0, proc.stderr
+    predicted = 256 / (0.1 + wire)
+    assert f"| lenet | tfkv_plain | 4 | 10gbit | {predicted:.1f} | 2000.0 | {100 * (predicted / 2000 - 1):+.0f}% |" \
+        in proc.stdout, proc.stdout
+    assert "| lenet | tfkv | 2 | 1gbit |" in proc.stdout and "mwms" not in proc.stdout
+    assert "largest error 28%" in proc.stdout and "NOT met" in proc.stdout
+
+    rows[0]["cpus"] = 0.2  # measured in another budget than the costs: refused, one line
+    (tmp_path / "cluster.json").write_text(json.dumps(rows))
+    proc = _scaling_model("--costs", str(tmp_path / "costs.json"), "--compare", str(tmp_path / "cluster.json"))
+    assert proc.returncode != 0 and "another budget" in proc.stderr and "Traceback" not in proc.stderr
+    (tmp_path / "cluster.json").write_text("not json")
+    proc = _scaling_model("--costs", str(tmp_path / "costs.json"), "--compare", str(tmp_path / "cluster.json"))
+    assert proc.returncode != 0 and "cannot read" in proc.stderr and "Traceback" not in proc.stderr
