@@ -146,9 +146,9 @@ def set_threads(n: int) -> None:
 
 # -- the parent side --------------------------------------------------------------------------
 
-def run_plan(plan: list, timeout: float, what: str) -> None:
+def run_plan(plan: list, timeout: float, what: str) -> str:
     """Run a make_plan job with tfkv.launcher.local (which tears every process group down, also
-    when this gives up); Failed, with the log's tail, if it fails or runs past `timeout`."""
+    when this gives up): its merged log; Failed, with the log's tail, if it fails or runs past `timeout`."""
     from tfkv.launcher import local
 
     log = io.StringIO()
@@ -167,6 +167,7 @@ def run_plan(plan: list, timeout: float, what: str) -> None:
         signal.signal(signal.SIGALRM, old)
     if result.failure is not None:
         raise Failed(f"{what}: {result.failure}\n{log.getvalue()[-4000:]}")
+    return log.getvalue()
 
 
 def check_agreement(reports: list[dict], what: str) -> None:

@@ -5,6 +5,7 @@ The scripts that start jobs or train models are marked `bench` as well: CI leave
 costs 20-50 s of its 20 minutes); `pytest -m bench` runs them, before a benchmark is changed or
 its figures quoted."""
 
+import json
 import subprocess
 import sys
 
@@ -39,3 +40,60 @@ def test_benchmark_runs(script, args, expected):
                           text=True, timeout=240, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert expected in proc.stdout, proc.stdout[-3000:]
+
+
+@pytest.mark.slow
+def test_control_plane_benchmark_writes_a_row_per_job(tmp_path):
+    """bench_control_plane.py with one job size (8 nodes: 6 workers, 2 servers), secure and plain:
+    every row's figures are there and plausible, the job ended clean, the table is written beside."""
+    out = tmp_path / "cp.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_control_plane.py"), "--nodes", "8",
+                           "--barriers", "3", "--idle", "0.5", "--json", str(out)],
+                          capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [(r["nodes"], r["workers"], r["servers"], r["secure"]) for r in rows] == [(8, 6, 2, True), (8, 6, 2, False)]
+    for r in rows:
+        assert r["exit"] == "every process 0" and r["false_failures"] == 0, r
+        assert 0 < r["protocol_s"] < r["startup_s"] and 0 < r["python_s"] < r["startup_s"], r
+        assert 0 < r["barrier_ms"] <= r["barrier_max_ms"] and 0 < r["shutdown_s"] < 60, r
+        assert 10 < r["sched_rss_mib"] <= r["sched_peak_mib"] < 1000, r
+        assert 0 < r["heartbeats_per_s"] and r["heartbeats_expected_per_s"] == 16, r
+    assert "| 8 (6+2) | secure |" in (tmp_path / "cp.md").read_text()
+    assert "no false failure met" in proc.stdout
+
+
+def _scaling_model(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "benchmarks" / "scaling_model.py"), *args], capture_output=True,
+                          text=True, timeout=60, stdin=subprocess.DEVNULL)
+
+
+def test_scaling_model_compares_its_predictions_with_a_cluster_run(tmp_path):
+    """--compare on made-up costs whose prediction is closed form: 100 ms of compute per step of 64,
+    one 1,000-float key, free messages, bytes and server work, so samples/s = 64 H / (0.1 s + the
+    wire time of 2 x 4,000 x (H-1)/H bytes at 0.95 of the link)."""
+    comm = {"a_s": 0.0, "b_s_per_byte": 0.0, "k_s": 0.0}
+    costs = {"cpus": 0.4, "batch": 64, "compute": {"lenet": {"step_s": 0.1, "keys": [1000]}},
+             "comm": {"secure": comm, "plain": comm}, "server": {"sum_s_per_byte": 0.0, "update_s_per_byte": 0.0}}
+    (tmp_path / "costs.json").write_text(json.dumps(costs))
+    wire = 2 * 4000 * 3 / 4 / (0.95 * 1e10 / 8)
+    rows = [{"model": "lenet", "hosts": 2, "link": "1gbit", "contender": "tfkv", "samples_per_sec": 1280.0, "cpus": 0.4},
+            {"model": "lenet", "hosts": 4, "link": "10gbit", "contender": "tfkv_plain", "samples_per_sec": 2000.0,
+             "cpus": 0.4},
+            {"model": "lenet", "hosts": 4, "link": "10gbit", "contender": "mwms", "samples_per_sec": 1.0, "cpus": 0.4}]
+    (tmp_path / "cluster.json").write_text(json.dumps(rows))
+    proc = _scaling_model("--costs", str(tmp_path / "costs.json"), "--compare", str(tmp_path / "cluster.json"))
+    assert proc.returncode == 0, proc.stderr
+    predicted = 256 / (0.1 + wire)
+    assert f"| lenet | tfkv_plain | 4 | 10gbit | {predicted:.1f} | 2000.0 | {100 * (predicted / 2000 - 1):+.0f}% |" \
+        in proc.stdout, proc.stdout
+    assert "| lenet | tfkv | 2 | 1gbit |" in proc.stdout and "mwms" not in proc.stdout
+    assert "largest error 28%" in proc.stdout and "NOT met" in proc.stdout
+
+    rows[0]["cpus"] = 0.2  # measured in another budget than the costs: refused, one line
+    (tmp_path / "cluster.json").write_text(json.dumps(rows))
+    proc = _scaling_model("--costs", str(tmp_path / "costs.json"), "--compare", str(tmp_path / "cluster.json"))
+    assert proc.returncode != 0 and "another budget" in proc.stderr and "Traceback" not in proc.stderr
+    (tmp_path / "cluster.json").write_text("not json")
+    proc = _scaling_model("--costs", str(tmp_path / "costs.json"), "--compare", str(tmp_path / "cluster.json"))
+    assert proc.returncode != 0 and "cannot read" in proc.stderr and "Traceback" not in proc.stderr
