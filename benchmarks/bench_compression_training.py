@@ -2,9 +2,12 @@
 worker pushes per step, with 2 and 4 local workers and 1 server, same run.
 
 LeNet (tfkv `lenet`) on one synthetic 28x28x1 batch, b=32 per worker, SGD (lr 0.01, momentum
-0.9) on the server. Contenders: float32 pushes, and 2-bit pushes
+0.9). Contenders: float32 pushes; MXNet's 2-bit pushes
 (`set_gradient_compression({"type": "2bit", "threshold": 0.5})`, called right after the store is
-created, before any key exists, as the trainer does; pulls stay float32). Each job is the one in
+created, before any key exists, as the trainer does; pulls stay float32); and the accurate 2-bit,
+`{"type": "2bit_momentum"}` (a tfkv-run config's `kvstore.compression.type=2bit`: the momentum
+applied on the workers before quantising, the servers' SGD without it), the one speed targets
+are measured with. Their accuracy: bench_compression_accuracy.py. Each job is the one in
 benchmarks/dist_job.py (time-based steps, workers' weights checked to agree). Trials alternate
 the contenders (order reversed every other trial); medians are reported. `--overlap-ab` adds a
 float32 contender that pushes every key after the whole backward pass instead of from inside it
@@ -44,7 +47,8 @@ def main() -> None:
     counts = [int(w) for w in args.workers.split(",")]
     # Every job is secure (the job's keys), as launched jobs are by default; "plain" is the float32
     # job with TFKV_SECURE=0, what security costs beside what compression saves.
-    contenders = ["float32", "2bit", "float32, plain (secure=false)"] + (
+    compressions = {"2bit (accurate: 2bit_momentum)": "2bit_momentum", "2bit (MXNet's)": "2bit"}
+    contenders = ["float32", *compressions, "float32, plain (secure=false)"] + (
         ["float32, pushed after backward"] if args.overlap_ab else [])
     print(f"LeNet, dist_sync, 1 server, b={args.batch} per worker; samples/s of the whole job, median of "
           f"{args.trials} trials of ~{args.seconds:g} s; 2-bit threshold {args.threshold}", flush=True)
@@ -56,7 +60,7 @@ def main() -> None:
                 for c in (contenders if trial % 2 == 0 else contenders[::-1]):
                     with tempfile.TemporaryDirectory(prefix="bench_compression_") as tmp:
                         r = run_job(w, "lenet", args.batch, args.seconds, tmp, "job", args.job_timeout,
-                                    compression="2bit" if c == "2bit" else "none", threshold=args.threshold,
+                                    compression=compressions.get(c, "none"), threshold=args.threshold,
                                     overlap="after" if "after" in c else "graph", secure="plain" not in c)
                     got.setdefault((w, c), []).append(r)
             print(f"  trial {trial + 1}/{args.trials} done ({time.monotonic() - t_start:.0f} s)", flush=True)

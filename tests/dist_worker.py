@@ -237,7 +237,40 @@ def lossy_compressed(kv, out):
     lossy(kv, out)
 
 
+# 2bit_momentum's pushes: per worker and step, dyadic values (exact in float32 and in the test's
+# oracle), summed by a machine's devices when pushed as two device values
+MOMENTUM_GRADS = [[0.125, -0.375, 0.25, 0.625], [0.5, 0.25, -0.125, -0.75], [0.25, -0.5, 0.375, 0.125]]
+
+
+def momentum_compressed(kv, out):
+    """2bit_momentum across the wire (SGD lr=1, momentum 0.5 on the workers, threshold 0.5): a
+    push before set_optimizer is refused; then 6 steps of MOMENTUM_GRADS, scaled by rank + 1,
+    pushed as two device values; the weights pulled after each step and after a final barrier,
+    and the optimizer state the servers hold."""
+    kv.set_gradient_compression({"type": "2bit_momentum", "threshold": 0.5})
+    kv.init("w", np.zeros(4, np.float32))
+    try:
+        kv.push("w", np.zeros(4, np.float32))
+        refused = None
+    except RuntimeError as e:
+        refused = str(e)
+    kv.set_optimizer(optim.SGD(schedule=optim.Schedule(lr=1.0), momentum=0.5))
+    seen = []
+    for step in range(6):
+        g = np.array(MOMENTUM_GRADS[step % 3], np.float32) * (kv.rank + 1)
+        kv.push("w", [g * 0.5, g * 0.5])
+        seen.append(kv.pull("w").tolist())
+    kv.barrier()
+    final = kv.pull("w").tolist()
+    path = f"{out.name}.state.npz"
+    kv.save_optimizer_states(path)
+    with np.load(path) as f:
+        state = sorted(f.files)
+    json.dump({"refused": refused, "seen": seen, "final": final, "state": state}, out)
+
+
 SCENARIOS["compressed"] = compressed
+SCENARIOS["momentum_compressed"] = momentum_compressed
 SCENARIOS["lossy_compressed"] = lossy_compressed
 
 

@@ -21,6 +21,8 @@ CASES = [
     pytest.param("bench_scaling.py", ["--seconds", "0.3", "--trials", "1", "--workers", "2"], "secure/plain", marks=pytest.mark.bench),
     pytest.param("bench_compression_training.py", ["--seconds", "0.3", "--trials", "1", "--workers", "2", "--overlap-ab"],
      "pushed after backward", marks=pytest.mark.bench),
+    pytest.param("bench_compression_accuracy.py", ["--seeds", "0", "--epochs", "1"], "vs uncompressed (points)",
+                 marks=pytest.mark.bench),
     pytest.param("bench_dist_training.py", ["--seconds", "0.3", "--trials", "1", "--models", "lenet", "--no-pss"], "dist/MWMS", marks=pytest.mark.bench),
     pytest.param("bench_model_parallel.py", ["--seconds", "0.2", "--trials", "1", "--hidden", "32,32", "--vocab", "200",
                                  "--batch", "16", "--seq-len", "5"], "pipelined / naive", marks=pytest.mark.bench),

@@ -94,7 +94,15 @@ def test_schema_rejects_typos_and_wrong_types():
      "cluster.hostfile is not a setting of cluster=local"),
     (["+epoch=3"], "epoch is not a setting tfkv knows (did you mean epochs?)"),
     (["optimizer.schedule.name=linear"], "optimizer.schedule.name='linear' is not known"),
-    (["kvstore.compression.type=1bit"], "kvstore.compression.type='1bit' is not known"),
+    (["kvstore.compression.type=1bit"], "kvstore.compression.type='1bit' is not known; choose one of none, "
+                                        "2bit_mxnet, 2bit"),
+    (["kvstore=dist_sync", "cluster=local", "kvstore.compression.type=2bit", "optimizer=adam"],
+     "kvstore.compression.type=2bit applies SGD's momentum on the workers before quantising; optimizer=adam has "
+     "none: use optimizer=sgd, or kvstore.compression.type=2bit_mxnet (MXNet's 2-bit)"),
+    (["kvstore=device", "kvstore.compression.type=2bit", "kvstore.update_on_kvstore=false"],
+     "kvstore.update_on_kvstore=false updates on the devices: set kvstore.update_on_kvstore=true, or "
+     "kvstore.compression.type=2bit_mxnet"),
+    (["kvstore.compression.type=2bit_mxnet"], "kvstore=local sends neither"),
     (["kvstore.compression.type=2bit"], "kvstore=local sends neither: use kvstore=device or kvstore=dist_sync"),
     (["kvstore.type=dist"], "kvstore.type='dist' is MXNet's name for dist_sync; write kvstore=dist_sync"),
     (["kvstore.type=nccl"], "kvstore.type='nccl': KVStore type 'nccl' is MXNet's, not tfkv's; use device"),
@@ -141,6 +149,12 @@ def test_compression_validates_for_dist_types():
     check.validate(_compose("kvstore=dist_sync", "cluster=local", "kvstore.compression.type=2bit",
                              "kvstore.compression.threshold=0.25"))
     check.validate(_compose("kvstore=device", "kvstore.compression.type=2bit"))  # between devices, as MXNet
+    for kind in ("dist_async", "dist_sync_device", "dist_async_device"):
+        check.validate(_compose(f"kvstore={kind}", "cluster=local", "kvstore.compression.type=2bit"))
+    # MXNet's exact 2-bit takes any optimizer, also where the devices update
+    check.validate(_compose("kvstore=dist_sync", "cluster=local", "kvstore.compression.type=2bit_mxnet",
+                             "optimizer=adam"))
+    check.validate(_compose("kvstore=device", "kvstore.compression.type=2bit_mxnet", "kvstore.update_on_kvstore=false"))
 
 
 def test_mxnet_spellings_of_kvstore_types_compose():

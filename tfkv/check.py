@@ -133,7 +133,6 @@ def _cluster(cfg: Any) -> None:
     """The store type and the cluster fit each other (the type's declared capabilities), and the
     compression setting parses and is one the type takes."""
     from tfkv import store
-    from tfkv.ps import compression
 
     c, kind = cfg.cluster, cfg.kvstore.type
     can = store.capabilities(kind)
@@ -150,16 +149,36 @@ def _cluster(cfg: Any) -> None:
     elif c.launcher != "none":
         raise ConfigError(f"cluster={c.launcher} starts a parameter-server job, but kvstore={kind} is a "
                           "single-machine store; use kvstore=dist_sync (or dist_async, ...) or drop cluster=")
-    comp = cfg.kvstore.compression
+    _compression(cfg, can.compression)
+    checks.cluster_sizes(c)
+
+
+def _compression(cfg: Any, store_compresses: bool) -> None:
+    """kvstore.compression names a kind of tfkv.ps.compression.KINDS (by its config name), the
+    store type takes compression, and a kind that moves the momentum to the workers has SGD's
+    momentum to move and the optimizer in the store to run without it."""
+    from tfkv.ps import compression
+
+    comp, kind = cfg.kvstore.compression, cfg.kvstore.type
     try:
-        compressing = compression.parse({"type": comp.type, "threshold": comp.threshold}, "kvstore.compression")
+        setting = compression.from_config(comp.type, comp.threshold)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if compressing is not None and not can.compression:
+    if setting is None:
+        return
+    if not store_compresses:
         raise ConfigError(f"kvstore.compression.type={comp.type} compresses what devices send to be summed "
                           f"(kvstore=device) or workers push to parameter servers (dist_*); kvstore={kind} "
                           "sends neither: use kvstore=device or kvstore=dist_sync")
-    checks.cluster_sizes(c)
+    exact = next(k.config for k in compression.KINDS if k.quantises and not k.worker_momentum)
+    if setting.kind.worker_momentum and cfg.optimizer.name != "sgd":
+        raise ConfigError(f"kvstore.compression.type={comp.type} applies SGD's momentum on the workers before "
+                          f"quantising; optimizer={cfg.optimizer.name} has none: use optimizer=sgd, or "
+                          f"kvstore.compression.type={exact} (MXNet's 2-bit)")
+    if setting.kind.worker_momentum and not cfg.kvstore.update_on_kvstore:
+        raise ConfigError(f"kvstore.compression.type={comp.type} applies the momentum on the workers and the "
+                          "store's optimizer runs without it, but kvstore.update_on_kvstore=false updates on "
+                          f"the devices: set kvstore.update_on_kvstore=true, or kvstore.compression.type={exact}")
 
 
 

@@ -79,6 +79,7 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | No
     from tfkv.parallel.data_parallel import DataParallel
     from tfkv.parallel.metrics import nonfinite
     from tfkv.parallel.precision import LossScale, check_devices, gpu_capabilities
+    from tfkv.ps import compression
     from tfkv.tracking.tensorboard import writer as summary_writer
 
     run_dir = Path(run_dir)
@@ -99,9 +100,10 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | No
     # not SIGTERM in a trial of a sweep.
     preemption = checkpoint.Preemption(run_dir, terminate=checkpoint.takes_sigterm())
     try:
-        # Before any key exists; the store decides what compression means for it.
-        store.set_gradient_compression({"type": cfg.kvstore.compression.type,
-                                        "threshold": cfg.kvstore.compression.threshold})
+        # Before any key exists; the store decides what compression means for it. The config's
+        # names are not the API's (its 2bit is the API's 2bit_momentum: tfkv.ps.compression.KINDS).
+        compressing = compression.from_config(cfg.kvstore.compression.type, cfg.kvstore.compression.threshold)
+        store.set_gradient_compression(compressing.params() if compressing else None)
         source = data.Source(cfg.dataset, cfg.seed, cfg.batch_size, cfg.eval_batch_size, store.num_workers,
                              store.rank, cfg.steps_per_epoch)
         steps = source.steps

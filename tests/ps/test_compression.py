@@ -1,4 +1,5 @@
-"""2-bit gradient compression: exact packing, the error-feedback invariant, parameter checks."""
+"""2-bit gradient compression: exact packing, the error-feedback invariant, momentum correction's
+invariant against its closed form, the kinds' registry, parameter checks."""
 
 import numpy as np
 import pytest
@@ -60,12 +61,89 @@ def test_unpack_refuses_malformed_words():
 
 
 def test_parse_params():
-    assert C.parse({"type": "2bit", "threshold": 0.25}) == 0.25
-    assert C.parse({"type": "2bit"}) == 0.5
+    assert C.parse({"type": "2bit", "threshold": 0.25}).threshold == 0.25
+    assert C.parse({"type": "2bit"}) == C.Setting(C.KINDS[1], 0.5)  # MXNet's name is MXNet's scheme
+    assert C.parse({"type": "2bit"}).kind.worker_momentum is False
+    assert C.parse({"type": "2bit_momentum"}).kind.worker_momentum is True
     assert C.parse({"type": "none"}) is None and C.parse(None) is None
-    for bad in ({"type": "1bit"}, {"type": "2bit", "threshold": 0}, {"type": "2bit", "thresh": 1}):
+    for bad in ({"type": "1bit"}, {"type": "2bit", "threshold": 0}, {"type": "2bit", "thresh": 1},
+                {"type": "2bit_mxnet"}):  # a config's name, not the API's
         with pytest.raises(ValueError):
             C.parse(bad)
+
+
+def test_config_names_are_the_registrys():
+    """A tfkv-run config's 2bit is the accurate kind, 2bit_mxnet MXNet's; an unknown name is one
+    line naming the choices."""
+    assert C.from_config("2bit", 0.5).params() == {"type": "2bit_momentum", "threshold": 0.5}
+    assert C.from_config("2bit_mxnet", 0.5).params() == {"type": "2bit", "threshold": 0.5}
+    assert C.from_config("none", 0.5) is None
+    with pytest.raises(ValueError, match=r"^kvstore.compression.type='1bit' is not known; choose one of none, "
+                                         r"2bit_mxnet, 2bit$"):
+        C.from_config("1bit", 0.5)
+
+
+def test_split_momentum_moves_sgds_momentum_to_the_workers():
+    from tfkv import optim
+
+    sgd = optim.SGD(schedule=optim.Schedule(lr=0.1), momentum=0.9, wd=1e-4, rescale_grad=0.5)
+    served, m = C.split_momentum(C.parse({"type": "2bit_momentum"}), sgd)
+    assert m == 0.9 and served == optim.SGD(schedule=optim.Schedule(lr=0.1), momentum=0.0, wd=1e-4, rescale_grad=0.5)
+    assert C.split_momentum(C.parse({"type": "2bit"}), sgd) == (sgd, 0.0)  # MXNet's: momentum stays in the store
+    assert C.split_momentum(None, sgd) == (sgd, 0.0)
+    with pytest.raises(ValueError, match="applies SGD's momentum on the workers; optimizer adam has none"):
+        C.split_momentum(C.parse({"type": "2bit_momentum"}), optim.Adam())
+
+
+def _corrected_by_hand(grads, m, t):
+    """The momentum-corrected gradients u_t = m * u_{t-1} + g_t of each step, one value at a time
+    in float32 as pack_corrected's docstring states the rule: u_t goes into the residual, +-t is
+    sent where the residual reaches t, and u restarts from zero where the residual still holds
+    a whole t after sending. Returns (u_t of every step, the values sent, the last u)."""
+    n = grads[0].size
+    u, r = [np.float32(0)] * n, [np.float32(0)] * n
+    corrected, sent = [], []
+    for g in grads:
+        step_u, step_sent = [], []
+        for i in range(n):
+            u[i] = np.float32(m) * u[i] + g[i]
+            r[i] = r[i] + u[i]
+            s = t if r[i] >= t else -t if r[i] <= -t else 0.0
+            r[i] = r[i] - np.float32(s)
+            step_u.append(u[i])
+            step_sent.append(s)
+            if abs(r[i]) >= t:
+                u[i] = np.float32(0)
+        corrected.append(np.array(step_u, np.float64))
+        sent.append(np.array(step_sent))
+    return corrected, sent, np.array(u, np.float32)
+
+
+def test_momentum_correction_and_error_feedback_sum_exactly():
+    """After N pushes, what was sent plus the residual is the sum of the momentum-corrected
+    gradients; and while nothing is sent (a threshold above every sum) the velocity is m's
+    geometric sum of the gradients and the residual their running sum (closed form)."""
+    rng = np.random.default_rng(1)
+    n, t, m, steps = 300, 0.5, 0.9, 40
+    velocity, residual = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    grads = [rng.normal(scale=0.2, size=n).astype(np.float32) for _ in range(steps)]
+    sent = [C.unpack(C.pack_corrected(g, velocity, residual, t, m), n, t) for g in grads]
+    assert all(set(np.unique(s)) <= {-t, 0.0, t} for s in sent)
+    assert 0.05 < np.mean([np.count_nonzero(s) for s in sent]) / n < 0.95  # some sent, some held back
+    corrected, by_hand, last = _corrected_by_hand(grads, m, t)
+    np.testing.assert_array_equal(np.array(sent), np.array(by_hand))
+    np.testing.assert_array_equal(velocity, last)
+    restarted = sum(int(np.count_nonzero(u != 0)) for u in corrected) - int(np.count_nonzero(last))
+    assert restarted > 0  # the masking happened, and the sum below still holds
+    np.testing.assert_allclose(np.sum(sent, axis=0) + residual, np.sum(corrected, axis=0), atol=2e-4)
+
+    big = 1e6  # nothing is ever sent: no masking, the plain geometric sums
+    velocity, residual = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    for g in grads[:20]:
+        assert not C.unpack(C.pack_corrected(g, velocity, residual, big, m), n, big).any()
+    geometric = [sum(m ** (j - i) * grads[i].astype(np.float64) for i in range(j + 1)) for j in range(20)]
+    np.testing.assert_allclose(velocity, geometric[-1], atol=1e-5)
+    np.testing.assert_allclose(residual, np.sum(geometric, axis=0), atol=1e-4)
 
 
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 100])
@@ -87,6 +165,16 @@ def test_tensorflow_ops_pack_the_same_words_as_numpy(n):
     np.testing.assert_array_equal(got.numpy(), words)
     np.testing.assert_array_equal(var.numpy(), residual)
     np.testing.assert_array_equal(T.unpack(got, n, 0.5).numpy(), C.unpack(words, n, 0.5))
+
+    # 2bit_momentum: the same words, residual and velocity, step after step
+    velocity, residual = (rng.normal(size=n) * 0.3).astype(np.float32), start.copy()
+    tf_velocity, tf_residual = tf.Variable(velocity), tf.Variable(start)
+    for _ in range(3):
+        g = rng.normal(size=n).astype(np.float32)
+        words = C.pack_corrected(g, velocity, residual, 0.5, 0.9)
+        np.testing.assert_array_equal(T.pack(tf.constant(g), tf_residual, 0.5, tf_velocity, 0.9).numpy(), words)
+        np.testing.assert_array_equal(tf_residual.numpy(), residual)
+        np.testing.assert_array_equal(tf_velocity.numpy(), velocity)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

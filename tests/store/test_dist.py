@@ -250,6 +250,43 @@ def test_two_bit_compression_over_the_wire(cluster):
         assert r["plain_bytes"] / r["compressed_bytes"] > 15.9
 
 
+def _momentum_oracle(workers, steps, m=0.5, t=0.5, lr=1.0):
+    """The weights after each step of the momentum_compressed scenario, in plain Python: each
+    worker's velocity u = m*u + g and residual v += u, +-t sent where |v| >= t, u zeroed where
+    |v| is still >= t after it, the sum applied by SGD without momentum."""
+    from dist_worker import MOMENTUM_GRADS
+
+    w, u, v, after = [0.0] * 4, [[0.0] * 4 for _ in range(workers)], [[0.0] * 4 for _ in range(workers)], []
+    for step in range(steps):
+        for r in range(workers):
+            for i, g in enumerate(MOMENTUM_GRADS[step % 3]):
+                u[r][i] = m * u[r][i] + g * (r + 1)
+                v[r][i] += u[r][i]
+                sent = t if v[r][i] >= t else -t if v[r][i] <= -t else 0.0
+                v[r][i] -= sent
+                u[r][i] = 0.0 if abs(v[r][i]) >= t else u[r][i]
+                w[i] -= lr * sent
+        after.append(list(w))
+    return after
+
+
+@pytest.mark.parametrize("kind", ["dist_sync", "dist_async", "dist_sync_device"])
+def test_momentum_corrected_compression_over_the_wire(cluster, kind):
+    """2bit_momentum: the workers apply the momentum before quantising, the servers run SGD
+    without it (their optimizer holds no momentum state), and the weights are the oracle's; a
+    push before the optimizer (whose momentum the workers need) is refused in one line."""
+    _, outs = _job(cluster, "momentum_compressed", num_servers=2, num_workers=2, TEST_KVSTORE=kind)
+    want = _momentum_oracle(2, 6)
+    assert want[-1] != want[0] and any(abs(x) > 0.5 for x in want[-1])  # momentum moved it beyond one send
+    for r in _results(outs):
+        assert ("dist_async needs an optimizer" if kind == "dist_async" else
+                "2bit_momentum applies the optimizer's momentum on the workers: call set_optimizer") in r["refused"]
+        assert r["state"] == ["w/count"]  # no momentum on the servers
+        assert r["final"] == want[-1]
+        if kind != "dist_async":  # async: each push applied on arrival, the sum the same in the end
+            assert r["seen"] == want
+
+
 def test_resend_with_compression_never_applies_twice(cluster):
     _, (out,) = _job(cluster, "lossy_compressed", PS_RESEND="1", PS_RESEND_TIMEOUT="300")
     r = _results([out])[0]

@@ -355,6 +355,66 @@ def test_device_store_compresses_between_devices_as_mxnet(tf_devices):
         store.create("local").set_gradient_compression({"type": "2bit", "threshold": 0.5})
 
 
+def _momentum_store(devs, t=0.5):
+    kv = store.create("device", devices=devs)
+    kv.set_gradient_compression({"type": "2bit_momentum", "threshold": t})
+    kv.init(0, np.zeros(5, np.float32))
+    kv.set_optimizer(optim.SGD(schedule=optim.Schedule(lr=1.0), momentum=0.9))
+    return kv
+
+
+def test_device_store_applies_momentum_on_the_devices_and_keeps_it_in_its_state(tf_devices, tmp_path):
+    """2bit_momentum between devices: each device's velocity and residual as numpy's
+    pack_corrected keeps them, the store's SGD without momentum (no momentum state), a push
+    before the optimizer refused; the saved state holds the velocities and residuals, and a
+    store loading it goes on exactly as the one that saved it."""
+    from tfkv.ps import compression
+
+    devs = tf_devices[:2]
+    early = store.create("device", devices=devs)
+    early.set_gradient_compression({"type": "2bit_momentum", "threshold": 0.5})
+    early.init(0, np.zeros(2, np.float32))
+    with pytest.raises(RuntimeError, match="2bit_momentum applies the optimizer's momentum on the devices: call "
+                                           "set_optimizer"):
+        early.push(0, [tf.zeros(2), tf.zeros(2)])
+    kv = _momentum_store(devs)
+    grads = [np.array([0.3, 0.6, -0.7, 1.2, 0.0], np.float32), np.array([0.3, -0.2, -0.4, 0.5, 0.1], np.float32)]
+    velocities, residuals = [np.zeros(5, np.float32) for _ in devs], [np.zeros(5, np.float32) for _ in devs]
+    weight = np.zeros(5, np.float32)
+
+    def step(kv, oracle=True):
+        kv.push(0, [tf.constant(g) for g in grads])
+        if oracle:
+            sent = sum(compression.unpack(compression.pack_corrected(g, u, r, 0.5, 0.9), 5, 0.5)
+                       for g, u, r in zip(grads, velocities, residuals))
+            weight[:] -= sent  # SGD lr 1 without momentum
+        return kv.pull(0).numpy()
+
+    for _ in range(4):
+        np.testing.assert_array_equal(step(kv), weight)
+    assert weight.tolist() != [0.0] * 5
+    for held, mine in ((kv._velocities[0], velocities), (kv._residuals[0], residuals)):
+        np.testing.assert_array_equal([v.numpy() for v in held], mine)
+    kv.save_optimizer_states(str(tmp_path / "state.npz"))
+    with np.load(tmp_path / "state.npz") as f:
+        assert sorted(f.files) == ["0/compression_residual_0", "0/compression_residual_1", "0/compression_velocity_0",
+                                   "0/compression_velocity_1", "0/count"]  # no momentum in the updater
+    again = _momentum_store(devs)
+    again._values[0].assign(kv._values[0])  # the weights come from the checkpoint's weights.npz
+    again.load_optimizer_states(str(tmp_path / "state.npz"))
+    for _ in range(3):
+        np.testing.assert_array_equal(step(again, oracle=False), step(kv))
+        np.testing.assert_array_equal(kv.pull(0).numpy(), weight)
+
+    # a lone value crosses no link, so it is not quantised; the momentum still applies (exactly
+    # SGD's with momentum 0.9, lr 1: the updater has none)
+    lone = _momentum_store(devs)
+    g = np.array([0.3, -0.7, 1.2, 0.0, 0.1], np.float32)
+    lone.push(0, tf.constant(g))
+    lone.push(0, tf.constant(g))
+    np.testing.assert_allclose(lone.pull(0).numpy(), -g - (0.9 * g + g), rtol=1e-6)
+
+
 def test_device_store_does_not_compress_a_single_value(tf_devices):
     """MXNet's CommDevice::Reduce returns a lone value as it is, before any compression: nothing
     crosses between devices, so nothing is quantised (nor kept as a residual)."""

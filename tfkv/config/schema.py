@@ -61,10 +61,15 @@ class AdamConfig(OptimizerConfig):
 
 @dataclass
 class CompressionConfig:
-    # none | 2bit: what workers push to the parameter servers (dist_*) or devices send to be summed
-    # (device), as MXNet's set_gradient_compression
+    # none | 2bit | 2bit_mxnet: how what workers push to the parameter servers (dist_*) or devices
+    # send to be summed (device) is compressed (tfkv.ps.compression.KINDS):
+    # 2bit: SGD's momentum applied by each sender before quantising (DGC's momentum correction),
+    #   with error feedback; the store's optimizer then runs without momentum (needs
+    #   optimizer=sgd and update_on_kvstore=true). Keeps accuracy with momentum.
+    # 2bit_mxnet: MXNet's exact 2-bit (its set_gradient_compression({"type": "2bit"})): the
+    #   gradient is quantised and the store's optimizer, momentum included, runs on what arrives.
     type: str = "none"
-    # 2bit: each value sent is +threshold, -threshold or 0; on MXNet's scale (gradient sums over a
+    # each value sent is +threshold, -threshold or 0; on MXNet's scale (gradient sums over a
     # batch, see optimizer.rescale_grad), so MXNet's 0.5 means what it does there
     threshold: float = 0.5
 

@@ -1,17 +1,76 @@
-"""2-bit gradient compression with error feedback, MXNet's scheme, on numpy arrays.
+"""Gradient compression on numpy arrays: the kinds a store takes (one registry), and 2-bit
+quantisation with error feedback, MXNet's scheme, with or without momentum correction.
 
-With threshold t, each element of (gradient + residual) becomes +t, -t or 0; what was not sent
+With threshold t, each element of (value + residual) becomes +t, -t or 0; what was not sent
 stays in the residual for the next push. Codes take 2 bits each (0: 0, 1: +t, 2: -t; 3 is
 invalid), 16 per little-endian uint32 word, element i in bits 2*(i % 16). No TensorFlow here.
+
+The kinds differ only in what is quantised, never in the words on the wire:
+- `2bit` (MXNet's API name; `2bit_mxnet` in a tfkv-run config): the gradient itself, MXNet's
+  exact scheme. The store's optimizer (SGD's momentum included) runs on what it receives.
+- `2bit_momentum` (`2bit` in a tfkv-run config): Deep Gradient Compression's momentum
+  correction (Lin et al., 2018) with a masking of its own. The sender keeps a velocity
+  u = m*u + g per value, with m the momentum of the optimizer the store is given, adds u into
+  the residual, quantises the residual as above, and zeroes u where the channel is saturated
+  (`pack_corrected`); the store's optimizer runs with momentum 0, so momentum is applied once,
+  before the quantisation, and a value still being sent from the residual is not amplified by
+  it again.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 import numpy as np
 
-TYPES = ("none", "2bit")
+from tfkv import optim
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One kind of gradient compression and what it needs of the store that runs it."""
+
+    name: str  # its `type` in set_gradient_compression (MXNet's API)
+    config: str  # its kvstore.compression.type in a tfkv-run config
+    quantises: bool  # what is sent is 2-bit words (else float32 values, as without compression)
+    # the optimizer's momentum runs on the sender, before quantising; the store's optimizer runs
+    # without it (so it needs SGD, in the store: update_on_kvstore)
+    worker_momentum: bool
+
+
+KINDS = (
+    Kind("none", "none", quantises=False, worker_momentum=False),
+    Kind("2bit", "2bit_mxnet", quantises=True, worker_momentum=False),
+    Kind("2bit_momentum", "2bit", quantises=True, worker_momentum=True),
+)
+TYPES = tuple(k.name for k in KINDS)
+CONFIG_TYPES = tuple(k.config for k in KINDS)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A parsed compression setting: its kind and its threshold."""
+
+    kind: Kind
+    threshold: float
+
+    def params(self) -> dict[str, Any]:
+        """What set_gradient_compression takes for it."""
+        return {"type": self.kind.name, "threshold": self.threshold}
+
+
+def split_momentum(setting: Setting | None, optimizer: optim.Optimizer) -> tuple[optim.Optimizer, float]:
+    """(the optimizer a store runs, the momentum its senders apply first) under `setting`: a kind
+    with worker momentum takes SGD's momentum out of the optimizer (the store applies no momentum
+    a second time; rate, schedule, rescale_grad, clipping and weight decay stay). ValueError for
+    an optimizer without SGD's momentum."""
+    if setting is None or not setting.kind.worker_momentum:
+        return optimizer, 0.0
+    if not isinstance(optimizer, optim.SGD):
+        raise ValueError(f"gradient compression {setting.kind.name} applies SGD's momentum on the workers; "
+                         f"optimizer {optimizer.name} has none: use SGD, or compression type 2bit (MXNet's)")
+    return replace(optimizer, momentum=0.0), float(optimizer.momentum)
 
 
 def words(count: int) -> int:
@@ -19,37 +78,43 @@ def words(count: int) -> int:
     return (count + 15) // 16
 
 
-def parse(params: Mapping[str, Any] | None, where: str = "compression") -> float | None:
-    """MXNet's compression params ({"type": "2bit", "threshold": 0.5}) -> threshold, or None for
+def parse(params: Mapping[str, Any] | None, where: str = "compression") -> Setting | None:
+    """MXNet's compression params ({"type": "2bit", "threshold": 0.5}) -> the Setting, or None for
     no compression. Raises ValueError on anything else, naming the setting as `where`.type etc."""
     if not params:
         return None
-    kind = str(params.get("type", "none")).lower()
-    if kind not in TYPES:
-        raise ValueError(f"{where}.type={kind!r} is not known; choose one of {', '.join(TYPES)}")
     unknown = set(params) - {"type", "threshold"}
     if unknown:
         raise ValueError(f"{where}: unknown parameter(s) {', '.join(sorted(unknown))}")
-    if kind == "none":
+    return _setting(_kind(str(params.get("type", "none")).lower(), "name", where), params.get("threshold", 0.5),
+                    where)
+
+
+def from_config(kind: str, threshold: Any, where: str = "kvstore.compression") -> Setting | None:
+    """A tfkv-run config's kvstore.compression (type by its config name) -> the Setting, or None."""
+    return _setting(_kind(str(kind).lower(), "config", where), threshold, where)
+
+
+def _kind(name: str, field: str, where: str) -> Kind:
+    for k in KINDS:
+        if getattr(k, field) == name:
+            return k
+    choices = ", ".join(getattr(k, field) for k in KINDS)
+    raise ValueError(f"{where}.type={name!r} is not known; choose one of {choices}")
+
+
+def _setting(kind: Kind, threshold: Any, where: str) -> Setting | None:
+    if not kind.quantises:
         return None
-    threshold = float(params.get("threshold", 0.5))
+    threshold = float(threshold)
     if not np.isfinite(threshold) or threshold <= 0:
         raise ValueError(f"{where}.threshold={threshold} must be positive")
-    return threshold
+    return Setting(kind, threshold)
 
 
-def pack(grad: np.ndarray, residual: np.ndarray, threshold: float) -> np.ndarray:
-    """Add `grad` into `residual` (in place), quantise it, take the sent part out of the residual;
-    return the codes as uint32 words."""
-    t = np.float32(threshold)
-    residual += grad
-    pos = residual >= t
-    neg = residual <= -t
-    # sent = (pos - neg) * t, one float temporary; masked ufuncs (where=) are 10x slower here.
-    sent = np.subtract(pos, neg, dtype=np.float32)
-    sent *= t
-    residual -= sent
-    n = residual.size
+def _encode(pos: np.ndarray, neg: np.ndarray) -> np.ndarray:
+    """The codes of (pos, neg) boolean arrays as uint32 words."""
+    n = pos.size
     codes = np.zeros(words(n) * 16, np.uint8)
     codes[:n] = pos.view(np.uint8)
     codes[:n] |= neg.view(np.uint8) << np.uint8(1)
@@ -58,6 +123,43 @@ def pack(grad: np.ndarray, residual: np.ndarray, threshold: float) -> np.ndarray
     c = codes.reshape(-1, 4)
     packed = c[:, 0] | (c[:, 1] << np.uint8(2)) | (c[:, 2] << np.uint8(4)) | (c[:, 3] << np.uint8(6))
     return packed.view("<u4").astype(np.uint32, copy=False)
+
+
+def _quantise(residual: np.ndarray, threshold: float) -> tuple[np.ndarray, np.ndarray]:
+    """Where `residual` sends +t and -t; the sent part is taken out of it (in place)."""
+    t = np.float32(threshold)
+    pos = residual >= t
+    neg = residual <= -t
+    # sent = (pos - neg) * t, one float temporary; masked ufuncs (where=) are 10x slower here.
+    sent = np.subtract(pos, neg, dtype=np.float32)
+    sent *= t
+    residual -= sent
+    return pos, neg
+
+
+def pack(grad: np.ndarray, residual: np.ndarray, threshold: float) -> np.ndarray:
+    """Add `grad` into `residual` (in place), quantise it, take the sent part out of the residual;
+    return the codes as uint32 words."""
+    residual += grad
+    return _encode(*_quantise(residual, threshold))
+
+
+def pack_corrected(grad: np.ndarray, velocity: np.ndarray, residual: np.ndarray, threshold: float,
+                   momentum: float) -> np.ndarray:
+    """Momentum correction: velocity = momentum * velocity + grad is added into the residual and
+    quantised as `pack` does; then the velocity is zeroed where the residual still holds a whole
+    threshold after sending (both float32 arrays change in place). There the 2-bit channel, at
+    most t a step, is saturated: more momentum would only pile up a backlog that is sent after
+    the gradient has turned (the overshoot of server-side momentum), so it restarts from the next
+    gradient; everywhere else the momentum runs on. DGC's own masking, zeroing the velocity of
+    every value sent, also stops momentum where the channel keeps up, and no masking lets the
+    backlog grow: both end further from uncompressed (benchmarks/results/compression_masking.md)."""
+    velocity *= np.float32(momentum)
+    velocity += grad
+    residual += velocity
+    pos, neg = _quantise(residual, threshold)
+    np.putmask(velocity, np.abs(residual) >= np.float32(threshold), np.float32(0))
+    return _encode(pos, neg)
 
 
 def unpack(packed: np.ndarray, count: int, threshold: float) -> np.ndarray:

@@ -350,7 +350,8 @@ class Server:
         self.reply(identity, P.ack(msg))
 
     def on_set_compression(self, identity: bytes, msg: P.Message) -> None:
-        self.threshold = compression.parse(msg.meta)
+        setting = compression.parse(msg.meta)  # every kind sends the same words: only t decodes them
+        self.threshold = None if setting is None else setting.threshold
         self.reply(identity, P.ack(msg))
 
     def on_set_optimizer(self, identity: bytes, msg: P.Message) -> None:

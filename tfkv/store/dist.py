@@ -15,7 +15,10 @@ throughput of pushing everything before pulling); `arrivals` hands out each key 
 part arrives. DataParallel calls `pushpull_async` from inside its compiled step, per key, as
 backprop produces the gradients (hence the link's lock: the sockets are used from a TensorFlow
 thread). With `set_gradient_compression` pushes are 2-bit compressed (`tfkv.ps.compression`)
-with one residual per key chunk kept on the worker.
+with one residual per key chunk kept on the worker; with the `2bit_momentum` kind also one
+velocity per chunk, the optimizer's momentum applied here, and the servers get the optimizer
+with momentum 0 (`compression.split_momentum`). Those worker-side arrays are not in a
+checkpoint (worker 0 alone writes it): a resumed job starts them from zero, and says so.
 
 A key initialised with a float16 or bfloat16 value holds that dtype (tfkv.ps.dtypes): this
 machine's values are summed in it and travel at 2 bytes a value; a value of another dtype is
@@ -69,8 +72,10 @@ class DistStore(KVStore):
         self._ids: dict[Hashable, int] = {}
         self._layouts: dict[int, Layout] = {}
         self._has_optimizer = False
-        self._threshold: float | None = None  # 2-bit compression of pushes, when set
+        self._compression: compression.Setting | None = None  # of pushes, when set
         self._residuals: dict[int, np.ndarray] = {}  # server-side key -> what compression held back
+        self._velocities: dict[int, np.ndarray] = {}  # server-side key -> 2bit_momentum's velocity
+        self._momentum = 0.0  # what this worker applies before quantising (2bit_momentum)
         self.push_bytes = 0  # payload bytes of every PUSH sent (measures compression)
         self.sum_on_device = self.on_device and gpu_p2p()
         # MXNet's store leaves in its destructor, and its scripts end without a teardown call:
@@ -225,7 +230,7 @@ class DistStore(KVStore):
                 self._settle_pushes()
                 return [self._request_pull(k, outs[k]) for k, _ in items]
             pulls = []
-            fusing = self._threshold is None  # a 2-bit payload is no float32 slice of a fused one
+            fusing = self._compression is None  # a 2-bit payload is no float32 slice of a fused one
             for k, values in items:  # each pull right behind its push: replies flow while pushes do
                 layout = self._layout(k)[1]
                 if fusing and layout.fusable:
@@ -314,6 +319,9 @@ class DistStore(KVStore):
         if not self.sync and not self._has_optimizer:
             raise RuntimeError(f"{self.type} needs an optimizer on the servers (set_optimizer, "
                                "update_on_kvstore=true): without one each push would replace the weights")
+        if self._compression is not None and self._compression.kind.worker_momentum and not self._has_optimizer:
+            raise RuntimeError(f"gradient compression {self._compression.kind.name} applies the optimizer's momentum "
+                               "on the workers: call set_optimizer (an SGD) before pushing")
 
     def _flat(self, k: Key, layout: Layout, values: list[Any]) -> np.ndarray:
         """This machine's values of key `k` summed into one flat array of its size and dtype."""
@@ -337,11 +345,16 @@ class DistStore(KVStore):
         """A PUSH or PUSHPULL of one key part: 2-bit compressed with `set_gradient_compression`
         (its residual changes here, once; a resend under PS_RESEND repeats the frames)."""
         msg = P.Message(kind, key=skey, data=part)
-        if self._threshold is not None:
+        setting = self._compression
+        if setting is not None:
             residual = self._residuals.get(skey)
             if residual is None:
                 residual = self._residuals[skey] = np.zeros(part.size, np.float32)
-            msg.data = compression.pack(part, residual, self._threshold)
+            if setting.kind.worker_momentum:
+                velocity = self._velocities.setdefault(skey, np.zeros(part.size, np.float32))
+                msg.data = compression.pack_corrected(part, velocity, residual, setting.threshold, self._momentum)
+            else:
+                msg.data = compression.pack(part, residual, setting.threshold)
             msg.dtype, msg.count = P.DType.TWOBIT, part.size
         self.push_bytes += msg.data.nbytes
         return msg
@@ -359,23 +372,33 @@ class DistStore(KVStore):
         return pull
 
     def set_gradient_compression(self, compression_params: Any) -> None:
-        """MXNet's API, e.g. {"type": "2bit", "threshold": 0.5}; every worker calls it (each keeps
-        its residuals), worker 0 tells the servers how to decode."""
-        threshold = compression.parse(compression_params)
-        if threshold != self._threshold:
+        """MXNet's API, e.g. {"type": "2bit", "threshold": 0.5}, or tfkv's {"type":
+        "2bit_momentum", ...}; every worker calls it (each keeps its residuals), worker 0 tells the
+        servers how to decode (the same words for both kinds) and, when the kind moves momentum
+        to the workers after an optimizer was set, sends the servers' optimizer again."""
+        setting = compression.parse(compression_params)
+        if setting != self._compression:
             self._residuals.clear()
-        self._threshold = threshold
-        if self.rank == 0 and threshold is not None:
+            self._velocities.clear()
+        self._compression = setting
+        if self.rank == 0 and setting is not None:
             for s in range(self.servers.count):
-                self.servers.send(s, P.Message(P.Type.SET_COMPRESSION, meta={"type": "2bit", "threshold": threshold}))
+                self.servers.send(s, P.Message(P.Type.SET_COMPRESSION,
+                                               meta={"type": "2bit", "threshold": setting.threshold}))
+        if self._user_optimizer is not None:
+            self.set_optimizer(self._user_optimizer)
+            return
         self.servers.wait()
         self.barrier()
 
     def set_optimizer(self, optimizer: Any) -> None:
+        """The servers run `optimizer`, less its momentum when the compression applies it on the
+        workers (`compression.split_momentum`: the servers learn it from the optimizer they get)."""
+        served, self._momentum = compression.split_momentum(self._compression, optimizer)
         self._has_optimizer = True
-        self._optimizer = optimizer
+        self._user_optimizer, self._optimizer = optimizer, served
         if self.rank == 0:
-            spec = {"optimizer": optim.to_dict(optimizer)}
+            spec = {"optimizer": optim.to_dict(served)}
             for s in range(self.servers.count):
                 self.servers.send(s, P.Message(P.Type.SET_OPTIMIZER, meta=spec))
         self.servers.wait()
@@ -421,6 +444,11 @@ class DistStore(KVStore):
 
     def load_optimizer_states(self, fname: str) -> None:
         self._require_optimizer()
+        if self.rank == 0 and self._compression is not None:
+            held = "residuals and velocities" if self._compression.kind.worker_momentum else "residuals"
+            logging.getLogger("tfkv").warning(
+                "gradient compression %s: each worker's %s are not in the optimizer state; they start from zero, "
+                "so the updates from here differ from those of a job never stopped", self._compression.kind.name, held)
         if self.rank == 0:
             with np.load(fname, allow_pickle=False) as f:
                 states = {n: f[n] for n in f.files}
@@ -474,7 +502,8 @@ class DistStore(KVStore):
             os._exit(1)  # an exception in an atexit hook would not change the exit status
 
     _closed = False
-    _optimizer: Any = None
+    _optimizer: Any = None  # what the servers run
+    _user_optimizer: Any = None  # what set_optimizer was given
     _shown_before: BaseException | None = None
 
 

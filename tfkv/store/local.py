@@ -4,8 +4,9 @@ accelerators, keys spread over them).
 Their push/pull are TensorFlow ops, so data parallelism traces them into the same tf.function
 as the forward and backward passes: one graph per step, no Python between devices (unless a
 Python updater is set, MXNet's `_set_updater`, which runs in a `tf.numpy_function`). The
-`device` store also takes MXNet's 2-bit gradient compression: each device quantises its value
-with its own residual and only the 2-bit words travel to the device that sums.
+`device` store also takes 2-bit gradient compression (MXNet's, or 2bit_momentum): each device
+quantises its value with its own residual (and velocity) and only the 2-bit words travel to the
+device that sums; those are saved with the optimizer state.
 
 Keys may hold float16 or bfloat16 values (numpy, `ml_dtypes.bfloat16`, or tf tensors): a key
 keeps the dtype it was initialised with, device values are summed in it (as MXNet's), a push of
@@ -168,45 +169,96 @@ class DeviceStore(LocalStore):
         self._load[home] += int(np.prod(value.shape))
         return home
 
-    _threshold: float | None = None  # 2-bit compression between devices, when set
+    _compression: compression.Setting | None = None  # between devices, when set
+    _momentum = 0.0  # what each device applies before quantising (2bit_momentum)
+    _user_optimizer: Any = None  # what set_optimizer was given (its updater may run without momentum)
 
     def set_gradient_compression(self, compression_params: Mapping[str, Any] | None) -> None:
         """MXNet's: {"type": "2bit", "threshold": 0.5} compresses what each device sends to the
         device that sums a key, with a residual per key per device (error feedback) kept on that
-        device. Call it outside a tf.function (it makes variables); a new threshold starts the
-        residuals afresh."""
-        threshold = compression.parse(compression_params)
-        if threshold != self._threshold:
+        device; {"type": "2bit_momentum", ...} also keeps a velocity there, applies the
+        optimizer's momentum before quantising and updates without it (tfkv.ps.compression).
+        Call it outside a tf.function (it makes variables); a new setting starts the residuals
+        afresh."""
+        setting = compression.parse(compression_params)
+        if setting != self._compression:
             self._residuals: dict[Hashable, list[tf.Variable]] = {}
-            self._threshold = threshold
+            self._velocities: dict[Hashable, list[tf.Variable]] = {}
+            self._compression = setting
             for k in self._values:
                 self._key_added(k)
+            if self._user_optimizer is not None:
+                self.set_optimizer(self._user_optimizer)
+
+    def set_optimizer(self, optimizer: Any) -> None:
+        served, self._momentum = compression.split_momentum(self._compression, optimizer)
+        self._user_optimizer = optimizer
+        super().set_optimizer(served)
+
+    def set_updater(self, updater: Updater) -> None:
+        self._user_optimizer = None
+        super().set_updater(updater)
 
     def _key_added(self, key: Hashable) -> None:
-        if self._threshold is None:
+        if self._compression is None:
             return
         size = int(np.prod(self._values[key].shape))
-        residuals = []
+        self._residuals[key] = self._per_device(size)
+        if self._compression.kind.worker_momentum:
+            self._velocities[key] = self._per_device(size)
+
+    def _per_device(self, size: int) -> list[tf.Variable]:
+        """A flat float32 zero variable of `size` on each device."""
+        out = []
         for d in self._devices:
             with tf.device(d):
-                residuals.append(tf.Variable(tf.zeros([size], tf.float32), trainable=False))
-        self._residuals[key] = residuals
+                out.append(tf.Variable(tf.zeros([size], tf.float32), trainable=False))
+        return out
 
     def _merge(self, key: Hashable, values: list[Any]) -> Any:
-        # A lone value crosses no device link: MXNet's CommDevice::Reduce returns it as it is,
-        # before compressing.
-        if self._threshold is None or len(values) == 1:
+        setting = self._compression
+        if setting is None:
             return super()._merge(key, values)
-        residuals = self._residuals[key]
-        if len(values) > len(residuals):
-            raise ValueError(f"push of key {key!r}: {len(values)} values for the store's {len(residuals)} devices")
-        words = []
-        for v, r in zip(values, residuals):
-            with tf.device(r.device):  # quantised where it was computed: only words travel
-                words.append(tf_compression.pack(v, r, self._threshold))
+        if setting.kind.worker_momentum and self._updater is None:
+            raise RuntimeError(f"gradient compression {setting.kind.name} applies the optimizer's momentum on the "
+                               "devices: call set_optimizer (an SGD) before pushing")
+        if len(values) > len(self._residuals[key]):
+            raise ValueError(f"push of key {key!r}: {len(values)} values for the store's {len(self._residuals[key])} "
+                             "devices")
         var = self._values[key]
+        if len(values) == 1:
+            # A lone value crosses no device link: MXNet's CommDevice::Reduce returns it as it is,
+            # before compressing; 2bit_momentum's momentum still applies (the updater has none).
+            if not setting.kind.worker_momentum:
+                return super()._merge(key, values)
+            velocity = self._velocities[key][0]
+            velocity.assign(self._momentum * velocity + tf.reshape(tf.cast(values[0], tf.float32), [-1]))
+            return tf.reshape(tf.cast(velocity, var.dtype), var.shape)
+        velocities = self._velocities.get(key) or [None] * len(values)
+        words = []
+        for v, r, u in zip(values, self._residuals[key], velocities):
+            with tf.device(r.device):  # quantised where it was computed: only words travel
+                words.append(tf_compression.pack(v, r, setting.threshold, u, self._momentum))
         size = int(np.prod(var.shape))
         with tf.device(self._home[key] if self._sum_on_home else "/device:CPU:0"):
-            decoded = [tf_compression.unpack(w, size, self._threshold) for w in words]
+            decoded = [tf_compression.unpack(w, size, setting.threshold) for w in words]
             total = decoded[0] if len(decoded) == 1 else tf.add_n(decoded)
             return tf.reshape(tf.cast(total, var.dtype), var.shape)  # float32 decoded; a half key's back to half
+
+    def _compression_state(self) -> dict[str, tf.Variable]:
+        """The devices' residuals and velocities by checkpoint entry, "<key>/compression_<what>_<device>"."""
+        held = {"residual": getattr(self, "_residuals", {}), "velocity": getattr(self, "_velocities", {})}
+        return {f"{k}/compression_{what}_{i}": var for what, by_key in held.items()
+                for k, per_device in by_key.items() for i, var in enumerate(per_device)}
+
+    def save_optimizer_states(self, fname: str) -> None:
+        """The optimizer's state and the compression's (a resumed run goes on as if never stopped)."""
+        np.savez(fname, **self._require_updater().get_states(),
+                 **{name: var.numpy() for name, var in self._compression_state().items()})
+
+    def load_optimizer_states(self, fname: str) -> None:
+        """As saved; compression state the file lacks (saved without compression) starts from zero."""
+        super().load_optimizer_states(fname)
+        with np.load(fname, allow_pickle=False) as f:
+            for name, var in self._compression_state().items():
+                var.assign(f[name] if name in f.files else tf.zeros_like(var))

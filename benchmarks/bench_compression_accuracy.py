@@ -1,0 +1,116 @@
+"""Test accuracy of the default experiment (digits MLP, SGD lr 0.1 momentum 0.9, 10 epochs) as a
+`dist_sync` job of local workers, uncompressed against MXNet's exact 2-bit and the accurate 2-bit
+(momentum on the workers), same seeds, same run.
+
+Each job is `tfkv-run kvstore=dist_sync cluster=local kvstore.compression.type=<none | 2bit_mxnet
+| 2bit>`; its exported model.keras is evaluated with plain Keras on the digits test split (the
+job's own metrics.json must agree). Prints one row per seed and contender, and the mean
+difference from uncompressed in points; `--json OUT` also writes the rows and the settings
+(benchmarks/results/compression_accuracy.json holds the committed figures).
+
+    python benchmarks/bench_compression_accuracy.py [--seeds 0,1,2] [--workers 2] [--threshold 0.5]
+                                                    [--epochs 10] [--json OUT]
+
+Exits non-zero if a job fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+CONTENDERS = {"uncompressed": "none", "2bit_mxnet (MXNet's exact)": "2bit_mxnet",
+              "2bit (accurate: momentum on the workers)": "2bit"}
+
+
+def keras_accuracy(model_file: Path) -> float:
+    """The exported model's accuracy on the digits test split, by plain Keras."""
+    import keras
+    import numpy as np
+
+    from tfkv.data import digits
+
+    data = digits.load()
+    model = keras.saving.load_model(model_file, compile=False)
+    # the model takes what tfkv's input pipeline gives it: pixels normalised by the training split
+    x = (data.x_test - np.float32(data.mean[0])) / np.float32(data.std[0])
+    predicted = np.argmax(model.predict(x, verbose=0), axis=-1)
+    return float(np.mean(predicted == data.y_test))
+
+
+def run(kind: str, seed: int, args: argparse.Namespace, tmp: Path) -> dict:
+    run_dir = tmp / f"{kind}-{seed}"
+    cmd = [shutil.which("tfkv-run") or "tfkv-run", "kvstore=dist_sync", "cluster=local",
+           f"cluster.num_workers={args.workers}", "progress=false", f"seed={seed}", f"epochs={args.epochs}",
+           f"kvstore.compression.type={kind}", f"kvstore.compression.threshold={args.threshold}",
+           f"hydra.run.dir={run_dir}"]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.job_timeout, cwd=tmp)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[1:])} exited {proc.returncode}: {proc.stderr.strip()[-2000:]}")
+    reported = json.loads((run_dir / "metrics.json").read_text())["test_accuracy"]
+    accuracy = keras_accuracy(run_dir / "model.keras")
+    if abs(accuracy - reported) > 1e-6:
+        raise RuntimeError(f"{kind} seed {seed}: Keras evaluates the exported model at {accuracy:.4f}, "
+                           f"the job reported {reported:.4f}")
+    return {"seed": seed, "compression": kind, "test_accuracy": accuracy, "seconds": round(time.monotonic() - t0, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--threshold", type=float, default=0.5)
+    ap.add_argument("--epochs", type=int, default=10)
+    ap.add_argument("--job-timeout", type=float, default=600.0)
+    ap.add_argument("--json", help="write the rows and settings here")
+    args = ap.parse_args()
+    seeds = [int(s) for s in args.seeds.split(",")]
+    print(f"default experiment (digits MLP, SGD lr 0.1 momentum 0.9), dist_sync, {args.workers} workers, 1 server, "
+          f"{args.epochs} epochs, threshold {args.threshold}, seeds {args.seeds}; accuracy of model.keras by "
+          "plain Keras", flush=True)
+    rows = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench_compression_accuracy_") as tmp:
+            for seed in seeds:
+                for name, kind in CONTENDERS.items():
+                    rows.append({"contender": name, **run(kind, seed, args, Path(tmp))})
+                    print(f"  seed {seed}  {name:<42} {rows[-1]['test_accuracy']:.4f}", flush=True)
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+        print(f"bench_compression_accuracy: FAILED: {e}", file=sys.stderr)
+        sys.exit(1)
+
+    base = {r["seed"]: r["test_accuracy"] for r in rows if r["compression"] == "none"}
+    print(f"{'contender':<42} {'mean accuracy':>13} {'vs uncompressed (points)':>25} {'worst seed (points)':>20}")
+    summary = {}
+    for name, kind in CONTENDERS.items():
+        mine = [r for r in rows if r["compression"] == kind]
+        diffs = [100 * (r["test_accuracy"] - base[r["seed"]]) for r in mine]
+        summary[kind] = {"mean_accuracy": statistics.mean(r["test_accuracy"] for r in mine),
+                         "mean_points_vs_uncompressed": statistics.mean(diffs), "worst_points": min(diffs)}
+        print(f"{name:<42} {summary[kind]['mean_accuracy']:>13.4f} {statistics.mean(diffs):>+25.2f} "
+              f"{min(diffs):>+20.2f}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({
+            "command": "python benchmarks/bench_compression_accuracy.py " + " ".join(sys.argv[1:]),
+            "settings": {"experiment": "tfkv-run default (digits, mlp, sgd lr 0.1 momentum 0.9 wd 1e-4, batch 64 "
+                                       "per worker)", "kvstore": "dist_sync", "workers": args.workers,
+                         "servers": 1, "epochs": args.epochs, "threshold": args.threshold, "seeds": seeds},
+            "machine": platform.node(), "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "rows": rows, "summary": summary}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
