@@ -19,13 +19,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from tfkv.emulate.spec import rate_bits
+from tfkv.errors import TfkvError
 
 LOCK = Path("/run/tfkv-emulate.lock")
 SUBNETS = 9 * 256  # 10.201.0.0/24 .. 10.209.255.0/24
 TBF_LATENCY = "10ms"  # how long a packet may wait in the bucket's queue before it is dropped
 
 
-class NetError(RuntimeError):
+class NetError(TfkvError, RuntimeError):
     """An `ip` or `tc` command failed; the message is the command and what it said."""
 
 

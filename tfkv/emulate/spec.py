@@ -13,6 +13,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from tfkv.errors import ConfigError
+
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
 SSHD = "/usr/sbin/sshd"  # sshd re-executes itself, so it must be started by absolute path
 MAX_HOSTS = 64  # host i is 10.x.y.(i+1) on a /24, and its veth name must stay under 16 characters
@@ -25,7 +27,7 @@ _UNIT = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
 _HOSTNAME = re.compile(r"^[a-z]([a-z0-9-]{0,30}[a-z0-9])?$")
 
 
-class Refused(Exception):
+class Refused(ConfigError):
     """A cluster this machine cannot hold; its message is one line, and nothing was made."""
 
 
