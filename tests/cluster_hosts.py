@@ -6,16 +6,16 @@
 - `loopback_host`: an sshd on 127.0.0.1 on a free port, as aliases `local` and `127.0.0.1` (a
   hosts file can then name it by address, which its roles can resolve); alias `badkey` reaches
   the same sshd with a key it does not accept.
-- `netns_hosts`: two hosts `node1`, `node2` made of network namespaces on a bridge of their own
-  (10.200.N.0/24, the first N no interface here uses), each with its own sshd on port 22, its
+- `netns_hosts`: two hosts `node1`, `node2` of an emulated cluster (tfkv.emulate: network
+  namespaces on a bridge of their own, 10.2xx.N.0/24), each with its own sshd on port 22, its
   own hostname and an /etc/hosts that names both (so DMLC_PS_ROOT_URI=node1 resolves on them).
   Each also has an ssh alias no host can resolve (`far1` -> node1's address, `far2`), as a
   `Host far1 / HostName 10.x` block of a real ~/.ssh/config: only ssh knows where it is.
   They share this machine's filesystem, PID numbers and Python, so tfkv imports there, and
   /proc here shows their processes.
 
-Everything is session-scoped and stopped by PID at the end; namespaces and the bridge are
-deleted. Import the fixtures into a test module: `from cluster_hosts import netns_hosts, ...`.
+Everything is session-scoped and stopped at the end: the loopback sshd by PID, the namespace
+hosts by the cluster's own teardown. Import the fixtures into a test module: `from cluster_hosts import netns_hosts, ...`.
 Skipped only where this machine cannot do it (not root, no `ip`, namespaces refused); a missing
 openssh-server/rsync is an error: `.ci/run` installs them.
 """
@@ -35,6 +35,7 @@ from pathlib import Path
 import pytest
 from conftest import need_root
 
+from tfkv.emulate import Cluster, HostSpec, Refused
 from tfkv.launcher.plan import Process
 from tfkv.launcher.ssh_remote import remote_command
 
@@ -168,74 +169,35 @@ def loopback_host(ssh_site: SSHSite):
 @dataclass
 class NetnsHosts:
     names: list[str]  # ssh aliases, also each host's hostname: ["node1", "node2"]
-    addresses: dict[str, str]  # alias -> 10.200.N.x
+    addresses: dict[str, str]  # alias -> 10.2xx.N.x
     aliases: list[str]  # ["far1", "far2"]: ssh aliases of the same hosts that no /etc/hosts names
-    bridge: str
-    namespaces: list[str]
+    cluster: Cluster  # what made them (tfkv.emulate): host.pids(), cluster.start_sshd(host)
 
-
-def _free_subnet() -> int | None:
-    """The first N whose 10.200.N.0/24 no interface here uses (others' test hosts may)."""
-    used = _run("ip", "-o", "-4", "addr", "show").stdout
-    taken = {line.split(":")[1].strip().split("@")[0] for line in _run("ip", "-o", "link", "show").stdout.splitlines()}
-    taken |= set(_run("ip", "netns", "list").stdout.split())
-    for n in range(256):
-        if f" 10.200.{n}." not in used and not {f"tkbr{n}", f"tk{n}v1", f"tk{n}v2", f"tk{n}h1", f"tk{n}h2"} & taken:
-            return n
-    return None
+    @property
+    def namespaces(self) -> list[str]:
+        return [h.namespace for h in self.cluster.hosts]
 
 
 @pytest.fixture(scope="session")
 def netns_hosts(ssh_site: SSHSite):
+    """Two hosts of tfkv.emulate (unlimited CPU and links) whose sshds take ssh_site's client key."""
     need_root("network-namespace hosts (ip netns add)")
-    if not shutil.which("ip") or not shutil.which("nsenter") or not shutil.which("unshare"):
-        pytest.fail("network-namespace hosts need ip, nsenter and unshare: apt-get install iproute2 util-linux")
-    n = _free_subnet()
-    if n is None:
-        pytest.fail("no free 10.200.N.0/24 subnet: earlier runs left bridges tkbr*/namespaces tk*h*; delete them")
-    bridge, names = f"tkbr{n}", ["node1", "node2"]
-    hosts = NetnsHosts(names, {name: f"10.200.{n}.{i + 2}" for i, name in enumerate(names)},
-                       [f"far{i + 1}" for i in range(len(names))], bridge, [f"tk{n}h{i + 1}" for i in range(len(names))])
-    etc_hosts = ssh_site.dir / f"hosts_{n}"
-    etc_hosts.write_text("127.0.0.1 localhost\n" + "".join(f"{a} {h}\n" for h, a in hosts.addresses.items()))
-
-    def sh(*argv: str) -> None:
-        r = _run(*argv)
-        if r.returncode != 0:
-            raise RuntimeError(f"{' '.join(argv)}: {r.stderr.strip()}")
-
     try:
-        sh("ip", "link", "add", bridge, "type", "bridge")
-        sh("ip", "addr", "add", f"10.200.{n}.1/24", "dev", bridge)
-        sh("ip", "link", "set", bridge, "up")
-        for i, (name, ns) in enumerate(zip(names, hosts.namespaces), 1):
-            address = hosts.addresses[name]
-            sh("ip", "netns", "add", ns)
-            sh("ip", "link", "add", f"tk{n}v{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
-            sh("ip", "link", "set", f"tk{n}v{i}", "master", bridge, "up")
-            sh("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
-            sh("ip", "-n", ns, "link", "set", "eth0", "up")
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
-            config = ssh_site.sshd_config(ns, address, 22)
-            # nsenter, not `ip netns exec` (which remounts /sys); its own UTS namespace for the
-            # hostname, its own mount namespace for an /etc/hosts naming every host.
-            sh("nsenter", f"--net=/run/netns/{ns}", "unshare", "--uts", "--mount", "sh", "-c",
-               f"hostname {name} && mount --bind {etc_hosts} /etc/hosts && "
-               f"exec {SSHD} -f {config} -E {ssh_site.dir / f'sshd_{ns}.log'}")
-            ssh_site.add_host(name, address, 22)
-            ssh_site.add_host(hosts.aliases[i - 1], address, 22)
-        for name in names:
+        cluster = Cluster.up([HostSpec("node1"), HostSpec("node2")], ssh_site.dir / "cluster",
+                             client_key=ssh_site.client_key)
+    except Refused as e:
+        pytest.fail(str(e))
+    try:
+        hosts = NetnsHosts([h.name for h in cluster.hosts], {h.name: h.address for h in cluster.hosts},
+                           [f"far{i + 1}" for i in range(len(cluster.hosts))], cluster)
+        for host, alias in zip(cluster.hosts, hosts.aliases):
+            ssh_site.add_host(host.name, host.address, 22)
+            ssh_site.add_host(alias, host.address, 22)
+        for name in hosts.names:
             ssh_site.wait_for(name)
         yield hosts
     finally:
-        for ns in hosts.namespaces:
-            _stop_pid(ssh_site.dir / f"sshd_{ns}.pid")
-        for i, ns in enumerate(hosts.namespaces, 1):
-            # Both ends of the veth go at once; the namespace itself may linger while a socket of
-            # a killed process there still closes, and would keep the veth name taken.
-            _run("ip", "link", "del", f"tk{n}v{i}")
-            _run("ip", "netns", "del", ns)
-        _run("ip", "link", "del", bridge)
+        cluster.down()
 
 
 def start_remote_command(argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen:

@@ -198,29 +198,6 @@ def test_four_one_host_trials_on_two_hosts_run_in_two_waves(netns_hosts, ssh_sit
     assert not _no_leftovers(tag[TAG]), "processes of the trials left behind"
 
 
-def _netns_pids(namespace: str) -> list[int]:
-    """Every process in that network namespace: all that runs on that host."""
-    inode = os.stat(f"/run/netns/{namespace}").st_ino
-    pids = []
-    for entry in os.listdir("/proc"):
-        try:
-            if entry.isdigit() and os.stat(f"/proc/{entry}/ns/net").st_ino == inode:
-                pids.append(int(entry))
-        except OSError:
-            continue
-    return pids
-
-
-def _revive(netns_hosts, ssh_site, i: int) -> None:
-    """Start host i's sshd again as the netns_hosts fixture started it, for the tests after this one."""
-    ns, name, n = netns_hosts.namespaces[i], netns_hosts.names[i], netns_hosts.bridge.removeprefix("tkbr")
-    subprocess.run(["nsenter", f"--net=/run/netns/{ns}", "unshare", "--uts", "--mount", "sh", "-c",
-                    f"hostname {name} && mount --bind {ssh_site.dir / f'hosts_{n}'} /etc/hosts && exec /usr/sbin/sshd "
-                    f"-f {ssh_site.dir / f'sshd_{ns}.config'} -E {ssh_site.dir / f'sshd_{ns}.log'}"],
-                   check=True, timeout=30)
-    ssh_site.wait_for(name)
-
-
 def _wait_for_text(path: Path, text: str, sweep: Launching) -> None:
     while not (path.is_file() and text in path.read_text(errors="replace")):
         if sweep.proc.poll() is not None or time.monotonic() > sweep.deadline:
@@ -238,7 +215,7 @@ def test_a_dead_host_fails_its_trial_and_is_never_used_again(netns_hosts, ssh_si
                       env={**os.environ, **tag, **ssh_site.env()}, timeout=400, program="tfkv-run")
     try:
         _wait_for_text(sweep_dir / "1" / "launch" / "job.log", "cluster complete", sweep)
-        for pid in _netns_pids(netns_hosts.namespaces[1]):  # node2 dies: its sshd, sessions and roles
+        for pid in netns_hosts.cluster.hosts[1].pids():  # node2 dies: its sshd, sessions and roles
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:  # it ended by itself between the listing and the kill
@@ -246,7 +223,8 @@ def test_a_dead_host_fails_its_trial_and_is_never_used_again(netns_hosts, ssh_si
         code, out = sweep.end(timeout=300)
     finally:
         sweep.kill()
-        _revive(netns_hosts, ssh_site, 1)
+        netns_hosts.cluster.start_sshd(netns_hosts.cluster.hosts[1])  # for the tests after this one
+        ssh_site.wait_for(netns_hosts.names[1])
     trials = _trials(sweep_dir, 4)
     assert code == 1 and "tfkv-run: 1 of 4 trials failed" in out, out[-5000:]
     assert [t["status"] for t in trials] == ["ok", "failed", "ok", "ok"], out[-5000:]
