@@ -228,7 +228,7 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     scaling = _save(fig, axes, out_dir / "cluster_scaling.png", run, cpus)
 
     top = max(r["hosts"] for r in rows)
-    names = contenders + ["local"]
+    names = contenders + (["local"] if any(r["contender"] == "local" for r in rows) else [])
     fig, axes = plt.subplots(1, len(links), figsize=(6 * len(links), 3.8), squeeze=False)
     for j, link in enumerate(links):
         ax = axes[0][j]
@@ -242,7 +242,6 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
                 vals.append(r["samples_per_sec"] if r else 0)
             ax.bar([i + k * width for i in range(len(models))], vals, width, label=c)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(models))], models)
-        ax.set_yscale("log")
         ax.set_ylabel("samples/s")
         ax.set_title(f"{top} hosts, {link}")
     return [scaling, _save(fig, axes, out_dir / "cluster_contenders.png", run, cpus)]
