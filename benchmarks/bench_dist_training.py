@@ -25,7 +25,9 @@ momentum 0.9), the loss being the mean over the global batch of 2 x b examples:
                step updates the ps on its own), so its samples/s is steps x b / the chief's time
 
 Models: LeNet (tfkv `lenet`) and an MLP of ~5.8M parameters (tfkv `mlp`, hidden [2048, 2048]),
-28x28x1 inputs, 10 classes, b = 64 per worker. Each process traces and warms up, times a few
+28x28x1 inputs, 10 classes, b = 64 per worker (and `resnet`, ResNet-18 at 1/8 width on 32x32x3,
+with --models: dist_job.TRAINING_MODELS). The MWMS and PSS roles serve bench_cluster.py too,
+with one worker per emulated host. Each process traces and warms up, times a few
 calibration steps, and then runs a fixed number of steps lasting about `--seconds` (the workers of
 a job must run the same count, so rank 0 picks it and writes it to a file the others wait for).
 Samples/s is for the whole job: global batch x steps / the slowest worker's time. After the timed

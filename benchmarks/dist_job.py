@@ -14,11 +14,16 @@ batch x steps / the slowest worker's time), the bytes it pushed (DistStore.push_
 step time went (DataParallel.timings: compute = the gradient tf.function, including the pushes
 made from inside it; push = the part of it spent pushing; pull = waiting for the replies, which
 includes waiting for the other workers; assign = writing the pulled weights into the variables),
-and a checksum of its weights, which must agree across workers. `--overlap after` hides the
-store's async_pushpull from DataParallel, so every key is pushed after the whole backward pass
-instead of from inside it (the A/B of benchmarks/bench_compression_training.py).
+and a checksum of its trainable weights, which must agree across workers. `--overlap after`
+hides the store's async_pushpull from DataParallel, so every key is pushed after the whole
+backward pass instead of from inside it (the A/B of benchmarks/bench_compression_training.py).
+`--kvstore local` is one process alone (bench_cluster's scaling baseline); `--kvstore dist_async`
+steps each worker for `--seconds` of its own clock instead (a straggler runs fewer steps), and
+the job's samples/s is the sum of the workers' own.
 
-Run as a script it is one worker (the parent scripts start it); `run_job` is the parent side.
+Run as a script it is one worker (the parent scripts start it, bench_cluster.py through
+tfkv-launch on an emulated cluster); `run_job` is the parent side on this machine, `collect`
+reads a job's figures back.
 """
 
 from __future__ import annotations
