@@ -25,7 +25,9 @@ momentum 0.9), the loss being the mean over the global batch of 2 x b examples:
                step updates the ps on its own), so its samples/s is steps x b / the chief's time
 
 Models: LeNet (tfkv `lenet`) and an MLP of ~5.8M parameters (tfkv `mlp`, hidden [2048, 2048]),
-28x28x1 inputs, 10 classes, b = 64 per worker. Each process traces and warms up, times a few
+28x28x1 inputs, 10 classes, b = 64 per worker (and `resnet`, ResNet-18 at 1/8 width on 32x32x3,
+with --models: dist_job.TRAINING_MODELS). The MWMS and PSS roles serve bench_cluster.py too,
+with one worker per emulated host. Each process traces and warms up, times a few
 calibration steps, and then runs a fixed number of steps lasting about `--seconds` (the workers of
 a job must run the same count, so rank 0 picks it and writes it to a file the others wait for).
 Samples/s is for the whole job: global batch x steps / the slowest worker's time. After the timed
@@ -53,14 +55,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import dist_job  # noqa: E402
 from dist_job import (CALIBRATION_STEPS, LR, MOMENTUM, WARMUP_STEPS, Failed, check_agreement,  # noqa: E402
                       measure, report, run_plan, security_env, set_threads, synthetic, weights_checksum)
 
-MODELS = {
-    # name: (model node, as conf/model/*.yaml, input shape)
-    "lenet": ({"_target_": "tfkv.models.lenet.build"}, (28, 28, 1)),
-    "mlp": ({"_target_": "tfkv.models.mlp.build", "hidden": [2048, 2048]}, (28, 28, 1)),
-}
+# name: (model node, as conf/model/*.yaml, input shape): lenet, mlp (5.8M parameters), resnet (small)
+MODELS = {name: dist_job.MODELS[job_name] for name, job_name in dist_job.TRAINING_MODELS.items()}
 
 # -- inside a worker process ------------------------------------------------------------------
 
@@ -111,7 +111,7 @@ def run_mwms(args: argparse.Namespace) -> None:
     reports = {}
     for name in args.models.split(","):
         cfg, shape = MODELS[name]
-        x, y = synthetic(2 * args.batch, shape)
+        x, y = synthetic(workers * args.batch, shape)
         x, y = x[rank * args.batch:(rank + 1) * args.batch], y[rank * args.batch:(rank + 1) * args.batch]
         x, y = tf.constant(x), tf.constant(y)
         global_batch = args.batch * workers
@@ -139,7 +139,7 @@ def run_mwms(args: argparse.Namespace) -> None:
         seen = (WARMUP_STEPS + CALIBRATION_STEPS + 1 + n) * args.batch
         reports[name] = {"steps": n, "seconds": elapsed, "batch": global_batch, "loss": float(loss_sum.numpy()) / seen,
                          "params": int(model.count_params()),
-                         "checksum": weights_checksum([v.numpy() for v in model.weights])}
+                         "checksum": weights_checksum([v.numpy() for v in model.trainable_variables])}
     with open(os.path.join(args.out, f"mwms-{rank}.json"), "w") as f:
         json.dump(reports, f)
     sys.stdout.flush()
@@ -167,6 +167,7 @@ def run_pss(args: argparse.Namespace) -> None:
 
     from tfkv.models import build
 
+    set_threads(args.worker_threads)
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     strategy = tf.distribute.ParameterServerStrategy(resolver)
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)

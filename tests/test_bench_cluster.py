@@ -1,0 +1,70 @@
+"""benchmarks/bench_cluster.py end to end on a tiny emulated cluster (2 hosts; tfkv through its ssh
+launcher against MultiWorkerMirroredStrategy; the figures are not checked: this machine is shared),
+its JSON rows' schema, its plots, and its refusals: rows of different runs, a cluster this machine
+cannot hold, each one line and exit 2."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, need_root
+
+SCRIPT = str(REPO / "benchmarks" / "bench_cluster.py")
+
+
+def bench(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def test_a_cluster_this_machine_cannot_hold_is_one_line(tmp_path):
+    too_much = str(os.cpu_count() + 1)
+    proc = bench("--hosts", "1,2", "--link", "1gbit", "--cpus", too_much, "--json", str(tmp_path / "out.json"))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("\n") == 1 and "refused" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout.startswith(f"bench_cluster: per-host budget {too_much} core(s)"), proc.stdout
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_rows_of_different_runs_are_refused(tmp_path):
+    row = {"model": "mlp", "hosts": 2, "link": "1gbit", "contender": "tfkv", "samples_per_sec": 100.0, "cpus": 0.4}
+    (tmp_path / "a.json").write_text(json.dumps([{**row, "run": "one"}]))
+    (tmp_path / "b.json").write_text(json.dumps([{**row, "contender": "mwms", "run": "two"}]))
+    proc = bench("--table", str(tmp_path / "a.json"), str(tmp_path / "b.json"))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "2 runs (one, two)" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    assert "samples/s" not in proc.stdout  # no table of mixed rows
+    (tmp_path / "c.json").write_text(json.dumps([{"model": "mlp"}]))
+    proc = bench("--plot", str(tmp_path / "c.json"))
+    assert proc.returncode == 2 and "not a bench_cluster.py --json file" in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.bench
+def test_bench_cluster_runs_end_to_end(tmp_path):
+    need_root("bench_cluster.py (an emulated cluster)")
+    out = tmp_path / "rows.json"
+    proc = bench("--hosts", "2", "--link", "1gbit", "--cpus", "0.5", "--models", "lenet", "--contenders",
+                 "tfkv,tfkv_2bit,mwms,local", "--seconds", "0.3", "--no-straggler", "--json", str(out), timeout=500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    first = proc.stdout.splitlines()[0]
+    assert "per-host budget 0.5 core(s)" in first and "1gbit" in first, first
+    rows = json.loads(out.read_text())
+    assert {r["contender"] for r in rows} == {"tfkv", "tfkv_2bit", "mwms", "local"}
+    assert len({r["run"] for r in rows}) == 1
+    for r in rows:
+        assert r["model"] == "lenet" and r["cpus"] == 0.5 and r["samples_per_sec"] > 0, r
+        assert (r["hosts"], r["link"]) == ((1, None) if r["contender"] == "local" else (2, "1gbit")), r
+        assert r["global_batch"] == 128 and len(r["trials"]) == 1, r
+    tfkv = next(r for r in rows if r["contender"] == "tfkv")
+    assert set(tfkv["ratios"]) == {"vs_mwms", "vs_local"}
+    assert tfkv["ratios"]["vs_mwms"] == pytest.approx(tfkv["samples_per_sec"] / next(
+        r["samples_per_sec"] for r in rows if r["contender"] == "mwms"), rel=1e-3)
+    assert "tfkv >= 1.0x mwms, lenet, 2 hosts, 1gbit" in proc.stdout
+    for png in ("cluster_scaling.png", "cluster_contenders.png"):
+        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+    again = bench("--table", str(out))  # a run's own rows are shown again
+    assert again.returncode == 0 and "targets" in again.stdout, again.stderr
