@@ -196,12 +196,10 @@ def check_agreement(reports: list[dict], what: str) -> None:
 
 def config_compression(kind: str, threshold: float) -> dict[str, Any] | None:
     """What a tfkv-run config's `kvstore.compression` gives the store (as tfkv.trainer passes it),
-    so that `2bit` here means what it means in a config: the accurate, momentum-corrected 2-bit
-    once tfkv.ps.compression maps the config's names (issue 29 point 4), MXNet's before."""
-    try:
-        from tfkv.ps.compression import from_config
-    except ImportError:  # a tfkv whose config passes its names to the store as they are
-        return {"type": kind, "threshold": threshold}
+    so that `2bit` here means what it means in a config: the accurate, momentum-corrected 2-bit;
+    `2bit_mxnet` is MXNet's exact one."""
+    from tfkv.ps.compression import from_config
+
     compressing = from_config(kind, threshold)
     return compressing.params() if compressing else None
 
