@@ -351,7 +351,9 @@ class DistStore(KVStore):
             if residual is None:
                 residual = self._residuals[skey] = np.zeros(part.size, np.float32)
             if setting.kind.worker_momentum:
-                velocity = self._velocities.setdefault(skey, np.zeros(part.size, np.float32))
+                velocity = self._velocities.get(skey)
+                if velocity is None:  # (not setdefault: that would allocate a zero array every push)
+                    velocity = self._velocities[skey] = np.zeros(part.size, np.float32)
                 msg.data = compression.pack_corrected(part, velocity, residual, setting.threshold, self._momentum)
             else:
                 msg.data = compression.pack(part, residual, setting.threshold)
