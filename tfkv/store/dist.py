@@ -42,11 +42,13 @@ import numpy as np
 from tfkv import optim
 from tfkv.errors import EXIT_PEER_FAILED
 from tfkv.ps import compression, dtypes, memory, parts
+from tfkv.ps.feedback import Sender
 from tfkv.ps import protocol as P
 from tfkv.ps.cluster_env import ClusterEnv
 from tfkv.ps.parts import Layout, Pull
 from tfkv.ps.scheduler_link import SchedulerLink
 from tfkv.ps.worker import ServerLink
+from tfkv.store import dist_state
 from tfkv.store.base import Key, KVStore, gpu_p2p, in_place, pairs
 
 
@@ -71,11 +73,7 @@ class DistStore(KVStore):
         self.servers = ServerLink(env, self.link, self._key_name)
         self._ids: dict[Hashable, int] = {}
         self._layouts: dict[int, Layout] = {}
-        self._has_optimizer = False
-        self._compression: compression.Setting | None = None  # of pushes, when set
-        self._residuals: dict[int, np.ndarray] = {}  # server-side key -> what compression held back
-        self._velocities: dict[int, np.ndarray] = {}  # server-side key -> 2bit_momentum's velocity
-        self._momentum = 0.0  # what this worker applies before quantising (2bit_momentum)
+        self._sender: Sender | None = None  # 2-bit compression of pushes, when set
         self.push_bytes = 0  # payload bytes of every PUSH sent (measures compression)
         self.sum_on_device = self.on_device and gpu_p2p()
         # MXNet's store leaves in its destructor, and its scripts end without a teardown call:
@@ -230,7 +228,7 @@ class DistStore(KVStore):
                 self._settle_pushes()
                 return [self._request_pull(k, outs[k]) for k, _ in items]
             pulls = []
-            fusing = self._compression is None  # a 2-bit payload is no float32 slice of a fused one
+            fusing = self._sender is None  # a 2-bit payload is no float32 slice of a fused one
             for k, values in items:  # each pull right behind its push: replies flow while pushes do
                 layout = self._layout(k)[1]
                 if fusing and layout.fusable:
@@ -319,8 +317,8 @@ class DistStore(KVStore):
         if not self.sync and not self._has_optimizer:
             raise RuntimeError(f"{self.type} needs an optimizer on the servers (set_optimizer, "
                                "update_on_kvstore=true): without one each push would replace the weights")
-        if self._compression is not None and self._compression.kind.worker_momentum and not self._has_optimizer:
-            raise RuntimeError(f"gradient compression {self._compression.kind.name} applies the optimizer's momentum "
+        if self._sender is not None and self._sender.setting.kind.worker_momentum and not self._has_optimizer:
+            raise RuntimeError(f"gradient compression {self._sender.setting.kind.name} applies the optimizer's momentum "
                                "on the workers: call set_optimizer (an SGD) before pushing")
 
     def _flat(self, k: Key, layout: Layout, values: list[Any]) -> np.ndarray:
@@ -345,18 +343,8 @@ class DistStore(KVStore):
         """A PUSH or PUSHPULL of one key part: 2-bit compressed with `set_gradient_compression`
         (its residual changes here, once; a resend under PS_RESEND repeats the frames)."""
         msg = P.Message(kind, key=skey, data=part)
-        setting = self._compression
-        if setting is not None:
-            residual = self._residuals.get(skey)
-            if residual is None:
-                residual = self._residuals[skey] = np.zeros(part.size, np.float32)
-            if setting.kind.worker_momentum:
-                velocity = self._velocities.get(skey)
-                if velocity is None:  # (not setdefault: that would allocate a zero array every push)
-                    velocity = self._velocities[skey] = np.zeros(part.size, np.float32)
-                msg.data = compression.pack_corrected(part, velocity, residual, setting.threshold, self._momentum)
-            else:
-                msg.data = compression.pack(part, residual, setting.threshold)
+        if self._sender is not None:
+            msg.data = self._sender.pack(skey, part)
             msg.dtype, msg.count = P.DType.TWOBIT, part.size
         self.push_bytes += msg.data.nbytes
         return msg
@@ -379,10 +367,8 @@ class DistStore(KVStore):
         servers how to decode (the same words for both kinds) and, when the kind moves momentum
         to the workers after an optimizer was set, sends the servers' optimizer again."""
         setting = compression.parse(compression_params)
-        if setting != self._compression:
-            self._residuals.clear()
-            self._velocities.clear()
-        self._compression = setting
+        if setting != (self._sender and self._sender.setting):  # a new setting starts from nothing held back
+            self._sender = Sender(setting) if setting is not None else None
         if self.rank == 0 and setting is not None:
             for s in range(self.servers.count):
                 self.servers.send(s, P.Message(P.Type.SET_COMPRESSION,
@@ -396,8 +382,9 @@ class DistStore(KVStore):
     def set_optimizer(self, optimizer: Any) -> None:
         """The servers run `optimizer`, less its momentum when the compression applies it on the
         workers (`compression.split_momentum`: the servers learn it from the optimizer they get)."""
-        served, self._momentum = compression.split_momentum(self._compression, optimizer)
-        self._has_optimizer = True
+        served, momentum = compression.split_momentum(self._sender and self._sender.setting, optimizer)
+        if self._sender is not None:
+            self._sender.momentum = momentum
         self._user_optimizer, self._optimizer = optimizer, served
         if self.rank == 0:
             spec = {"optimizer": optim.to_dict(served)}
@@ -426,44 +413,11 @@ class DistStore(KVStore):
     def save_optimizer_states(self, fname: str) -> None:
         """Gather the optimizer state of every key from the servers into one npz file."""
         self._require_optimizer()
-        requests = []
-        for k, kid in self._ids.items():
-            layout = self._layouts[kid]
-            requests.append((k, layout, [(self.servers.send(s, P.Message(P.Type.GET_STATE, key=skey)), a, b)
-                                         for s, a, b, skey in layout.parts]))
-        self.servers.wait()
-        out: dict[str, np.ndarray] = {}
-        for k, layout, seqs in requests:
-            replies = [(self.servers.replies.pop(seq), a, b) for seq, a, b in seqs]
-            names = replies[0][0].meta["names"]
-            for j, name in enumerate(names):
-                full = np.empty(layout.size, np.float32)
-                for reply, a, b in replies:
-                    full[a:b] = np.split(reply.data, len(names))[j]
-                out[f"{k}/{name}"] = full.reshape(layout.shape)
-            out[f"{k}/count"] = np.asarray(replies[0][0].meta["count"])
-        np.savez(fname, **out)
+        dist_state.save(self, fname)
 
     def load_optimizer_states(self, fname: str) -> None:
         self._require_optimizer()
-        if self.rank == 0 and self._compression is not None:
-            held = "residuals and velocities" if self._compression.kind.worker_momentum else "residuals"
-            logging.getLogger("tfkv").warning(
-                "gradient compression %s: each worker's %s are not in the optimizer state; they start from zero, "
-                "so the updates from here differ from those of a job never stopped", self._compression.kind.name, held)
-        if self.rank == 0:
-            with np.load(fname, allow_pickle=False) as f:
-                states = {n: f[n] for n in f.files}
-            for k, kid in self._ids.items():
-                layout = self._layouts[kid]
-                names = list(self._optimizer.state_names) if self._optimizer else []
-                count = int(states.get(f"{k}/count", 0))
-                for s, a, b, skey in layout.parts:
-                    data = np.concatenate([states[f"{k}/{n}"].reshape(-1)[a:b] for n in names]) if names else None
-                    self.servers.send(s, P.Message(P.Type.SET_STATE, key=skey, data=data,
-                                                   meta={"count": count, "names": names}))
-        self.servers.wait()
-        self.barrier()
+        dist_state.load(self, fname)
 
     def close(self) -> None:
         if self._closed:
@@ -507,6 +461,10 @@ class DistStore(KVStore):
     _optimizer: Any = None  # what the servers run
     _user_optimizer: Any = None  # what set_optimizer was given
     _shown_before: BaseException | None = None
+
+    @property
+    def _has_optimizer(self) -> bool:
+        return self._user_optimizer is not None
 
 
 class DistAsync(DistStore):
