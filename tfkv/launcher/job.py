@@ -13,7 +13,7 @@ from typing import IO, Any, Callable, Mapping, Sequence
 from tfkv import gpus, knobs, preempt
 from tfkv.checkpoint import preemption
 from tfkv.config import cluster
-from tfkv.config.checks import LOCAL_RANK, bound_gpus
+from tfkv.config.device_specs import LOCAL_RANK, bound_gpus
 from tfkv.errors import ConfigError
 from tfkv.launcher import base, record, signals, spares
 from tfkv.launcher.hosts import Host, read_hosts
@@ -94,7 +94,6 @@ def plan_job(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path
     scheduler_host = opts.host if local or not opts.hostfile else hosts[0].name
     port = opts.port or free_port(opts.host if local else "0.0.0.0")
     values = knob_values(opts, settings)
-    knobs.configure(values)
     extra = {**(env or {}), **knobs.environment(values), RUN_DIR: remote_path(opts, workdir, run_dir)}
     if opts.secure:
         keys = jobkeys.new_keys()
