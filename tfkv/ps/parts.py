@@ -115,7 +115,7 @@ class Pull:
 
 @functools.lru_cache(maxsize=None)
 def _castable(src: np.dtype, dst: np.dtype) -> bool:
-    # np.can_cast costs ~2 us; a pull of a model's keys asks it per key and step for a few dtypes.
+    # A pull of a model's keys asks this per key and step, for a few dtypes: np.can_cast is slow for that.
     return bool(np.can_cast(src, dst, "same_kind"))
 
 

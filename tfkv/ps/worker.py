@@ -75,7 +75,9 @@ class ServerLink:
         self.seq = seqs()  # the next request's number
         self._replies: dict[int, P.Message | Member] = {}  # data replies not yet taken
         self._unsynced: set[int] = set()  # servers with pushes not yet known to be applied
-        self._acked = env.resend  # PS_RESEND: pushes acknowledged (and resent until they are)
+        self._acked = self.transport.resends  # PS_RESEND: pushes acknowledged (and resent until they are)
+        # Retiring an answered request: under PS_RESEND the transport stops resending it too.
+        self._answered = self._answered_resent if self._acked else self.tracker.answered
         self._next_tick = 0.0  # when `_tick` next looks
 
     @property
@@ -102,16 +104,33 @@ class ServerLink:
         """Whether a key part of `nbytes` may go in a PUSHPULL (`pushpull`)."""
         return 0 < nbytes <= FUSED_KEY_BYTES and self.env.fusion_bytes > 0 and not self._acked
 
-    def request(self, server: int, msg: P.Message) -> int:
+    def request(self, server: int, msg: P.Message, awaited: bool = True) -> int:
         """Send a request to `server` (at `flush`, at the next wait, or once FUSION_BYTES are
-        queued) and await its answer; its sequence number."""
-        return self._send(server, msg, True)
+        queued) and await its answer (unless not `awaited`); its sequence number."""
+        with self.lock:
+            msg.sender, msg.seq = self.id, next(self.seq)
+            frames = P.encode(msg)
+            size = sum(memoryview(f).nbytes for f in frames)
+            if size > self.env.max_message_bytes:
+                # A server drops an oversized message unread (and the connection with it): say so
+                # here instead of waiting for an answer that cannot come.
+                raise ValueError(f"{msg.type.name} of key {msg.key} is {size} bytes, over TFKV_MAX_MESSAGE_BYTES="
+                                 f"{self.env.max_message_bytes}; raise it or lower MXNET_KVSTORE_BIGARRAY_BOUND "
+                                 "so big arrays are split across more servers")
+            if self._staged[server]:  # requests to a server go in the order they were made
+                self._send_staged(server)
+            if awaited:
+                self.transport.send(server, frames, size, msg.seq)
+                self.tracker.track(server, msg.seq, msg.type, msg.key)
+            else:
+                self.transport.send(server, frames, size)
+        return msg.seq
 
     def push(self, server: int, msg: P.Message) -> None:
         """Send a key part's PUSH. Not acknowledged, so not awaited: a PING before the next
         barrier proves it applied (`settle`). Under PS_RESEND acknowledged, and resent until it is."""
         msg.want_ack = self._acked  # see Server._ack_push
-        self._send(server, msg, self._acked)
+        self.request(server, msg, self._acked)
         if not self._acked:
             self._unsynced.add(server)
 
@@ -146,37 +165,17 @@ class ServerLink:
                     self._send_staged(server)
             self.transport.flush()
 
-    def _send(self, server: int, msg: P.Message, track: bool) -> int:
-        with self.lock:
-            msg.sender, msg.seq = self.id, next(self.seq)
-            frames = P.encode(msg)
-            size = sum(memoryview(f).nbytes for f in frames)
-            if size > self.env.max_message_bytes:
-                # A server drops an oversized message unread (and the connection with it): say so
-                # here instead of waiting for an answer that cannot come.
-                raise ValueError(f"{msg.type.name} of key {msg.key} is {size} bytes, over TFKV_MAX_MESSAGE_BYTES="
-                                 f"{self.env.max_message_bytes}; raise it or lower MXNET_KVSTORE_BIGARRAY_BOUND "
-                                 "so big arrays are split across more servers")
-            if self._staged[server]:  # requests to a server go in the order they were made
-                self._send_staged(server)
-            if track:
-                self.transport.send(server, msg.seq, frames, size)
-                self.tracker.track(server, msg.seq, msg.type, msg.key)
-            else:
-                self.transport.queue(server, frames, size)
-        return msg.seq
-
     def _send_staged(self, server: int) -> None:
         staged, self._staged[server], self._staged_bytes[server] = self._staged[server], [], 0
         if len(staged) == 1:  # one key: a PUSHPULL of the header's key, answered as its PULL (no key list)
             one = staged[0]
             msg = P.Message(P.Type.PUSHPULL, sender=self.id, seq=one.seq, key=one.skey, data=one.data)
-            self.transport.queue(server, P.encode(msg), one.data.nbytes)
+            self.transport.send(server, P.encode(msg), one.data.nbytes)
             return
         msg = P.Message(P.Type.PUSHPULL, sender=self.id, seq=next(self.seq), meta={"keys": [s.skey for s in staged]},
                         data=np.concatenate([s.data for s in staged]))
         self._groups[msg.seq] = staged
-        self.transport.queue(server, P.encode(msg), msg.data.nbytes)
+        self.transport.send(server, P.encode(msg), msg.data.nbytes)
 
     # -- waiting -------------------------------------------------------------------------------
 
@@ -211,9 +210,9 @@ class ServerLink:
         """The reply to request `seq`, once `wait` has seen it answered."""
         return self._replies.pop(seq)
 
-    def gather(self, pulls: Sequence[Pull]) -> Iterator[Pull]:
-        """Each of `pulls` as soon as all of its parts have arrived (in arrival order), its value
-        delivered into its outs."""
+    def gather(self, pulls: Sequence[Pull]) -> Iterator[tuple[Hashable, np.ndarray]]:
+        """(key, value) of each of `pulls` as soon as all of its parts have arrived (in arrival
+        order), the value delivered into the pull's outs."""
         waiting = {seq: p for p in pulls for seq in p.seqs}
         landed = self.transport.land(pulls, self._landable)
         try:
@@ -225,7 +224,7 @@ class ServerLink:
                     p = waiting.pop(seq, None)
                     if p is not None and p.arrive(seq, replies.pop(seq).data):
                         p.deliver()
-                        yield p
+                        yield p.key, p.value
                 if not waiting:
                     return
                 arrived = self._receive(tick)
@@ -260,13 +259,13 @@ class ServerLink:
                         error = self._arrived(server, message, arrived) or error
                 if error is not None:
                     raise error
-                # Whatever came meanwhile: a poll, where a receive that finds nothing raises (3x the
-                # cost); none once nothing is awaited (a late answer waits for the next receive).
+                # Whatever came meanwhile: a poll, where a receive that finds nothing raises (which
+                # costs more); none once nothing is awaited (a late answer waits for the next receive).
                 ready = self.transport.ready(0) if self.tracker.pending else []
             return arrived
 
-    def _answered(self, seq: int) -> bool:
-        """Retire request `seq`; False if it was not (or no longer) awaited."""
+    def _answered_resent(self, seq: int) -> bool:
+        """`_answered` under PS_RESEND: retire request `seq`; False if it was not (or no longer) awaited."""
         if self.tracker.answered(seq):
             self.transport.answered(seq)
             return True

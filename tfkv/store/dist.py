@@ -3,22 +3,23 @@ worker-side facade of the parameter server (MXNet's KVStore API over `tfkv.ps`).
 
 Where a key's parts live and how a pulled key is put back together is `tfkv.ps.parts` (a key
 on one server picked as MXNet does, `key * 9973 % num_servers`, or cut into one part per server
-above MXNET_KVSTORE_BIGARRAY_BOUND, and parts over TFKV_CHUNK_BYTES cut into chunks); requests, their
-answers and waiting are `tfkv.ps.worker.ServerLink`, which this store uses through its API only. A push first sums this
-machine's device values (in host memory, or on the first device for the `*_device` types),
-then sends one message per part without waiting; a pull sends every part's request before it
-waits for any answer. Requests go out in priority order (higher first). `pushpull` and
-`pushpull_async` send each key's push and pull as one request (a PUSHPULL per part, small keys
-fused into one per server; under PS_RESEND a push and then a pull: `ServerLink.pushpulls`), so the servers answer early keys
-while later pushes are still on the wire (both directions of the link busy at once: 2x the
-throughput of pushing everything before pulling); `arrivals` hands out each key as its last
-part arrives. DataParallel calls `pushpull_async` from inside its compiled step, per key, as
-backprop produces the gradients (hence the link's lock: the sockets are used from a TensorFlow
-thread). With `set_gradient_compression` pushes are 2-bit compressed (`tfkv.ps.compression`)
-with one residual per key chunk kept on the worker; with the `2bit_momentum` kind also one
-velocity per chunk, the optimizer's momentum applied here, and the servers get the optimizer
-with momentum 0 (`compression.split_momentum`). Those worker-side arrays are not in a
-checkpoint (worker 0 alone writes it): a resumed job starts them from zero, and says so.
+above MXNET_KVSTORE_BIGARRAY_BOUND, and parts over TFKV_CHUNK_BYTES cut into chunks); requests,
+their answers and waiting are `tfkv.ps.worker.ServerLink`, used through its API only. A push
+first sums this machine's device values (in host memory, or on the first device for the
+`*_device` types), then sends one message per part without waiting; a pull sends every part's
+request before it waits for any answer. Requests go out in priority order (higher first).
+`pushpull` and `pushpull_async` send each key's push and pull as one request (a PUSHPULL per
+part, small keys fused into one per server; under PS_RESEND a push and then a pull:
+`ServerLink.pushpulls`), so the servers answer early keys while later pushes are still on the
+wire (both directions of the link busy at once, where pushing everything before pulling leaves
+one idle); `arrivals` hands out each key as its last part arrives. DataParallel calls
+`pushpull_async` from inside its compiled step, per key, as backprop produces the gradients
+(hence the link's lock: the sockets are used from a TensorFlow thread). With
+`set_gradient_compression` pushes are 2-bit compressed (`tfkv.ps.compression`) with one
+residual per key chunk kept on the worker; with the `2bit_momentum` kind also one velocity per
+chunk, the optimizer's momentum applied here, and the servers get the optimizer with momentum 0
+(`compression.split_momentum`). Those worker-side arrays are not in a checkpoint (worker 0
+alone writes it): a resumed job starts them from zero, and says so.
 
 A key initialised with a float16 or bfloat16 value holds that dtype (tfkv.ps.dtypes): this
 machine's values are summed in it and travel at 2 bytes a value; a value of another dtype is
@@ -70,7 +71,7 @@ class DistStore(KVStore):
         self.servers = ServerLink(env, self.link, self._key_name)
         # A key's push and pull as one PUSHPULL, or (PS_RESEND) as two requests, the pulls once
         # every push is acknowledged: a pull must not overtake a push that was lost and is being resent.
-        self._pushpull_items = self._pushpulls if self.servers.pushpulls else self._pushes_then_pulls
+        self._pushpulls = self.servers.pushpulls
         self._ids: dict[Hashable, int] = {}
         self._layouts: dict[int, Layout] = {}
         self._sender: Sender | None = None  # 2-bit compression of pushes, when set
@@ -219,18 +220,18 @@ class DistStore(KVStore):
         self._check_can_push()
         outs = dict(pairs(key, out))
         with self.servers.lock:
-            return self._pushpull_items(self._ordered(list(pairs(key, value)), priority), outs)
-
-    def _pushpulls(self, items: list[tuple[Key, list[Any]]], outs: dict[Key, list[Any]]) -> list[Pull]:
-        pulls = []
-        fusing = self._sender is None  # a 2-bit payload is no float32 slice of a fused one
-        for k, values in items:  # each pull right behind its push: replies flow while pushes do
-            layout = self._layout(k)[1]
-            if fusing and layout.fusable:
-                pulls.append(self._pushpull_fused(k, layout, values, outs[k]))
-            else:
-                pulls.append(self._pushpull_parts(k, layout, values, outs[k]))
-        return pulls
+            items = self._ordered(list(pairs(key, value)), priority)
+            if not self._pushpulls:
+                return self._pushes_then_pulls(items, outs)
+            pulls = []
+            fusing = self._sender is None  # a 2-bit payload is no float32 slice of a fused one
+            for k, values in items:  # each pull right behind its push: replies flow while pushes do
+                layout = self._layout(k)[1]
+                if fusing and layout.fusable:
+                    pulls.append(self._pushpull_fused(k, layout, values, outs[k]))
+                else:
+                    pulls.append(self._pushpull_parts(k, layout, values, outs[k]))
+            return pulls
 
     def _pushes_then_pulls(self, items: list[tuple[Key, list[Any]]], outs: dict[Key, list[Any]]) -> list[Pull]:
         for k, values in items:
@@ -261,8 +262,7 @@ class DistStore(KVStore):
     def arrivals(self, pulls: Sequence[Pull]) -> Iterator[tuple[Key, np.ndarray]]:
         """(key, value) for each of `pulls` as soon as all of its parts have arrived, in arrival
         order; the value is also written into the pull's `outs`."""
-        for p in self.servers.gather(pulls):
-            yield p.key, p.value
+        return self.servers.gather(pulls)
 
     def wait(self, pulls: Sequence[Pull]) -> dict[Key, np.ndarray]:
         """Every pull's value, by key, once all have arrived."""

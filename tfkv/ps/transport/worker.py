@@ -3,8 +3,8 @@
 `connect` makes a `WorkerTransport` (plain) or a `SecureWorkerTransport` (a job with keys: each
 server's session opened by the HELLO handshake, every message sealed and opened, a PULL reply's
 payload opened straight into where its pull puts it: `land`), chosen once. Either batches the
-requests queued for a server into one ZeroMQ message (`queue`, `flush`), and under PS_RESEND
-keeps each request sent with `send` until `answered`, sending it again while it is overdue
+requests queued for a server into one ZeroMQ message (`send`, `flush`), and under PS_RESEND
+keeps each awaited request until `answered`, sending it again while it is overdue
 (`resend_overdue`), as ps-lite's Van does with its Resender. Request numbers, tracking and
 replies are the link's (tfkv.ps.worker); the transport sees frames only.
 
@@ -111,20 +111,22 @@ class WorkerTransport:
         """Send frames to `server` now."""
         wire.send(self.socks[server], frames)
 
-    def queue(self, server: int, frames: list[Any], nbytes: int) -> None:
-        """Queue frames for `server`, sent with the rest of its batch (at `flush`, or once it is full)."""
+    def send(self, server: int, frames: list[Any], nbytes: int, seq: int = 0) -> None:
+        """Queue frames for `server`, sent with the rest of its batch (at `flush`, or once it is
+        full). `seq`: of a request awaited, which under PS_RESEND is sent again while overdue,
+        until `answered`."""
+        if seq and self._resent is not None:
+            self._resent[seq] = Outgoing(server, frames, time.monotonic())
         box = self._outbox[server]
         box.extend(frames)
         self._outbytes[server] += nbytes
         if self._outbytes[server] >= self.env.fusion_bytes or len(box) >= MAX_BATCH_FRAMES:
             self.flush_server(server)
 
-    def send(self, server: int, seq: int, frames: list[Any], nbytes: int) -> None:
-        """`queue` request `seq`, which is awaited: under PS_RESEND it is sent again while
-        overdue, until `answered`."""
-        if self._resent is not None:
-            self._resent[seq] = Outgoing(server, frames, time.monotonic())
-        self.queue(server, frames, nbytes)
+    @property
+    def resends(self) -> bool:
+        """Whether requests are sent again until answered (PS_RESEND)."""
+        return self._resent is not None
 
     def answered(self, seq: int) -> None:
         """Request `seq` needs sending no more."""
