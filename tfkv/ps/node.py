@@ -61,13 +61,6 @@ def _not_served(name: str) -> ClusterEnvError:
     return ClusterEnvError(f"role {name!r} is not run by tfkv.ps.node; workers run the training command")
 
 
-def run_unless_worker(env: ClusterEnv) -> None:
-    """Run a scheduler or server role to its end and exit with its status; return for a worker.
-    (Temporary, issue 30 part B: part D's definition replaces it.)"""
-    if env.role != "worker":
-        sys.exit(run_role(env))
-
-
 def keep_serving(grace: float = preempt.GRACE) -> None:
     """SIGTERM and SIGUSR1 raise the preemption flag instead of ending this role; SIGTERM also
     ends it `grace` seconds later (SIGALRM), as a process killed by SIGTERM (143). Main thread only."""
