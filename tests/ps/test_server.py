@@ -94,6 +94,28 @@ def test_a_one_key_pushpull_is_its_push_then_its_pull():
     assert _held(srv, 9) == 0 and _held(srv, 10) == 0
 
 
+def test_a_held_request_that_is_malformed_gets_its_own_error_and_the_rest_is_served():
+    """A one-key PUSHPULL held for the next round is checked when its round opens: a wrong size
+    is answered with an ERROR to its own sender, under its own seq, and the requests released
+    with it, and the pull of the push that closed the round, are served as ever."""
+    srv = _server(2)
+    srv.rounds.values[3] = np.zeros(5, np.float32)
+    sent = []
+    srv.transport.reply = lambda identity, msg: sent.append((identity, msg.type, msg.seq))
+
+    def pushpull(sender, seq, size):
+        srv.serve(b"w%d" % sender, P.Message(P.Type.PUSHPULL, sender=sender, seq=seq, key=3,
+                                             data=np.ones(size, np.float32)))
+
+    pushpull(9, 1, 5)
+    pushpull(9, 2, 4)  # held, then found malformed
+    pushpull(9, 3, 5)  # held behind it
+    assert sent == [] and _held(srv, 9) == 3
+    pushpull(10, 1, 5)
+    assert sent == [(b"w9", P.Type.PULL, 1), (b"w9", P.Type.ERROR, 2), (b"w10", P.Type.PULL, 1)]
+    assert srv.rounds.open[3].pushed == {9} and _held(srv, 9) == 1 and _held(srv, 10) == 0
+
+
 def _fused(srv, sender, seq, keys, values, sent):
     data = np.concatenate([np.full(3, v, np.float32) for v in values])
     srv.serve(b"w%d" % sender, P.Message(P.Type.PUSHPULL, sender=sender, seq=seq, meta={"keys": list(keys)},
