@@ -153,17 +153,6 @@ class Rounds:
 
     # -- serving -------------------------------------------------------------------------------
 
-    def resume(self, held: Held) -> Outcome:
-        """Serve a released request."""
-        identity, request, pull = held
-        if pull is not None:
-            return self.member(identity, request, pull)
-        if request.type == P.Type.PUSH:
-            return self.push(identity, request)
-        if request.type == P.Type.PULL:
-            return self.pull(identity, request)
-        return self.pushpull(identity, request)
-
     def push(self, identity: bytes, msg: P.Message) -> Outcome:
         group = self.grouped.get(msg.key)
         if group is not None:

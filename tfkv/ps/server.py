@@ -24,7 +24,7 @@ from tfkv.ps import compression, departures, memory
 from tfkv.ps import protocol as P
 from tfkv.ps.cluster_env import ClusterEnv
 from tfkv.ps.reduction import Reducer
-from tfkv.ps.rounds import Held, Outcome, RequestError, Rounds
+from tfkv.ps.rounds import Fused, Held, Outcome, RequestError, Rounds
 from tfkv.ps.scheduler_link import SchedulerLink
 from tfkv.ps.strangers import Strangers
 from tfkv.ps.transport import server as transport
@@ -39,6 +39,8 @@ _CHANGES = frozenset((P.Type.PUSH, P.Type.PUSHPULL, P.Type.INIT, P.Type.SET_STAT
 
 
 class Server:
+    """One server of a job: registered with the scheduler, serving until it says the job ended."""
+
     def __init__(self, env: ClusterEnv):
         self.env = env
         memory.keep_freed_buffers()  # the same large buffers every step (tfkv.ps.memory)
@@ -46,8 +48,7 @@ class Server:
         # Behind NAT (or a test proxy) workers must connect elsewhere than where this binds.
         host, port = env.advertise or (self.transport.host, self.transport.port)
         self.link = SchedulerLink(env, "server", host, port)
-        self.id = self.link.id
-        self.transport.named(self.id, self.link.name)
+        self.transport.named(self.link.id, self.link.name)
         self._serving(set(self.link.workers))
         log.info("%s listening on %s:%d", self.link.name, self.transport.host, self.transport.port)
 
@@ -128,7 +129,7 @@ class Server:
             else:
                 stack.pop()
 
-    def _outcome(self, identity: bytes, msg: P.Message, pull: Any) -> Outcome:
+    def _outcome(self, identity: bytes, msg: P.Message, pull: Fused | None) -> Outcome:
         try:
             if pull is not None:  # a fused PUSHPULL's push of one key, released
                 return self.rounds.member(identity, msg, pull)
