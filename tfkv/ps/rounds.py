@@ -154,6 +154,7 @@ class Rounds:
     # -- serving -------------------------------------------------------------------------------
 
     def push(self, identity: bytes, msg: P.Message) -> Outcome:
+        """A key's PUSH: applied (async), summed into the key's round, or held for its next one."""
         group = self.grouped.get(msg.key)
         if group is not None:
             return self._dissolve(group, Held(identity, msg))
@@ -162,12 +163,9 @@ class Rounds:
         if data.dtype != value.dtype and msg.dtype != P.DType.TWOBIT:
             raise RequestError(f"key {msg.key}: a {data.dtype.name} push to a {value.dtype.name} key (a key's dtype "
                                "is fixed at init)")
-        # Without PS_RESEND a push is not acknowledged: one connection delivers in order and one
-        # thread serves it, so the answer to a later pull proves the push was applied.
-        ack = [(identity, P.ack(msg))] if msg.want_ack else NOTHING
         if not self.sync:
             self.values[msg.key] = self._async_updater().update(msg.key, value, data)
-            return ack
+            return _acked(identity, msg)
         r = self.open[msg.key]
         if msg.sender in r.pushed:
             r.held.append(Held(identity, msg))
@@ -179,8 +177,8 @@ class Rounds:
         r.merged = self.reducer.accumulate(r.merged, data)
         r.pushed.add(msg.sender)
         if len(r.pushed) < len(self.workers):
-            return ack
-        out = list(ack)
+            return _acked(identity, msg)
+        out = list(_acked(identity, msg))
         self._close(msg.key, r, out)
         return out
 
@@ -190,6 +188,7 @@ class Rounds:
         return r if self.sync and r is not None and sender in r.pushed else None
 
     def pull(self, identity: bytes, msg: P.Message) -> Outcome:
+        """A key's PULL: answered now, or when the round its sender pushed into closes."""
         group = self.grouped.get(msg.key)
         if group is not None:
             return self._dissolve(group, Held(identity, msg))
@@ -234,6 +233,7 @@ class Rounds:
         return self._members(Fused(identity, msg, keys), sizes)
 
     def _pushpull_one(self, identity: bytes, msg: P.Message) -> Outcome:
+        """A PUSHPULL of the header's key: its PUSH, then its PULL, or held whole for the next round."""
         group = self.grouped.get(msg.key)
         if group is not None:
             return self._dissolve(group, Held(identity, msg))
@@ -418,6 +418,12 @@ class Rounds:
             if gone is not None:
                 return [(identity, P.error(msg, self.never_closes((key,), gone), left=gone))]
         return []
+
+
+def _acked(identity: bytes, msg: P.Message) -> Outcome:
+    """A push's acknowledgement, asked for under PS_RESEND only: without it one connection delivers
+    in order and one thread serves it, so the answer to a later pull proves the push was applied."""
+    return [(identity, P.ack(msg))] if msg.want_ack else NOTHING
 
 
 def _slice(msg: P.Message, key: int, start: int, end: int) -> P.Message:
