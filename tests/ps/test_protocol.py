@@ -375,7 +375,7 @@ def test_metadata_fits_one_frame_with_room_for_curve():
 def test_the_server_sends_full_payload_frames_without_a_copy():
     """The server copies reply frames below its copy threshold: a reply of 1 MiB (a 512 x 512
     weight) must take the zero-copy path."""
-    from tfkv.ps import server
+    from tfkv.ps.transport import server
 
     assert server.COPY_THRESHOLD < 1 << 20
 

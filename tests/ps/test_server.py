@@ -4,7 +4,6 @@ leaves the server serving."""
 
 import collections
 import logging
-from collections import Counter, defaultdict
 from types import SimpleNamespace
 
 import numpy as np
@@ -15,17 +14,29 @@ from tfkv import keys as job_keys
 from tfkv.ps import handshake
 from tfkv.ps import protocol as P
 from tfkv.ps.cluster_env import ClusterEnv
-from tfkv.ps.server import Round, Server
+from tfkv.ps.rounds import Round
+from tfkv.ps.server import Server
+from tfkv.ps.transport.server import SecureServerTransport, ServerTransport
 
 
 def _server(workers: int) -> Server:
-    srv = object.__new__(Server)  # only the round's bookkeeping: no sockets, no scheduler
+    """A server's dispatch and rounds without sockets or a scheduler: its replies go to
+    `srv.transport.reply` (a test sets it to record them)."""
+    srv = object.__new__(Server)
     srv.env = ClusterEnv("server", "127.0.0.1", 1, 1, workers)
-    srv._pool, srv.sync, srv.updater, srv.threshold = None, True, None, None
-    srv.values, srv.rounds, srv._held, srv._grouped = {}, defaultdict(Round), Counter(), {}
-    srv._left, srv._rounds_closed = {}, Counter()
-    srv.workers = set(range(9, 9 + workers))
+    srv.link = SimpleNamespace(name="server 0", left=collections.deque())
+    srv.transport = SimpleNamespace(reply=lambda identity, msg: None, flush=lambda: None)
+    srv._serving(set(range(9, 9 + workers)))
     return srv
+
+
+def _held(srv, sender):
+    """What a PING from `sender` answers: how many of its requests the server holds."""
+    reply, got = srv.transport.reply, []
+    srv.transport.reply = lambda identity, msg: got.append(msg.meta["held"])
+    srv.serve(b"ping", P.Message(P.Type.PING, sender=sender, seq=99))
+    srv.transport.reply = reply
+    return got[0]
 
 
 def _push(sender: int, buffer) -> P.Message:
@@ -38,22 +49,22 @@ def test_a_round_sums_into_the_first_received_buffer(workers):
     the round closes): no fresh array per round, which for a 16 MiB key was an allocation and its
     page faults on every round. The value is exact, and no other push's buffer is touched."""
     srv = _server(workers)
-    srv.values[3] = np.zeros(5, np.float32)
+    srv.rounds.values[3] = np.zeros(5, np.float32)
     pushed = [bytearray(np.full(5, w + 1, np.float32).tobytes()) for w in range(workers)]
     for w, buffer in enumerate(pushed):
-        srv.on_push(b"id", _push(9 + w, buffer))
-    assert np.array_equal(srv.values[3], np.full(5, workers * (workers + 1) / 2, np.float32))
-    assert np.shares_memory(srv.values[3], np.frombuffer(pushed[0], np.float32))
+        srv.serve(b"id", _push(9 + w, buffer))
+    assert np.array_equal(srv.rounds.values[3], np.full(5, workers * (workers + 1) / 2, np.float32))
+    assert np.shares_memory(srv.rounds.values[3], np.frombuffer(pushed[0], np.float32))
     assert all(bytes(b) == np.full(5, w + 1, np.float32).tobytes() for w, b in enumerate(pushed) if w)
 
 
 def test_a_read_only_first_push_is_summed_into_a_fresh_array():
     srv = _server(2)
-    srv.values[3] = np.zeros(5, np.float32)
+    srv.rounds.values[3] = np.zeros(5, np.float32)
     first = np.ones(5, np.float32).tobytes()  # bytes: read-only
-    srv.on_push(b"id", _push(9, first))
-    srv.on_push(b"id", _push(10, bytearray(np.full(5, 2, np.float32).tobytes())))
-    assert np.array_equal(srv.values[3], np.full(5, 3, np.float32))
+    srv.serve(b"id", _push(9, first))
+    srv.serve(b"id", _push(10, bytearray(np.full(5, 2, np.float32).tobytes())))
+    assert np.array_equal(srv.rounds.values[3], np.full(5, 3, np.float32))
     assert first == np.ones(5, np.float32).tobytes()
 
 
@@ -63,36 +74,58 @@ def test_a_one_key_pushpull_is_its_push_then_its_pull():
     of the new value under the request's seq, and a second PUSHPULL before the round closes is held
     whole for the next round (its pull answered with that round's value, not this one's)."""
     srv = _server(2)
-    srv.values[3] = np.zeros(5, np.float32)
+    srv.rounds.values[3] = np.zeros(5, np.float32)
     sent = []
-    srv.reply = lambda identity, msg: sent.append((identity, msg))
+    srv.transport.reply = lambda identity, msg: sent.append((identity, msg))
 
     def pushpull(sender, value, seq):
-        srv.on_pushpull(b"w%d" % sender, P.Message(P.Type.PUSHPULL, sender=sender, seq=seq, key=3,
+        srv.serve(b"w%d" % sender, P.Message(P.Type.PUSHPULL, sender=sender, seq=seq, key=3,
                                                    data=np.full(5, value, np.float32)))
 
     pushpull(9, 1.0, 1)
     pushpull(9, 10.0, 2)  # worker 9 again before worker 10 pushed: held for the next round
-    assert sent == [] and srv._held[9] == 2
+    assert sent == [] and _held(srv, 9) == 2
     pushpull(10, 2.0, 1)
     replies = [(identity, msg.type, msg.seq, msg.data.tolist()) for identity, msg in sent]
     assert replies == [(b"w9", P.Type.PULL, 1, [3.0] * 5), (b"w10", P.Type.PULL, 1, [3.0] * 5)]
-    assert srv.rounds[3].pushed == {9} and srv._held[9] == 1  # the held push opened the next round
+    assert srv.rounds.open[3].pushed == {9} and _held(srv, 9) == 1  # the held push opened the next round
     pushpull(10, 20.0, 2)
     assert [(msg.seq, msg.data.tolist()) for identity, msg in sent[2:]] == [(2, [30.0] * 5), (2, [30.0] * 5)]  # no optimizer: the sum
-    assert srv._held[9] == 0 and srv._held[10] == 0
+    assert _held(srv, 9) == 0 and _held(srv, 10) == 0
+
+
+def test_a_held_request_that_is_malformed_gets_its_own_error_and_the_rest_is_served():
+    """A one-key PUSHPULL held for the next round is checked when its round opens: a wrong size
+    is answered with an ERROR to its own sender, under its own seq, and the requests released
+    with it, and the pull of the push that closed the round, are served as ever."""
+    srv = _server(2)
+    srv.rounds.values[3] = np.zeros(5, np.float32)
+    sent = []
+    srv.transport.reply = lambda identity, msg: sent.append((identity, msg.type, msg.seq))
+
+    def pushpull(sender, seq, size):
+        srv.serve(b"w%d" % sender, P.Message(P.Type.PUSHPULL, sender=sender, seq=seq, key=3,
+                                             data=np.ones(size, np.float32)))
+
+    pushpull(9, 1, 5)
+    pushpull(9, 2, 4)  # held, then found malformed
+    pushpull(9, 3, 5)  # held behind it
+    assert sent == [] and _held(srv, 9) == 3
+    pushpull(10, 1, 5)
+    assert sent == [(b"w9", P.Type.PULL, 1), (b"w9", P.Type.ERROR, 2), (b"w10", P.Type.PULL, 1)]
+    assert srv.rounds.open[3].pushed == {9} and _held(srv, 9) == 1 and _held(srv, 10) == 0
 
 
 def _fused(srv, sender, seq, keys, values, sent):
     data = np.concatenate([np.full(3, v, np.float32) for v in values])
-    srv.on_pushpull(b"w%d" % sender, P.Message(P.Type.PUSHPULL, sender=sender, seq=seq, meta={"keys": list(keys)},
+    srv.serve(b"w%d" % sender, P.Message(P.Type.PUSHPULL, sender=sender, seq=seq, meta={"keys": list(keys)},
                                                data=data))
     return data
 
 
 def _replying(srv):
     sent = []
-    srv.reply = lambda identity, msg: sent.append((identity, msg.type, msg.seq,
+    srv.transport.reply = lambda identity, msg: sent.append((identity, msg.type, msg.seq,
                                                    None if msg.data is None else msg.data.tolist()))
     return sent
 
@@ -103,17 +136,17 @@ def test_a_fused_key_set_pushed_alike_by_every_worker_is_one_round_answered_from
     concatenation), and each key's value is its slice of it, exactly the sum."""
     srv = _server(2)
     for k in (3, 4, 5):
-        srv.values[k] = np.zeros(3, np.float32)
+        srv.rounds.values[k] = np.zeros(3, np.float32)
     sent = []
-    srv.reply = lambda identity, msg: sent.append((identity, msg))
+    srv.transport.reply = lambda identity, msg: sent.append((identity, msg))
     first = _fused(srv, 9, 1, (3, 4, 5), (1, 2, 3), sent)
-    assert sent == [] and srv._held[9] == 3 and not any(srv.rounds[k].pushed for k in (3, 4, 5))
+    assert sent == [] and _held(srv, 9) == 3 and not any(srv.rounds.open[k].pushed for k in (3, 4, 5))
     _fused(srv, 10, 1, (3, 4, 5), (10, 20, 30), sent)
     assert [(i, m.type, m.seq) for i, m in sent] == [(b"w9", P.Type.PUSHPULL, 1), (b"w10", P.Type.PUSHPULL, 1)]
     assert sent[0][1].data.tolist() == [11] * 3 + [22] * 3 + [33] * 3
     assert all(np.shares_memory(m.data, first) for _, m in sent)  # the first push's buffer, summed into
-    assert [srv.values[k].tolist() for k in (3, 4, 5)] == [[11] * 3, [22] * 3, [33] * 3]
-    assert srv._held[9] == srv._held[10] == 0 and not srv._grouped
+    assert [srv.rounds.values[k].tolist() for k in (3, 4, 5)] == [[11] * 3, [22] * 3, [33] * 3]
+    assert _held(srv, 9) == _held(srv, 10) == 0 and not srv.rounds.grouped
 
 
 def test_a_fused_key_set_with_an_optimizer_updates_each_key_as_its_own_round_would():
@@ -123,9 +156,9 @@ def test_a_fused_key_set_with_an_optimizer_updates_each_key_as_its_own_round_wou
     results = []
     for fused in (True, False):
         srv = _server(2)
-        srv.updater = NumpyUpdater(optim.SGD(schedule=optim.Schedule(lr=0.5), momentum=0.9))
+        srv.rounds.updater = NumpyUpdater(optim.SGD(schedule=optim.Schedule(lr=0.5), momentum=0.9))
         for k in (3, 4):
-            srv.values[k] = np.ones(3, np.float32)
+            srv.rounds.values[k] = np.ones(3, np.float32)
         sent = _replying(srv)
         for step in range(3):
             for w in (9, 10):
@@ -133,9 +166,9 @@ def test_a_fused_key_set_with_an_optimizer_updates_each_key_as_its_own_round_wou
                     _fused(srv, w, step + 1, (3, 4), (w + step, 2 * w), sent)
                 else:
                     for k, v in ((3, w + step), (4, 2 * w)):
-                        srv.on_pushpull(b"w%d" % w, P.Message(P.Type.PUSHPULL, sender=w, seq=10 * step + k, key=k,
+                        srv.serve(b"w%d" % w, P.Message(P.Type.PUSHPULL, sender=w, seq=10 * step + k, key=k,
                                                               data=np.full(3, v, np.float32)))
-        results.append(([srv.values[k].tolist() for k in (3, 4)], sent[-1][3]))
+        results.append(([srv.rounds.values[k].tolist() for k in (3, 4)], sent[-1][3]))
     (fused_values, fused_reply), (own_values, _) = results
     assert fused_values == own_values
     assert fused_reply == own_values[0] + own_values[1]
@@ -144,24 +177,23 @@ def test_a_fused_key_set_with_an_optimizer_updates_each_key_as_its_own_round_wou
 def test_a_fused_key_set_pushed_twice_before_its_round_closes_is_held_whole_for_the_next_round():
     srv = _server(2)
     for k in (3, 4):
-        srv.values[k] = np.zeros(3, np.float32)
+        srv.rounds.values[k] = np.zeros(3, np.float32)
     sent = _replying(srv)
     _fused(srv, 9, 1, (3, 4), (1, 2), sent)
     _fused(srv, 9, 2, (3, 4), (100, 200), sent)  # again before worker 10 pushed: the next round's
-    assert sent == [] and srv._held[9] == 4
+    assert sent == [] and _held(srv, 9) == 4
     _fused(srv, 10, 1, (3, 4), (10, 20), sent)
     assert [(i, seq, data) for i, _, seq, data in sent] == [(b"w9", 1, [11] * 3 + [22] * 3),
                                                             (b"w10", 1, [11] * 3 + [22] * 3)]
-    assert srv._held[9] == 2  # the held one opened the next round
+    assert _held(srv, 9) == 2  # the held one opened the next round
     _fused(srv, 10, 2, (3, 4), (1000, 2000), sent)
     assert [(seq, data) for _, _, seq, data in sent[2:]] == [(2, [1100] * 3 + [2200] * 3)] * 2
-    assert srv._held[9] == srv._held[10] == 0
+    assert _held(srv, 9) == _held(srv, 10) == 0
 
 
 def _left(srv, wid):
     """What the server's loop does when the scheduler reports worker `wid` finished (LEFT)."""
-    srv.link = SimpleNamespace(name="server 0", left=collections.deque([{"id": wid, "node": f"worker {wid - 9}"}]))
-    srv.flush = lambda: None
+    srv.link.left.append({"id": wid, "node": f"worker {wid - 9}"})
     srv._workers_left()
 
 
@@ -174,16 +206,16 @@ def test_a_round_a_finished_worker_never_pushed_into_fails_every_request_waiting
     push into a round it can never join is refused the same way."""
     srv = _server(2)
     for k in (3, 4):
-        srv.values[k] = np.zeros(3, np.float32)
+        srv.rounds.values[k] = np.zeros(3, np.float32)
     sent = []
-    srv.reply = lambda identity, msg: sent.append((identity, msg))
+    srv.transport.reply = lambda identity, msg: sent.append((identity, msg))
     fused = request_kind == "fused"
 
     def pushpull(w, seq):
         if fused:
             _fused(srv, w, seq, (3, 4), (1, 1), sent)
         else:
-            srv.on_pushpull(b"w%d" % w, P.Message(P.Type.PUSHPULL, sender=w, seq=seq, key=3,
+            srv.serve(b"w%d" % w, P.Message(P.Type.PUSHPULL, sender=w, seq=seq, key=3,
                                                   data=np.ones(3, np.float32)))
 
     for step in range(3):
@@ -193,9 +225,9 @@ def test_a_round_a_finished_worker_never_pushed_into_fails_every_request_waiting
     if request_kind in ("fused", "one-key pushpull"):
         pushpull(9, 4)
     else:
-        srv.on_push(b"w9", P.Message(P.Type.PUSH, sender=9, seq=4, key=3, data=np.ones(3, np.float32),
+        srv.serve(b"w9", P.Message(P.Type.PUSH, sender=9, seq=4, key=3, data=np.ones(3, np.float32),
                                            want_ack=False))
-        srv.on_pull(b"w9", P.Message(P.Type.PULL, sender=9, seq=5, key=3))
+        srv.serve(b"w9", P.Message(P.Type.PULL, sender=9, seq=5, key=3))
         if request_kind == "held":
             pushpull(9, 6)
     assert sent == []  # waiting for worker 10
@@ -206,21 +238,21 @@ def test_a_round_a_finished_worker_never_pushed_into_fails_every_request_waiting
     seqs = {"push+pull": [5], "one-key pushpull": [4], "fused": [4], "held": [5, 6]}[request_kind]
     assert [(i, m.type, m.seq, m.meta["message"]) for i, m in sent] == [
         (b"w9", P.Type.ERROR, seq, f"{key}: {why}") for seq in seqs]
-    assert srv._held[9] == 0 and not srv._grouped and not srv.rounds.get(3, Round()).pushed
+    assert _held(srv, 9) == 0 and not srv.rounds.grouped and not srv.rounds.open.get(3, Round()).pushed
     sent.clear()
-    srv.on_push(b"w9", P.Message(P.Type.PUSH, sender=9, seq=7, key=3, data=np.ones(3, np.float32),
+    srv.serve(b"w9", P.Message(P.Type.PUSH, sender=9, seq=7, key=3, data=np.ones(3, np.float32),
                                            want_ack=False))
     assert [(m.type, m.seq, m.meta["message"]) for _, m in sent] == [(P.Type.ERROR, 7, f"key 3: {why}")]
 
 
 def test_a_round_the_finished_worker_pushed_into_still_closes():
     srv = _server(2)
-    srv.values[3] = np.zeros(3, np.float32)
+    srv.rounds.values[3] = np.zeros(3, np.float32)
     sent = _replying(srv)
-    srv.on_push(b"w10", _push(10, np.ones(3, np.float32).tobytes()))  # worker 10's last push, then it leaves
+    srv.serve(b"w10", _push(10, np.ones(3, np.float32).tobytes()))  # worker 10's last push, then it leaves
     _left(srv, 10)
-    srv.on_push(b"w9", _push(9, np.ones(3, np.float32).tobytes()))
-    assert sent == [] and srv.values[3].tolist() == [2.0] * 3 and not srv.rounds[3].pushed
+    srv.serve(b"w9", _push(9, np.ones(3, np.float32).tobytes()))
+    assert sent == [] and srv.rounds.values[3].tolist() == [2.0] * 3 and not srv.rounds.open[3].pushed
 
 
 @pytest.mark.parametrize("other", ["push", "pull", "one-key pushpull", "another key set"])
@@ -232,26 +264,26 @@ def test_a_request_that_sees_a_fused_key_set_apart_gets_what_the_keys_own_rounds
     for grouped in (True, False):
         srv = _server(2)
         for k in (3, 4, 5):
-            srv.values[k] = np.full(3, 7, np.float32)
+            srv.rounds.values[k] = np.full(3, 7, np.float32)
         if not grouped:
-            srv._as_group = lambda *a: False  # the key-by-key server: the reference
+            srv.rounds._as_group = lambda *a: None  # the key-by-key server: the reference
         sent = _replying(srv)
         _fused(srv, 9, 1, (3, 4), (1, 2), sent)
         if other == "push":
-            srv.on_push(b"w10", P.Message(P.Type.PUSH, sender=10, seq=1, key=3, data=np.full(3, 10, np.float32)))
-            srv.on_pull(b"w9", P.Message(P.Type.PULL, sender=9, seq=2, key=3))
-            srv.on_pushpull(b"w10", P.Message(P.Type.PUSHPULL, sender=10, seq=2, key=4, data=np.full(3, 20, np.float32)))
+            srv.serve(b"w10", P.Message(P.Type.PUSH, sender=10, seq=1, key=3, data=np.full(3, 10, np.float32)))
+            srv.serve(b"w9", P.Message(P.Type.PULL, sender=9, seq=2, key=3))
+            srv.serve(b"w10", P.Message(P.Type.PUSHPULL, sender=10, seq=2, key=4, data=np.full(3, 20, np.float32)))
         elif other == "pull":
-            srv.on_pull(b"w10", P.Message(P.Type.PULL, sender=10, seq=1, key=3))  # not pushed: today's value
-            srv.on_pull(b"w9", P.Message(P.Type.PULL, sender=9, seq=2, key=4))  # pushed: waits for the round
+            srv.serve(b"w10", P.Message(P.Type.PULL, sender=10, seq=1, key=3))  # not pushed: today's value
+            srv.serve(b"w9", P.Message(P.Type.PULL, sender=9, seq=2, key=4))  # pushed: waits for the round
             _fused(srv, 10, 2, (3, 4), (10, 20), sent)
         elif other == "one-key pushpull":
             for k, v in ((3, 10), (4, 20)):
-                srv.on_pushpull(b"w10", P.Message(P.Type.PUSHPULL, sender=10, seq=k, key=k, data=np.full(3, v, np.float32)))
+                srv.serve(b"w10", P.Message(P.Type.PUSHPULL, sender=10, seq=k, key=k, data=np.full(3, v, np.float32)))
         else:
             _fused(srv, 10, 1, (3, 4, 5), (10, 20, 30), sent)
-            srv.on_push(b"w9", P.Message(P.Type.PUSH, sender=9, seq=2, key=5, data=np.full(3, 3, np.float32)))
-        answers.append((sent, [srv.values[k].tolist() for k in (3, 4, 5)], dict(srv._held)))
+            srv.serve(b"w9", P.Message(P.Type.PUSH, sender=9, seq=2, key=5, data=np.full(3, 3, np.float32)))
+        answers.append((sent, [srv.rounds.values[k].tolist() for k in (3, 4, 5)], {w: _held(srv, w) for w in sorted(srv.workers)}))
     assert answers[0] == answers[1]
     assert answers[0][0] and all(v == 0 for v in answers[0][2].values())
 
@@ -268,13 +300,13 @@ def _serve_steps(grouped, workers, order, optimizer):
     count = len(workers[0])
     srv = _server(count)
     if optimizer:
-        srv.updater = NumpyUpdater(optim.SGD(schedule=optim.Schedule(lr=0.25), momentum=0.5))
+        srv.rounds.updater = NumpyUpdater(optim.SGD(schedule=optim.Schedule(lr=0.25), momentum=0.5))
     if not grouped:
-        srv._as_group = lambda *a: False  # the key-by-key server: the reference
+        srv.rounds._as_group = lambda *a: None  # the key-by-key server: the reference
     for k in range(3, 7):
-        srv.values[k] = np.zeros(2, np.float32)
+        srv.rounds.values[k] = np.zeros(2, np.float32)
     got = {}
-    srv.reply = lambda identity, msg: got.setdefault((identity, msg.seq), []).append(
+    srv.transport.reply = lambda identity, msg: got.setdefault((identity, msg.seq), []).append(
         None if msg.data is None else msg.data.tolist())
     queues = {w: [(step, req) for step in range(len(workers)) for req in workers[step][w]] for w in range(count)}
     rest = [w for _ in range(4 * len(workers)) for w in range(count)]
@@ -285,16 +317,16 @@ def _serve_steps(grouped, workers, order, optimizer):
         sender, seq, ident = 9 + w, 2 * n + 1, b"w%d" % w
         value = lambda k: np.full(2, (w + 1) * 10 + k + step, np.float32)  # noqa: E731
         if kind == "fused":
-            srv.on_pushpull(ident, P.Message(P.Type.PUSHPULL, sender=sender, seq=seq, meta={"keys": list(keys)},
+            srv.serve(ident, P.Message(P.Type.PUSHPULL, sender=sender, seq=seq, meta={"keys": list(keys)},
                                              data=np.concatenate([value(k) for k in keys])))
         elif kind == "one":
-            srv.on_pushpull(ident, P.Message(P.Type.PUSHPULL, sender=sender, seq=seq, key=keys[0], data=value(keys[0])))
+            srv.serve(ident, P.Message(P.Type.PUSHPULL, sender=sender, seq=seq, key=keys[0], data=value(keys[0])))
         else:
-            srv.on_push(ident, P.Message(P.Type.PUSH, sender=sender, seq=seq, key=keys[0], data=value(keys[0]),
+            srv.serve(ident, P.Message(P.Type.PUSH, sender=sender, seq=seq, key=keys[0], data=value(keys[0]),
                                          want_ack=False))
-            srv.on_pull(ident, P.Message(P.Type.PULL, sender=sender, seq=seq + 1, key=keys[0]))
+            srv.serve(ident, P.Message(P.Type.PULL, sender=sender, seq=seq + 1, key=keys[0]))
     assert not any(queues.values())
-    return got, [srv.values[k].tolist() for k in range(3, 7)], dict(srv._held)
+    return got, [srv.rounds.values[k].tolist() for k in range(3, 7)], {w: _held(srv, w) for w in sorted(srv.workers)}
 
 
 from hypothesis import given, settings, strategies as st  # noqa: E402
@@ -350,23 +382,23 @@ def test_a_peer_gone_before_its_answer_leaves_the_server_serving(caplog):
     loop (the HELLO's WELCOME used to go out unguarded). An identity the socket never had is
     what ROUTER sees for such a connection."""
     psk = handshake.psk(job_keys.new_keys().secret)
-    srv = _server(1)
-    srv.link, srv.acceptor = SimpleNamespace(name="server 0"), handshake.Acceptor(psk)
-    srv.refused, srv._refused_by = Counter(), Counter()
-    srv.sock = zmq.Context.instance().socket(zmq.ROUTER)
-    srv.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    srv.sock.linger = 0
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.linger = 0
+    secure = SecureServerTransport(sock, 1 << 20, handshake.Acceptor(psk))
+    plain = ServerTransport(sock, 1 << 20)
     gone = b"\x00gone"
     try:
         hello = [zmq.Frame(f) for f in handshake.Hello(psk).message]  # as received
         with caplog.at_level(logging.WARNING, logger="tfkv"):
-            assert srv._open(gone, hello) is None
-            assert gone not in srv.acceptor.sessions and not srv.refused  # nothing kept for a peer that left
-            srv.acceptor.hello(gone, handshake.Hello(psk).message)  # a session, then its peer gone
-            srv._send(gone, P.encode(P.Message(P.Type.ACK, seq=5, reply=True)))
-            srv.acceptor = None  # a plain job's reply
-            srv._send(gone, P.encode(P.Message(P.Type.ACK, seq=6, reply=True)))
+            assert secure._open(gone, hello) is None
+            assert gone not in secure.acceptor.sessions and not secure.refused  # nothing kept for a peer that left
+            secure.acceptor.hello(gone, handshake.Hello(psk).message)  # a session, then its peer gone
+            secure.reply(gone, P.Message(P.Type.ACK, seq=5, reply=True))
+            secure.flush()
+            plain.reply(gone, P.Message(P.Type.ACK, seq=6, reply=True))  # a plain job's reply
+            plain.flush()
     finally:
-        srv.sock.close()
+        sock.close()
     assert "a WELCOME not sent" in caplog.text
     assert "ACK reply (request 5) not sent" in caplog.text and "ACK reply (request 6) not sent" in caplog.text

@@ -61,4 +61,4 @@ def test_an_unreachable_peer_raises_on_a_mandatory_router(pair):
     router.setsockopt(zmq.ROUTER_MANDATORY, 1)
     with pytest.raises(zmq.ZMQError) as e:
         wire.send(router, [b"no such peer", b"x"])
-    assert e.value.errno == zmq.EHOSTUNREACH  # what Server._send logs as a gone sender
+    assert e.value.errno == zmq.EHOSTUNREACH  # what ServerTransport logs as a gone sender

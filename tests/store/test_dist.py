@@ -306,13 +306,9 @@ def test_compression_is_refused_by_single_machine_stores():
 # -- parallel reduction on the servers -------------------------------------------------------------
 
 def _reduce_server(bound, nthreads):
-    from tfkv.ps.cluster_env import ClusterEnv
-    from tfkv.ps.server import Server
+    from tfkv.ps.reduction import Reducer
 
-    srv = object.__new__(Server)  # only the summation: no sockets, no scheduler
-    srv.env = ClusterEnv("server", "127.0.0.1", 1, 1, 1, bigarray_bound=bound, reduction_nthreads=nthreads)
-    srv._pool = None
-    return srv
+    return Reducer(bound, nthreads)  # a server's summation
 
 
 def test_large_arrays_are_summed_in_threads_small_ones_inline():

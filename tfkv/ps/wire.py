@@ -3,10 +3,8 @@
 pyzmq's `send_multipart` and `recv_multipart` are Python: a type check per frame, enum flag
 arithmetic per frame and a second `getsockopt(RCVMORE)` through its option layer. The data plane's
 frames are tfkv's own (bytes, memoryviews, zmq.Frames), so these call the same backend methods
-with plain ints; what they send and receive is the same. Sending a 28-byte header and 4 KiB
-took 3.8-6.3 us through `send_multipart`, 1.2-1.3 us here (in-process, inproc); with the
-server's receive that waits instead of polling first, a 4 KiB pushpull round trip went from a
-median of 320 to 307 us (10 alternating runs of 2 s, 1 worker, 1 server, plain).
+with plain ints; what they send and receive is the same, at a fraction of the cost per message
+(benchmarks/results/ps_server.md).
 """
 
 from __future__ import annotations

@@ -1,0 +1,431 @@
+"""A server's keys and their rounds, as a machine: serving a push or a pull *returns* what follows
+from it, the replies to send and the held requests it releases, in order; it never serves a
+request itself. The server's one dispatch loop serves each released request before what follows it.
+
+Synchronous mode (`dist_sync*`): pushes of a key are summed until every worker has pushed once;
+then the optimizer runs (or the sum becomes the value, when workers update themselves), and pulls
+that arrived meanwhile from workers who pushed are answered with the new value. A worker that
+pushes the same key twice before the round closes has the second push held for the next round.
+Asynchronous mode (`dist_async*`): every push is applied on arrival.
+
+A PUSHPULL of small keys (its metadata lists them) is served as each key's PUSH of its slice,
+then its PULL, answered in one reply once every key's round has closed (`Fused`). When every
+worker pushes the same key set alike, a synchronous round of the set is summed as one buffer
+(`GroupRound`); a request that sees the keys apart first turns it into the keys' own rounds.
+
+A worker that finished (the scheduler's LEFT) pushes no more: a push into a round it has not
+pushed into is refused with an ERROR naming the key, the round and that worker (the rounds open
+when it left fail: tfkv.ps.departures).
+
+A key holds the dtype its INIT carried (float32, float16 or bfloat16; tfkv.ps.dtypes) and takes
+pushes of that dtype only. A half key's pushes are summed in float32 (as MXNet's servers may: the
+sum of the workers' half values is rounded once, at the end, not after every addition), then
+stored, sent and updated in its dtype: without `multi_precision` the update reads and writes half
+weights and state (MXNet's float16 update); with it the updater keeps a float32 master copy
+(tfkv.ps.updater). Pushes may arrive 2-bit compressed (protocol dtype TWOBIT); they are decoded
+to float32 with the threshold a worker announced (SET_COMPRESSION) before they are summed.
+
+How many of a sender's requests are held unanswered (what a PING answers, for the worker's
+lost-reply detection) is counted from what the rounds hold (`held`), never kept beside them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import NamedTuple, Sequence, Union
+
+import numpy as np
+
+from tfkv.errors import TfkvError
+from tfkv.ps import compression, dtypes
+from tfkv.ps import protocol as P
+from tfkv.ps.reduction import Reducer
+from tfkv.ps.updater import NumpyUpdater
+
+_F32 = dtypes.FLOAT32
+
+
+class RequestError(TfkvError, ValueError):
+    """The request cannot be served; its text goes back to the sender."""
+
+
+class Fused:
+    """A PUSHPULL's pulls: answered in one reply, the keys' values end to end, once every key's
+    round has closed. Counted as len(keys) held requests until answered (the worker awaits one
+    pull per key)."""
+
+    __slots__ = ("identity", "request", "keys", "values", "answered")
+
+    def __init__(self, identity: bytes, request: P.Message, keys: list[int]):
+        self.identity, self.request, self.keys = identity, request, keys
+        self.values: dict[int, np.ndarray] = {}
+        self.answered = False  # replied to, or refused: no longer held
+
+
+class Held(NamedTuple):
+    """A request held for the next round of a key (a PUSH, a one-key PUSHPULL, or a fused PUSHPULL's
+    push of one key with the pull that waits for it), or released to be served again."""
+
+    identity: bytes
+    request: P.Message
+    pull: Fused | None = None
+
+
+Reply = tuple[bytes, P.Message]  # a reply to send, and the connection it goes to
+# What serving a request gives back, in order: replies to send, and held requests released (each
+# served, with what it gives back, before what follows it).
+Outcome = Sequence[Union[Reply, Held]]
+NOTHING: Outcome = ()
+
+
+@dataclass
+class Round:
+    """One synchronous round of a key: who has pushed and what is waiting."""
+
+    merged: np.ndarray | None = None
+    pushed: set[int] = field(default_factory=set)
+    pulls: list[tuple[bytes, P.Message | Fused]] = field(default_factory=list)
+    held: list[Held] = field(default_factory=list)  # for the next round
+
+
+@dataclass
+class GroupRound:
+    """One synchronous round of a fused key set that the workers push as the same PUSHPULL (the
+    same keys in the same order, as every worker of a data-parallel job stages them): summed as
+    one buffer, closed at once, each worker answered with one buffer; a small key costs a message,
+    a round, a slice and an add otherwise. It stands for the keys' own rounds opened and closed
+    together, so any request that would see them apart first turns it into them (`_dissolve`),
+    and those rounds (`Round`) remain the one definition of what a round does."""
+
+    keys: tuple[int, ...]
+    sizes: list[int]
+    merged: np.ndarray | None = None
+    pushed: set[int] = field(default_factory=set)
+    pulls: list[tuple[bytes, P.Message]] = field(default_factory=list)  # the PUSHPULLs to answer
+    held: list[Held] = field(default_factory=list)  # a sender's next one, for the next round
+
+
+class Rounds:
+    """The values of a server's keys, their optimizer, and their open rounds."""
+
+    def __init__(self, workers: set[int], reducer: Reducer):
+        self.workers = workers
+        self.reducer = reducer
+        self.sync = True
+        self.updater: NumpyUpdater | None = None
+        self.threshold: float | None = None  # of 2-bit pushes, once a worker set compression
+        self.values: dict[int, np.ndarray] = {}
+        self.open: dict[int, Round] = defaultdict(Round)
+        self.grouped: dict[int, GroupRound] = {}  # key -> the open GroupRound it is in
+        self.left: dict[int, str] = {}  # workers that finished (LEFT), by id: their names
+        self.closed: Counter[int] = Counter()  # per key: rounds closed (the round numbers in errors)
+
+    # -- what a request carries ----------------------------------------------------------------
+
+    def value(self, key: int) -> np.ndarray:
+        value = self.values.get(key)
+        if value is None:
+            raise RequestError(f"key {key} is not initialised on this server")
+        return value
+
+    def payload(self, msg: P.Message, size: int | None = None) -> np.ndarray:
+        """The values a request carries (2-bit pushes decoded to float32), `size` of them."""
+        if msg.data is None:
+            raise RequestError(f"{msg.type.name} carries no data")
+        count = msg.count if msg.dtype == P.DType.TWOBIT else msg.data.size
+        if size is not None and count != size:
+            raise RequestError(f"key {msg.key}: {count} values pushed, the key holds {size}")
+        if msg.dtype == P.DType.TWOBIT:  # decoded to float32, whatever the key's dtype
+            if self.threshold is None:
+                raise RequestError("a 2-bit compressed push, but no worker set gradient compression")
+            try:
+                return compression.unpack(msg.data, msg.count, self.threshold)
+            except ValueError as e:
+                raise RequestError(f"key {msg.key}: {e}") from None
+        return msg.data
+
+    def _async_updater(self) -> NumpyUpdater:
+        if self.updater is None:
+            raise RequestError("dist_async needs an optimizer on the servers: without one each push would "
+                               "overwrite the weights; set update_on_kvstore=true")
+        return self.updater
+
+    # -- serving -------------------------------------------------------------------------------
+
+    def push(self, identity: bytes, msg: P.Message) -> Outcome:
+        """A key's PUSH: applied (async), summed into the key's round, or held for its next one."""
+        group = self.grouped.get(msg.key)
+        if group is not None:
+            return self._dissolve(group, Held(identity, msg))
+        value = self.value(msg.key)
+        data = self.payload(msg, value.size)
+        if data.dtype != value.dtype and msg.dtype != P.DType.TWOBIT:
+            raise RequestError(f"key {msg.key}: a {data.dtype.name} push to a {value.dtype.name} key (a key's dtype "
+                               "is fixed at init)")
+        if not self.sync:
+            self.values[msg.key] = self._async_updater().update(msg.key, value, data)
+            return _acked(identity, msg)
+        r = self.open[msg.key]
+        if msg.sender in r.pushed:
+            r.held.append(Held(identity, msg))
+            return NOTHING  # acknowledged when its round opens
+        if self.left:
+            refused = self._refuse_owed(identity, msg, (msg.key,))
+            if refused:
+                return refused
+        r.merged = self.reducer.accumulate(r.merged, data)
+        r.pushed.add(msg.sender)
+        if len(r.pushed) < len(self.workers):
+            return _acked(identity, msg)
+        out = list(_acked(identity, msg))
+        self._close(msg.key, r, out)
+        return out
+
+    def _waiting(self, key: int, sender: int) -> Round | None:
+        """The round a pull of `key` by `sender` waits for: one this sender has pushed into (sync)."""
+        r = self.open.get(key)
+        return r if self.sync and r is not None and sender in r.pushed else None
+
+    def pull(self, identity: bytes, msg: P.Message) -> Outcome:
+        """A key's PULL: answered now, or when the round its sender pushed into closes."""
+        group = self.grouped.get(msg.key)
+        if group is not None:
+            return self._dissolve(group, Held(identity, msg))
+        self.value(msg.key)
+        r = self._waiting(msg.key, msg.sender)
+        if r is not None:
+            r.pulls.append((identity, msg))  # answered when the round closes
+            return NOTHING
+        return [(identity, self._pulled(msg))]
+
+    def _pulled(self, msg: P.Message) -> P.Message:
+        return P.Message(P.Type.PULL, seq=msg.seq, key=msg.key, data=self.values[msg.key], reply=True)
+
+    def pushpull(self, identity: bytes, msg: P.Message) -> Outcome:
+        """Keys pushed and pulled in one request. Without metadata, the header's key: served as
+        its PUSH, then its PULL. Small keys fused: each key's push is served as a PUSH of its slice
+        (the same rounds, held pushes and updates), its pull as a PULL whose value goes into one
+        reply; checked whole before anything is applied."""
+        if msg.meta is None:
+            return self._pushpull_one(identity, msg)
+        keys = msg.meta["keys"]
+        if not self.sync:
+            self._async_updater()
+        if msg.dtype != P.DType.FLOAT32:
+            raise RequestError("PUSHPULL carries float32 values")
+        if len(set(keys)) != len(keys):
+            raise RequestError("PUSHPULL names a key twice")
+        values = [self.value(k) for k in keys]
+        if any(v.dtype != _F32 for v in values):
+            raise RequestError("PUSHPULL names a half-precision key; those go as PUSH and PULL")
+        sizes = [v.size for v in values]
+        if sum(sizes) != msg.data.size:
+            raise RequestError(f"PUSHPULL of {len(keys)} keys holding {sum(sizes)} values carries {msg.data.size}")
+        if self.left and self.sync:
+            refused = self._refuse_owed(identity, msg, keys)
+            if refused:
+                return refused
+        if self.sync:
+            grouped = self._as_group(identity, msg, keys, sizes)
+            if grouped is not None:
+                return grouped
+        return self._members(Fused(identity, msg, keys), sizes)
+
+    def _pushpull_one(self, identity: bytes, msg: P.Message) -> Outcome:
+        """A PUSHPULL of the header's key: its PUSH, then its PULL, or held whole for the next round."""
+        group = self.grouped.get(msg.key)
+        if group is not None:
+            return self._dissolve(group, Held(identity, msg))
+        r = self._waiting(msg.key, msg.sender)
+        if r is not None:  # its push waits for the next round (as a second PUSH would): its pull too
+            r.held.append(Held(identity, msg))
+            return NOTHING
+        if self.left and self.sync:
+            refused = self._refuse_owed(identity, msg, (msg.key,))
+            if refused:
+                return refused
+        pushed = self.push(identity, P.Message(P.Type.PUSH, msg.sender, msg.seq, msg.key, data=msg.data,
+                                               dtype=msg.dtype, count=msg.count, want_ack=False))
+        # What the push releases (the next round's pushes, by other senders) cannot close that
+        # round nor change the key's value, so the pull is answered as it would be after them.
+        pulled = self.pull(identity, P.Message(P.Type.PULL, msg.sender, msg.seq, msg.key))
+        return [*pushed, *pulled] if pushed else pulled
+
+    def _members(self, fused: Fused, sizes: list[int]) -> Outcome:
+        """A fused PUSHPULL's pushes, key by key. Once one releases requests, the keys after it are
+        released behind them, so that those are served first, as with the keys pushed one by one."""
+        keys, out, starts = fused.keys, [], [0]
+        for n in sizes:
+            starts.append(starts[-1] + n)
+        for i, k in enumerate(keys):
+            served = self.member(fused.identity, _slice(fused.request, k, starts[i], starts[i + 1]), fused)
+            if served:
+                out.extend(served)
+                if any(type(item) is Held for item in served):
+                    out.extend(Held(fused.identity, _slice(fused.request, keys[j], starts[j], starts[j + 1]), fused)
+                               for j in range(i + 1, len(keys)))
+                    break
+        return out
+
+    def member(self, identity: bytes, push: P.Message, fused: Fused) -> Outcome:
+        """A fused PUSHPULL's push of one key, then its pull, filled now or when the round the push
+        went into closes. Pushed again before the key's round closed, the push waits for the next
+        round and its pull with it (a pull answers after its own push, as a one-key PUSHPULL's)."""
+        group = self.grouped.get(push.key)
+        if group is not None:
+            return self._dissolve(group, Held(identity, push, fused))
+        r = self._waiting(push.key, push.sender)
+        if r is not None:
+            r.held.append(Held(identity, push, fused))
+            return NOTHING
+        out = list(self.push(identity, push))
+        # As for a one-key PUSHPULL, what the push released leaves this pull's answer as it is.
+        r = self._waiting(push.key, push.sender)
+        if r is not None:
+            r.pulls.append((fused.identity, fused))
+        else:
+            self._fill(fused, push.key, out)
+        return out
+
+    def _fill(self, fused: Fused, key: int, out: list) -> None:
+        fused.values[key] = self.values[key]  # never written into: replaced by each update
+        if len(fused.values) == len(fused.keys):
+            fused.answered = True
+            data = np.concatenate([fused.values[k] for k in fused.keys])
+            out.append((fused.identity, P.Message(P.Type.PUSHPULL, seq=fused.request.seq, data=data, reply=True)))
+
+    def _close(self, key: int, r: Round, out: list) -> None:
+        assert r.merged is not None
+        value = self.values[key]
+        if self.updater is not None:
+            self.values[key] = self.updater.update(key, value, r.merged)
+        else:
+            self.values[key] = r.merged if value.dtype == _F32 else r.merged.astype(value.dtype)
+        self.open[key] = Round()
+        self.closed[key] += 1
+        for identity, pull in r.pulls:
+            if type(pull) is Fused:
+                self._fill(pull, key, out)
+            else:
+                out.append((identity, self._pulled(pull)))
+        out.extend(r.held)  # each opens the next round
+
+    # -- group rounds --------------------------------------------------------------------------
+
+    def _as_group(self, identity: bytes, msg: P.Message, keys: list[int], sizes: list[int]) -> Outcome | None:
+        """Serve a fused PUSHPULL of a synchronous job as a GroupRound when its keys are in no
+        other round (or all in this set's own); None: to be served key by key. A group round of
+        some of its keys is taken apart first, and the request served again after what that
+        releases."""
+        group = self.grouped.get(keys[0])
+        if group is None or group.keys != tuple(keys):
+            for k in keys:
+                other = self.grouped.get(k)
+                if other is not None:
+                    return self._dissolve(other, Held(identity, msg))
+            if any(self.open[k].pushed for k in keys):
+                return None  # a key of it is in a round of its own: the keys' rounds serve it
+            group = GroupRound(tuple(keys), sizes)
+            for k in keys:
+                self.grouped[k] = group
+        if msg.sender in group.pushed:  # pushed again before the round closed: held whole for the next
+            group.held.append(Held(identity, msg))
+            return NOTHING
+        group.merged = self.reducer.accumulate(group.merged, msg.data)
+        group.pushed.add(msg.sender)
+        group.pulls.append((identity, msg))
+        return self._close_group(group) if len(group.pushed) == len(self.workers) else NOTHING
+
+    def ungroup(self, group: GroupRound) -> None:
+        for k in group.keys:
+            del self.grouped[k]
+
+    def _close_group(self, group: GroupRound) -> Outcome:
+        """Each key's value from the round's sum, as its own round's close would; every pull
+        answered with the keys' values end to end (without an optimizer, the sum's own buffer)."""
+        self.ungroup(group)
+        merged, offset, values = group.merged, 0, []
+        assert merged is not None
+        for k, n in zip(group.keys, group.sizes):
+            part = merged[offset:offset + n]
+            offset += n
+            self.closed[k] += 1
+            self.values[k] = part if self.updater is None else self.updater.update(k, self.values[k], part)
+            values.append(self.values[k])
+        data = merged if self.updater is None else np.concatenate(values)
+        out: list = [(identity, P.Message(P.Type.PUSHPULL, seq=request.seq, data=data, reply=True))
+                     for identity, request in group.pulls]
+        out.extend(group.held)  # each opens the next round
+        return out
+
+    def _dissolve(self, group: GroupRound, then: Held) -> Outcome:
+        """Turn an open GroupRound into its keys' own rounds (what they would be had each key been
+        served on its own: the same pushes summed, the same pulls waiting); its held requests are
+        released, then `then`, the request that saw the keys apart."""
+        self.ungroup(group)
+        pulls = [(identity, Fused(identity, request, list(group.keys))) for identity, request in group.pulls]
+        offset = 0
+        for k, n in zip(group.keys, group.sizes):
+            r = self.open[k]  # empty: a grouped key is in no round of its own
+            r.merged = None if group.merged is None else group.merged[offset:offset + n]
+            r.pushed, r.pulls = set(group.pushed), list(pulls)
+            offset += n
+        return [*group.held, then]
+
+    # -- held requests -------------------------------------------------------------------------
+
+    def held(self, sender: int) -> int:
+        """How many of `sender`'s requests the rounds hold unanswered: pulls waiting for a round,
+        pushes held for the next round that await an answer (a PUSHPULL always, a PUSH when
+        acknowledged under PS_RESEND), a fused PUSHPULL's len(keys)."""
+        count, fused = 0, {}
+        for r in self.open.values():
+            for _, pull in r.pulls:
+                if type(pull) is Fused:
+                    fused[id(pull)] = pull
+                elif pull.sender == sender:
+                    count += 1
+            for h in r.held:
+                if h.pull is not None:
+                    fused[id(h.pull)] = h.pull
+                elif h.request.sender == sender:
+                    count += 1 if h.request.type == P.Type.PUSHPULL else int(h.request.want_ack)
+        for group in {id(g): g for g in self.grouped.values()}.values():
+            waiting = [request for _, request in group.pulls] + [h.request for h in group.held]
+            count += len(group.keys) * sum(request.sender == sender for request in waiting)
+        return count + sum(len(f.keys) for f in fused.values() if not f.answered and f.request.sender == sender)
+
+    # -- a worker that left --------------------------------------------------------------------
+
+    def never_closes(self, keys: Sequence[int], worker: str) -> str:
+        """The one line a request waiting on a round of `keys` (pushed together) gets."""
+        also = f" (and the {len(keys) - 1} keys pushed with it)" if len(keys) > 1 else ""
+        return (f"key {keys[0]}{also}: round {self.closed[keys[0]] + 1} can never close: {worker} left "
+                "the job (it finished and closed its store) before pushing to it")
+
+    def _refuse_owed(self, identity: bytes, msg: P.Message, keys: Sequence[int]) -> list[Reply]:
+        """An ERROR for `msg` (a push into the rounds of `keys`) if one of those rounds can never
+        close, because a worker that left has not pushed into it. A push its sender already made
+        in a round waits for the next one and is asked when it opens."""
+        for key in keys:
+            group = self.grouped.get(key)
+            r = group if group is not None else self.open.get(key)
+            pushed = r.pushed if r is not None else set()
+            if msg.sender in pushed:
+                continue
+            gone = next((name for wid, name in self.left.items() if wid not in pushed), None)
+            if gone is not None:
+                return [(identity, P.error(msg, self.never_closes((key,), gone), left=gone))]
+        return []
+
+
+def _acked(identity: bytes, msg: P.Message) -> Outcome:
+    """A push's acknowledgement, asked for under PS_RESEND only: without it one connection delivers
+    in order and one thread serves it, so the answer to a later pull proves the push was applied."""
+    return [(identity, P.ack(msg))] if msg.want_ack else NOTHING
+
+
+def _slice(msg: P.Message, key: int, start: int, end: int) -> P.Message:
+    """A fused PUSHPULL's push of one key: its values [start, end) of the request's."""
+    return P.Message(P.Type.PUSH, msg.sender, msg.seq, key, data=msg.data[start:end], want_ack=False)
