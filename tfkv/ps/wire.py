@@ -4,7 +4,7 @@ pyzmq's `send_multipart` and `recv_multipart` are Python: a type check per frame
 arithmetic per frame and a second `getsockopt(RCVMORE)` through its option layer. The data plane's
 frames are tfkv's own (bytes, memoryviews, zmq.Frames), so these call the same backend methods
 with plain ints; what they send and receive is the same, at a fraction of the cost per message
-(benchmarks/results/ps_server.md).
+(benchmarks/results/design_figures.md).
 """
 
 from __future__ import annotations

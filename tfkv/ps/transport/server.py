@@ -5,9 +5,9 @@ connection as one ZeroMQ message at `flush`.
 Secure or plain is chosen once, by `bind`: a plain job's frames go as they are; a secure job's
 (`SecureServerTransport`) are sealed with the keys of the connection they travel on
 (tfkv.ps.channel), opened by the handshake's sessions (tfkv.ps.handshake.Acceptor), which also
-answers each worker's HELLO. ZeroMQ's own CURVE is not used on the data plane: its cipher is far
-slower than the channel's (benchmarks/results/ps_server.md). What fails the channel's checks is dropped
-unanswered (who fails them cannot read an answer) and counted by reason, logged once at the end.
+answers each worker's HELLO. ZeroMQ's own CURVE is not used on the data plane: its cipher is
+far slower than the channel's (benchmarks/results/design_figures.md). What fails the channel's
+checks is dropped unanswered (who fails them cannot read an answer) and counted by reason, logged once at the end.
 
 The socket is ROUTER_MANDATORY: a reply to a connection that closed after its request (a worker
 that died, a peer that sent a HELLO and left) raises, and is logged, never lost unseen, and never
@@ -32,7 +32,7 @@ log = logging.getLogger("tfkv.ps")
 # Reply frames from this size up are sent without a copy (pyzmq's zero-copy send, released by its
 # helper thread); smaller ones are copied, cheaper than that release. It must stay below 1 MiB
 # (a 512 x 512 weight): at 2 MiB every reply of 1 MiB frames was copied, and slower
-# (benchmarks/results/ps_server.md). 64 KiB is pyzmq's own default.
+# (benchmarks/results/design_figures.md). 64 KiB is pyzmq's own default.
 COPY_THRESHOLD = 64 << 10
 RECEIVE_WAIT_MS = 100  # how long a receive waits before the loop looks for a shutdown
 
