@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser().error("give the workers' command after --, e.g. -- python3 train.py")
-    from tfkv.checkpoint import preemption
+    from tfkv import preempt
     from tfkv.errors import EXIT_PREEMPTED
     from tfkv.launcher import job
 
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:  # during the checks: once the job starts, the launch takes it
         print("tfkv-launch: interrupted before the job started; nothing was left running", file=sys.stderr)
         sys.exit(130)
-    preempted = preemption.done(run_dir)
+    preempted = preempt.done(run_dir)
     if preempted and result.returncode <= 128:  # worker 0 (tfkv-run) checkpointed and stopped; the rest with it
         print(f"tfkv-launch: {preempted}", file=sys.stderr)
         sys.exit(EXIT_PREEMPTED)

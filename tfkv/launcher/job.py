@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import IO, Any, Callable, Mapping, Sequence
 
 from tfkv import gpus, knobs, preempt
-from tfkv.checkpoint import preemption
 from tfkv.config import cluster
 from tfkv.config.checks import LOCAL_RANK, bound_gpus
 from tfkv.errors import ConfigError
@@ -182,7 +181,7 @@ def launch(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path, 
                           preemptible)
         if result.failure is None or result.returncode > 128 or not opts.max_restarts:
             return result
-        if (Path(run_dir) / preemption.DONE).exists():  # preempted: its owner or Slurm starts it again
+        if (Path(run_dir) / preempt.DONE).exists():  # preempted: its owner or Slurm starts it again
             return result
         done = f"after {restarts} restart(s), " if restarts else ""
         if repeats(result.failure):

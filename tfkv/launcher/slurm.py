@@ -46,8 +46,7 @@ import time
 from pathlib import Path
 from typing import IO
 
-from tfkv import knobs
-from tfkv.checkpoint import preemption
+from tfkv import knobs, preempt
 from tfkv.errors import ConfigError
 from tfkv.keys import KEYFILE
 from tfkv.launcher import batch, requeue, role, supervisor
@@ -137,14 +136,14 @@ def srun_argv(job: Job, name: str, environ: dict[str, str] | None = None) -> lis
 def batch_script(job: Job, name: str, environ: dict[str, str] | None = None) -> str:
     """The batch job: the srun of every role. Slurm's warning ahead of a preemption or the time
     limit (`--signal=B:USR1@N` in cluster.sbatch_args) comes to this script alone, which leaves
-    the run directory's preemption flag for worker 0 (tfkv.checkpoint.preemption): it
+    the run directory's preemption flag for worker 0 (tfkv.preempt): it
     checkpoints at its next step and stops the job, and tfkv-run exits 75; the script then
     requeues its job (`python -m tfkv.launcher.requeue`, where Slurm may requeue it: sbatch
     --requeue), keeping the job's key file for the next run, and waits for Slurm to end it. (Not
     SIGTERM, Slurm's stop to every process of the job: srun takes it as the order to kill its
     step at once, so the warning ahead of it is what saves the step.)"""
     run_dir = Path(job.remote_run_dir or job.run_dir or ".")
-    flag = shlex.quote(str(run_dir / preemption.FLAG))
+    flag = shlex.quote(str(run_dir / preempt.FLAG))
     keyfile = role.common_env(job.plan).get(KEYFILE)
     return ("#!/bin/bash\n"
             f"# tfkv: every role of the job as one srun step; SLURM_PROCID decides the role.\n"
@@ -153,7 +152,7 @@ def batch_script(job: Job, name: str, environ: dict[str, str] | None = None) -> 
             "while wait $!; rc=$?; [ $rc -gt 128 ] && kill -0 $! 2>/dev/null; do :; done  # a trap ended a wait\n"
             "# worker 0 checkpointed and stopped the job: requeue it (Slurm then ends this script), and the\n"
             "# workers, with resume=auto, continue from the checkpoint when it runs again\n"
-            f"if [ -e {shlex.quote(str(run_dir / preemption.DONE))} ] && "
+            f"if [ -e {shlex.quote(str(run_dir / preempt.DONE))} ] && "
             f"{shlex.quote(job.python)} -m tfkv.launcher.requeue {shlex.quote(str(run_dir))}; then exec sleep 600; fi\n"
             + (f"rm -f {shlex.quote(keyfile)}  # the job's keys die with it\n" if keyfile else "")
             + "exit $rc\n")
@@ -223,7 +222,7 @@ class SlurmLauncher:
             # sbatch --wait notices the end only at its next poll (seconds): once every role
             # ended, or one failed (Slurm then kills the rest), ask squeue.
             done = not output.ends.running() or output.ends.failed
-            if done and output.found and (Path(job.run_dir or ".") / preemption.DONE).exists():
+            if done and output.found and (Path(job.run_dir or ".") / preempt.DONE).exists():
                 # a job this launcher submitted starts with no restarts: one now is the script's requeue
                 requeued = requeued or int(requeue.job_fields(output.found[0], env).get("Restarts") or 0) > 0
             return requeued or proc.poll() is not None or bool(done and output.found and

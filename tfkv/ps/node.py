@@ -4,7 +4,7 @@ The role and the cluster come from the environment (DMLC_ROLE, DMLC_PS_ROOT_URI,
 TFKV_ names), as in MXNet, where every process of a job can run the same command. `tfkv-run`
 calls `main` too, before Hydra or TensorFlow start, so a server never imports TensorFlow.
 
-A batch system's signals do not end a scheduler or server at once (`keep_serving`): Slurm sends
+A batch system's signals do not end a scheduler or server at once (tfkv.preempt.keep_serving): Slurm sends
 SIGTERM to every process of a job together, and worker 0's checkpoint at its next step needs the
 servers (their optimizer state). Either signal raises the run directory's preemption flag
 (tfkv.preempt) and the role goes on; after SIGTERM it leaves GRACE seconds later if the job has
@@ -14,9 +14,7 @@ not ended it before. SIGINT (Ctrl-C) and SIGHUP (the launchers' teardown) end it
 from __future__ import annotations
 
 import logging
-import signal
 import sys
-import threading
 
 from tfkv import preempt
 from tfkv.errors import EXIT_INTERRUPTED, TfkvError, report
@@ -38,32 +36,10 @@ def run_role(env: ClusterEnv) -> int:
     raise ClusterEnvError(f"role {env.role!r} is not run by tfkv.ps.node; workers run the training command")
 
 
-def keep_serving(grace: float = preempt.GRACE) -> None:
-    """SIGTERM and SIGUSR1 raise the preemption flag instead of ending this role; SIGTERM also
-    ends it `grace` seconds later (SIGALRM), as a process killed by SIGTERM (143). Main thread only."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-
-    def asked(signum: int, _frame: object) -> None:
-        name = signal.Signals(signum).name
-        preempt.ask_from_env(name)
-        if signum == signal.SIGTERM and signal.getitimer(signal.ITIMER_REAL)[0] == 0:
-            log.warning("%s: serving on until the job ends, at most %.0f s", name, grace)
-            signal.setitimer(signal.ITIMER_REAL, grace)
-
-    def leave(_signum: int, _frame: object) -> None:
-        log.warning("the job did not end within %.0f s of SIGTERM; leaving", grace)
-        raise SystemExit(128 + signal.SIGTERM)
-
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, asked)
-    signal.signal(signal.SIGALRM, leave)
-
-
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s",
                         stream=sys.stdout)
-    keep_serving()
+    preempt.keep_serving()
     try:
         sys.exit(run_role(ClusterEnv.from_env()))
     except TfkvError as e:  # a malformed environment, a cluster that cannot form, keys: one line
