@@ -292,7 +292,6 @@ def test_a_job_hands_its_knobs_to_every_role(tmp_path, monkeypatch):
     from tfkv import knobs
     from tfkv.launcher import job
 
-    monkeypatch.setattr(knobs, "_configured", {})  # this process's launcher knobs: back as they were after
     monkeypatch.setenv("PS_RESEND", "1")
     monkeypatch.setenv("TFKV_SSH_CONFIG", str(tmp_path))
     j = job.plan_job(job.Options("local", 1, 1, secure=False, request_timeout=7.0, srun_args="-p x"), ["true"],
@@ -301,7 +300,9 @@ def test_a_job_hands_its_knobs_to_every_role(tmp_path, monkeypatch):
     for p in j.plan:
         assert (p.env["TFKV_REQUEST_TIMEOUT"], p.env["PS_RESEND"], p.env["TFKV_HEARTBEAT_TIMEOUT"]) == ("7.0", "1", "4.0")
         assert "TFKV_SRUN_ARGS" not in p.env and "TFKV_SSH_CONFIG" not in p.env
-    assert (knobs.get("TFKV_SRUN_ARGS", {}), knobs.get("TFKV_SSH_CONFIG")) == ("-p x", str(tmp_path))
+    # the launcher's own knobs go to the backend that has them, as its settings
+    assert job.backend(job.Options("slurm", 1, 1, srun_args="-p x")).settings.srun_args == "-p x"
+    assert job.backend(job.Options("ssh", 1, 1)).settings.ssh_config == str(tmp_path)
     recorded = json.loads(knobs.record(tmp_path, job.knob_values(job.Options("local", 1, 1))).read_text())
     assert recorded["kvstore.resend"] == {"env": "PS_RESEND", "value": True}
 

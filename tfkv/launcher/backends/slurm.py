@@ -30,7 +30,7 @@ Ctrl-C (or a second SIGTERM: the first is a preemption, tfkv.launcher.signals) t
 cancels the job (`scancel --name`, as the job's unique name is known before its id) or, inside an
 allocation, interrupts srun twice, which makes srun kill the step. Slurm kills each task's
 whole process tree; the helper also passes signals on to its role.
-Site-specific flags: TFKV_SRUN_ARGS and TFKV_SBATCH_ARGS (e.g. "-p gpu --time 1:00:00").
+Site-specific flags: cluster.srun_args and cluster.sbatch_args (TFKV_SRUN_ARGS, TFKV_SBATCH_ARGS; e.g. "-p gpu --time 1:00:00").
 """
 
 from __future__ import annotations
@@ -46,11 +46,13 @@ import time
 from pathlib import Path
 from typing import IO
 
-from tfkv import knobs, preempt
+from tfkv import preempt
+from tfkv.config.cluster import SlurmCluster
 from tfkv.errors import ConfigError
 from tfkv.keys import KEYFILE
-from tfkv.launcher import batch, requeue, role, supervisor
-from tfkv.launcher.base import Job, Result
+from tfkv.launcher import requeue, role, supervisor
+from tfkv.launcher.backends import batch
+from tfkv.launcher.base import Backend, Job, Result
 from tfkv.launcher.process import signal_group, status_text
 from tfkv.launcher.record import local_versions
 
@@ -124,16 +126,16 @@ def check_allocation(job: Job, environ: dict[str, str] | None = None) -> None:
         f"e.g. salloc -n {tasks}, or with hydra/launcher=submitit_slurm hydra.launcher.cpus_per_task={tasks}")
 
 
-def srun_argv(job: Job, name: str, environ: dict[str, str] | None = None) -> list[str]:
-    """The one srun that runs every role of the plan as a task of one step."""
+def srun_argv(job: Job, name: str, environ: dict[str, str] | None = None, srun_args: str = "") -> list[str]:
+    """The one srun that runs every role of the plan as a task of one step (`srun_args`: cluster.srun_args)."""
     environ = os.environ if environ is None else environ
     overlap = ["--overlap"] if in_step(environ) else []
     return ["srun", "-n", str(len(job.plan)), *overlap, "--kill-on-bad-exit=1", "--export=ALL", "-J", name,
-            "--chdir", str(job.workdir), *shlex.split(knobs.get("cluster.srun_args", environ)),
+            "--chdir", str(job.workdir), *shlex.split(srun_args),
             *role.helper_argv(job.python, job.plan, rank_var="SLURM_PROCID", scheduler_host="slurm")]
 
 
-def batch_script(job: Job, name: str, environ: dict[str, str] | None = None) -> str:
+def batch_script(job: Job, name: str, environ: dict[str, str] | None = None, srun_args: str = "") -> str:
     """The batch job: the srun of every role. Slurm's warning ahead of a preemption or the time
     limit (`--signal=B:USR1@N` in cluster.sbatch_args) comes to this script alone, which leaves
     the run directory's preemption flag for worker 0 (tfkv.preempt): it
@@ -148,7 +150,7 @@ def batch_script(job: Job, name: str, environ: dict[str, str] | None = None) -> 
     return ("#!/bin/bash\n"
             f"# tfkv: every role of the job as one srun step; SLURM_PROCID decides the role.\n"
             f"trap 'echo SIGUSR1 > {flag}' USR1\n"
-            f"{shlex.join(srun_argv(job, name, environ))} &\n"
+            f"{shlex.join(srun_argv(job, name, environ, srun_args))} &\n"
             "while wait $!; rc=$?; [ $rc -gt 128 ] && kill -0 $! 2>/dev/null; do :; done  # a trap ended a wait\n"
             "# worker 0 checkpointed and stopped the job: requeue it (Slurm then ends this script), and the\n"
             "# workers, with resume=auto, continue from the checkpoint when it runs again\n"
@@ -158,17 +160,24 @@ def batch_script(job: Job, name: str, environ: dict[str, str] | None = None) -> 
             + "exit $rc\n")
 
 
-def sbatch_argv(job: Job, name: str, script: str, output: str, environ: dict[str, str] | None = None) -> list[str]:
-    environ = os.environ if environ is None else environ
+def sbatch_argv(job: Job, name: str, script: str, output: str, sbatch_args: str = "") -> list[str]:
     return ["sbatch", "--wait", "-J", name, "-n", str(len(job.plan)), "-o", output, "--open-mode=append",
             "--chdir", str(job.workdir),
-            "--export=ALL", *shlex.split(knobs.get("cluster.sbatch_args", environ)), script]
+            "--export=ALL", *shlex.split(sbatch_args), script]
 
 
-class SlurmLauncher:
+class SlurmLauncher(Backend):
     """The job as one srun step, in this allocation or in a batch job of its own."""
 
     name = "slurm"
+    config = SlurmCluster
+    chooses_nodes = True
+    local_ranks = False  # the role helper finds it (SLURM_LOCALID)
+
+    @classmethod
+    def requeues_itself(cls, environ: dict[str, str] | None = None) -> bool:
+        """Outside an allocation: the batch job it submits requeues itself after a preemption (batch_script)."""
+        return not in_allocation(environ)
 
     def preflight(self, job: Job) -> dict[str, dict[str, str]]:
         _need("srun", "scontrol")
@@ -191,7 +200,7 @@ class SlurmLauncher:
 
     def _step(self, job: Job, name: str, env: dict[str, str], output: batch.Output) -> Result:
         """srun inside the allocation we run in."""
-        proc = batch.start(srun_argv(job, name), env=env, cwd=str(job.workdir))
+        proc = batch.start(srun_argv(job, name, srun_args=self.settings.srun_args), env=env, cwd=str(job.workdir))
         output.pump(proc.stdout)  # the helpers' prefixed lines
         output.pump(proc.stderr, "[srun] ")
 
@@ -207,9 +216,9 @@ class SlurmLauncher:
         """sbatch a script that runs the srun; follow its output file; scancel on the way out."""
         files = batch.job_files(job.run_dir, "slurm")
         script, log = files / "job.sh", files / "job.log"
-        script.write_text(batch_script(job, name))
+        script.write_text(batch_script(job, name, srun_args=self.settings.srun_args))
         log.unlink(missing_ok=True)
-        proc = batch.start(sbatch_argv(job, name, str(script), str(log)), env=env, cwd=str(job.workdir))
+        proc = batch.start(sbatch_argv(job, name, str(script), str(log), self.settings.sbatch_args), env=env, cwd=str(job.workdir))
         output.pump(proc.stdout, "[sbatch] ")
         output.pump(proc.stderr, "[sbatch] ")
         done = threading.Event()
