@@ -158,8 +158,9 @@ def test_a_plugin_launchers_own_settings_are_tfkv_launch_flags_and_reach_it(plug
         opts = job.Options(**{f.name: getattr(args, f.name) for f in dataclasses.fields(job.Options)})
         launcher = job.backend(opts)
         helps = {a.dest: a.help for a in cli.parser()._actions}
+        default = job.backend(job.Options("twin", 1, 1)).settings.greeting
         print(json.dumps({"greeting": launcher.settings.greeting, "schema": type(launcher.settings).__name__,
-                          "help": helps["greeting"], "default": job.backend(job.Options("twin", 1, 1)).settings.greeting}))
+                          "help": helps["greeting"], "default": default}))
     """, plugin_env)
     assert (out["greeting"], out["schema"], out["default"]) == ("hi", "TwinCluster", "starting the job")
     assert out["help"] == "what the twin launcher says as it starts the job"

@@ -1,5 +1,8 @@
 """Plan, check, record and launch one parameter-server job: what `tfkv-run cluster=...` and
-`tfkv-launch` share."""
+`tfkv-launch` share, the launcher's core. What it does with a backend it asks of what the backend
+declares (tfkv.launcher.base.Traits), never of its name. The job's knob values are resolved once
+per launch (`knob_values`), recorded once (knobs.json), and handed to every role's environment
+and to the backend, constructed with its settings (`backend`)."""
 
 from __future__ import annotations
 
@@ -73,8 +76,13 @@ def backend(opts: Options, values: Mapping[str, Any] | None = None) -> base.Back
     effective value (`values`, from `knob_values`) where it is a knob, else the job's option."""
     values = knob_values(opts) if values is None else values
     cls = base.backend_class(opts.launcher)
-    given = {f.name: values[f"cluster.{f.name}"] if f"cluster.{f.name}" in knobs.BY_KEY else getattr(opts, f.name)
-             for f in dataclasses.fields(cls.config) if hasattr(opts, f.name)}
+    given = {}
+    for f in dataclasses.fields(cls.config):
+        key = f"cluster.{f.name}"
+        if key in knobs.BY_KEY:
+            given[f.name] = values[key]
+        elif hasattr(opts, f.name):
+            given[f.name] = getattr(opts, f.name)
     return cls(cls.config(**given))
 
 

@@ -92,7 +92,8 @@ class SGELauncher(Backend):
                                cwd=str(job.workdir))
         output.pump(scheduler.stdout)
         output.pump(scheduler.stderr, "[scheduler] ")
-        qsub = batch.start(qsub_argv(job, name, str(script), files, self.settings.qsub_args), env=env, cwd=str(job.workdir))
+        qsub = batch.start(qsub_argv(job, name, str(script), files, self.settings.qsub_args), env=env,
+                           cwd=str(job.workdir))
         output.pump(qsub.stdout, "[qsub] ")
         output.pump(qsub.stderr, "[qsub] ")
 

@@ -30,7 +30,8 @@ Ctrl-C (or a second SIGTERM: the first is a preemption, tfkv.launcher.signals) t
 cancels the job (`scancel --name`, as the job's unique name is known before its id) or, inside an
 allocation, interrupts srun twice, which makes srun kill the step. Slurm kills each task's
 whole process tree; the helper also passes signals on to its role.
-Site-specific flags: cluster.srun_args and cluster.sbatch_args (TFKV_SRUN_ARGS, TFKV_SBATCH_ARGS; e.g. "-p gpu --time 1:00:00").
+Site-specific flags: cluster.srun_args and cluster.sbatch_args (TFKV_SRUN_ARGS, TFKV_SBATCH_ARGS;
+e.g. "-p gpu --time 1:00:00").
 """
 
 from __future__ import annotations
@@ -218,7 +219,8 @@ class SlurmLauncher(Backend):
         script, log = files / "job.sh", files / "job.log"
         script.write_text(batch_script(job, name, srun_args=self.settings.srun_args))
         log.unlink(missing_ok=True)
-        proc = batch.start(sbatch_argv(job, name, str(script), str(log), self.settings.sbatch_args), env=env, cwd=str(job.workdir))
+        proc = batch.start(sbatch_argv(job, name, str(script), str(log), self.settings.sbatch_args), env=env,
+                           cwd=str(job.workdir))
         output.pump(proc.stdout, "[sbatch] ")
         output.pump(proc.stderr, "[sbatch] ")
         done = threading.Event()

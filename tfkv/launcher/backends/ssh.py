@@ -74,7 +74,8 @@ def _last_line(text: str) -> str:
     return lines[-1].strip() if lines else ""
 
 
-def check_host(host: Host, job: Job, rsync_lock: threading.Lock, ssh_config: str | None = None) -> dict[str, Any] | str:
+def check_host(host: Host, job: Job, rsync_lock: threading.Lock,
+               ssh_config: str | None = None) -> dict[str, Any] | str:
     """The pre-flight of one host: its versions, or one line saying what is wrong."""
     try:
         conn = connect(host, ssh_config)

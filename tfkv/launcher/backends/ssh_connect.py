@@ -27,7 +27,8 @@ CONNECT_TIMEOUT = 10  # seconds, unless the ssh config sets ConnectTimeout
 
 
 def ssh_config_path(path: str | None) -> str | None:
-    """The ssh config file `path` (TFKV_SSH_CONFIG, cluster.ssh_config) names, checked; None: ssh's own (~/.ssh/config)."""
+    """The ssh config file `path` (cluster.ssh_config, TFKV_SSH_CONFIG) names, checked; None: ssh's
+    own (~/.ssh/config)."""
     if path and not Path(path).expanduser().is_file():
         raise ConfigError(f"TFKV_SSH_CONFIG={path} is not a file; point it at an ssh config file or unset it")
     return str(Path(path).expanduser()) if path else None

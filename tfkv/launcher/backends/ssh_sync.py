@@ -24,7 +24,8 @@ def rsync(src: str, dst: str, host: Host, mirror: bool = False, ssh_config: str 
     `mirror`: make dst like src (--delete), leaving out run outputs, .git and caches (EXCLUDE)."""
     extra = ["--delete", *[f"--exclude={d}/" for d in EXCLUDE]] if mirror else []
     # --timeout: a link that goes silent ends the copy instead of hanging the launch (or its teardown)
-    cmd = ["rsync", "-az", f"--timeout={RSYNC_IDLE_TIMEOUT}", *extra, "-e", shlex.join(ssh_command(host, ssh_config)), src, dst]
+    ssh = shlex.join(ssh_command(host, ssh_config))
+    cmd = ["rsync", "-az", f"--timeout={RSYNC_IDLE_TIMEOUT}", *extra, "-e", ssh, src, dst]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     except FileNotFoundError:
@@ -54,5 +55,6 @@ def copy_back(job: Job, conns: dict[str, Connection], ssh_config: str | None = N
     if not there:
         return None
     Path(job.run_dir).mkdir(parents=True, exist_ok=True)
-    problem = rsync(remote_spec(host, job.remote_run_dir.rstrip("/") + "/"), f"{job.run_dir}/", host, ssh_config=ssh_config)
+    problem = rsync(remote_spec(host, job.remote_run_dir.rstrip("/") + "/"), f"{job.run_dir}/", host,
+                    ssh_config=ssh_config)
     return f"copying {remote_spec(host, job.remote_run_dir)} back failed ({problem})" if problem else None
