@@ -90,9 +90,9 @@ def answer(kv, server: int, timeout_ms: int):
     came within `timeout_ms` of the last piece: what the link's own receive loop does."""
     frames = None
     while frames is None:
-        if not kv.servers.socks[server].poll(timeout_ms):
+        if not kv.servers.transport.socks[server].poll(timeout_ms):
             return None
-        frames = kv.servers._take(server)
+        frames = kv.servers.transport.take(server)
     return frames
 
 
@@ -103,8 +103,8 @@ def bad_requests(kv, out):
     server = layout.parts[0][0]
     errors = []
 
-    def ask(frames):  # sealed for the server in a secure job, as the link does (_put, _take)
-        kv.servers._put(server, frames)
+    def ask(frames):  # sealed for the server in a secure job, as the transport does (put, take)
+        kv.servers.transport.put(server, frames)
         frames = answer(kv, server, 5000)
         if frames is None:
             errors.append("no reply")
@@ -142,7 +142,7 @@ def lossy(kv, out):
     """Drop the first PUSH on the wire, and deliver the second one twice (SGD lr=1: w -= g)."""
     kv.set_optimizer(optim.SGD(schedule=optim.Schedule(lr=1.0)))
     kv.init("w", np.zeros(4, np.float32))
-    real_send = kv.servers._put  # where the link sends a request's frames (sealed there if secure)
+    real_send = kv.servers.transport.put  # where the transport sends a request's frames (sealed there if secure)
     pushes = {"n": 0}
 
     def flaky(server, frames):
@@ -155,7 +155,7 @@ def lossy(kv, out):
                 real_send(server, frames)  # duplicated
         return real_send(server, frames)
 
-    kv.servers._put = flaky
+    kv.servers.transport.put = flaky
     t0 = time.time()
     kv.push("w", np.ones(4, np.float32))
     first = kv.pull("w").tolist()
@@ -180,7 +180,7 @@ SCENARIOS["push_then_barrier"] = push_then_barrier
 def seq_wrap(kv, out):
     """Requests numbered across the header's 32-bit wrap (a fused small key, a large one, a
     barrier's PINGs): every reply still finds its request."""
-    from tfkv.ps.worker import _seqs
+    from tfkv.ps.tracker import seqs
 
     kv.init(["a", "b", "t"], [np.zeros(3, np.float32), np.zeros(300_000, np.float32), np.zeros(1, np.float32)])
     # As after 2**32 requests: the numbers from the job's start have long left the servers'
@@ -190,9 +190,9 @@ def seq_wrap(kv, out):
     kv.barrier()
     # Numbers only ever grow (mod 2**32), so a PING asking a silent server what it holds (sent
     # while the barrier waited, on a loaded machine) must be answered before the jump.
-    while kv.servers.pending:
-        kv.servers.wait()
-    kv.servers.seq = _seqs((1 << 32) - 4)
+    while kv.servers.tracker.pending:
+        kv.servers.settle()
+    kv.servers.seq = seqs((1 << 32) - 4)
     got = []
     for _ in range(4):
         small, big = kv.pushpull(["a", "b"], [np.full(3, 1.0, np.float32), np.full(300_000, 1.0, np.float32)])
@@ -301,13 +301,13 @@ SCENARIOS["int_sgd"] = int_sgd
 
 def fusion(kv, out):
     """pushpull_async of many small keys and one large one, as a training step pushes them: the
-    ZeroMQ messages each server gets (the link's _put: the requests in each) and the values
+    ZeroMQ messages each server gets (the transport's put: the requests in each) and the values
     (exact: SGD lr=1 on integers)."""
     kv.set_optimizer(optim.SGD(schedule=optim.Schedule(lr=1.0)))
     small = [f"s{i}" for i in range(200)]
     kv.init(small + ["big"], [np.full(100, 50.0, np.float32) for _ in small] + [np.zeros(300_000, np.float32)])
     kv.barrier()
-    real_put, puts = kv.servers._put, []
+    real_put, puts = kv.servers.transport.put, []
 
     def counting(server, frames):  # per ZeroMQ message: (type, keys) of each request in it
         requests = [P.decode(m, max_count=10**7) for m in P.split(frames)]
@@ -316,14 +316,14 @@ def fusion(kv, out):
                       len(r.meta["keys"]) if r.type == P.Type.PUSHPULL and r.meta else 1] for r in requests])
         return real_put(server, frames)
 
-    kv.servers._put = counting
+    kv.servers.transport.put = counting
     values = [np.full(100, kv.rank + 1.0, np.float32) for _ in small] + [np.ones(300_000, np.float32)]
     pending = []
     for k, v in zip(small + ["big"], values):  # one call per key, as DataParallel's hooks make them
         pending += kv.pushpull_async(k, [v])
     sent_before_wait = list(puts)
     got = kv.wait(pending)
-    kv.servers._put = real_put
+    kv.servers.transport.put = real_put
     json.dump({"puts": puts, "before_wait": sent_before_wait, "servers": kv.servers.count,
                "small": sorted({float(got[k][0]) for k in small} | {float(got[k][-1]) for k in small}),
                "big": [float(got["big"].min()), float(got["big"].max())]}, out)
@@ -350,12 +350,13 @@ def pushpull(kv, out):
     res["arrived"] = sorted(k for k, _ in got)
     res["async"] = {k: [float(v.min()), float(v.max())] for k, v in got}
     # Into the caller's arrays (MXNet's out=): the parts land in place, the others get a copy.
-    # In a secure job each part's reply is opened straight into dest (ServerLink.land): counted.
+    # In a secure job each part's reply is opened straight into dest (the transport's land): counted.
     dest, copy = np.zeros((50, 40), np.float32), np.zeros((50, 40), np.float32)
-    landed, into = [], kv.servers._into
-    kv.servers._into = lambda *a: landed.append(into(*a)) or landed[-1]
+    transport = kv.servers.transport
+    landed, into = [], getattr(transport, "_into", None)
+    transport._into = lambda *a: landed.append(into(*a)) or landed[-1]
     kv.pushpull("chunked", np.full((50, 40), r + 1.0, np.float32), out=[dest, copy])
-    kv.servers._into = into
+    transport._into = into
     res["into_out"] = [float(dest.min()), float(dest.max()), bool(np.array_equal(dest, copy))]
     res["landed"] = sum(x is not None and np.shares_memory(x, dest) for x in landed)
     try:
@@ -371,7 +372,7 @@ def pushpull(kv, out):
     res["after_cast"] = float(kv.pull("small")[0])  # the sync round was whole
     kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
     res["compressed"] = float(kv.pushpull("chunked", np.full((50, 40), 0.5, np.float32)).max())
-    res["landing_left"] = len(kv.servers._landing)  # every landed reply taken
+    res["landing_left"] = len(getattr(kv.servers.transport, "_landing", {}))  # every landed reply taken
     json.dump(res, out)
 
 
@@ -462,7 +463,7 @@ def lost_reply(kv, out):
     pull must raise, naming the server and the request, instead of waiting forever."""
     every = sys.argv[3:] == ["all"]
     kv.init("w", np.zeros(4, np.float32))
-    real_recv = kv.servers._take  # where the link takes a server's message (opened there if secure)
+    real_recv = kv.servers.transport.take  # where the transport takes a server's message (opened there if secure)
     lost = {"n": 0}
 
     def lossy_recv(server):
@@ -474,7 +475,7 @@ def lost_reply(kv, out):
                 continue  # never arrived
             return frames
 
-    kv.servers._take = lossy_recv
+    kv.servers.transport.take = lossy_recv
     json.dump({"pulling_at": time.time()}, out)
     out.flush()
     kv.pull("w")  # raises: the test reads the cause in this worker's output

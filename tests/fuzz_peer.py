@@ -220,7 +220,7 @@ def worker(out_path, steps, nkeys, size):
         kv.pull(keys)
         with kv.servers.lock:  # nothing is outstanding after a pull: each answer is the case's own
             for label, f in cases[step * per_step:(step + 1) * per_step]:
-                kv.servers._put(server, f)  # sealed in a secure job: the server's decoder is the target
+                kv.servers.transport.put(server, f)  # sealed in a secure job: the server's decoder is the target
                 frames = answer(kv, server, 10_000)
                 if frames is None:
                     not_refused.append(f"{label}: no answer")

@@ -99,3 +99,27 @@ def test_scaling_model_compares_its_predictions_with_a_cluster_run(tmp_path):
     (tmp_path / "cluster.json").write_text("not json")
     proc = _scaling_model("--costs", str(tmp_path / "costs.json"), "--compare", str(tmp_path / "cluster.json"))
     assert proc.returncode != 0 and "cannot read" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bench_trees_reads_the_three_tables():
+    """bench_trees compares figures it reads from each benchmark's printed table: a header whose
+    names have spaces, size labels with a unit ("4 KiB"), parameter counts with commas, '-' cells."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import bench_trees
+    finally:
+        sys.path.pop(0)
+    pushpull = ("    size  raw 1x1 tfkv 1x1  ratio    raw 2x2 tfkv 2x2  ratio   MXNet 1.9.1 ratio 1x1   secure 1x1 "
+                "secure/plain\n   4 KiB    0.050    0.030  0.600      0.080    0.040  0.500                       -"
+                "        0.020        0.667\n  keyset    1.000    0.900  0.900      1.500    1.200  0.800   "
+                "                    -        0.700        0.778\nratio = tfkv / raw")
+    rows = bench_trees.parse_table(pushpull, "size", bench_trees.SETTINGS["pushpull"][2])
+    assert rows["4 KiB"]["tfkv1"] == 0.03 and rows["keyset"]["secure1"] == 0.7 and rows["4 KiB"]["mxnet"] != 0.0
+    training = ("model      params     local      MWMS  dist_sync     plain  dist/MWMS  dist/local  secure/plain   "
+                "(samples/s)\nlenet      61,706      3000      1000       1500      1600      1.500       0.500"
+                "         0.938\nTargets")
+    rows = bench_trees.parse_table(training, "model", bench_trees.SETTINGS["dist_training"][2])
+    assert rows == {"lenet": {"params": 61706.0, "local": 3000.0, "mwms": 1000.0, "dist_sync": 1500.0, "plain": 1600.0,
+                              "dist/mwms": 1.5, "dist/local": 0.5, "secure/plain": 0.938}}
+    with pytest.raises(ValueError, match="no rows"):
+        bench_trees.parse_table("size plain\nnothing here at all\n", "size", ["size", "plain", "secure"])

@@ -3,6 +3,7 @@ with one line, without TensorFlow."""
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -192,8 +193,8 @@ TFKV = PACKAGE.parent  # (which layers config may import: tests/test_layers.py, 
 
 
 def test_config_is_small_modules_with_one_job_each():
-    files = sorted(PACKAGE.glob("*.py")) + [TFKV / "check.py", TFKV / "knobs.py"]
-    assert {f.stem for f in files} >= {"schema", "cluster", "checks", "check", "knobs"}
+    files = sorted(PACKAGE.glob("*.py")) + sorted((TFKV / "check").glob("*.py")) + [TFKV / "knobs.py"]
+    assert {f.stem for f in files} >= {"schema", "cluster", "device_specs", "tree", "rules", "knobs"}
     for f in files:
         assert len(f.read_text().splitlines()) <= 400, f"{f.relative_to(TFKV.parent)} is over 400 lines"
 
@@ -300,11 +301,97 @@ def test_a_job_hands_its_knobs_to_every_role(tmp_path, monkeypatch):
     for p in j.plan:
         assert (p.env["TFKV_REQUEST_TIMEOUT"], p.env["PS_RESEND"], p.env["TFKV_HEARTBEAT_TIMEOUT"]) == ("7.0", "1", "4.0")
         assert "TFKV_SRUN_ARGS" not in p.env and "TFKV_SSH_CONFIG" not in p.env
+    launcher = job.knob_values(job.Options("local", 1, 1, srun_args="-p x"))  # what the launcher itself reads
+    assert (launcher["cluster.srun_args"], launcher["cluster.ssh_config"]) == ("-p x", str(tmp_path))
     # the launcher's own knobs go to the backend that has them, as its settings
     assert job.backend(job.Options("slurm", 1, 1, srun_args="-p x")).settings.srun_args == "-p x"
     assert job.backend(job.Options("ssh", 1, 1)).settings.ssh_config == str(tmp_path)
     recorded = json.loads(knobs.record(tmp_path, job.knob_values(job.Options("local", 1, 1))).read_text())
     assert recorded["kvstore.resend"] == {"env": "PS_RESEND", "value": True}
+
+
+def test_a_run_that_starts_no_job_reads_its_knobs_where_a_role_does(monkeypatch):
+    """tfkv-run without a job resolves the knobs once and puts the role knobs in its own
+    environment for the run, as a launcher puts them in its roles': the stores and a role
+    started by hand read them there; afterwards the environment is as it was (a sweep's next
+    trial resolves its own)."""
+    from tfkv import knobs
+    from tfkv.store.base import gpu_p2p
+
+    for k in knobs.KNOBS:
+        for name in k.names:
+            monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TFKV_CHUNK_BYTES", "1024")  # the shell's wins over the config's
+    values = knobs.resolve({"kvstore.gpu_p2p": False, "kvstore.chunk_bytes": 64, "cluster.heartbeat_timeout": 9.0},
+                           os.environ)
+    assert gpu_p2p() and knobs.get("cluster.heartbeat_timeout") == 4.0  # the config's only once handed on
+    with knobs.exported(values):
+        assert not gpu_p2p()
+        assert (knobs.get("kvstore.chunk_bytes"), knobs.get("cluster.heartbeat_timeout")) == (1024, 9.0)
+        assert "TFKV_SSH_CONFIG" not in os.environ  # a launcher's knob is no role's
+    assert gpu_p2p() and knobs.get("cluster.heartbeat_timeout") == 4.0 and os.environ["TFKV_CHUNK_BYTES"] == "1024"
+    assert not [n for k in knobs.KNOBS for n in k.names if n in os.environ and n != "TFKV_CHUNK_BYTES"]
+
+
+# A model factory of the user's that writes what its worker's ClusterEnv says; and tfkv-run, in a
+# process that logs every opening of a knobs.json for writing.
+KNOBBY = """
+import json, os
+import keras
+from tfkv.ps.cluster_env import ClusterEnv
+
+
+def build(input_shape, num_classes):
+    env = ClusterEnv.from_env()
+    seen = {"fusion_bytes": env.fusion_bytes, "heartbeat_timeout": env.heartbeat_timeout,
+            "resend_timeout": env.resend_timeout, "request_timeout": env.request_timeout}
+    with open(os.path.join(os.environ["TFKV_RUN_DIR"], "cluster_env." + os.environ["TFKV_RANK_HINT"]), "w") as f:
+        json.dump(seen, f)
+    inputs = keras.Input(shape=input_shape)
+    return keras.Model(inputs, keras.layers.Dense(num_classes)(keras.layers.Flatten()(inputs)))
+"""
+COUNTING = """
+import builtins, io, sys
+log, opened = sys.argv.pop(1), io.open
+
+
+def counting(file, mode="r", *args, **kwargs):
+    if str(file).endswith("knobs.json") and set(mode) & set("wax"):
+        with opened(log, "a") as f:
+            f.write(str(file) + "\\n")
+    return opened(file, mode, *args, **kwargs)
+
+
+io.open = builtins.open = counting
+from tfkv.cli import run
+sys.argv[0] = "tfkv-run"
+run()
+"""
+
+
+@pytest.mark.slow
+def test_a_launched_role_reads_the_knobs_its_config_sets_and_the_run_records_them_once(tmp_path):
+    """kvstore.fusion_bytes and cluster.heartbeat_timeout set in the config, PS_RESEND_TIMEOUT in the
+    shell: every launched worker's ClusterEnv has them (from the environment its launcher filled),
+    and the run's knobs.json is written once, by the launcher."""
+    (tmp_path / "knobby.py").write_text(KNOBBY)
+    (tmp_path / "counting.py").write_text(COUNTING)
+    log = tmp_path / "knobs-writes.log"
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "counting.py"), str(log), "kvstore=dist_sync", "cluster=local",
+         "cluster.num_workers=2", "cluster.num_servers=1", "epochs=1", "steps_per_epoch=2", "progress=false",
+         "model._target_=knobby.build", "~model.hidden", "~model.dropout", "kvstore.fusion_bytes=4096",
+         "cluster.heartbeat_timeout=6"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=400, env={**os.environ, "PS_RESEND_TIMEOUT": "500"})
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    (run,) = {p.parent for p in tmp_path.glob("outputs/*/*/metrics.json")}
+    for rank in (0, 1):
+        seen = json.loads((run / f"cluster_env.{rank}").read_text())
+        assert seen == {"fusion_bytes": 4096, "heartbeat_timeout": 6.0, "resend_timeout": 0.5, "request_timeout": 60.0}
+    assert log.read_text().splitlines() == [str(run / "knobs.json")]
+    recorded = json.loads((run / "knobs.json").read_text())
+    assert (recorded["kvstore.fusion_bytes"]["value"], recorded["cluster.heartbeat_timeout"]["value"],
+            recorded["kvstore.resend_timeout"]["value"]) == (4096, 6.0, 500.0)
 
 
 def test_a_knob_variable_of_the_wrong_type_is_one_line_before_any_process_starts(tmp_path):

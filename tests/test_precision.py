@@ -19,7 +19,7 @@ from tfkv.parallel.data_parallel import DataParallel
 from tfkv.parallel.precision import LossScale, check_devices, set_policy
 from tfkv.ps.updater import NumpyUpdater
 from tfkv.store.local import LocalStore
-from tfkv.trainer import _rng_state, _set_rng
+from tfkv.trainer import rng
 
 SHAPE, CLASSES, BATCH = (8, 8, 1), 10, 32
 
@@ -108,10 +108,10 @@ def test_the_scale_grows_after_its_growth_steps_and_a_checkpoint_keeps_it(tf_dev
     for x, y in _batches(5):
         dp.step(tf.constant(x), tf.constant(y))
     assert (float(scale.scale.numpy()), int(scale.good_steps.numpy())) == (1024.0, 1)
-    saved = _rng_state(dp)  # what tfkv.trainer puts in a checkpoint
+    saved = rng.state(dp)  # what tfkv.trainer puts in a checkpoint
     scale.scale.assign(1.0)
     scale.good_steps.assign(0)
-    _set_rng(dp, saved)
+    rng.restore(dp, saved)
     assert (float(scale.scale.numpy()), int(scale.good_steps.numpy())) == (1024.0, 1)
 
 

@@ -5,3 +5,17 @@ config layer, the launcher and the parameter-server roles start fast and run wit
 """
 
 __version__ = "0.1.0"
+
+
+def conf_dir() -> str:
+    """tfkv's config tree (conf/: config.yaml and its option groups): inside the installed package,
+    or at the top of a source checkout. Here, at the package's root, because `tfkv-run` points
+    Hydra at it before anything heavier than the standard library is imported (tfkv.config
+    imports Hydra)."""
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "conf", here.parent / "conf"):
+        if (candidate / "config.yaml").is_file():
+            return str(candidate)
+    raise RuntimeError(f"tfkv's config tree is missing (looked in {here / 'conf'}); reinstall tfkv")

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tfkv.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, message, report
-from tfkv.hydra_messages import conf_dir, one_line
+from tfkv import conf_dir
+from tfkv.hydra_messages import one_line
 
 _run_dir: Path | None = None  # the job's run directory once known, for the Ctrl-C line
 
@@ -34,9 +35,9 @@ def _main(cfg: Any) -> Any:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from tfkv.ps.cluster_env import ClusterEnv
+    from tfkv.ps import node
 
-    if HydraConfig.get().mode == RunMode.MULTIRUN and ClusterEnv.role_of() is None:
+    if HydraConfig.get().mode == RunMode.MULTIRUN and node.role() is None:
         from tfkv.sweep import task
 
         return task.run(cfg, _job, _explain)
@@ -67,32 +68,39 @@ def _job(cfg: Any) -> float:
 
     from tfkv import check, checkpoint, knobs, store
     from tfkv.checkpoint import lock
-    from tfkv.ps.cluster_env import ClusterEnv
+    from tfkv.ps import node
 
     check.validate(cfg)
     hc = HydraConfig.get()
     run_dir = _run_dir = Path(hc.runtime.output_dir)
-    in_job = ClusterEnv.role_of() is not None
+    in_job = node.role() is not None
     if cfg.resume == checkpoint.AUTO and not in_job and _new_each_run(hc):
         logging.getLogger("tfkv").warning(
             "resume=auto looks for checkpoints in the run's own directory, but %s is named after the time it "
             "started: a rerun gets another one and never resumes; fix it with hydra.run.dir=runs/<name>", run_dir)
     # the run directory is this job's alone; a role of a launched job runs inside its launcher's hold
     with contextlib.nullcontext() if in_job else lock.hold(run_dir):
-        values = knobs.resolve(knobs.settings(cfg), os.environ)  # the environment wins over the config
-        knobs.configure(values)
         if not in_job:
             (run_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-            knobs.record(run_dir, values)
             if store.capabilities(cfg.kvstore.type).distributed and not cfg.eval_only:  # eval_only: here, alone
+                # its launcher resolves the knobs, records them (knobs.json) and hands them to every role
                 return _launch(cfg, run_dir, list(hc.overrides.task), Path(hc.runtime.cwd))
-        from tfkv.parallel import binding
+        values = knobs.resolve(knobs.settings(cfg), os.environ)  # the environment wins over the config
+        if not in_job:  # a role of a job: its launcher's record
+            knobs.record(run_dir, values)
+        with knobs.exported(values):  # read where a launched role reads them (its store, its ClusterEnv)
+            return _train(cfg, run_dir, hc)
 
-        cfg.devices = binding.bind(cfg.devices)  # {local_rank}: this process's GPU, before TensorFlow sees any
-        from tfkv.trainer import objective, train
 
-        final = train(cfg, run_dir, list(hc.overrides.task), search_root=Path(hc.runtime.cwd))
-        return objective(cfg, final, run_dir)
+def _train(cfg: Any, run_dir: Path, hc: Any) -> float:
+    """Train in this process: a single run, or a worker of a job started by hand or by tfkv-launch."""
+    from tfkv.parallel import binding
+
+    cfg.devices = binding.bind(cfg.devices)  # {local_rank}: this process's GPU, before TensorFlow sees any
+    from tfkv.trainer import objective, train
+
+    final = train(cfg, run_dir, list(hc.overrides.task), search_root=Path(hc.runtime.cwd))
+    return objective(cfg, final, run_dir)
 
 
 def _new_each_run(hc: Any) -> bool:
@@ -153,7 +161,7 @@ def _launch(cfg: Any, run_dir: Path, overrides: list[str], cwd: Path) -> float:
 
     try:
         result = job.launch(opts, [python, "-m", "tfkv.worker"], cwd, run_dir, _command_line(hc, overrides),
-                            sys.stdout, env, knobs.settings(cfg), again=again, devices=list(cfg.devices),
+                            sys.stdout, env, settings=knobs.settings(cfg), again=again, devices=list(cfg.devices),
                             preemptible=checkpoint.takes_sigterm())
     finally:
         signal.signal(preemption.SIGNAL, asked)
@@ -263,12 +271,9 @@ def _run() -> None:
     if "--version" in sys.argv[1:]:  # Hydra's own --version names Hydra alone
         print(f"tfkv-run {versions()}")
         return
-    from tfkv.ps.cluster_env import ClusterEnv
+    from tfkv.ps import node
 
-    if ClusterEnv.role_of() in ("scheduler", "server"):
-        from tfkv.ps import node
-
-        node.main()  # serves until the job ends, then exits
+    node.main(workers_return=True)  # a scheduler or server serves until the job ends, then exits
     # The user's own package (model._target_: myproj.nets.build) imports from the directory
     # tfkv-run started in, as `python -m` would have it: a console script's sys.path lacks it.
     if os.getcwd() not in sys.path:
@@ -336,9 +341,9 @@ def run() -> None:
 def _requeue() -> None:
     """Preempted inside a Slurm batch job: requeue it (tfkv.launcher.requeue); not as a role of
     a launched job, whose launcher decides."""
-    from tfkv.ps.cluster_env import ClusterEnv
+    from tfkv.ps import node
 
-    if ClusterEnv.role_of() is None:
+    if node.role() is None:
         from tfkv.launcher import requeue
 
         requeue.requeue(_run_dir, lambda line: print(f"tfkv-run: {line}", file=sys.stderr, flush=True))

@@ -1,25 +1,15 @@
 """Hydra's and OmegaConf's errors as one line with a hint (the nearest name, the option's keys,
-the plug-in to install), and where the config tree is: the cli layer's part of one-line errors
-(tfkv.errors has the rest), shared by tfkv-run, its sweeps' checks and the plug-ins' options.
+the plug-in to install): the cli layer's part of one-line errors (tfkv.errors has the rest),
+shared by tfkv-run and its sweeps' checks. The option's keys are tfkv.check's answer, from the
+config tfkv.config.tree composes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
 import re
 import sys
-from pathlib import Path
-
-
-def conf_dir() -> str:
-    """The config tree: inside the installed package, or at the top of a source checkout."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "conf", here.parent / "conf"):
-        if (candidate / "config.yaml").is_file():
-            return str(candidate)
-    raise RuntimeError(f"tfkv's config tree is missing (looked in {here / 'conf'}); reinstall tfkv")
 
 
 def one_line(exc: BaseException) -> str:
@@ -123,45 +113,20 @@ def _option_keys(message: str) -> str | None:
         return None
     group = m.group(1)
     try:
-        from hydra import compose, initialize_config_dir
-
-        from tfkv import check, config, models, target
-        from tfkv.data import source
+        from tfkv import check
+        from tfkv.config import tree
 
         args = [a for a in sys.argv[1:] if "=" in a and not a.startswith("-")
                 and not a.lstrip("+~").startswith(f"{group}.")]
         dirs = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--config-dir=")]
-        searchpath = [f"hydra.searchpath=[{','.join('file://' + os.path.abspath(d) for d in dirs)}]"] if dirs else []
-        with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
-            node = compose("config", overrides=[*args, *searchpath])[group]
-        if group in ("model", "dataset"):
-            import inspect
-
-            fn = target.locate(node["_target_"], f"{group}._target_")
-            provided = models.PROVIDED if group == "model" else source.PROVIDED
-            keys = [n for n in inspect.signature(fn).parameters if n not in provided]
-            option = node["_target_"]
-        else:
-            schema = {"optimizer": lambda: config.OPTIMIZER_SCHEMAS[node.name],
-                      "cluster": lambda: check.cluster_schema(node.launcher),
-                      "kvstore": lambda: config.KVStoreConfig}[group]()
-            keys = [f.name for f in dataclasses.fields(schema)]
-            option = node.get("name") or node.get("launcher") or node.get("type")
+        option, keys = check.option_settings(group, tree.compose(args, dirs)[group])
+        key = m.group(2).split(".")[0]
+        owner = tree.option_with(group, key)
     except Exception:  # noqa: BLE001 - only a better message; the plain one stands without it
         return None
-    key = m.group(2).split(".")[0]
-    owner = _option_with(group, key)
     close = difflib.get_close_matches(key, keys, n=1)
     if owner is not None:  # model.path=my.keras: a setting of model=saved
         mean = f"{group}.{key} is a setting of {group}={owner}: write {group}={owner} {group}.{key}=...; "
     else:
         mean = f"did you mean {group}.{close[0]}? " if close else ""
     return f"{mean}{group} {option} has the settings: {', '.join(keys)}"
-
-
-def _option_with(group: str, key: str) -> str | None:
-    """The option of `group` (conf/<group>/*.yaml) whose node has `key`, if exactly one has it."""
-    from omegaconf import OmegaConf
-
-    owners = [p.stem for p in sorted((Path(conf_dir()) / group).glob("*.yaml")) if key in OmegaConf.load(p).keys()]
-    return owners[0] if len(owners) == 1 else None

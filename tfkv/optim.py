@@ -196,7 +196,7 @@ def _build(cls: type, d: Any, where: str) -> Any:
 # update NaN or meaningless are refused when an optimizer is made, not found in the weights.
 # The rate `lr` is any finite number, as in MXNet, whose KVStore tests build an "add what you
 # receive" updater as SGD with learning_rate=-1; whether a rate suits training is the
-# tfkv-run config's check (tfkv.config.checks), not the store API's.
+# tfkv-run config's check (tfkv.check), not the store API's.
 _RANGES: dict[str, tuple[Any, str]] = {
     "total": (lambda v: v >= 1, "at least 1 (the update count where the cosine rate reaches 0)"),
     "warmup": (lambda v: v >= 0, "at least 0"),

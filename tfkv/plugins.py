@@ -101,7 +101,7 @@ def _provided(group: str) -> set[str]:
 
 def _own_options(group: str) -> set[str]:
     """tfkv's own options of a config group (its conf/<group>/*.yaml)."""
-    from tfkv.hydra_messages import conf_dir
+    from tfkv import conf_dir
 
     return {p.stem for p in Path(conf_dir(), group).glob("*.yaml")}
 

@@ -38,7 +38,7 @@ from conftest import REPO, SHARED_HOSTS, TAG, Launching, tagged_pids
 
 from tfkv import keys
 from tfkv.config import CLUSTER_SCHEMAS
-from tfkv.config.checks import LOCAL_RANK
+from tfkv.config.device_specs import LOCAL_RANK
 from tfkv.errors import ConfigError
 from tfkv.launcher import base, spares
 from tfkv.launcher import job as launch_job

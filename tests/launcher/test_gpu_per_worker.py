@@ -20,7 +20,7 @@ from cluster_hosts import netns_hosts, ssh_site  # noqa: F401  (session fixtures
 from conftest import TAG, tagged_pids, tfkv_run
 
 from tfkv import gpus
-from tfkv.config.checks import LOCAL_RANK, LOCAL_SIZE
+from tfkv.config.device_specs import LOCAL_RANK, LOCAL_SIZE
 from tfkv.errors import ConfigError
 from tfkv.launcher import job as launch_job
 from tfkv.launcher import role

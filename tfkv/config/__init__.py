@@ -1,15 +1,15 @@
-"""A run's configuration: the schema (tfkv.config.schema, tfkv.config.cluster) and the checks
-the config alone can make (tfkv.config.checks).
+"""A run's configuration: the schema (tfkv.config.schema, tfkv.config.cluster; the backend
+knobs' fields derived from tfkv.knobs), the config tree and its composition (tfkv.config.tree),
+device specs (tfkv.config.device_specs) and which value a run returns (tfkv.config.objective).
 
-tfkv.config is a base module: it imports no other tfkv layer. The checks that need a registry
-(known model, data, store and launcher names, a store's capabilities, placement) are made once,
-at the edge, by tfkv.check.validate, before TensorFlow is imported. Nothing inside re-checks.
+tfkv.config is a base module: it imports no other tfkv layer. The config is validated once, at
+the edge, by tfkv.check.validate, before TensorFlow is imported. Nothing inside re-checks.
 Importing this package is what makes `tfkv_schema` known to Hydra.
 """
 
 from __future__ import annotations
 
-from tfkv.config.checks import parse_device, split_batch
+from tfkv.config.device_specs import parse_device, split_batch
 from tfkv.config.cluster import CLUSTER_SCHEMAS, ClusterConfig, NoCluster, RemoteCluster, SSHCluster
 from tfkv.config.schema import (ALWAYS_REPORTED, LOGGERS, OPTIMIZER_SCHEMAS, AdamConfig, CheckpointConfig,
                                 CompressionConfig, Config,

@@ -7,13 +7,14 @@ while Hydra composes the tree.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from tfkv.config.cluster import CLUSTER_SCHEMAS, knob
+from tfkv import knobs
+from tfkv.config.cluster import CLUSTER_SCHEMAS
 
 
 @dataclass
@@ -75,21 +76,18 @@ class CompressionConfig:
 
 
 @dataclass
-class KVStoreConfig:
+class _KVStoreSettings:
     type: str = MISSING
     # true: the store runs the optimizer (MXNet's default); false: the store only sums gradients
     # and every device applies the update to its own copy of the weights.
     update_on_kvstore: bool = True
     compression: CompressionConfig = field(default_factory=CompressionConfig)
-    # Backend knobs (tfkv.knobs: the variable named in each one's help overrides it)
-    bigarray_bound: int = knob("kvstore.bigarray_bound")
-    reduction_nthreads: int = knob("kvstore.reduction_nthreads")
-    resend: bool = knob("kvstore.resend")
-    resend_timeout: float = knob("kvstore.resend_timeout")
-    chunk_bytes: int = knob("kvstore.chunk_bytes")
-    fusion_bytes: int = knob("kvstore.fusion_bytes")
-    max_message_bytes: int = knob("kvstore.max_message_bytes")
-    gpu_p2p: bool = knob("kvstore.gpu_p2p")
+
+
+# kvstore.*: the settings above, then every kvstore.* backend knob as its row in tfkv.knobs
+# declares it (type, default, help naming the variable that overrides it)
+KVStoreConfig = make_dataclass("KVStoreConfig", knobs.fields("kvstore"), bases=(_KVStoreSettings,))
+KVStoreConfig.__module__ = __name__
 
 
 OPTIMIZER_SCHEMAS: dict[str, type] = {"sgd": SGDConfig, "adam": AdamConfig}

@@ -15,7 +15,7 @@ from typing import IO, Any, Callable, Mapping, Sequence
 
 from tfkv import gpus, knobs, preempt
 from tfkv.config import cluster
-from tfkv.config.checks import LOCAL_RANK, bound_gpus
+from tfkv.config.device_specs import LOCAL_RANK, bound_gpus
 from tfkv.errors import ConfigError
 from tfkv.launcher import base, record, signals, spares
 from tfkv.launcher.hosts import Host, read_hosts

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from tfkv.config.checks import LOCAL_RANK, LOCAL_SIZE
+from tfkv.config.device_specs import LOCAL_RANK, LOCAL_SIZE
 from tfkv.errors import ConfigError
 from tfkv.preempt import RUN_DIR  # the job's run directory as the roles see it (defined there: the flag is in it)
 

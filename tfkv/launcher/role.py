@@ -46,7 +46,7 @@ import subprocess
 import sys
 from typing import Any, Sequence
 
-from tfkv.config.checks import LOCAL_RANK, LOCAL_SIZE
+from tfkv.config.device_specs import LOCAL_RANK, LOCAL_SIZE
 from tfkv.errors import TfkvError
 from tfkv.launcher.plan import Process, make_plan
 from tfkv.launcher.process import die_with_parent, signal_group, status_text

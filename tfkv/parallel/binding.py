@@ -21,7 +21,7 @@ import socket
 from typing import MutableMapping, Sequence
 
 from tfkv import gpus
-from tfkv.config.checks import LOCAL_RANK, bound_gpus, expand_devices, parse_device
+from tfkv.config.device_specs import LOCAL_RANK, bound_gpus, expand_devices, parse_device
 
 RANK = "TFKV_RANK_HINT"
 

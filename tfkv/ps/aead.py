@@ -5,11 +5,9 @@ through `cryptography`, which every node has). The handshake (tfkv.ps.channel) p
 Why AEGIS-128X4 first: it is the AEGIS-128L construction run on four AES lanes side by side
 (IETF CFRG draft-irtf-cfrg-aegis-aead, the "X4" member of the family; CAESAR picked AEGIS-128L
 for high performance), so a CPU with vector AES instructions (VAES, AVX-512 or AVX2) seals four
-blocks per instruction. On the machine we measured it seals a 1 MiB frame at ~33-36 GB/s and
-opens it at ~32, where AEGIS-128L (libsodium) reached ~15-17 and OpenSSL's AES-256-GCM
-(`cryptography` 48) ~10: about what copying the frame once costs (memcpy of 1 MiB in cache ~40
-GB/s there; above the caches both run at memory speed, ~17-20 GB/s). On a CPU with only AES-NI,
-libaegis runs the four lanes on 128-bit instructions (not measured here).
+blocks per instruction: about what copying the frame once costs, twice AEGIS-128L's speed and
+three times AES-256-GCM's where we measured (benchmarks/results/design_figures.md). On a CPU with
+only AES-NI, libaegis runs the four lanes on 128-bit instructions (not measured here).
 
 Why AES-256-GCM as the other: `aeg` has wheels for Linux x86_64, macOS arm64 and Windows only
 (elsewhere pip builds it with the Zig compiler), while `cryptography` has wheels everywhere and

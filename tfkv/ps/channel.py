@@ -1,9 +1,10 @@
 """The data plane's encryption: an AEAD on every worker <-> server message, keys per connection.
 
-CURVE (XSalsa20-Poly1305 in libsodium) runs at ~0.6 GB/s on a CPU where AEGIS-128X4 runs at ~33
-GB/s with the vector AES instructions (tfkv.ps.aead: libaegis through `aeg`, or AES-256-GCM
-through `cryptography` where an end lacks `aeg`; no cipher by hand), so a secure job's pushes and
-pulls travel on a plain ZeroMQ socket, every message sealed here. The scheduler's control plane
+CURVE (XSalsa20-Poly1305 in libsodium) runs at a small fraction of AEGIS-128X4's speed on a CPU
+with the vector AES instructions (tfkv.ps.aead: libaegis through `aeg`, or AES-256-GCM through
+`cryptography` where an end lacks `aeg`; no cipher by hand; the figures are in
+benchmarks/results/design_figures.md), so a secure job's pushes and pulls travel on a plain ZeroMQ
+socket, every message sealed here. The scheduler's control plane
 (small messages) stays on CURVE (tfkv.ps.security). The handshake's primitives (X25519, HKDF,
 HMAC) come from `cryptography`.
 
@@ -48,9 +49,9 @@ WINDOW = 1 << 14  # counters (pieces) this far behind the newest may still arriv
 # A protocol frame travels in pieces of at most this many bytes, each its own ZeroMQ message, so
 # that the receiver opens one while the sender seals the next. Each ZeroMQ message costs thread
 # wakeups (the app's, libzmq's I/O thread's, pyzmq's garbage collector's) that outweigh the
-# overlap: 1 MiB push+pull secure on 2 cores took 1.2 ms of CPU per process per iteration in
-# pieces of 256 KiB, 0.74 ms whole (64 KiB: 2.2 ms). A piece is at most 1 MiB so that a sealed
-# one (plus TAG) stays under protocol.MAX_FRAME, the cap of a socket strangers can reach.
+# overlap below 1 MiB (smaller pieces cost more CPU per byte: design_figures.md in
+# benchmarks/results). A piece is at most 1 MiB so that a sealed one (plus TAG) stays under
+# protocol.MAX_FRAME, the cap of a socket strangers can reach.
 PIECE = 1 << 20
 # Whole frames (of at most PIECE bytes) travel together up to this many bytes: a 1 MiB PUSHPULL
 # and its header are one message (each frame is still sealed on its own,
@@ -161,7 +162,7 @@ class Session:
         self._counter += len(parts)  # one nonce per part
         head = ENVELOPE.pack(MAGIC, VERSION, DATA, nframes, frame, size, offset, first, counter)
         # numpy's empty, not bytearray: a piece is over glibc's mmap threshold, and bytearray's
-        # fresh zeroed mapping per piece cost 4x the cipher (0.47 against 0.11 ms per MiB).
+        # fresh zeroed mapping per piece cost more than the cipher.
         out: list[Any] = [head]
         for i, part in enumerate(parts):
             sealed = np.empty(len(part) + self._tag, np.uint8)

@@ -1,9 +1,11 @@
 """Where a parameter-server process learns its role and its cluster: environment variables.
 
 tfkv's own names come first; MXNet's (DMLC_*, PS_*, MXNET_KVSTORE_*) are read too, so a job
-launched by hand the way the MXNet guide shows works unchanged. The tuning knobs (PS_RESEND,
-MXNET_KVSTORE_*, TFKV_*_TIMEOUT, ...) are read through tfkv.knobs, their one table. Read once
-into a dataclass.
+launched by hand the way the MXNet guide shows works unchanged. Read once into a dataclass:
+the process wiring (role, scheduler, sizes, keys) declared here, and one attribute per knob the
+parameter-server runtime reads (PS_RESEND, MXNET_KVSTORE_*, TFKV_*_TIMEOUT, ...), derived from
+its row in tfkv.knobs, the one table of them: its name is the row's config setting, its default
+the row's. `role_of` is the one reading of the role alone (tfkv.ps.node.role asks it).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import os
 import socket
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from tfkv import knobs
 from tfkv.errors import TfkvError
@@ -34,29 +36,28 @@ class ClusterEnvError(TfkvError, ValueError):
     """An environment variable is missing or malformed; the message names it."""
 
 
+def _knob_fields(cls: type) -> type:
+    """Every knob the parameter-server runtime reads (tfkv.knobs.read_by(PS)) as a field of
+    `cls` after its own, named by its config setting, its default the row's as ClusterEnv holds
+    it (e.g. resend_timeout in seconds): ClusterEnv.fusion_bytes, .heartbeat_timeout, ..."""
+    for k in knobs.read_by(knobs.PS):
+        cls.__annotations__[k.setting] = Optional[k.type] if k.default is None else k.type
+        setattr(cls, k.setting, None if k.default is None else k.in_cluster_env(k.default))
+    return cls
+
+
 @dataclass(frozen=True)
+@_knob_fields
 class ClusterEnv:
+    """A role's place in its job, then the knobs its runtime reads (`_knob_fields`; e.g.
+    fusion_bytes, or resend_timeout in seconds; each one's meaning is its row's doc)."""
+
     role: str
     scheduler_host: str
     scheduler_port: int
     num_servers: int
     num_workers: int
-    interface: str | None = None
     rank_hint: int | None = None  # the launcher's index, so that ranks match log prefixes
-    bigarray_bound: int = 1_000_000
-    verbose: int = 0
-    resend: bool = False
-    resend_timeout: float = 1.0  # seconds
-    heartbeat_interval: float = 0.5
-    heartbeat_timeout: float = 4.0
-    # A server that leaves a request unanswered and does not answer a PING about it within this
-    # many seconds fails the job (a dist_sync pull may wait longer: the server says it holds it).
-    request_timeout: float = 60.0
-    start_timeout: float = 120.0
-    max_message_bytes: int = 1 << 31
-    reduction_nthreads: int = 4  # servers sum arrays of >= bigarray_bound elements in this many threads
-    chunk_bytes: int = 16 << 20  # a worker sends a key's part in messages of at most this many bytes
-    fusion_bytes: int = 512 << 10  # messages to one peer go together until this many payload bytes wait
     keys: job_keys.Keys | None = field(default=None, repr=False)  # the job's CURVE keys; None: plain TCP
     advertise: tuple[str, int] | None = None  # TFKV_ADVERTISE_ADDRESS host:port a server registers (NAT, proxies)
 
@@ -92,12 +93,6 @@ class ClusterEnv:
             keys = job_keys.keys_from_env(env)
         except job_keys.SecurityError as e:
             raise ClusterEnvError(str(e)) from None
-        def knob(name: str) -> Any:  # tfkv.knobs: the one table of these variables
-            try:
-                return knobs.get(name, env)
-            except ValueError as e:
-                raise ClusterEnvError(str(e)) from None
-
         return cls(
             keys=keys,
             advertise=host_port(_get(env, "TFKV_ADVERTISE_ADDRESS"), "TFKV_ADVERTISE_ADDRESS"),
@@ -106,20 +101,8 @@ class ClusterEnv:
             scheduler_port=int(number(int, need("TFKV_SCHEDULER_PORT", "DMLC_PS_ROOT_PORT"), "DMLC_PS_ROOT_PORT")),
             num_servers=int(number(int, need("TFKV_NUM_SERVER", "DMLC_NUM_SERVER"), "DMLC_NUM_SERVER")),
             num_workers=int(number(int, need("TFKV_NUM_WORKER", "DMLC_NUM_WORKER"), "DMLC_NUM_WORKER")),
-            interface=knob("cluster.interface"),
             rank_hint=int(number(int, hint, "TFKV_RANK_HINT")) if hint else None,
-            bigarray_bound=knob("kvstore.bigarray_bound"),
-            verbose=knob("cluster.verbose"),
-            resend=knob("kvstore.resend"),
-            resend_timeout=knob("kvstore.resend_timeout") / 1000.0,
-            heartbeat_interval=knob("cluster.heartbeat_interval"),
-            heartbeat_timeout=knob("cluster.heartbeat_timeout"),
-            request_timeout=knob("cluster.request_timeout"),
-            start_timeout=knob("cluster.start_timeout"),
-            max_message_bytes=knob("kvstore.max_message_bytes"),
-            reduction_nthreads=max(1, knob("kvstore.reduction_nthreads")),
-            chunk_bytes=max(4, knob("kvstore.chunk_bytes")),
-            fusion_bytes=max(0, knob("kvstore.fusion_bytes")),
+            **knob_values(env),
         )
 
     def enable_logging(self) -> None:
@@ -133,6 +116,19 @@ class ClusterEnv:
         if self.interface:
             return interface_address(self.interface)
         return route_address(self.scheduler_host, self.scheduler_port)
+
+
+def knob_values(env: Mapping[str, str]) -> dict[str, Any]:
+    """ClusterEnv's knob attributes as `env` sets them (tfkv.knobs.get: the variable, else the
+    row's default); a variable its type does not take is a ClusterEnvError naming it."""
+    out = {}
+    for k in knobs.read_by(knobs.PS):
+        try:
+            value = knobs.get(k.key, env)
+        except ValueError as e:
+            raise ClusterEnvError(str(e)) from None
+        out[k.setting] = None if value is None else k.in_cluster_env(value)
+    return out
 
 
 def host_port(value: str | None, name: str) -> tuple[str, int] | None:

@@ -130,7 +130,7 @@ def _quantise(residual: np.ndarray, threshold: float) -> tuple[np.ndarray, np.nd
     t = np.float32(threshold)
     pos = residual >= t
     neg = residual <= -t
-    # sent = (pos - neg) * t, one float temporary; masked ufuncs (where=) are 10x slower here.
+    # sent = (pos - neg) * t, one float temporary; masked ufuncs (where=) are much slower.
     sent = np.subtract(pos, neg, dtype=np.float32)
     sent *= t
     residual -= sent

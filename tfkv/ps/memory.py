@@ -6,10 +6,8 @@ assembled from its pieces, the round's sums, TensorFlow's gradient tensors. glib
 allocation above its mmap threshold (which moves with what was freed, up to 32 MiB) from a fresh
 mapping and trims its heap once the free memory on top passes twice that, so every step paid
 page faults and the kernel's zeroing for memory it had just released. Fixed thresholds (256 MiB,
-1 GiB) keep that memory in the heap: `python benchmarks/bench_dist_training.py --models mlp`
-(2 workers, 23 MB of weights each way per step) went from 1,288 to 1,556 samples/s secure and from
-1,581 to 1,757 plain with them; a 64 MiB secure pushpull spent 43 ms of the worker's CPU per
-iteration instead of 60.
+1 GiB) keep that memory in the heap, which `python benchmarks/bench_dist_training.py --models mlp`
+shows as samples/s (the figures when this was chosen: benchmarks/results/design_figures.md).
 
 The cost: a process's resident memory stays at its peak (up to 1 GiB more than it holds) rather
 than shrinking between steps. A user's own glibc settings (MALLOC_MMAP_THRESHOLD_,

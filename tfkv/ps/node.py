@@ -1,8 +1,12 @@
-"""Entry point of the scheduler and server roles: `python -m tfkv.ps.node`.
+"""The one place that reads a process's role and dispatches on it; entry point of the
+scheduler and server roles: `python -m tfkv.ps.node`.
 
 The role and the cluster come from the environment (DMLC_ROLE, DMLC_PS_ROOT_URI, ... or the
-TFKV_ names), as in MXNet, where every process of a job can run the same command. `tfkv-run`
-calls `main` too, before Hydra or TensorFlow start, so a server never imports TensorFlow.
+TFKV_ names), as in MXNet, where every process of a job can run the same command: `role` says
+which one this process plays, `run_unless_worker` runs a scheduler or a server to the end and
+returns for a worker. `tfkv-run` calls `main` first, before Hydra or TensorFlow start, so a
+server never imports TensorFlow; a `dist_*` store's constructor calls `run_unless_worker`, as
+MXNet's KVStore creation does in every role.
 
 A batch system's signals do not end a scheduler or server at once (tfkv.preempt.keep_serving): Slurm sends
 SIGTERM to every process of a job together, and worker 0's checkpoint at its next step needs the
@@ -15,12 +19,27 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Mapping
 
 from tfkv import preempt
 from tfkv.errors import EXIT_INTERRUPTED, TfkvError, report
 from tfkv.ps.cluster_env import ClusterEnv, ClusterEnvError
 
 log = logging.getLogger("tfkv")
+SERVING = ("scheduler", "server")  # the roles tfkv.ps runs; a worker runs the training command
+
+
+def role(env: Mapping[str, str] | None = None) -> str | None:
+    """The role this process plays in a job (TFKV_ROLE or DMLC_ROLE in `env`, os.environ unless
+    given), or None for a process outside one (a single run, a launcher, a sweep)."""
+    return ClusterEnv.role_of(env)
+
+
+def run_unless_worker(env: ClusterEnv) -> None:
+    """A scheduler or a server: run it until the job ends and exit the process with its status.
+    A worker: return, to train."""
+    if env.role != "worker":
+        sys.exit(run_role(env))
 
 
 def run_role(env: ClusterEnv) -> int:
@@ -33,15 +52,26 @@ def run_role(env: ClusterEnv) -> int:
         from tfkv.ps.server import Server
 
         return Server(env).run()
-    raise ClusterEnvError(f"role {env.role!r} is not run by tfkv.ps.node; workers run the training command")
+    raise _not_served(env.role)
 
 
-def main() -> None:
+def _not_served(name: str) -> ClusterEnvError:
+    return ClusterEnvError(f"role {name!r} is not run by tfkv.ps.node; workers run the training command")
+
+
+def main(workers_return: bool = False) -> None:
+    """`python -m tfkv.ps.node`: the role the environment names, to the end (the process exits with
+    its status; a worker is refused with one line). `workers_return`: tfkv-run's first step, where
+    a worker, or a process outside a job, returns to train instead."""
+    if workers_return and role() not in SERVING:
+        return
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s",
                         stream=sys.stdout)
     preempt.keep_serving()
     try:
-        sys.exit(run_role(ClusterEnv.from_env()))
+        env = ClusterEnv.from_env()
+        run_unless_worker(env)
+        raise _not_served(env.role)
     except TfkvError as e:  # a malformed environment, a cluster that cannot form, keys: one line
         report("tfkv", e)
     except OSError as e:  # a port taken

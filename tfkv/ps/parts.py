@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import Any, Hashable, Iterator, NamedTuple
 
 import numpy as np
 
@@ -20,18 +20,27 @@ NAMED_KEY_BASE = 1 << 40  # keys that are not ints in [0, 2**40) get ids from he
 CHUNK_SHIFT = 48  # chunk j > 0 of key id k is key k + (j << 48) on its server (ids stay < 2**48)
 
 
+class Part(NamedTuple):
+    """One part of a key: `[start, end)` of its flat value, held by `server` under `skey`."""
+
+    server: int
+    start: int
+    end: int
+    skey: int  # the server-side key: the key id, plus the chunk's index << CHUNK_SHIFT
+
+
 @dataclass
 class Layout:
     shape: tuple[int, ...]
     size: int
-    parts: list[tuple[int, int, int, int]]  # (server, start, end, server-side key) over the flat value
+    parts: list[Part]  # over the flat value, in order
     dtype: np.dtype = dtypes.FLOAT32  # the key's (tfkv.ps.dtypes): float32, float16 or bfloat16
     fusable: bool = False  # may travel in a fused PUSHPULL (the worker's store decides, at init)
 
 
 @dataclass
 class Pull:
-    """A key's pull requests in flight: `seqs` holds (sequence number, start, end) per part.
+    """A key's pull requests in flight: `seqs` holds the sequence number of each of the layout's parts.
 
     `outs` are where the value goes: TensorFlow variables (assigned) or numpy arrays (writable,
     of the key's shape, a dtype the key's casts to: cast as MXNet's CopyFromTo does). The first
@@ -43,9 +52,9 @@ class Pull:
     key: Hashable
     layout: Layout
     outs: list[Any] = field(default_factory=list)
-    seqs: list[tuple[int, int, int]] = field(default_factory=list)
+    seqs: list[int] = field(default_factory=list)
     value: np.ndarray | None = None  # once every part has arrived
-    landed: bool = False  # a part's reply may be opened in its place (ServerLink.land)
+    landed: bool = False  # a part's reply may be opened in its place (the worker transport's landing)
 
     def __post_init__(self) -> None:
         # Checked here, before anything is sent, so that a refused out leaves no request (nor a
@@ -61,16 +70,20 @@ class Pull:
                 if self._dest is None and o.dtype == self.layout.dtype and flags.c_contiguous:
                     self._dest = o
 
-    def expect(self, seqs: list[tuple[int, int, int]]) -> None:
-        """The requests sent for this pull's parts."""
+    def expect(self, seqs: list[int]) -> None:
+        """The requests sent for this pull's parts, one per part of the layout, in its order."""
         self.seqs, self._left = seqs, len(seqs)
-        self._spans = {seq: (a, b) for seq, a, b in seqs}
+        self._spans = dict(zip(seqs, self.layout.parts))
         if self._dest is None and self._left > 1:
             self._dest = np.empty(self.layout.shape, self.layout.dtype)
 
-    def destination(self, a: int, b: int) -> np.ndarray | None:
-        """Where the part [a, b) of the value goes, if anywhere: the reply may be opened there."""
-        return None if self._dest is None else self._dest.reshape(-1)[a:b]
+    def destinations(self) -> Iterator[tuple[int, np.ndarray]]:
+        """(seq, where its part of the value goes) for each part that has a place to go: its
+        reply may be opened there."""
+        if self._dest is not None:
+            flat = self._dest.reshape(-1)
+            for seq, part in zip(self.seqs, self.layout.parts):
+                yield seq, flat[part.start:part.end]
 
     def arrive(self, seq: int, data: np.ndarray) -> bool:
         """Take one part's reply; True once the value is complete."""
@@ -78,8 +91,8 @@ class Pull:
         if self._dest is None:  # one part, nowhere given: the reply's own buffer
             self.value = data.reshape(self.layout.shape)
             return True
-        a, b = self._spans[seq]
-        dest = self._dest.reshape(-1)[a:b]
+        part = self._spans[seq]
+        dest = self._dest.reshape(-1)[part.start:part.end]
         if not (self.landed and data.__array_interface__["data"][0] == dest.__array_interface__["data"][0]):
             dest[...] = data  # each part copied in as it comes, unless it was opened there
         if self._left:
@@ -102,13 +115,13 @@ class Pull:
 
 @functools.lru_cache(maxsize=None)
 def _castable(src: np.dtype, dst: np.dtype) -> bool:
-    # np.can_cast costs ~2 us; a pull of a model's keys asks it per key and step for a few dtypes.
+    # A pull of a model's keys asks this per key and step, for a few dtypes: np.can_cast is slow for that.
     return bool(np.can_cast(src, dst, "same_kind"))
 
 
 def plan(kid: int, shape: tuple[int, ...], servers: int, bigarray_bound: int, chunk_bytes: int,
          dtype: np.dtype = dtypes.FLOAT32) -> Layout:
-    """Where each part of key id `kid` (of `dtype`) goes: (server, start, end, server-side key) per part."""
+    """Where each part of key id `kid` (of `dtype`) goes, as `Part`s in order."""
     size = int(np.prod(shape))
     n = servers
     if size < bigarray_bound or n == 1:
@@ -121,5 +134,5 @@ def plan(kid: int, shape: tuple[int, ...], servers: int, bigarray_bound: int, ch
         pieces = max(1, -(-(b - a) // per_chunk))
         for j in range(pieces):
             lo, hi = a + j * (b - a) // pieces, a + (j + 1) * (b - a) // pieces
-            parts.append((server, lo, hi, kid + (len(parts) << CHUNK_SHIFT)))
+            parts.append(Part(server, lo, hi, kid + (len(parts) << CHUNK_SHIFT)))
     return Layout(shape, size, parts, dtype)

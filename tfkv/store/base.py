@@ -76,7 +76,9 @@ def in_place(key: Key | Sequence[Key], value: Any) -> Any:
 
 def gpu_p2p(env: Mapping[str, str] | None = None) -> bool:
     """kvstore.gpu_p2p, TFKV_ENABLE_GPU_P2P / MXNET_ENABLE_GPU_P2P (default 1): the `device` types
-    sum a key's device values device-to-device; 0: through host memory (copied to the CPU, summed there)."""
+    sum a key's device values device-to-device; 0: through host memory (copied to the CPU, summed there).
+    Read from this process's environment, where its launcher (or tfkv-run, for a run it does not
+    launch: tfkv.knobs.exported) put the resolved value of the config's key."""
     return bool(knobs.get("kvstore.gpu_p2p", env))
 
 

@@ -3,22 +3,23 @@ worker-side facade of the parameter server (MXNet's KVStore API over `tfkv.ps`).
 
 Where a key's parts live and how a pulled key is put back together is `tfkv.ps.parts` (a key
 on one server picked as MXNet does, `key * 9973 % num_servers`, or cut into one part per server
-above MXNET_KVSTORE_BIGARRAY_BOUND, and parts over TFKV_CHUNK_BYTES cut into chunks); the
-sockets, request tracking and waiting are `tfkv.ps.worker.ServerLink`. A push first sums this
-machine's device values (in host memory, or on the first device for the `*_device` types),
-then sends one message per part without waiting; a pull sends every part's request before it
-waits for any answer. Requests go out in priority order (higher first). `pushpull` and
-`pushpull_async` send each key's push and pull as one request (a PUSHPULL per part, small keys
-fused into one per server; under PS_RESEND a push and then a pull), so the servers answer early keys
-while later pushes are still on the wire (both directions of the link busy at once: 2x the
-throughput of pushing everything before pulling); `arrivals` hands out each key as its last
-part arrives. DataParallel calls `pushpull_async` from inside its compiled step, per key, as
-backprop produces the gradients (hence the link's lock: the sockets are used from a TensorFlow
-thread). With `set_gradient_compression` pushes are 2-bit compressed (`tfkv.ps.compression`)
-with one residual per key chunk kept on the worker; with the `2bit_momentum` kind also one
-velocity per chunk, the optimizer's momentum applied here, and the servers get the optimizer
-with momentum 0 (`compression.split_momentum`). Those worker-side arrays are not in a
-checkpoint (worker 0 alone writes it): a resumed job starts them from zero, and says so.
+above MXNET_KVSTORE_BIGARRAY_BOUND, and parts over TFKV_CHUNK_BYTES cut into chunks); requests,
+their answers and waiting are `tfkv.ps.worker.ServerLink`, used through its API only. A push
+first sums this machine's device values (in host memory, or on the first device for the
+`*_device` types), then sends one message per part without waiting; a pull sends every part's
+request before it waits for any answer. Requests go out in priority order (higher first).
+`pushpull` and `pushpull_async` send each key's push and pull as one request (a PUSHPULL per
+part, small keys fused into one per server; under PS_RESEND a push and then a pull:
+`ServerLink.pushpulls`), so the servers answer early keys while later pushes are still on the
+wire (both directions of the link busy at once, where pushing everything before pulling leaves
+one idle); `arrivals` hands out each key as its last part arrives. DataParallel calls
+`pushpull_async` from inside its compiled step, per key, as backprop produces the gradients
+(hence the link's lock: the sockets are used from a TensorFlow thread). With
+`set_gradient_compression` pushes are 2-bit compressed (`tfkv.ps.compression`) with one
+residual per key chunk kept on the worker; with the `2bit_momentum` kind also one velocity per
+chunk, the optimizer's momentum applied here, and the servers get the optimizer with momentum 0
+(`compression.split_momentum`). Those worker-side arrays are not in a checkpoint (worker 0
+alone writes it): a resumed job starts them from zero, and says so.
 
 A key initialised with a float16 or bfloat16 value holds that dtype (tfkv.ps.dtypes): this
 machine's values are summed in it and travel at 2 bytes a value; a value of another dtype is
@@ -41,7 +42,7 @@ import numpy as np
 
 from tfkv import optim
 from tfkv.errors import EXIT_PEER_FAILED
-from tfkv.ps import compression, dtypes, memory, parts
+from tfkv.ps import compression, dtypes, memory, node, parts
 from tfkv.ps.feedback import Sender
 from tfkv.ps import protocol as P
 from tfkv.ps.cluster_env import ClusterEnv
@@ -62,15 +63,15 @@ class DistStore(KVStore):
 
     def __init__(self, devices: Sequence[str] | None = None, env: ClusterEnv | None = None):
         env = env or ClusterEnv.from_env()
-        if env.role != "worker":
-            from tfkv.ps.node import run_role
-
-            sys.exit(run_role(env))
+        node.run_unless_worker(env)
         self.env = env
         memory.keep_freed_buffers()  # the same large buffers every step (tfkv.ps.memory)
         self._devices = list(devices or [])
         self.link = SchedulerLink(env, "worker")
         self.servers = ServerLink(env, self.link, self._key_name)
+        # A key's push and pull as one PUSHPULL, or (PS_RESEND) as two requests, the pulls once
+        # every push is acknowledged: a pull must not overtake a push that was lost and is being resent.
+        self._pushpulls = self.servers.pushpulls
         self._ids: dict[Hashable, int] = {}
         self._layouts: dict[int, Layout] = {}
         self._sender: Sender | None = None  # 2-bit compression of pushes, when set
@@ -83,7 +84,7 @@ class DistStore(KVStore):
         self._shown_before = getattr(sys, "last_value", None)
         atexit.register(self._at_exit)
         if self.rank == 0:
-            self.servers.wait([self.servers.send(s, P.Message(P.Type.CONFIGURE, meta={"sync": self.sync}))
+            self.servers.wait([self.servers.request(s, P.Message(P.Type.CONFIGURE, meta={"sync": self.sync}))
                                for s in range(self.servers.count)])
         self.barrier()
 
@@ -176,9 +177,10 @@ class DistStore(KVStore):
             layout.fusable = (len(layout.parts) == 1 and dtype is dtypes.FLOAT32
                               and self.servers.fusable(dtype.itemsize * layout.size))
             if self.rank == 0:  # worker 0's value wins; the others wait at the barrier
-                for server, a, b, skey in layout.parts:
-                    self.servers.send(server, P.Message(P.Type.INIT, key=skey, data=flat[a:b]))
-        self.servers.wait()
+                for part in layout.parts:
+                    self.servers.request(part.server, P.Message(P.Type.INIT, key=part.skey,
+                                                                data=flat[part.start:part.end]))
+        self.servers.settle()
         self.barrier()
 
     def push(self, key: Key | Sequence[Key], value: Any, priority: int | Sequence[int] = 0) -> None:
@@ -186,11 +188,10 @@ class DistStore(KVStore):
         for k, values in self._ordered(list(pairs(key, value)), priority):
             self._push_key(k, values)
         self.servers.flush()  # a push is on its way when push returns (pushpull_async's wait for its arrivals)
-        self.servers.receive(0)  # collect answers that are already here (errors surface early)
+        self.servers.poll()  # collect answers that are already here (errors surface early)
 
     def pull(self, key: Key | Sequence[Key], out: Any = None, priority: int | Sequence[int] = 0) -> Any:
-        if self.env.resend:
-            self._settle_pushes()
+        self.servers.fence()
         pulls = [self._request_pull(k, outs) for k, outs in self._ordered(list(pairs(key, out)), priority)]
         return self._finish(key, out, pulls)
 
@@ -220,13 +221,8 @@ class DistStore(KVStore):
         outs = dict(pairs(key, out))
         with self.servers.lock:
             items = self._ordered(list(pairs(key, value)), priority)
-            if self.env.resend:
-                # A pull must not overtake a push that was lost and is being resent: under
-                # PS_RESEND the pushes are acknowledged first.
-                for k, values in items:
-                    self._push_key(k, values)
-                self._settle_pushes()
-                return [self._request_pull(k, outs[k]) for k, _ in items]
+            if not self._pushpulls:
+                return self._pushes_then_pulls(items, outs)
             pulls = []
             fusing = self._sender is None  # a 2-bit payload is no float32 slice of a fused one
             for k, values in items:  # each pull right behind its push: replies flow while pushes do
@@ -237,15 +233,20 @@ class DistStore(KVStore):
                     pulls.append(self._pushpull_parts(k, layout, values, outs[k]))
             return pulls
 
+    def _pushes_then_pulls(self, items: list[tuple[Key, list[Any]]], outs: dict[Key, list[Any]]) -> list[Pull]:
+        for k, values in items:
+            self._push_key(k, values)
+        self.servers.fence()
+        return [self._request_pull(k, outs[k]) for k, _ in items]
+
     def _pushpull_parts(self, k: Key, layout: Layout, values: list[Any], outs: list[Any]) -> Pull:
         """A key's push and pull as one PUSHPULL per part, its payload the message's last frame.
-        A PUSH with its PULL's header behind the payload cost libzmq a write more per message:
-        ~90 us of a 1 MiB round trip of ~350 (raw pyzmq, [payload, header] against [header,
-        payload])."""
+        (A PUSH with its PULL's header behind the payload costs libzmq a write more per message.)"""
         pull = Pull(k, layout, outs)  # checks the outs before anything is sent
         flat = self._flat(k, layout, values)
-        pull.expect([(self.servers.send(server, self._carrying(P.Type.PUSHPULL, skey, flat[a:b])), a, b)
-                     for server, a, b, skey in layout.parts])
+        pull.expect([self.servers.request(part.server, self._carrying(P.Type.PUSHPULL, part.skey,
+                                                                      flat[part.start:part.end]))
+                     for part in layout.parts])
         return pull
 
     def _pushpull_fused(self, k: Key, layout: Layout, values: list[Any], outs: list[Any]) -> Pull:
@@ -253,47 +254,15 @@ class DistStore(KVStore):
         PUSHPULL request (ServerLink.pushpull)."""
         pull = Pull(k, layout, outs)  # checks the outs before anything is sent
         flat = self._flat(k, layout, values)
-        server, a, b, skey = layout.parts[0]
+        part = layout.parts[0]
         self.push_bytes += flat.nbytes
-        pull.expect([(self.servers.pushpull(server, skey, flat), a, b)])
-        self.servers.unsynced.add(server)
+        pull.expect([self.servers.pushpull(part.server, part.skey, flat)])
         return pull
 
     def arrivals(self, pulls: Sequence[Pull]) -> Iterator[tuple[Key, np.ndarray]]:
         """(key, value) for each of `pulls` as soon as all of its parts have arrived, in arrival
         order; the value is also written into the pull's `outs`."""
-        waiting = {seq: p for p in pulls for seq, _, _ in p.seqs}
-        landing = self._land(pulls)
-        try:
-            arrived = [seq for seq in waiting if seq in self.servers.replies]
-            tick = min(100.0, self.env.resend_timeout * 1000)
-            while True:
-                for seq in arrived:
-                    p = waiting.pop(seq, None)
-                    if p is not None and p.arrive(seq, self.servers.replies.pop(seq).data):
-                        p.deliver()
-                        yield p.key, p.value
-                if not waiting:
-                    return
-                arrived = self.servers.receive(tick)
-                self.servers.tick()
-        finally:  # a wait given up (an error, a generator dropped) lands nothing later
-            for seq in landing:
-                self.servers.unland(seq)
-
-    def _land(self, pulls: Sequence[Pull]) -> list[int]:
-        """In a secure job, have each awaited part's reply opened where its pull puts it
-        (ServerLink.land), only while this wait lasts; the seqs landed."""
-        landed: list[int] = []
-        if self.servers.sessions is None:
-            return landed
-        with self.servers.lock:  # no receive on another thread between a look at replies and a landing
-            for p in pulls:
-                for seq, a, b in p.seqs:
-                    if seq not in self.servers.replies and self.servers.land(seq, p.destination(a, b)):
-                        p.landed = True
-                        landed.append(seq)
-        return landed
+        return self.servers.gather(pulls)
 
     def wait(self, pulls: Sequence[Pull]) -> dict[Key, np.ndarray]:
         """Every pull's value, by key, once all have arrived."""
@@ -302,7 +271,7 @@ class DistStore(KVStore):
     def sum_over_workers(self, values: Any) -> np.ndarray:
         """Through the scheduler's barrier (tfkv.ps.sums): exact and alike for dist_sync and
         dist_async, whose servers would apply a push rather than sum it."""
-        self.servers.wait()
+        self.servers.settle()
         return self.link.barrier(np.asarray(values, dtype=np.float64).reshape(-1))
 
     def _finish(self, key: Key | Sequence[Key], out: Any, pulls: list[Pull]) -> Any:
@@ -331,13 +300,8 @@ class DistStore(KVStore):
     def _push_key(self, k: Key, values: list[Any]) -> None:
         layout = self._layout(k)[1]
         flat = self._flat(k, layout, values)
-        for server, a, b, skey in layout.parts:
-            msg = self._carrying(P.Type.PUSH, skey, flat[a:b])
-            msg.want_ack = self.env.resend
-            # Acknowledged (and tracked) only under PS_RESEND; see Server._ack_push.
-            self.servers.send(server, msg, track=self.env.resend)
-            if not self.env.resend:
-                self.servers.unsynced.add(server)
+        for part in layout.parts:
+            self.servers.push(part.server, self._carrying(P.Type.PUSH, part.skey, flat[part.start:part.end]))
 
     def _carrying(self, kind: P.Type, skey: int, part: np.ndarray) -> P.Message:
         """A PUSH or PUSHPULL of one key part: 2-bit compressed with `set_gradient_compression`
@@ -349,16 +313,11 @@ class DistStore(KVStore):
         self.push_bytes += msg.data.nbytes
         return msg
 
-    def _settle_pushes(self) -> None:
-        # One connection delivers in order, so a pull cannot overtake its key's push, unless
-        # that push was lost and is being resent: then wait until it is acknowledged.
-        self.servers.wait()
-
     def _request_pull(self, k: Key, outs: list[Any]) -> Pull:
         _, layout = self._layout(k)
         pull = Pull(k, layout, outs)  # checks the outs before anything is sent
-        pull.expect([(self.servers.send(server, P.Message(P.Type.PULL, key=skey)), a, b)
-                     for server, a, b, skey in layout.parts])
+        pull.expect([self.servers.request(part.server, P.Message(P.Type.PULL, key=part.skey))
+                     for part in layout.parts])
         return pull
 
     def set_gradient_compression(self, compression_params: Any) -> None:
@@ -371,12 +330,11 @@ class DistStore(KVStore):
             self._sender = Sender(setting) if setting is not None else None
         if self.rank == 0 and setting is not None:
             for s in range(self.servers.count):
-                self.servers.send(s, P.Message(P.Type.SET_COMPRESSION,
-                                               meta={"type": "2bit", "threshold": setting.threshold}))
+                self.servers.request(s, P.Message(P.Type.SET_COMPRESSION,
+                                                  meta={"type": "2bit", "threshold": setting.threshold}))
         if self._user_optimizer is not None:
             self.set_optimizer(self._user_optimizer)
             return
-        self.servers.wait()
         self.barrier()
 
     def set_optimizer(self, optimizer: Any) -> None:
@@ -389,12 +347,11 @@ class DistStore(KVStore):
         if self.rank == 0:
             spec = {"optimizer": optim.to_dict(served)}
             for s in range(self.servers.count):
-                self.servers.send(s, P.Message(P.Type.SET_OPTIMIZER, meta=spec))
-        self.servers.wait()
+                self.servers.request(s, P.Message(P.Type.SET_OPTIMIZER, meta=spec))
         self.barrier()
 
     def barrier(self) -> None:
-        self.servers.wait()
+        self.servers.settle()
         self.link.barrier()
 
     def all_workers(self, ok: bool) -> bool:
@@ -424,7 +381,7 @@ class DistStore(KVStore):
             return
         self._closed = True
         atexit.unregister(self._at_exit)
-        self.servers.wait()
+        self.servers.settle()
         self.link.done()
         self.servers.close()
 

@@ -17,19 +17,19 @@ def save(store: Any, fname: str) -> None:
     requests = []
     for k, kid in store._ids.items():
         layout = store._layouts[kid]
-        requests.append((k, layout, [(store.servers.send(s, P.Message(P.Type.GET_STATE, key=skey)), a, b)
-                                     for s, a, b, skey in layout.parts]))
-    store.servers.wait()
+        requests.append((k, layout, [store.servers.request(part.server, P.Message(P.Type.GET_STATE, key=part.skey))
+                                     for part in layout.parts]))
+    store.servers.settle()
     out: dict[str, np.ndarray] = {}
     for k, layout, seqs in requests:
-        replies = [(store.servers.replies.pop(seq), a, b) for seq, a, b in seqs]
-        names = replies[0][0].meta["names"]
+        replies = [store.servers.take(seq) for seq in seqs]
+        names = replies[0].meta["names"]
         for j, name in enumerate(names):
             full = np.empty(layout.size, np.float32)
-            for reply, a, b in replies:
-                full[a:b] = np.split(reply.data, len(names))[j]
+            for reply, part in zip(replies, layout.parts):
+                full[part.start:part.end] = np.split(reply.data, len(names))[j]
             out[f"{k}/{name}"] = full.reshape(layout.shape)
-        out[f"{k}/count"] = np.asarray(replies[0][0].meta["count"])
+        out[f"{k}/count"] = np.asarray(replies[0].meta["count"])
     np.savez(fname, **out)
 
 
@@ -47,9 +47,9 @@ def load(store: Any, fname: str) -> None:
             layout = store._layouts[kid]
             names = list(store._optimizer.state_names) if store._optimizer else []
             count = int(states.get(f"{k}/count", 0))
-            for s, a, b, skey in layout.parts:
-                data = np.concatenate([states[f"{k}/{n}"].reshape(-1)[a:b] for n in names]) if names else None
-                store.servers.send(s, P.Message(P.Type.SET_STATE, key=skey, data=data,
-                                               meta={"count": count, "names": names}))
-    store.servers.wait()
+            for part in layout.parts:
+                data = (np.concatenate([states[f"{k}/{n}"].reshape(-1)[part.start:part.end] for n in names])
+                        if names else None)
+                store.servers.request(part.server, P.Message(P.Type.SET_STATE, key=part.skey, data=data,
+                                                             meta={"count": count, "names": names}))
     store.barrier()

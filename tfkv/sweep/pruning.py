@@ -20,6 +20,7 @@ from typing import Any
 
 from tfkv.errors import ConfigError, TrialPruned
 from tfkv.sweep import trial as trial_record
+from tfkv.tracking import Hook
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +106,9 @@ def _targets(node: Any) -> list[Any]:
     return []
 
 
-class Pruning:
-    """Worker 0's side of one trial: report each epoch, stop when the pruner says so."""
+class Pruning(Hook):
+    """Worker 0's side of one trial: report each epoch, stop when the pruner says so (no `end`:
+    the sweeper tells Optuna the trial's outcome from its record)."""
 
     def __init__(self, cfg: Any, run_dir: Path, trial: Any) -> None:
         self.objective = str(cfg.objective)
@@ -128,12 +130,6 @@ class Pruning:
             (self.run_dir / trial_record.PRUNED_FILE).write_text(json.dumps(
                 {"epoch": epoch, "value": value if math.isfinite(value) else None, "reason": reason}))
             raise TrialPruned(reason)
-
-    def end(self, final: dict[str, Any], run_dir: Path) -> None:
-        pass  # the sweeper tells Optuna the trial's outcome from its record
-
-    def close(self, error: BaseException | None) -> None:
-        pass
 
 
 def build(cfg: Any, run_dir: Path) -> Pruning | None:

@@ -1,20 +1,23 @@
-"""What a run reports as it trains, beyond metrics.json: trackers the trainer calls on worker 0.
+"""What a run reports as it trains, beyond metrics.json: the hooks the trainer calls, and the
+trackers among them (TensorBoard, MLflow, a sweep's pruner) that worker 0 builds from its config.
 
-Each tracker module has `build(cfg, run_dir) -> Tracker | None` (None: not wanted by this
-config) and is listed in BUILDERS. The trainer calls `epoch` after every epoch's record is
-written, `end` once the model is exported, and `close` always, with the exception that ended
-the run, if any. A tracker may stop the run from `epoch` by raising `tfkv.errors.TrialPruned`.
+A `Hook` has Keras' callback shape: `epoch_begin`, `step` after every step, `epoch` after every
+epoch's record (trackers: once it is written), `end` once the model is exported, and `close`
+always, with the exception that ended the run, if any. A hook may stop the run from `step` or
+`epoch` by raising (a checkpoint's preemption, `tfkv.errors.TrialPruned`). Each tracker module
+has `build(cfg, run_dir) -> Hook | None` (None: not wanted by this config) and is listed in
+BUILDERS.
 """
 
 from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple
 
 # module:function of every tracker builder, in the order they are called
 BUILDERS = (
-    "tfkv.tracking.tensorboard:build",  # HParams summaries, learning rate (always)
+    "tfkv.tracking.tensorboard:build",  # scalars and the HParams session (always)
     "tfkv.tracking.mlflow_log:build",  # logger=mlflow
     "tfkv.sweep.pruning:build",  # a trial of the tfkv_optuna sweeper: per-epoch values to its pruner
 )
@@ -34,7 +37,27 @@ def curves(record: dict[str, Any]) -> list[str]:
     return [*metric_keys(record), *(k for k in CURVE_EXTRAS if k in record)]
 
 
-class Tracker(Protocol):
+class StepEnd(NamedTuple):
+    """Where a run is after one step, and its running values when they are looked at."""
+
+    epoch: int
+    step: int  # of the epoch, from 1
+    global_step: int  # of the run, from 1
+    # every `log_every` steps and at the epoch's last (None between): the epoch's running values so
+    # far (`loss`, each metric) and its samples per second since the epoch's clock started
+    running: dict[str, float] | None
+    samples_per_sec: float
+
+
+class Hook:
+    """What the trainer calls as the run goes; each method does nothing until a hook overrides it."""
+
+    def epoch_begin(self, epoch: int) -> None:
+        """Before epoch `epoch`'s first step."""
+
+    def step(self, end: StepEnd) -> None:
+        """After every step."""
+
     def epoch(self, epoch: int, record: dict[str, Any]) -> None:
         """After epoch `epoch`: its record (train_*, test_*, samples_per_sec, lr, ...)."""
 
@@ -45,11 +68,37 @@ class Tracker(Protocol):
         """Always last; `error` ended the run early (None: it finished)."""
 
 
-def for_run(cfg: Any, run_dir: Path) -> list[Tracker]:
+class Hooks(Hook):
+    """Several hooks as one, each called in turn in the order given."""
+
+    def __init__(self, hooks: list[Hook]) -> None:
+        self.hooks = list(hooks)
+
+    def epoch_begin(self, epoch: int) -> None:
+        for hook in self.hooks:
+            hook.epoch_begin(epoch)
+
+    def step(self, end: StepEnd) -> None:
+        for hook in self.hooks:
+            hook.step(end)
+
+    def epoch(self, epoch: int, record: dict[str, Any]) -> None:
+        for hook in self.hooks:
+            hook.epoch(epoch, record)
+
+    def end(self, final: dict[str, Any], run_dir: Path) -> None:
+        for hook in self.hooks:
+            hook.end(final, run_dir)
+
+    def close(self, error: BaseException | None) -> None:
+        close(self.hooks, error)
+
+
+def for_run(cfg: Any, run_dir: Path) -> list[Hook]:
     """The trackers this run's config asks for. When one cannot be built (an MLflow store that
     refuses), those already built are closed with that error before it is raised, so that their
     runs end failed instead of staying open."""
-    trackers: list[Tracker] = []
+    trackers: list[Hook] = []
     try:
         for spec in BUILDERS:
             module, fn = spec.split(":")
@@ -62,7 +111,7 @@ def for_run(cfg: Any, run_dir: Path) -> list[Tracker]:
     return trackers
 
 
-def close(trackers: list[Tracker], error: BaseException | None) -> None:
-    """Every tracker's last call: how the run ended (`error`, or None when it finished)."""
-    for tracker in trackers:
-        tracker.close(error)
+def close(hooks: list[Hook], error: BaseException | None) -> None:
+    """Every hook's last call: how the run ended (`error`, or None when it finished)."""
+    for hook in hooks:
+        hook.close(error)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from tfkv.errors import ConfigError, TrialPruned
-from tfkv.tracking import curves, hydra_job
+from tfkv.tracking import Hook, curves, hydra_job
 
 log = logging.getLogger("tfkv")
 
@@ -54,7 +54,7 @@ def params(cfg: Any) -> dict[str, str]:
     return flat
 
 
-class MlflowRun:
+class MlflowRun(Hook):
     """One tfkv run as one MLflow run."""
 
     def __init__(self, mlflow: Any, cfg: Any, run_dir: Path):

@@ -1,14 +1,15 @@
-"""TensorBoard's HParams dashboard: every run is one session of it, so `tensorboard --logdir
-<sweep dir>` shows a sweep's trials as a table and a parallel-coordinates plot.
+"""TensorBoard: a run's scalars in its `tensorboard/` (the running values every `log_every` steps as
+train/step_<name>, each epoch's record as epoch/<name>), and the run as one session of the HParams
+dashboard, so `tensorboard --logdir <sweep dir>` shows a sweep's trials as a table and a
+parallel-coordinates plot.
 
-A run's session is written in its `tensorboard/` beside the trainer's scalars, through the same
-writer: its hyper-parameters are a few that every run has (optimizer, optimizer.lr, batch_size,
-kvstore, model, dataset, epochs) and the job's overrides (what a sweep varies, as typed); its
-metrics are the scalars written there (epoch/test_accuracy, epoch/lr, ...), which the HParams
-plug-in finds by itself. No experiment summary is written: a trial knows only its own values,
-and from the sessions it reads the plug-in builds every column and its range for the whole sweep.
-When the run ends, the session gets its status (success, failure; unknown for a pruned or
-interrupted run, which TensorBoard has no status for).
+The session is written through the scalars' writer: its hyper-parameters are a few that every run
+has (optimizer, optimizer.lr, batch_size, kvstore, model, dataset, epochs) and the job's overrides
+(what a sweep varies, as typed); its metrics are the scalars written there (epoch/test_accuracy,
+epoch/lr, ...), which the HParams plug-in finds by itself. No experiment summary is written: a
+trial knows only its own values, and from the sessions it reads the plug-in builds every column
+and its range for the whole sweep. When the run ends, the session gets its status (success,
+failure; unknown for a pruned or interrupted run, which TensorBoard has no status for).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from tensorboard.plugins.hparams import api as hp
 from tensorboard.plugins.hparams import api_pb2, summary as hparams_summary
 
 from tfkv.errors import TrialPruned
-from tfkv.tracking import hydra_job
+from tfkv.export import written
+from tfkv.tracking import Hook, StepEnd, curves, hydra_job
 
 log = logging.getLogger("tfkv")
 
@@ -68,20 +70,29 @@ def _target(node: Any) -> str:
     return str(node.get("_target_") or node.get("path") or "?")
 
 
-class HParamsSession:
-    """One run as a session of the HParams dashboard."""
+class TensorBoard(Hook):
+    """One run's scalars, and the run as a session of the HParams dashboard."""
 
     def __init__(self, cfg: Any, run_dir: Path):
-        self.writer = writer(run_dir)
+        self.logdir = Path(run_dir) / "tensorboard"
+        self.writer = written(lambda: writer(run_dir), self.logdir)
         with self.writer.as_default():
-            # flushed with the trainer's first epoch; a failed run's close() flushes it
+            # flushed with the first epoch; a failed run's close() flushes it
             hp.hparams(hparams(cfg, hydra_job.overrides(run_dir)))
 
-    def epoch(self, epoch: int, record: dict[str, Any]) -> None:
-        """Nothing: the trainer writes the epoch's scalars, which are the session's metrics."""
+    def step(self, end: StepEnd) -> None:
+        if end.running is None:
+            return
+        with self.writer.as_default():
+            for name, value in end.running.items():
+                tf.summary.scalar(f"train/step_{name}", value, step=end.global_step)
 
-    def end(self, final: dict[str, Any], run_dir: Path) -> None:
-        """Nothing: the session ends in close()."""
+    def epoch(self, epoch: int, record: dict[str, Any]) -> None:
+        """The epoch's scalars, which are also the session's metrics."""
+        with self.writer.as_default():
+            for name in curves(record):
+                tf.summary.scalar(f"epoch/{name}", record[name], step=epoch)
+        written(self.writer.flush, self.logdir)
 
     def close(self, error: BaseException | None) -> None:
         if error is None:
@@ -99,5 +110,5 @@ class HParamsSession:
             log.warning("TensorBoard: could not record how the run ended (%s)", str(e).splitlines()[0])
 
 
-def build(cfg: Any, run_dir: Path) -> HParamsSession:
-    return HParamsSession(cfg, run_dir)
+def build(cfg: Any, run_dir: Path) -> TensorBoard:
+    return TensorBoard(cfg, run_dir)

@@ -1,18 +1,20 @@
-"""The configuration, validated once at the edge (`tfkv-run`, a sweep's pre-check), before
-TensorFlow is imported: the config's own checks (tfkv.config.checks) and those that need the
-layers above it, asked of their registries: known optimizer, model, data, logger, KVStore and
-launcher names, the store type's declared capabilities, gradient compression, the objective,
-a placement against the model's layer groups. Nothing inside re-checks.
+"""The one home of validation: the configuration, checked once at the edge (`tfkv-run`, a
+sweep's pre-check), before TensorFlow is imported. What the config alone shows is
+tfkv.check.rules'; what needs the layers below is asked here of their registries: known
+optimizer, model, data, logger, KVStore and launcher names, the store type's declared
+capabilities, gradient compression, the objective, a placement against the model's layer groups,
+the settings an option takes. Nothing inside re-rules.
 
-This module belongs to the cli layer: it may import every layer; tfkv.config imports none.
+This package belongs to the cli layer: it may import every layer; tfkv.config imports none.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Callable
 
-from tfkv.config import checks
+from tfkv.check import rules
 from tfkv.config import objective as objectives
 from tfkv.config.cluster import CLUSTER_SCHEMAS, ClusterConfig
 from tfkv.config.schema import ALWAYS_REPORTED, LOGGERS, OPTIMIZER_SCHEMAS, PRECISIONS, Config
@@ -26,31 +28,31 @@ def validate(cfg: Any) -> None:
     from tfkv import checkpoint, models, optim
     from tfkv.data import source
 
-    checks.keys(cfg, Config, "")
-    checks.no_missing(cfg)
-    optimizer_name = checks.option_name(cfg.optimizer, "optimizer", "name")
-    checks.known("optimizer.name", optimizer_name, optim.names(), "optimizer")
-    cfg.optimizer = checks.typed(cfg.optimizer, OPTIMIZER_SCHEMAS[optimizer_name], "optimizer", optimizer_name)
-    checks.known("optimizer.schedule.name", cfg.optimizer.schedule.name, optim.schedule_names(),
+    rules.keys(cfg, Config, "")
+    rules.no_missing(cfg)
+    optimizer_name = rules.option_name(cfg.optimizer, "optimizer", "name")
+    rules.known("optimizer.name", optimizer_name, optim.names(), "optimizer")
+    cfg.optimizer = rules.typed(cfg.optimizer, OPTIMIZER_SCHEMAS[optimizer_name], "optimizer", optimizer_name)
+    rules.known("optimizer.schedule.name", cfg.optimizer.schedule.name, optim.schedule_names(),
                  "optimizer.schedule.name")
-    launcher = checks.option_name(cfg.cluster, "cluster", "launcher")
-    cfg.cluster = checks.typed(cfg.cluster, cluster_schema(launcher), "cluster", launcher)
-    checks.direction(cfg)
-    checks.known("logger", cfg.logger.name, list(LOGGERS), "logger")
+    launcher = rules.option_name(cfg.cluster, "cluster", "launcher")
+    cfg.cluster = rules.typed(cfg.cluster, cluster_schema(launcher), "cluster", launcher)
+    rules.direction(cfg)
+    rules.known("logger", cfg.logger.name, list(LOGGERS), "logger")
     if cfg.logger.name == "mlflow":  # before anything starts, not at worker 0's first epoch
         from tfkv.tracking import mlflow_log
 
         mlflow_log.check_installed()
     _store_type(cfg.kvstore.type)
-    checks.workload(cfg)
+    rules.workload(cfg)
     try:  # every rule the optimizer itself holds (momentum, betas, epsilon, ...), the one definition
         optim.from_config(cfg.optimizer, 1, cfg.epochs)
     except ValueError as e:
         raise ConfigError(f"optimizer: {e}; fix it with optimizer.<setting>=...") from None
     _cluster(cfg)
-    checks.step_options(cfg, PRECISIONS)
-    checks.resume(cfg, checkpoint.NO)
-    checks.checkpointing(cfg.checkpoint)
+    rules.step_options(cfg, PRECISIONS)
+    rules.resume(cfg, checkpoint.NO)
+    rules.checkpointing(cfg.checkpoint)
     # Last, what imports the model's, the data's, the loss's modules, which may import TensorFlow:
     # a mistake the config alone shows is refused without it.
     models.check(cfg.model)
@@ -71,6 +73,25 @@ def cluster_schema(launcher: str) -> type:
                       f"{', '.join(sorted(set(CLUSTER_SCHEMAS) | set(LAUNCHERS.names())))} (e.g. cluster=local)")
 
 
+def option_settings(group: str, node: Any) -> tuple[str, list[str]]:
+    """The option a group's node (optimizer, cluster, model, dataset, kvstore) chooses, and the
+    settings it takes: its schema's fields, or its factory's keyword arguments."""
+    from tfkv import config, models, target
+
+    if group in ("model", "dataset"):
+        import inspect
+
+        from tfkv.data import source
+
+        fn = target.locate(node["_target_"], f"{group}._target_")
+        provided = models.PROVIDED if group == "model" else source.PROVIDED
+        return node["_target_"], [n for n in inspect.signature(fn).parameters if n not in provided]
+    schema = {"optimizer": lambda: config.OPTIMIZER_SCHEMAS[node.name],
+              "cluster": lambda: cluster_schema(node.launcher),
+              "kvstore": lambda: config.KVStoreConfig}[group]()
+    return node.get("name") or node.get("launcher") or node.get("type"), [f.name for f in dataclasses.fields(schema)]
+
+
 def _store_type(kind: str) -> None:
     """A registered type; MXNet's spelling of one, or one of its types tfkv lacks: name ours."""
     from tfkv import store
@@ -83,7 +104,7 @@ def _store_type(kind: str) -> None:
                 raise ConfigError(f"kvstore.type={kind!r}: {e}") from None
         else:
             raise ConfigError(f"kvstore.type={kind!r} is MXNet's name for {use}; write kvstore={use}")
-    checks.known("kvstore.type", kind, store.names(), "kvstore")
+    rules.known("kvstore.type", kind, store.names(), "kvstore")
 
 
 def _objective(cfg: Any) -> None:
@@ -102,7 +123,7 @@ def _objective(cfg: Any) -> None:
         raise ConfigError(f"objective={objective} is not a value this run reports; {mean}it reports "
                           f"{', '.join(reported[:-2])} (and perplexities for language models)")
     cfg.objective = objective
-    checks.direction(cfg)
+    rules.direction(cfg)
     cfg.direction = objectives.direction(objective, cfg.direction)
 
 
@@ -150,7 +171,7 @@ def _cluster(cfg: Any) -> None:
         raise ConfigError(f"cluster={c.launcher} starts a parameter-server job, but kvstore={kind} is a "
                           "single-machine store; use kvstore=dist_sync (or dist_async, ...) or drop cluster=")
     _compression(cfg, can.compression)
-    checks.cluster_sizes(c)
+    rules.cluster_sizes(c)
 
 
 def _compression(cfg: Any, store_compresses: bool) -> None:
@@ -187,12 +208,12 @@ def _placement(cfg: Any) -> None:
     from tfkv import models
     from tfkv.parallel import placement
 
-    if not checks.micro_batches(cfg):
+    if not rules.micro_batches(cfg):
         return
     name = models.name(cfg.model)
     if models.layer_groups(cfg.model) is None:
         raise ConfigError(
             f"placement: model {name} declares no layer groups, so it cannot be split over devices; "
             "model parallelism needs a builder with group_names and build_groups (e.g. model=lstm_lm) or placement=null")
-    checks.placement_shape(cfg)
+    rules.placement_shape(cfg)
     placement.check(cfg.placement, models.group_names(cfg.model), list(cfg.devices), name)
