@@ -120,7 +120,7 @@ def timed_count(seconds: float, per_iter: float) -> int:
     return max(3, math.ceil(seconds / max(per_iter, 1e-7)))
 
 
-# -- tfkv worker (a separate process started by tfkv.launcher.local) ------------------------------
+# -- tfkv worker (a separate process started by tfkv.launcher.backends.local) ------------------------------
 
 def tfkv_worker(args: argparse.Namespace) -> None:
     import tfkv.store

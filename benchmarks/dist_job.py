@@ -159,9 +159,9 @@ def set_threads(n: int) -> None:
 # -- the parent side --------------------------------------------------------------------------
 
 def run_plan(plan: list, timeout: float, what: str) -> str:
-    """Run a make_plan job with tfkv.launcher.local (which tears every process group down, also
+    """Run a make_plan job with tfkv.launcher.backends.local (which tears every process group down, also
     when this gives up): its merged log; Failed, with the log's tail, if it fails or runs past `timeout`."""
-    from tfkv.launcher import local
+    from tfkv.launcher.backends import local
 
     log = io.StringIO()
 

@@ -37,7 +37,7 @@ from conftest import need_root
 
 from tfkv.emulate import Cluster, HostSpec, Refused
 from tfkv.launcher.plan import Process
-from tfkv.launcher.ssh_remote import remote_command
+from tfkv.launcher.backends.ssh_remote import remote_command
 
 SSHD = "/usr/sbin/sshd"  # sshd re-executes itself, so it must be started by absolute path
 

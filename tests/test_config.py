@@ -303,6 +303,9 @@ def test_a_job_hands_its_knobs_to_every_role(tmp_path, monkeypatch):
         assert "TFKV_SRUN_ARGS" not in p.env and "TFKV_SSH_CONFIG" not in p.env
     launcher = job.knob_values(job.Options("local", 1, 1, srun_args="-p x"))  # what the launcher itself reads
     assert (launcher["cluster.srun_args"], launcher["cluster.ssh_config"]) == ("-p x", str(tmp_path))
+    # the launcher's own knobs go to the backend that has them, as its settings
+    assert job.backend(job.Options("slurm", 1, 1, srun_args="-p x")).settings.srun_args == "-p x"
+    assert job.backend(job.Options("ssh", 1, 1)).settings.ssh_config == str(tmp_path)
     recorded = json.loads(knobs.record(tmp_path, job.knob_values(job.Options("local", 1, 1))).read_text())
     assert recorded["kvstore.resend"] == {"env": "PS_RESEND", "value": True}
 

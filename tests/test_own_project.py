@@ -21,7 +21,8 @@ from cluster_hosts import run_remote_command
 
 from tfkv import worker
 from tfkv.errors import ConfigError
-from tfkv.launcher import job, mpi, record, yarn
+from tfkv.launcher import job, record
+from tfkv.launcher.backends import mpi, yarn
 from tfkv.launcher.plan import CONFIG, forwarded_env
 
 PY = sys.executable

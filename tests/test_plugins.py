@@ -148,6 +148,24 @@ def test_plugin_config_options_compose_with_hydra(plugin_env):
     assert dataset["_target_"] == "tfkv_plugin_example.data.make" and dataset["n"] == 300
 
 
+def test_a_plugin_launchers_own_settings_are_tfkv_launch_flags_and_reach_it(plugin_env):
+    """The settings schema a plug-in launcher declares (`config`) is tfkv-launch's flags, and the
+    launcher is constructed with them (tfkv-launch's and tfkv-run's job options alike)."""
+    out = run_python("""
+        import dataclasses, json
+        from tfkv.launcher import cli, job
+        args = cli.parser().parse_args(["-n", "2", "--launcher", "twin", "--greeting", "hi", "--", "cmd"])
+        opts = job.Options(**{f.name: getattr(args, f.name) for f in dataclasses.fields(job.Options)})
+        launcher = job.backend(opts)
+        helps = {a.dest: a.help for a in cli.parser()._actions}
+        default = job.backend(job.Options("twin", 1, 1)).settings.greeting
+        print(json.dumps({"greeting": launcher.settings.greeting, "schema": type(launcher.settings).__name__,
+                          "help": helps["greeting"], "default": default}))
+    """, plugin_env)
+    assert (out["greeting"], out["schema"], out["default"]) == ("hi", "TwinCluster", "starting the job")
+    assert out["help"] == "what the twin launcher says as it starts the job"
+
+
 @pytest.mark.slow
 def test_a_plugin_launcher_runs_a_job(plugin_env, tmp_path):
     """tfkv-launch --launcher twin: the plug-in launcher (tfkv's local one under another name)
@@ -195,9 +213,10 @@ def test_tfkv_run_trains_a_plugin_data_set_with_a_plugin_launcher(plugin_env, tm
     """cluster=twin starts the job; its workers build the plug-in model on the plug-in data."""
     tfkv_run("kvstore=dist_sync", "cluster=twin", "cluster.num_workers=2",
              f"cluster.python={sys.executable}",  # a setting of the launcher's own schema, not every launcher's
+             "cluster.greeting=greets",  # one of the plug-in's own schema: it reaches the launcher
              "model=tinynet", "dataset=blobs", "dataset.n=400", "epochs=1", cwd=tmp_path, env=plugin_env,
              timeout=300)
     run = run_dir(tmp_path)
     log = (run / "launch" / "job.log").read_text()
-    assert "twin launcher: starting the job" in log and "tinynet: width 16" in log
+    assert "twin launcher: greets" in log and "tinynet: width 16" in log
     assert json.loads((run / "metrics.json").read_text())["test_accuracy"] > 0.5  # 3 well-separated blobs

@@ -8,6 +8,11 @@ run for real against each backend this machine can run, through `tfkv-launch` as
 4. nothing is left behind: no process carrying the test's tag (TFKV_TEST_TAG, which every backend
    passes on to the roles) survives any of the above.
 
+5. the backend is what it declares (tfkv.launcher.base.Traits): the shared core plans its job,
+   hands it the job's keys and checks its options by the traits alone, and constructs it with its
+   declared settings (test_a_backend_is_planned_as_its_traits_declare, every registered backend,
+   without running anything).
+
 A new backend gets the suite by adding one entry to BACKENDS (how to launch with it here, which
 session fixtures it needs), or to NOT_RUNNABLE with the reason; test_every_backend_is_covered
 fails until it has one. Backend-specific behaviour (mpirun rank placement, Slurm inside an
@@ -31,7 +36,13 @@ from cluster_daemons import sge, slurm  # noqa: F401  (session fixtures, taken b
 from cluster_hosts import loopback_host, ssh_site  # noqa: F401  (session fixtures, taken by name below)
 from conftest import REPO, SHARED_HOSTS, TAG, Launching, tagged_pids
 
-from tfkv.launcher import base
+from tfkv import keys
+from tfkv.config import CLUSTER_SCHEMAS
+from tfkv.config.device_specs import LOCAL_RANK
+from tfkv.errors import ConfigError
+from tfkv.launcher import base, spares
+from tfkv.launcher import job as launch_job
+from tfkv.launcher.ports import release_port
 
 WORKER = str(REPO / "tests" / "dist_worker.py")
 WORKERS, SERVERS, STEPS = 2, 1, 5
@@ -70,7 +81,7 @@ class Backend:
     @property
     def suffix(self) -> str:
         """How the plan names roles: `worker 1 @127.0.0.1` where the backend places them on hosts."""
-        return " @127.0.0.1" if self.hosts and self.name in ("ssh", "mpi") else ""
+        return " @127.0.0.1" if self.hosts and base.traits(self.name).places_roles else ""
 
 
 def _squeue_forgets(env: dict[str, str]) -> None:
@@ -180,6 +191,55 @@ def test_every_backend_is_covered():
     """Every registered backend runs the contract here, or says why it cannot."""
     covered = {b.name for b in BACKENDS} | set(NOT_RUNNABLE)
     assert set(base.REGISTRY.names()) - {"none"} <= covered, "add the new backend to BACKENDS (or NOT_RUNNABLE)"
+
+
+def _planned(tmp_path: Path, name: str, hosts: str | None = "node1\nnode2\n", **options: Any) -> list:
+    """The plan the shared core makes for launcher `name` (its port given back at once)."""
+    hostfile = None
+    if hosts is not None:
+        hostfile = tmp_path / f"hosts-{len(list(tmp_path.glob('hosts-*')))}"
+        hostfile.write_text(hosts)
+    opts = launch_job.Options(name, 2, 1, str(hostfile) if hostfile else None, **options)
+    plan = launch_job.plan_job(opts, ["train"], tmp_path, tmp_path / "run").plan
+    release_port(int(plan[0].env["DMLC_PS_ROOT_PORT"]))
+    return plan
+
+
+@pytest.mark.parametrize("name", sorted(set(base.REGISTRY.names()) - {"none"}))
+def test_a_backend_is_planned_as_its_traits_declare(name, tmp_path):
+    """What the shared core does with a backend follows what its class declares, never its name."""
+    traits, cls = base.traits(name), base.backend_class(name)
+    plan = _planned(tmp_path, name)
+    workers = [p for p in plan if p.role == "worker"]
+    # places roles: the plan names each role's hosts-file host, and spare hosts are taken
+    assert all(p.name.endswith(f" @{p.host}") == traits.places_roles for p in plan), [p.name for p in plan]
+    if traits.places_roles:
+        assert spares.check(name, str(tmp_path / "hosts-0"), ["node3"])[0].name == "node3"
+    else:
+        with pytest.raises(ConfigError, match="does not place roles on hosts"):
+            spares.check(name, str(tmp_path / "hosts-0"), ["node3"])
+    # knows local ranks: the plan tells each worker its index on its host
+    assert all((LOCAL_RANK in p.env) == traits.local_ranks for p in workers)
+    # secrets by environment: the keys in every role's environment, else a key file only
+    assert all((keys.SECRET in p.env, keys.KEYFILE in p.env) == (traits.secrets_by_env, not traits.secrets_by_env)
+               for p in plan)
+    # runs here: this interpreter, the scheduler on cluster.host
+    assert (plan[0].argv[0] == sys.executable and plan[0].env["DMLC_PS_ROOT_URI"] == "127.0.0.1") == traits.runs_here
+    # chooses nodes: a hosts file's slots (or workers_per_host) are refused
+    if traits.chooses_nodes:
+        with pytest.raises(ConfigError, match="the resource manager picks the nodes"):
+            _planned(tmp_path, name, "node1 slots=2\n")
+    else:
+        assert [p.host for p in _planned(tmp_path, name, "node1 slots=2\n") if p.role == "worker"] == ["node1"] * 2
+    # needs a hosts file: none is one line
+    if traits.needs_hostfile:
+        with pytest.raises(ConfigError, match="needs a hosts file"):
+            _planned(tmp_path, name, hosts=None)
+    else:
+        assert len(_planned(tmp_path, name, hosts=None)) == 4
+    # its settings: an instance of the schema it declares (tfkv's own: the config's cluster schema)
+    assert isinstance(launch_job.backend(launch_job.Options(name, 2, 1)).settings, cls.config)
+    assert cls.config is CLUSTER_SCHEMAS.get(name, cls.config)
 
 
 @pytest.mark.parametrize("job", _params(), indirect=True)

@@ -25,9 +25,9 @@ from tfkv.errors import ConfigError
 from tfkv.launcher import job as launch_job
 from tfkv.launcher import role
 from tfkv.launcher.hosts import HostsError, parse_hosts, slots
-from tfkv.launcher.mpi import mpirun_argv
-from tfkv.launcher.sge import task_script
-from tfkv.launcher.yarn import submissions
+from tfkv.launcher.backends.mpi import mpirun_argv
+from tfkv.launcher.backends.sge import task_script
+from tfkv.launcher.backends.yarn import submissions
 from tfkv.parallel import binding
 
 PY = sys.executable

@@ -25,7 +25,8 @@ from cluster_hosts import netns_hosts, ssh_site  # noqa: F401  (session fixtures
 from conftest import REPO, TAG, Launching, role_pid, tagged_pids
 
 from tfkv.errors import ConfigError
-from tfkv.launcher import base, batch, role
+from tfkv.launcher import base, role
+from tfkv.launcher.backends import batch
 from tfkv.launcher.hosts import Host
 from tfkv.launcher.plan import make_plan
 
@@ -125,7 +126,7 @@ def test_output_names_the_first_real_failure():
 # -- mpi -------------------------------------------------------------------------------------------
 
 def test_mpirun_places_every_rank_on_its_planned_host_in_rank_order():
-    from tfkv.launcher.mpi import mpirun_argv
+    from tfkv.launcher.backends.mpi import mpirun_argv
 
     plan = _plan(workers=3, servers=2, hosts=("h1", "h2"))  # scheduler h1; servers h1, h2; workers h1, h2, h1
     job = base.Job(plan=plan, hosts=[Host("h1"), Host("h2")], workdir=Path("/work"))
@@ -148,7 +149,7 @@ def test_mpirun_places_every_rank_on_its_planned_host_in_rank_order():
 
 
 def test_mpirun_takes_one_ssh_user_and_port_for_all_hosts():
-    from tfkv.launcher.mpi import mpirun_argv
+    from tfkv.launcher.backends.mpi import mpirun_argv
 
     job = base.Job(plan=_plan(hosts=("a", "b")), hosts=[Host("a", "u", 2222), Host("b", "u", 2222)])
     argv = mpirun_argv(job, environ={})
@@ -235,14 +236,15 @@ def test_slurm_job_inside_an_allocation_runs_one_srun(slurm, tmp_path):  # noqa:
 # apt registries), so these tests check the exact submission commands instead of running them.
 
 def test_yarn_submits_servers_and_workers_as_distributed_shell_applications():
-    from tfkv.launcher.yarn import Resources, submissions
+    from tfkv.config.cluster import YarnCluster
+    from tfkv.launcher.backends.yarn import submissions
 
     plan = make_plan(3, 2, ["python3", "train.py", "--kv-store", "dist_sync"], ["python3", "-m", "tfkv.ps.node"],
                      ["10.0.0.1"], "10.0.0.1", 9100, {"TFKV_HEARTBEAT_TIMEOUT": "4.0"},
                      local_ranks=False)  # as plan_job makes it: YARN picks the nodes
     job = base.Job(plan=plan, workdir=Path("/work"))
     jar = "/opt/hadoop/share/hadoop/yarn/hadoop-yarn-applications-distributedshell-3.3.6.jar"
-    subs = submissions(job, jar, "tfkv-job", Resources(queue="ml"), environ={"TFKV_TEST_TAG": "t", "HOME": "/r"})
+    subs = submissions(job, jar, "tfkv-job", YarnCluster(yarn_queue="ml"), environ={"TFKV_TEST_TAG": "t", "HOME": "/r"})
     assert subs == [
         ("servers", ["yarn", "jar", jar, "-jar", jar, "-appname", "tfkv-job-servers", "-num_containers", "2",
                      "-container_memory", "1024", "-container_vcores", "1", "-timeout", "2147483647",
@@ -262,7 +264,7 @@ def test_yarn_submits_servers_and_workers_as_distributed_shell_applications():
 
 
 def test_yarn_gives_workers_with_their_own_command_one_application_each():
-    from tfkv.launcher.yarn import submissions
+    from tfkv.launcher.backends.yarn import submissions
 
     plan = make_plan(2, 1, ["python3", "train.py", "--log", "w{rank}.log"], ["python3", "-m", "tfkv.ps.node"],
                      ["h"], "h", 9100)
@@ -274,7 +276,7 @@ def test_yarn_gives_workers_with_their_own_command_one_application_each():
 
 
 def test_yarn_refuses_what_its_bash_c_would_mangle():
-    from tfkv.launcher.yarn import submissions
+    from tfkv.launcher.backends.yarn import submissions
 
     plan = make_plan(1, 1, ["python3", "-c", 'print("$HOME")'], ["python3", "-m", "tfkv.ps.node"], ["h"], "h", 1)
     with pytest.raises(ConfigError, match="must not contain"):
@@ -282,7 +284,7 @@ def test_yarn_refuses_what_its_bash_c_would_mangle():
 
 
 def test_yarn_without_hadoop_is_a_one_line_config_error(monkeypatch, tmp_path):
-    from tfkv.launcher.yarn import find_jar
+    from tfkv.launcher.backends.yarn import find_jar
 
     with pytest.raises(ConfigError, match=r"no hadoop-yarn-applications-distributedshell-\*\.jar under \$HADOOP_HOME"):
         find_jar({"HADOOP_HOME": str(tmp_path)})

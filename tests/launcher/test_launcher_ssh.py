@@ -21,8 +21,7 @@ from conftest import REPO, TAG, tagged_pids, tfkv_run
 
 from tfkv.errors import ConfigError
 from tfkv.launcher import job as launch_job
-from tfkv.launcher.ssh import SSHLauncher
-from tfkv.launcher.ssh_remote import MARK
+from tfkv.launcher.backends.ssh_remote import MARK
 
 PY = sys.executable  # the "remote" hosts share this machine's Python, where tfkv is installed
 
@@ -147,7 +146,7 @@ def test_launch_over_ssh_syncs_runs_and_records(netns_hosts, ssh_site, tmp_path,
     monkeypatch.setenv("TFKV_SSH_CONFIG", str(ssh_site.config))
     opts = launch_job.Options("ssh", 2, 2, str(work / "hosts"), str(dst), python=PY)
     job = launch_job.plan_job(opts, [PY, "dist_worker.py"], work, run)
-    assert set(SSHLauncher().preflight(job)) == {"node1", "node2"}
+    assert set(launch_job.backend(opts).preflight(job)) == {"node1", "node2"}
     assert (dst / "dist_worker.py").stat().st_ino == inodes["dist_worker.py"]
     assert (dst / "data.txt").stat().st_ino != inodes["data.txt"]
     assert (dst / "data.txt").read_text() == "changed data\n"
@@ -271,7 +270,7 @@ def test_preflight_names_unwritable_dir_missing_tfkv_and_missing_python(loopback
         opts = launch_job.Options("ssh", 1, 1, str(work / "hosts"), dst, python=python)
         job = launch_job.plan_job(opts, [PY, "dist_worker.py"], work, tmp_path / "run")
         with pytest.raises(ConfigError) as e:
-            SSHLauncher().preflight(job)
+            launch_job.backend(opts).preflight(job)
         assert len(str(e.value).splitlines()) == 1
         return str(e.value)
 
@@ -284,8 +283,8 @@ def test_preflight_names_unwritable_dir_missing_tfkv_and_missing_python(loopback
     assert "local: /nonexistent/python3 is not found there" in problem(None, "/nonexistent/python3")
     monkeypatch.setenv("TFKV_SSH_CONFIG", str(tmp_path / "missing"))
     with pytest.raises(ConfigError, match="TFKV_SSH_CONFIG=.* is not a file"):
-        SSHLauncher().preflight(launch_job.plan_job(launch_job.Options("ssh", 1, 1, str(work / "hosts")),
-                                                    [PY], work, tmp_path / "run"))
+        opts = launch_job.Options("ssh", 1, 1, str(work / "hosts"))
+        launch_job.backend(opts).preflight(launch_job.plan_job(opts, [PY], work, tmp_path / "run"))
 
 
 @pytest.mark.slow
@@ -300,15 +299,16 @@ def test_preflight_checks_host_keys_as_ssh_does(loopback_host, ssh_site, tmp_pat
                       f"  UserKnownHostsFile {known}\n  GlobalKnownHostsFile /dev/null\n  ConnectTimeout 5\n")
     monkeypatch.setenv("TFKV_SSH_CONFIG", str(config))
     work = _workdir(tmp_path, ["strict"])
-    job = launch_job.plan_job(launch_job.Options("ssh", 1, 1, str(work / "hosts"), python=PY), [PY, "dist_worker.py"],
-                              work, tmp_path / "run")
+    opts = launch_job.Options("ssh", 1, 1, str(work / "hosts"), python=PY)
+    job = launch_job.plan_job(opts, [PY, "dist_worker.py"], work, tmp_path / "run")
+    launcher = launch_job.backend(opts)  # its settings: TFKV_SSH_CONFIG's ssh config
     with pytest.raises(ConfigError) as e:
-        SSHLauncher().preflight(job)
+        launcher.preflight(job)
     assert str(e.value) == ("strict: its host key is not in known_hosts; run `ssh strict` once to check and accept "
                             f"it, or set StrictHostKeyChecking for it in {config}")
     host_key = (ssh_site.dir / "host_key.pub").read_text().split()
     known.write_text(f"[127.0.0.1]:{loopback_host.port} {host_key[0]} {host_key[1]}\n")
-    SSHLauncher().preflight(job)  # raises on any problem
+    launcher.preflight(job)  # raises on any problem
 
 
 @pytest.mark.slow

@@ -23,7 +23,8 @@ from conftest import TAG, tagged_pids
 
 def test_an_allocation_smaller_than_the_job_is_one_line():
     from tfkv.errors import ConfigError
-    from tfkv.launcher import base, slurm as slurm_launcher
+    from tfkv.launcher import base
+    from tfkv.launcher.backends import slurm as slurm_launcher
     from tfkv.launcher.plan import make_plan
 
     assert slurm_launcher.allocation_cpus({"SLURM_JOB_CPUS_PER_NODE": "8(x2),4"}) == 20

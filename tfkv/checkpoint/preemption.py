@@ -6,8 +6,8 @@ its step, checkpoints and stops with tfkv.errors.EXIT_PREEMPTED, and the same co
 The handler only notes the signal: worker 0 looks at the end of each step, where the weights,
 optimizer state and data position agree and a checkpoint is exact. In a parameter-server job the
 signal may reach any process first (Slurm sends SIGTERM to all at once); whoever gets it leaves
-the flag file `.preempt` in the run directory (tfkv.preempt), which worker 0 looks for (at most
-every LOOK seconds). Worker 0 checkpoints, leaves `.preempted` (its one line) for the launcher and
+the flag file `.preempt` in the run directory (tfkv.preempt, the flag's one definition), which
+worker 0 looks for (at most every LOOK seconds). Worker 0 checkpoints, leaves `.preempted` (its one line) for the launcher and
 stops; the rest of the job stops with it, as after any worker's end. The launchers' own teardown
 stops roles with SIGHUP (tfkv.launcher.supervisor.STOP), never SIGTERM, so that it is not taken
 for a preemption.
@@ -24,22 +24,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from tfkv.preempt import FLAG, ask
+# SIGNAL, DONE, ask and done are the flag's (tfkv.preempt), here too for the trainer and tfkv-run
+from tfkv.preempt import DONE, FLAG, SIGNAL, ask, done  # noqa: F401
 
-SIGNAL = signal.SIGUSR1
-DONE = ".preempted"  # in the run directory: worker 0 checkpointed and stopped; its line
 LOOK = 0.25  # seconds between worker 0's looks for the flag (a stat: nothing beside a step)
-
-
-def done(run_dir: Path) -> str | None:
-    """Worker 0's line when it stopped for a preemption (the marker is removed), else None."""
-    marker = Path(run_dir) / DONE
-    try:
-        line = marker.read_text().strip()
-    except OSError:
-        return None
-    marker.unlink(missing_ok=True)
-    return line
 
 
 class Preemption:

@@ -1,17 +1,27 @@
-"""What every launcher backend receives and returns, and the registry of backends.
+"""What every launcher backend is, receives and returns, and the registry of backends.
 
 A backend only decides how each planned process starts on its host (a local process, an ssh
 channel, an MPI rank, a Slurm task, an SGE task, a YARN container), keeps the job's output in
 one stream with `[role @host]` prefixes, and tears every process down when one fails or the
 user presses Ctrl-C. Roles find each other through the scheduler, not through the launcher.
+
+What a backend is, the shared core (tfkv.launcher.job, spares, the sweeps' launcher) asks of its
+class, never of its name: each declares its traits (`Traits`: places roles on the hosts file's
+hosts, lets a resource manager choose the nodes, knows each worker's local rank, gets the job's
+keys by environment, runs on this machine, requeues itself), as store types declare their
+capabilities, and its settings schema (`config`, a dataclass of tfkv.config.cluster, as a Hydra
+launcher plug-in declares its config); it is constructed with those settings, validated once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Protocol
+from typing import IO, Any, ClassVar, Mapping
 
+from tfkv.config.cluster import ClusterConfig
+from tfkv.errors import ConfigError
 from tfkv.launcher.hosts import Host
 from tfkv.launcher.plan import Process
 from tfkv.registry import Registry
@@ -49,28 +59,79 @@ class Result:
         return f"{self.failure}; {self.restarts}" if self.restarts else str(self.failure)
 
 
-class Launcher(Protocol):
-    name: str
+@dataclass(frozen=True)
+class Traits:
+    """What a backend is, as its class declares it (`Traits.of`); read by the shared core."""
 
-    def preflight(self, job: Job) -> dict[str, dict[str, str]]:
+    places_roles: bool = False  # runs each role on the hosts-file host the plan gives it (spares, sweeps' packing)
+    chooses_nodes: bool = False  # a resource manager picks the nodes: no slots, no workers_per_host
+    local_ranks: bool = True  # the plan's hosts are where workers run: the plan gives each its local rank
+    needs_hostfile: bool = False  # nothing to run on without a hosts file
+    secrets_by_env: bool = False  # the job's keys go in the roles' environment (else a key file only the user reads)
+    runs_here: bool = False  # every role on this machine: this interpreter, the scheduler on cluster.host
+
+    @classmethod
+    def of(cls, backend: type) -> "Traits":
+        return cls(**{f.name: bool(getattr(backend, f.name, f.default)) for f in dataclasses.fields(cls)})
+
+
+class Backend:
+    """What every launcher is: its name, its traits (class attributes, see Traits), its settings
+    schema, and the two steps of a job. Constructed with its settings, an instance of `config`
+    (tfkv.launcher.job.backend builds it from the job's options and knob values)."""
+
+    name: ClassVar[str]
+    config: ClassVar[type] = ClusterConfig
+    places_roles: ClassVar[bool] = False
+    chooses_nodes: ClassVar[bool] = False
+    local_ranks: ClassVar[bool] = True
+    needs_hostfile: ClassVar[bool] = False
+    secrets_by_env: ClassVar[bool] = False
+    runs_here: ClassVar[bool] = False
+
+    def __init__(self, settings: Any = None) -> None:
+        self.settings = settings if settings is not None else self.config()
+
+    @classmethod
+    def requeues_itself(cls, environ: Mapping[str, str] | None = None) -> bool:
+        """Whether a job this backend starts may run again without it after a preemption (the
+        slurm backend's batch job requeues itself)."""
+        return False
+
+    def preflight(self, job: Job) -> dict[str, dict[str, Any]]:
         """Check what the backend needs (binaries, hosts) before anything starts, raising a
         ConfigError with one line per problem; return the tfkv/TF/Python versions per host and
         fill `job.addresses` with what the hosts say their addresses are."""
+        raise NotImplementedError
 
     def launch(self, job: Job, out: IO[str]) -> Result:
         """Start every process of `job.plan`, stream its output to `out`, wait for the end."""
+        raise NotImplementedError
 
 
 REGISTRY = Registry("launcher", {
-    "local": "tfkv.launcher.local:LocalLauncher",
-    "ssh": "tfkv.launcher.ssh:SSHLauncher",
-    "mpi": "tfkv.launcher.mpi:MPILauncher",
-    "slurm": "tfkv.launcher.slurm:SlurmLauncher",
-    "sge": "tfkv.launcher.sge:SGELauncher",
-    "yarn": "tfkv.launcher.yarn:YarnLauncher",
+    "local": "tfkv.launcher.backends.local:LocalLauncher",
+    "ssh": "tfkv.launcher.backends.ssh:SSHLauncher",
+    "mpi": "tfkv.launcher.backends.mpi:MPILauncher",
+    "slurm": "tfkv.launcher.backends.slurm:SlurmLauncher",
+    "sge": "tfkv.launcher.backends.sge:SGELauncher",
+    "yarn": "tfkv.launcher.backends.yarn:YarnLauncher",
 }, plugins="tfkv.launchers")  # and installed packages' launchers (tfkv.plugins)
 REGISTRY.reserve("none")  # cluster.launcher=none: no launcher
 
 
-def create(name: str) -> Launcher:
-    return REGISTRY.get(name)()
+def backend_class(name: str) -> type[Backend]:
+    """The class of launcher `name` (imported: backends are light, no TensorFlow)."""
+    if name not in REGISTRY:
+        raise ConfigError(f"launcher {name!r} is not known; choose one of {', '.join(REGISTRY.names())}")
+    return REGISTRY.get(name)
+
+
+def traits(name: str) -> Traits:
+    """What launcher `name` declares it is."""
+    return Traits.of(backend_class(name))
+
+
+def create(name: str, settings: Any = None) -> Backend:
+    """Launcher `name` with its settings (an instance of its `config`; None: the schema's defaults)."""
+    return backend_class(name)(settings)

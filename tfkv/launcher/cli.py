@@ -48,7 +48,8 @@ at their next step and end the job, and tfkv-launch exits 75 (resumable); a seco
 
 # tfkv-launch's own defaults, where they differ from a config's (MXNet's launch.py: -n always
 # given, as many servers as workers, ssh); names, types, defaults and help otherwise come from
-# the structured config's cluster settings (tfkv.config.cluster), the one definition.
+# the launchers' settings schemas (tfkv.config.cluster, and a plug-in launcher's declared
+# `config`: tfkv.launcher.job.schemas), the one definition.
 LAUNCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "num_workers": {"required": True, "default": None},
     "num_servers": {"default": None, "help_more": " (default: -n)"},
@@ -60,9 +61,10 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tfkv-launch", description=__doc__.split("\n\n")[0].split(": ", 1)[1],
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from tfkv.launcher import job
     from tfkv.launcher.base import REGISTRY  # tfkv's launchers and installed packages' (tfkv.plugins)
 
-    schemas = list(cluster.CLUSTER_SCHEMAS.values())
+    schemas = job.schemas()
     types: dict[str, Any] = {}
     for schema in schemas:
         types.update(typing.get_type_hints(schema))
@@ -76,7 +78,7 @@ def parser() -> argparse.ArgumentParser:
         if f.name == "launcher":
             extra["choices"] = REGISTRY.names()
         p.add_argument(*flags, "--" + f.name.replace("_", "-"), default=own.get("default", f.default),
-                       required=own.get("required", False), help=f.metadata["help"] + own.get("help_more", ""),
+                       required=own.get("required", False), help=f.metadata.get("help", "") + own.get("help_more", ""),
                        **extra)
     p.add_argument("--run-dir", help="where the job's record goes (default: outputs/launch-<time>)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the workers' command, after --")
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser().error("give the workers' command after --, e.g. -- python3 train.py")
-    from tfkv.checkpoint import preemption
+    from tfkv import preempt
     from tfkv.errors import EXIT_PREEMPTED
     from tfkv.launcher import job
 
@@ -104,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:  # during the checks: once the job starts, the launch takes it
         print("tfkv-launch: interrupted before the job started; nothing was left running", file=sys.stderr)
         sys.exit(130)
-    preempted = preemption.done(run_dir)
+    preempted = preempt.done(run_dir)
     if preempted and result.returncode <= 128:  # worker 0 (tfkv-run) checkpointed and stopped; the rest with it
         print(f"tfkv-launch: {preempted}", file=sys.stderr)
         sys.exit(EXIT_PREEMPTED)

@@ -1,5 +1,8 @@
 """Plan, check, record and launch one parameter-server job: what `tfkv-run cluster=...` and
-`tfkv-launch` share."""
+`tfkv-launch` share, the launcher's core. What it does with a backend it asks of what the backend
+declares (tfkv.launcher.base.Traits), never of its name. The job's knob values are resolved once
+per launch (`knob_values`), recorded once (knobs.json), and handed to every role's environment
+and to the backend, constructed with its settings (`backend`)."""
 
 from __future__ import annotations
 
@@ -11,7 +14,6 @@ from pathlib import Path
 from typing import IO, Any, Callable, Mapping, Sequence
 
 from tfkv import gpus, knobs, preempt
-from tfkv.checkpoint import preemption
 from tfkv.config import cluster
 from tfkv.config.device_specs import LOCAL_RANK, bound_gpus
 from tfkv.errors import ConfigError
@@ -26,12 +28,24 @@ from tfkv import keys as jobkeys
 log = logging.getLogger("tfkv")
 
 
-# The job's options: every built-in launcher's cluster settings, defined once in the structured
-# config (tfkv.config.cluster); launcher, num_workers, num_servers, hostfile, sync_dst_dir and
-# interface lead, in the order callers pass them positionally.
+def schemas() -> list[type]:
+    """Every launcher's settings schema: tfkv's (tfkv.config.cluster) and what the installed
+    plug-in launchers declare (`config`); one that fails to import is refused when chosen."""
+    found = list(cluster.CLUSTER_SCHEMAS.values())
+    for name in base.REGISTRY.plugins():
+        try:
+            found.append(base.backend_class(name).config)
+        except (ConfigError, AttributeError):
+            continue
+    return found
+
+
+# The job's options: every launcher's cluster settings, defined once in the structured config
+# (tfkv.config.cluster) or a plug-in's declared schema; launcher, num_workers, num_servers,
+# hostfile, sync_dst_dir and interface lead, in the order callers pass them positionally.
 Options = dataclasses.make_dataclass("Options", [
     (f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata))
-    for f in cluster.options(*cluster.CLUSTER_SCHEMAS.values(), first=(
+    for f in cluster.options(*schemas(), first=(
         "launcher", "num_workers", "num_servers", "hostfile", "sync_dst_dir", "interface"))])
 
 
@@ -43,11 +57,9 @@ def remote_path(opts: Options, workdir: Path, path: Path) -> str:
 
 
 def requeues_itself(opts: Options) -> bool:
-    """Whether the job may run again without this launcher: the slurm launcher's batch job, which
-    requeues itself after a preemption (tfkv.launcher.slurm.batch_script)."""
-    from tfkv.launcher.slurm import in_allocation
-
-    return opts.launcher == "slurm" and not in_allocation()
+    """Whether the job may run again without this launcher after a preemption (the slurm
+    backend's batch job requeues itself: tfkv.launcher.backends.slurm.batch_script)."""
+    return base.backend_class(opts.launcher).requeues_itself()
 
 
 def knob_values(opts: Options, settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -59,15 +71,26 @@ def knob_values(opts: Options, settings: Mapping[str, Any] | None = None) -> dic
     return knobs.resolve({**given, **(settings or {})}, os.environ)
 
 
-# The launchers whose resource manager picks the nodes: the hosts file does not place roles there.
-CHOOSE_NODES = ("slurm", "sge", "yarn")
+def backend(opts: Options, values: Mapping[str, Any] | None = None) -> base.Backend:
+    """The job's launcher, constructed with its settings (its `config` schema): each a knob's
+    effective value (`values`, from `knob_values`) where it is a knob, else the job's option."""
+    values = knob_values(opts) if values is None else values
+    cls = base.backend_class(opts.launcher)
+    given = {}
+    for f in dataclasses.fields(cls.config):
+        key = f"cluster.{f.name}"
+        if key in knobs.BY_KEY:
+            given[f.name] = values[key]
+        elif hasattr(opts, f.name):
+            given[f.name] = getattr(opts, f.name)
+    return cls(cls.config(**given))
 
 
-def place_workers(opts: Options, hosts: list[Host]) -> list[str]:
+def place_workers(opts: Options, hosts: list[Host], traits: base.Traits) -> list[str]:
     """Each worker's host (tfkv.launcher.plan.worker_hosts) with the job's slots and
     cluster.workers_per_host; those two are refused where a resource manager picks the nodes."""
     per_host, slots = opts.workers_per_host, host_slots(hosts)
-    if opts.launcher in CHOOSE_NODES and (per_host is not None or slots):
+    if traits.chooses_nodes and (per_host is not None or slots):
         what = f"cluster.workers_per_host={per_host}" if per_host is not None else f"slots= in {opts.hostfile}"
         raise ConfigError(f"{what} places workers on hosts, but with --launcher {opts.launcher} the resource "
                           "manager picks the nodes; ask it for tasks per node instead (e.g. srun_args=--ntasks-per-node=N)")
@@ -77,44 +100,46 @@ def place_workers(opts: Options, hosts: list[Host]) -> list[str]:
     return worker_hosts(opts.num_workers, opts.num_servers, [h.name for h in hosts], per_host, slots, source)
 
 
+def _secrets(opts: Options, traits: base.Traits, workdir: Path, run_dir: Path) -> dict[str, str]:
+    """The variables that give every role the job's keys (or say there are none)."""
+    if not opts.secure:
+        log.warning(jobkeys.INSECURE_WARNING)
+        return {jobkeys.SECURE: "0"}
+    keys = jobkeys.new_keys()
+    if traits.secrets_by_env:
+        # local: the children's environment (not shown by ps); ssh: sent over the channel's
+        # stdin, see tfkv.launcher.backends.ssh. Never on a command line, never in the record.
+        return jobkeys.keys_env(keys)
+    # mpirun/srun/qsub/yarn may put environment values on command lines: a file only the
+    # user can read, on the run directory (shared by the hosts with these launchers).
+    path = jobkeys.write_keyfile(Path(run_dir) / "launch" / "curve.key", keys)
+    return {jobkeys.KEYFILE: remote_path(opts, workdir, path)}
+
+
 def plan_job(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path,
-             env: Mapping[str, str] | None = None, settings: Mapping[str, Any] | None = None) -> base.Job:
+             env: Mapping[str, str] | None = None, values: Mapping[str, Any] | None = None) -> base.Job:
     """The job's plan; `env` goes to every role (tfkv-run: the workers' config), and so do the
-    role knobs (`knob_values`); the launcher's own knobs are this process's until the next job."""
-    if opts.launcher not in base.REGISTRY:
-        raise ConfigError(f"launcher {opts.launcher!r} is not known; choose one of {', '.join(base.REGISTRY.names())}")
+    role knobs of `values` (the job's knob values, `knob_values`; resolved here when not given)."""
+    traits = base.traits(opts.launcher)
     if opts.hostfile:
         hosts = read_hosts(opts.hostfile)
-    elif opts.launcher == "ssh":
-        raise ConfigError("the ssh launcher needs a hosts file: -H hosts / cluster.hostfile=hosts")
+    elif traits.needs_hostfile:
+        raise ConfigError(f"the {opts.launcher} launcher needs a hosts file: -H hosts / cluster.hostfile=hosts")
     else:
         hosts = [Host(opts.host)]  # mpi without one: this machine, as a bare mpirun runs
-    local = opts.launcher == "local"
-    python = sys.executable if local else opts.python
-    scheduler_host = opts.host if local or not opts.hostfile else hosts[0].name
-    port = opts.port or free_port(opts.host if local else "0.0.0.0")
-    values = knob_values(opts, settings)
-    extra = {**(env or {}), **knobs.environment(values), RUN_DIR: remote_path(opts, workdir, run_dir)}
-    if opts.secure:
-        keys = jobkeys.new_keys()
-        if opts.launcher in ("local", "ssh"):
-            # local: the children's environment (not shown by ps); ssh: sent over the channel's
-            # stdin, see tfkv.launcher.ssh. Never on a command line, never in the record.
-            extra.update(jobkeys.keys_env(keys))
-        else:
-            # mpirun/srun/qsub/yarn may put environment values on command lines: a file only the
-            # user can read, on the run directory (shared by the hosts with these launchers).
-            path = jobkeys.write_keyfile(Path(run_dir) / "launch" / "curve.key", keys)
-            extra[jobkeys.KEYFILE] = remote_path(opts, workdir, path)
-    else:
-        log.warning(jobkeys.INSECURE_WARNING)
-        extra[jobkeys.SECURE] = "0"
-    # Only ssh and mpi place roles on the hosts file's hosts; Slurm, SGE and YARN choose the nodes.
-    placed = bool(opts.hostfile) and opts.launcher in ("ssh", "mpi")
-    workers = place_workers(opts, hosts)
+    here = traits.runs_here
+    python = sys.executable if here else opts.python
+    scheduler_host = opts.host if here or not opts.hostfile else hosts[0].name
+    port = opts.port or free_port(opts.host if here else "0.0.0.0")
+    values = knob_values(opts) if values is None else values
+    extra = {**(env or {}), **knobs.environment(values), RUN_DIR: remote_path(opts, workdir, run_dir),
+             **_secrets(opts, traits, workdir, run_dir)}
+    # Only a backend that places roles on the hosts file's hosts names them; a resource manager chooses its own.
+    placed = bool(opts.hostfile) and traits.places_roles
+    workers = place_workers(opts, hosts, traits)
     plan = make_plan(opts.num_workers, opts.num_servers, worker_argv, [python, "-m", "tfkv.ps.node"],
                      [h.name for h in hosts], scheduler_host, port, extra, show_host=placed,
-                     placed_workers=workers, local_ranks=opts.launcher not in CHOOSE_NODES)
+                     placed_workers=workers, local_ranks=traits.local_ranks)
     return base.Job(plan=plan, hosts=hosts if opts.hostfile else [], workdir=workdir,
                     sync_dst_dir=opts.sync_dst_dir, run_dir=run_dir, python=python,
                     remote_run_dir=remote_path(opts, workdir, run_dir))
@@ -130,7 +155,7 @@ def pin_scheduler(job: base.Job) -> None:
             p.env["DMLC_PS_ROOT_URI"] = address
 
 
-def check_gpus(launcher: str, job: base.Job, versions: Mapping[str, Mapping[str, Any]]) -> None:
+def check_gpus(traits: base.Traits, job: base.Job, versions: Mapping[str, Mapping[str, Any]]) -> None:
     """Before anything starts: no worker's devices ({local_rank}, {rank}) name a GPU its host
     lacks, as the pre-flight counted them there (tfkv.gpus; the local launcher's host reports as
     "localhost"). Where the plan gives no local rank (Slurm, SGE, YARN) or a host's count is
@@ -140,7 +165,7 @@ def check_gpus(launcher: str, job: base.Job, versions: Mapping[str, Mapping[str,
             continue
         local_rank = int(p.env[LOCAL_RANK])
         wanted = bound_gpus(job.devices, p.rank, local_rank)
-        found = (versions.get(p.host) or (versions.get("localhost") if launcher == "local" else None) or {}).get("gpus")
+        found = (versions.get(p.host) or (versions.get("localhost") if traits.runs_here else None) or {}).get("gpus")
         if wanted is not None and found is not None and max(wanted) >= found:
             raise gpus.beyond(job.devices, wanted, found, f"{p.name} (local rank {local_rank})",
                               f"the pre-flight on {p.host}")
@@ -159,7 +184,8 @@ def launch(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path, 
            again: Callable[[base.Result], Mapping[str, str] | None] | None = None,
            devices: Sequence[str] | None = None, preemptible: bool = True) -> base.Result:
     """Plan, print the plan, check every host, write the record (and knobs.json), run the job
-    (`env`: more variables for every role; `settings`: the config's knobs, see `knob_values`;
+    (`env`: more variables for every role; `settings`: the config's knobs, see `knob_values`,
+    resolved once for the whole launch;
     `devices`: the workers', checked against each host's GPUs, see `check_gpus`).
     The result's returncode is 128 + N when signal N (Ctrl-C, SIGTERM) stopped the job.
     `preemptible`: the first SIGTERM asks the job to checkpoint and end instead (tfkv.launcher.signals;
@@ -175,13 +201,18 @@ def launch(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path, 
     (tfkv.launcher.spares), said in the restart's line and entry."""
     spare = spares.Spares(spares.check(opts.launcher, opts.hostfile, opts.spare_hosts))
     hosts = [h.name for h in read_hosts(opts.hostfile)] if spare.left else []
+    values = knob_values(opts, settings)  # once per launch: every attempt's roles and backend, knobs.json
     attempt_opts, restarts = opts, 0
     while True:
-        result = _attempt(attempt_opts, worker_argv, workdir, run_dir, argv, out, env, settings, devices,
-                          preemptible)
+        launcher = backend(attempt_opts, values)
+        job = plan_job(attempt_opts, worker_argv, workdir, run_dir, env, values)
+        job.devices = list(devices) if devices else None
+        if not restarts:
+            knobs.record(run_dir, values)
+        result = _attempt(attempt_opts, job, launcher, run_dir, argv, out, preemptible)
         if result.failure is None or result.returncode > 128 or not opts.max_restarts:
             return result
-        if (Path(run_dir) / preemption.DONE).exists():  # preempted: its owner or Slurm starts it again
+        if (Path(run_dir) / preempt.DONE).exists():  # preempted: its owner or Slurm starts it again
             return result
         done = f"after {restarts} restart(s), " if restarts else ""
         if repeats(result.failure):
@@ -207,27 +238,22 @@ def launch(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path, 
         env = following
 
 
-def _attempt(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path, argv: Sequence[str],
-             out: IO[str], env: Mapping[str, str] | None, settings: Mapping[str, Any] | None,
-             devices: Sequence[str] | None = None, preemptible: bool = True) -> base.Result:
-    job = plan_job(opts, worker_argv, workdir, run_dir, env, settings)
-    job.devices = list(devices) if devices else None
-    knobs.record(run_dir, knob_values(opts, settings))
+def _attempt(opts: Options, job: base.Job, launcher: base.Backend, run_dir: Path, argv: Sequence[str],
+             out: IO[str], preemptible: bool = True) -> base.Result:
     try:
-        return _launch(opts, job, run_dir, argv, out, preemptible)
+        return _launch(opts, job, launcher, run_dir, argv, out, preemptible)
     finally:
         # the scheduler's port, leased to this process by plan_job: another job may have it now
         release_port(int(job.plan[0].env["DMLC_PS_ROOT_PORT"]))
 
 
-def _launch(opts: Options, job: base.Job, run_dir: Path, argv: Sequence[str], out: IO[str],
-            preemptible: bool = True) -> base.Result:
+def _launch(opts: Options, job: base.Job, launcher: base.Backend, run_dir: Path, argv: Sequence[str],
+            out: IO[str], preemptible: bool = True) -> base.Result:
     out.write(f"tfkv: {opts.launcher} job, {opts.num_servers} server(s), {opts.num_workers} worker(s) - "
               f"{describe(job)}\n")
     out.flush()
-    launcher = base.create(opts.launcher)
     versions = launcher.preflight(job)
-    check_gpus(opts.launcher, job, versions)
+    check_gpus(base.Traits.of(type(launcher)), job, versions)
     pin_scheduler(job)
     record.write(run_dir, opts.launcher, job, argv, versions, opts.hostfile)
     tee = record.Tee(out, run_dir / "launch" / "job.log")

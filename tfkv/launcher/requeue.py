@@ -10,7 +10,7 @@ asks Slurm to requeue that job. The job keeps its id, so a run directory named a
 why not and the run exits 75 as before, for its owner to run again.
 
 `python -m tfkv.launcher.requeue RUN_DIR` does the same from the slurm launcher's batch script
-(tfkv.launcher.slurm.batch_script), after its roles' step ended preempted; status 0 when the job
+(tfkv.launcher.backends.slurm.batch_script), after its roles' step ended preempted; status 0 when the job
 was requeued.
 """
 

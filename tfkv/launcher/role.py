@@ -29,7 +29,7 @@ and the second changes nothing). This helper itself gets SIGHUP when whatever st
 manager only kills its direct child.
 
 The launchers build the helper's input with `table`/`helper_argv`; what they share beyond that
-is in tfkv.launcher.batch (the merged output that notes each role's end) and
+is in tfkv.launcher.backends.batch (the merged output that notes each role's end) and
 tfkv.launcher.process (process groups, exit status).
 No TensorFlow is imported here.
 """

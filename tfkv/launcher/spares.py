@@ -5,9 +5,9 @@ failed in FAILURES attempts (counted over the whole job; a failure line names th
 with their host, "worker 1 @node2 exited with status 5") is left out of the next attempt when a
 spare host is left: the next spare, in the order given, takes its place in the hosts file (every
 line of it, so its roles and slots move together). A spare that fails as often is replaced in
-turn. Only the ssh and mpi launchers place roles on hosts; the spares are checked before anything
-starts: each a hosts-file host (`host`, `host:port`, `user@host[:port]`), none twice, none a host
-the hosts file already names.
+turn. Only a launcher that places roles on hosts (its `places_roles` trait: ssh, mpi) takes
+spares; they are checked before anything starts: each a hosts-file host (`host`, `host:port`,
+`user@host[:port]`), none twice, none a host the hosts file already names.
 """
 
 from __future__ import annotations
@@ -19,19 +19,20 @@ from pathlib import Path
 from typing import Sequence
 
 from tfkv.errors import ConfigError
+from tfkv.launcher import base
 from tfkv.launcher.hosts import Host, parse_hosts, read_hosts
 
 FAILURES = 2  # attempts in which a host's roles failed before it is left out
-PLACING = ("ssh", "mpi")  # the launchers that run roles on the hosts of a hosts file
 
 
 def check(launcher: str, hostfile: str | None, spare_hosts: Sequence[str] | None) -> list[Host]:
     """The spare hosts, or a ConfigError in one line saying what is wrong with them."""
     if not spare_hosts:
         return []
-    if launcher not in PLACING:
+    traits = base.traits(launcher)
+    if not traits.places_roles:
         raise ConfigError(f"cluster.spare_hosts: the {launcher} launcher does not place roles on hosts "
-                          f"({'the resource manager picks the nodes' if launcher not in ('local', 'none') else 'one machine'}); "
+                          f"({'the resource manager picks the nodes' if traits.chooses_nodes else 'one machine'}); "
                           "spare hosts are for --launcher ssh or mpi with a hosts file")
     if not hostfile:
         raise ConfigError("cluster.spare_hosts needs a hosts file (-H hosts / cluster.hostfile=hosts): a spare "

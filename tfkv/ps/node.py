@@ -8,7 +8,7 @@ returns for a worker. `tfkv-run` calls `main` first, before Hydra or TensorFlow 
 server never imports TensorFlow; a `dist_*` store's constructor calls `run_unless_worker`, as
 MXNet's KVStore creation does in every role.
 
-A batch system's signals do not end a scheduler or server at once (`keep_serving`): Slurm sends
+A batch system's signals do not end a scheduler or server at once (tfkv.preempt.keep_serving): Slurm sends
 SIGTERM to every process of a job together, and worker 0's checkpoint at its next step needs the
 servers (their optimizer state). Either signal raises the run directory's preemption flag
 (tfkv.preempt) and the role goes on; after SIGTERM it leaves GRACE seconds later if the job has
@@ -18,9 +18,7 @@ not ended it before. SIGINT (Ctrl-C) and SIGHUP (the launchers' teardown) end it
 from __future__ import annotations
 
 import logging
-import signal
 import sys
-import threading
 from typing import Mapping
 
 from tfkv import preempt
@@ -61,28 +59,6 @@ def _not_served(name: str) -> ClusterEnvError:
     return ClusterEnvError(f"role {name!r} is not run by tfkv.ps.node; workers run the training command")
 
 
-def keep_serving(grace: float = preempt.GRACE) -> None:
-    """SIGTERM and SIGUSR1 raise the preemption flag instead of ending this role; SIGTERM also
-    ends it `grace` seconds later (SIGALRM), as a process killed by SIGTERM (143). Main thread only."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-
-    def asked(signum: int, _frame: object) -> None:
-        name = signal.Signals(signum).name
-        preempt.ask_from_env(name)
-        if signum == signal.SIGTERM and signal.getitimer(signal.ITIMER_REAL)[0] == 0:
-            log.warning("%s: serving on until the job ends, at most %.0f s", name, grace)
-            signal.setitimer(signal.ITIMER_REAL, grace)
-
-    def leave(_signum: int, _frame: object) -> None:
-        log.warning("the job did not end within %.0f s of SIGTERM; leaving", grace)
-        raise SystemExit(128 + signal.SIGTERM)
-
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, asked)
-    signal.signal(signal.SIGALRM, leave)
-
-
 def main(workers_return: bool = False) -> None:
     """`python -m tfkv.ps.node`: the role the environment names, to the end (the process exits with
     its status; a worker is refused with one line). `workers_return`: tfkv-run's first step, where
@@ -91,7 +67,7 @@ def main(workers_return: bool = False) -> None:
         return
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s",
                         stream=sys.stdout)
-    keep_serving()
+    preempt.keep_serving()
     try:
         env = ClusterEnv.from_env()
         run_unless_worker(env)

@@ -47,17 +47,14 @@ from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from tfkv import store
+from tfkv import knobs, store
 from tfkv.errors import ConfigError
-from tfkv.launcher import signals
+from tfkv.launcher import base, signals
 from tfkv.launcher.hosts import Host, read_hosts
 from tfkv.launcher.process import die_with_parent, signal_group, status_text, warn_without_parent_death
 
 log = logging.getLogger("tfkv")
 
-# Launchers that place a job's roles on the hosts of its hosts file (tfkv.launcher.job.plan_job);
-# Slurm, SGE and YARN choose their nodes themselves.
-PLACING = ("ssh", "mpi")
 STOP_WAIT = 60.0  # seconds a trial gets to tear its job down after Ctrl-C before it is killed
 HOSTS_FILE = "trial.hosts"
 
@@ -184,7 +181,9 @@ class TfkvLauncher(Launcher):
             cfg.hydra.sweep.dir = str(sweep_dir)  # ${now:...} resolved here, once for every trial
         launcher = OmegaConf.select(cfg, "cluster.launcher")
         kvstore = str(OmegaConf.select(cfg, "kvstore.type") or "")
-        if launcher not in PLACING or not store.capabilities(kvstore).distributed:
+        # a launcher that places a job's roles on the hosts of its hosts file (its declared trait)
+        placing = launcher in base.REGISTRY and base.traits(launcher).places_roles
+        if not placing or not store.capabilities(kvstore).distributed:
             shown = " ".join(overrides) or "(no overrides)"
             raise ConfigError(f"hydra/launcher=tfkv runs each trial as a distributed job on hosts of its own, but "
                               f"trial #{idx} ({shown}) has kvstore={kvstore or 'none'} cluster={launcher}; use "
@@ -248,7 +247,7 @@ class TfkvLauncher(Launcher):
                                             f"the trial" + (f" ({last})" if last else ""))
         record["hosts"] = [str(h) for h in t.hosts]
         if record.get("status") == "failed":
-            dead = self._probe(t.hosts)
+            dead = self._probe(t.hosts, self._ssh_config())
             if dead:
                 for host, why in dead.items():
                     self.dropped[str(host)] = why
@@ -294,16 +293,21 @@ class TfkvLauncher(Launcher):
 
     # -- hosts that died, trials that must stop ---------------------------------------------------
 
+    def _ssh_config(self) -> Optional[str]:
+        """The ssh config the trials' jobs reach their hosts with: cluster.ssh_config, or TFKV_SSH_CONFIG."""
+        assert self.config is not None
+        return knobs.resolve(knobs.settings(self.config), os.environ)["cluster.ssh_config"]
+
     @staticmethod
-    def _probe(hosts: list[Host]) -> dict[Host, str]:
+    def _probe(hosts: list[Host], ssh_config: Optional[str] = None) -> dict[Host, str]:
         """The hosts that do not answer ssh now, with why (one line each)."""
-        from tfkv.launcher import ssh_connect as ssh
+        from tfkv.launcher.backends import ssh_connect as ssh
 
         def answer(host: Host) -> Optional[str]:
             try:
-                conn = ssh.connect(host)
+                conn = ssh.connect(host, ssh_config)
             except Exception as e:  # noqa: BLE001 - every way of not answering is one line
-                return "does not answer ssh: " + ssh.connect_problem(host, e).split(": ", 1)[-1]
+                return "does not answer ssh: " + ssh.connect_problem(host, e, ssh_config).split(": ", 1)[-1]
             try:
                 r = conn.run("true", hide=True, warn=True, in_stream=False, timeout=ssh.CONNECT_TIMEOUT)
                 return None if r.exited == 0 else f"cannot run a command over ssh (exit {r.exited})"

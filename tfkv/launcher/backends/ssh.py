@@ -7,7 +7,7 @@ password is ever asked for: keys or an agent only, as with ssh's BatchMode; and 
 checked as ssh checks them (the config's known_hosts files and StrictHostKeyChecking), where
 Fabric alone would accept any host.
 
-    TFKV_SSH_CONFIG=path   use this ssh config file instead of ~/.ssh/config (for Fabric, and
+    cluster.ssh_config (TFKV_SSH_CONFIG=path)   use this ssh config file instead of ~/.ssh/config (for Fabric, and
                            `ssh -F path` for rsync): a cluster's settings kept apart, or tests.
 
 Pre-flight, for every distinct host, before anything starts: connect; with --sync-dst-dir, check
@@ -51,14 +51,15 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, TYPE_CHECKING, Any
 
+from tfkv.config.cluster import SSHCluster
 from tfkv.errors import ConfigError
 from tfkv.launcher import signals, supervisor
-from tfkv.launcher.base import Job, Result
+from tfkv.launcher.base import Backend, Job, Result
 from tfkv.launcher.hosts import Host
 from tfkv.launcher.plan import Process
-from tfkv.launcher.ssh_connect import connect, connect_problem, ssh_config_path
-from tfkv.launcher.ssh_remote import RemoteRole, remote_command, stop_groups
-from tfkv.launcher.ssh_sync import copy_back, remote_spec, rsync
+from tfkv.launcher.backends.ssh_connect import connect, connect_problem, ssh_config_path
+from tfkv.launcher.backends.ssh_remote import RemoteRole, remote_command, stop_groups
+from tfkv.launcher.backends.ssh_sync import copy_back, remote_spec, rsync
 
 if TYPE_CHECKING:
     from fabric import Connection
@@ -73,12 +74,13 @@ def _last_line(text: str) -> str:
     return lines[-1].strip() if lines else ""
 
 
-def check_host(host: Host, job: Job, rsync_lock: threading.Lock) -> dict[str, Any] | str:
+def check_host(host: Host, job: Job, rsync_lock: threading.Lock,
+               ssh_config: str | None = None) -> dict[str, Any] | str:
     """The pre-flight of one host: its versions, or one line saying what is wrong."""
     try:
-        conn = connect(host)
+        conn = connect(host, ssh_config)
     except Exception as e:  # noqa: BLE001 - every way of failing to connect becomes one line
-        return connect_problem(host, e)
+        return connect_problem(host, e, ssh_config)
     try:
         cwd = job.sync_dst_dir or str(job.workdir)
         if job.sync_dst_dir:
@@ -89,7 +91,8 @@ def check_host(host: Host, job: Job, rsync_lock: threading.Lock) -> dict[str, An
                 return f"{host}: {job.sync_dst_dir} is not writable ({why}); pick another --sync-dst-dir"
             with rsync_lock:  # hosts may share a filesystem: two rsyncs into one directory collide
                 log.info("rsync %s/ -> %s", job.workdir, remote_spec(host, job.sync_dst_dir))
-                problem = rsync(f"{job.workdir}/", remote_spec(host, job.sync_dst_dir.rstrip("/") + "/"), host, True)
+                problem = rsync(f"{job.workdir}/", remote_spec(host, job.sync_dst_dir.rstrip("/") + "/"), host, True,
+                                ssh_config)
             if problem:
                 return (f"{host}: rsync of {job.workdir} to {job.sync_dst_dir} failed ({problem}); check that "
                         f"`ssh {host}` works without a prompt and that rsync is installed there")
@@ -114,20 +117,24 @@ def check_host(host: Host, job: Job, rsync_lock: threading.Lock) -> dict[str, An
         conn.close()
 
 
-class SSHLauncher:
+class SSHLauncher(Backend):
     """Every role over ssh on the hosts of the hosts file (MXNet's `--launcher ssh`)."""
 
     name = "ssh"
+    config = SSHCluster
+    places_roles = True
+    needs_hostfile = True
+    secrets_by_env = True  # sent over the channel's stdin into the role's environment, never a command line
 
     def preflight(self, job: Job) -> dict[str, dict[str, Any]]:
         """Check (and sync) every host; their versions, or a ConfigError with a line per bad host."""
         hosts = list(dict.fromkeys(job.hosts))
         if not hosts:
             raise ConfigError("the ssh launcher needs hosts: -H hosts / cluster.hostfile=hosts")
-        ssh_config_path()  # a wrong TFKV_SSH_CONFIG is one error, not one per host
+        ssh_config = ssh_config_path(self.settings.ssh_config)  # a wrong one is one error, not one per host
         lock = threading.Lock()
         with ThreadPoolExecutor(max_workers=min(16, len(hosts))) as pool:
-            results = list(pool.map(lambda h: check_host(h, job, lock), hosts))
+            results = list(pool.map(lambda h: check_host(h, job, lock, ssh_config), hosts))
         problems = [r for r in results if isinstance(r, str)]
         if problems:
             raise ConfigError("\n".join(problems))
@@ -141,6 +148,7 @@ class SSHLauncher:
         import paramiko
 
         lock = threading.Lock()
+        ssh_config = ssh_config_path(self.settings.ssh_config)
         by_name = {h.name: h for h in reversed(job.hosts)}  # the first line of a name wins
         cwd = job.sync_dst_dir or str(job.workdir)
         roles: list[RemoteRole] = []
@@ -156,11 +164,11 @@ class SSHLauncher:
                 host = by_name.get(name, Host(name))
                 groups += [(host, mine[i:i + PER_CONNECTION]) for i in range(0, len(mine), PER_CONNECTION)]
             with ThreadPoolExecutor(max_workers=min(16, len(groups))) as pool:
-                opened = list(pool.map(lambda g: _try(connect, g[0]), groups))
+                opened = list(pool.map(lambda g: _try(connect, g[0], ssh_config), groups))
             conns.extend(c for c in opened if not isinstance(c, Exception))
             bad = [(g[0], c) for g, c in zip(groups, opened) if isinstance(c, Exception)]
             if bad:
-                return connect_problem(*bad[0])
+                return connect_problem(*bad[0], ssh_config)
             where = {}
             for (host, procs), conn in zip(groups, opened):
                 first_conn.setdefault(host.name, conn)
@@ -183,7 +191,7 @@ class SSHLauncher:
             failure = supervisor.supervise(ends, over, lambda: self._teardown(roles, first_conn), start=start)
             if failure is None:
                 with signals.shielded():
-                    failure = copy_back(job, first_conn)
+                    failure = copy_back(job, first_conn, ssh_config)
         finally:
             with signals.shielded():
                 for c in conns:

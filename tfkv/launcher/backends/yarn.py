@@ -34,14 +34,14 @@ import shlex
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from tfkv import knobs
+from tfkv.config.cluster import YarnCluster
 from tfkv.errors import ConfigError
-from tfkv.launcher import batch, role, supervisor
-from tfkv.launcher.base import Job, Result
+from tfkv.launcher import role, supervisor
+from tfkv.launcher.backends import batch
+from tfkv.launcher.base import Backend, Job, Result
 from tfkv.launcher.plan import Process, forwarded_env
 from tfkv.launcher.record import local_versions
 
@@ -51,23 +51,6 @@ TIMEOUT_MS = 2**31 - 1  # the client kills its application after -timeout ms (de
 _UNSAFE = re.compile(r'["$`\\]')
 _APP_ID = re.compile(r"\b(application_\d+_\d+)\b")  # what the client logs once it submitted
 
-
-@dataclass
-class Resources:
-    # defaults: tfkv.knobs' rows (servers hold a share of the parameters, not a model and a batch)
-    memory_mb: int = knobs.BY_KEY["cluster.yarn_memory_mb"].default  # per worker container
-    server_memory_mb: int = knobs.BY_KEY["cluster.yarn_server_memory_mb"].default
-    vcores: int = knobs.BY_KEY["cluster.yarn_vcores"].default
-    queue: str | None = knobs.BY_KEY["cluster.yarn_queue"].default
-
-    @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> "Resources":
-        """cluster.yarn_* (tfkv.knobs), each overridden by its TFKV_YARN_* variable."""
-        try:
-            return cls(knobs.get("cluster.yarn_memory_mb", environ), knobs.get("cluster.yarn_server_memory_mb", environ),
-                       knobs.get("cluster.yarn_vcores", environ), knobs.get("cluster.yarn_queue", environ) or None)
-        except ValueError as err:
-            raise ConfigError(f"TFKV_YARN_* must be whole numbers ({err})") from None
 
 
 def find_jar(environ: dict[str, str] | None = None) -> str:
@@ -96,10 +79,11 @@ def _groups(plan: list[Process]) -> list[tuple[str, list[Process]]]:
     return labelled
 
 
-def submissions(job: Job, jar: str, name: str = "tfkv", resources: Resources | None = None,
+def submissions(job: Job, jar: str, name: str = "tfkv", settings: YarnCluster | None = None,
                 environ: dict[str, str] | None = None) -> list[tuple[str, list[str]]]:
-    """The `yarn jar ...` command lines that submit the servers and the workers: (label, argv)."""
-    res = resources or Resources()
+    """The `yarn jar ...` command lines that submit the servers and the workers: (label, argv);
+    containers' memory, cores and queue from `settings` (cluster.yarn_*)."""
+    res = settings or YarnCluster()
     forwarded = forwarded_env(os.environ if environ is None else environ)
     subs = []
     for label, procs in _groups(job.plan):
@@ -111,12 +95,12 @@ def submissions(job: Job, jar: str, name: str = "tfkv", resources: Resources | N
         if _UNSAFE.search(command) or bad:
             raise ConfigError(f"YARN runs the command as bash -c \"...\": {'; '.join(bad) or command!r} must not "
                               "contain spaces in variables, or \", $, ` or \\ anywhere")
-        memory = res.server_memory_mb if procs[0].role == "server" else res.memory_mb
+        memory = res.yarn_server_memory_mb if procs[0].role == "server" else res.yarn_memory_mb
         argv = ["yarn", "jar", jar, "-jar", jar, "-appname", f"{name}-{label}",
                 "-num_containers", str(len(procs)), "-container_memory", str(memory),
-                "-container_vcores", str(res.vcores), "-timeout", str(TIMEOUT_MS)]
-        if res.queue:
-            argv += ["-queue", res.queue]
+                "-container_vcores", str(res.yarn_vcores), "-timeout", str(TIMEOUT_MS)]
+        if res.yarn_queue:
+            argv += ["-queue", res.yarn_queue]
         argv += ["-shell_command", command]
         for k, v in sorted(env.items()):
             argv += ["-shell_env", f"{k}={v}"]
@@ -130,19 +114,22 @@ def _need_yarn() -> None:
                           "on PATH")
 
 
-class YarnLauncher:
+class YarnLauncher(Backend):
     """The scheduler here; servers and workers as YARN distributed-shell containers."""
 
     name = "yarn"
+    config = YarnCluster
+    chooses_nodes = True
+    local_ranks = False  # the distributed shell gives a container no index on its host
 
     def preflight(self, job: Job) -> dict[str, dict[str, str]]:
         _need_yarn()
-        submissions(job, find_jar())  # the commands can be built
+        submissions(job, find_jar(), settings=self.settings)  # the commands can be built
         return {"localhost": local_versions()}
 
     def launch(self, job: Job, out: IO[str]) -> Result:
         _need_yarn()
-        subs = submissions(job, find_jar(), batch.job_name("yarn"), Resources.from_env())
+        subs = submissions(job, find_jar(), batch.job_name("yarn"), self.settings)
         output = batch.Output(out, [p.name for p in job.plan], watch=_APP_ID.pattern)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         scheduler = batch.start(role.helper_argv(sys.executable, job.plan[:1], index=0), env=env,

@@ -16,10 +16,12 @@ import threading
 from typing import IO
 
 from tfkv.launcher import supervisor
-from tfkv.launcher.base import Job, Result
+from tfkv.config.cluster import ClusterConfig
+from tfkv.launcher.base import Backend, Job, Result
 from tfkv.launcher.plan import NOT_FORWARDED, Process
 from tfkv.launcher.process import die_with_parent, warn_without_parent_death
 from tfkv.launcher.record import local_versions
+
 
 def _pump(name: str, stream: IO[bytes], out: IO[str], lock: threading.Lock) -> None:
     for raw in iter(stream.readline, b""):
@@ -30,10 +32,13 @@ def _pump(name: str, stream: IO[bytes], out: IO[str], lock: threading.Lock) -> N
     stream.close()
 
 
-class LocalLauncher:
+class LocalLauncher(Backend):
     """Every role as a process on this machine (MXNet's `--launcher local`)."""
 
     name = "local"
+    config = ClusterConfig
+    runs_here = True
+    secrets_by_env = True  # the children's environment, which ps does not show
 
     def preflight(self, job: Job) -> dict[str, dict[str, str]]:
         return {"localhost": local_versions()}

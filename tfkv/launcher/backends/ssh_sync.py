@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from tfkv.launcher.base import Job
 from tfkv.launcher.hosts import Host
 from tfkv.launcher.record import EXCLUDE
-from tfkv.launcher.ssh_connect import ssh_command
+from tfkv.launcher.backends.ssh_connect import ssh_command
 
 if TYPE_CHECKING:
     from fabric import Connection
@@ -19,12 +19,13 @@ if TYPE_CHECKING:
 RSYNC_IDLE_TIMEOUT = 120  # seconds without a byte moved before rsync gives up
 
 
-def rsync(src: str, dst: str, host: Host, mirror: bool = False) -> str | None:
+def rsync(src: str, dst: str, host: Host, mirror: bool = False, ssh_config: str | None = None) -> str | None:
     """Run rsync over ssh (src or dst is `HOST:path`); None, or rsync's last words on failure.
     `mirror`: make dst like src (--delete), leaving out run outputs, .git and caches (EXCLUDE)."""
     extra = ["--delete", *[f"--exclude={d}/" for d in EXCLUDE]] if mirror else []
     # --timeout: a link that goes silent ends the copy instead of hanging the launch (or its teardown)
-    cmd = ["rsync", "-az", f"--timeout={RSYNC_IDLE_TIMEOUT}", *extra, "-e", shlex.join(ssh_command(host)), src, dst]
+    ssh = shlex.join(ssh_command(host, ssh_config))
+    cmd = ["rsync", "-az", f"--timeout={RSYNC_IDLE_TIMEOUT}", *extra, "-e", ssh, src, dst]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     except FileNotFoundError:
@@ -37,7 +38,7 @@ def remote_spec(host: Host, path: str) -> str:
     return f"[{host.name}]:{path}" if ":" in host.name else f"{host.name}:{path}"
 
 
-def copy_back(job: Job, conns: dict[str, Connection]) -> str | None:
+def copy_back(job: Job, conns: dict[str, Connection], ssh_config: str | None = None) -> str | None:
     """Worker 0's run directory, from its host into run_dir, when the tree was synced and
     the workers wrote there (tfkv-run's workers do; a tfkv-launch command may not)."""
     if not job.run_dir or not job.remote_run_dir or job.remote_run_dir == str(job.run_dir):
@@ -54,5 +55,6 @@ def copy_back(job: Job, conns: dict[str, Connection]) -> str | None:
     if not there:
         return None
     Path(job.run_dir).mkdir(parents=True, exist_ok=True)
-    problem = rsync(remote_spec(host, job.remote_run_dir.rstrip("/") + "/"), f"{job.run_dir}/", host)
+    problem = rsync(remote_spec(host, job.remote_run_dir.rstrip("/") + "/"), f"{job.run_dir}/", host,
+                    ssh_config=ssh_config)
     return f"copying {remote_spec(host, job.remote_run_dir)} back failed ({problem})" if problem else None

@@ -30,7 +30,8 @@ Ctrl-C (or a second SIGTERM: the first is a preemption, tfkv.launcher.signals) t
 cancels the job (`scancel --name`, as the job's unique name is known before its id) or, inside an
 allocation, interrupts srun twice, which makes srun kill the step. Slurm kills each task's
 whole process tree; the helper also passes signals on to its role.
-Site-specific flags: TFKV_SRUN_ARGS and TFKV_SBATCH_ARGS (e.g. "-p gpu --time 1:00:00").
+Site-specific flags: cluster.srun_args and cluster.sbatch_args (TFKV_SRUN_ARGS, TFKV_SBATCH_ARGS;
+e.g. "-p gpu --time 1:00:00").
 """
 
 from __future__ import annotations
@@ -46,12 +47,13 @@ import time
 from pathlib import Path
 from typing import IO
 
-from tfkv import knobs
-from tfkv.checkpoint import preemption
+from tfkv import preempt
+from tfkv.config.cluster import SlurmCluster
 from tfkv.errors import ConfigError
 from tfkv.keys import KEYFILE
-from tfkv.launcher import batch, requeue, role, supervisor
-from tfkv.launcher.base import Job, Result
+from tfkv.launcher import requeue, role, supervisor
+from tfkv.launcher.backends import batch
+from tfkv.launcher.base import Backend, Job, Result
 from tfkv.launcher.process import signal_group, status_text
 from tfkv.launcher.record import local_versions
 
@@ -125,51 +127,58 @@ def check_allocation(job: Job, environ: dict[str, str] | None = None) -> None:
         f"e.g. salloc -n {tasks}, or with hydra/launcher=submitit_slurm hydra.launcher.cpus_per_task={tasks}")
 
 
-def srun_argv(job: Job, name: str, environ: dict[str, str] | None = None) -> list[str]:
-    """The one srun that runs every role of the plan as a task of one step."""
+def srun_argv(job: Job, name: str, environ: dict[str, str] | None = None, srun_args: str = "") -> list[str]:
+    """The one srun that runs every role of the plan as a task of one step (`srun_args`: cluster.srun_args)."""
     environ = os.environ if environ is None else environ
     overlap = ["--overlap"] if in_step(environ) else []
     return ["srun", "-n", str(len(job.plan)), *overlap, "--kill-on-bad-exit=1", "--export=ALL", "-J", name,
-            "--chdir", str(job.workdir), *shlex.split(knobs.get("cluster.srun_args", environ)),
+            "--chdir", str(job.workdir), *shlex.split(srun_args),
             *role.helper_argv(job.python, job.plan, rank_var="SLURM_PROCID", scheduler_host="slurm")]
 
 
-def batch_script(job: Job, name: str, environ: dict[str, str] | None = None) -> str:
+def batch_script(job: Job, name: str, environ: dict[str, str] | None = None, srun_args: str = "") -> str:
     """The batch job: the srun of every role. Slurm's warning ahead of a preemption or the time
     limit (`--signal=B:USR1@N` in cluster.sbatch_args) comes to this script alone, which leaves
-    the run directory's preemption flag for worker 0 (tfkv.checkpoint.preemption): it
+    the run directory's preemption flag for worker 0 (tfkv.preempt): it
     checkpoints at its next step and stops the job, and tfkv-run exits 75; the script then
     requeues its job (`python -m tfkv.launcher.requeue`, where Slurm may requeue it: sbatch
     --requeue), keeping the job's key file for the next run, and waits for Slurm to end it. (Not
     SIGTERM, Slurm's stop to every process of the job: srun takes it as the order to kill its
     step at once, so the warning ahead of it is what saves the step.)"""
     run_dir = Path(job.remote_run_dir or job.run_dir or ".")
-    flag = shlex.quote(str(run_dir / preemption.FLAG))
+    flag = shlex.quote(str(run_dir / preempt.FLAG))
     keyfile = role.common_env(job.plan).get(KEYFILE)
     return ("#!/bin/bash\n"
             f"# tfkv: every role of the job as one srun step; SLURM_PROCID decides the role.\n"
             f"trap 'echo SIGUSR1 > {flag}' USR1\n"
-            f"{shlex.join(srun_argv(job, name, environ))} &\n"
+            f"{shlex.join(srun_argv(job, name, environ, srun_args))} &\n"
             "while wait $!; rc=$?; [ $rc -gt 128 ] && kill -0 $! 2>/dev/null; do :; done  # a trap ended a wait\n"
             "# worker 0 checkpointed and stopped the job: requeue it (Slurm then ends this script), and the\n"
             "# workers, with resume=auto, continue from the checkpoint when it runs again\n"
-            f"if [ -e {shlex.quote(str(run_dir / preemption.DONE))} ] && "
+            f"if [ -e {shlex.quote(str(run_dir / preempt.DONE))} ] && "
             f"{shlex.quote(job.python)} -m tfkv.launcher.requeue {shlex.quote(str(run_dir))}; then exec sleep 600; fi\n"
             + (f"rm -f {shlex.quote(keyfile)}  # the job's keys die with it\n" if keyfile else "")
             + "exit $rc\n")
 
 
-def sbatch_argv(job: Job, name: str, script: str, output: str, environ: dict[str, str] | None = None) -> list[str]:
-    environ = os.environ if environ is None else environ
+def sbatch_argv(job: Job, name: str, script: str, output: str, sbatch_args: str = "") -> list[str]:
     return ["sbatch", "--wait", "-J", name, "-n", str(len(job.plan)), "-o", output, "--open-mode=append",
             "--chdir", str(job.workdir),
-            "--export=ALL", *shlex.split(knobs.get("cluster.sbatch_args", environ)), script]
+            "--export=ALL", *shlex.split(sbatch_args), script]
 
 
-class SlurmLauncher:
+class SlurmLauncher(Backend):
     """The job as one srun step, in this allocation or in a batch job of its own."""
 
     name = "slurm"
+    config = SlurmCluster
+    chooses_nodes = True
+    local_ranks = False  # the role helper finds it (SLURM_LOCALID)
+
+    @classmethod
+    def requeues_itself(cls, environ: dict[str, str] | None = None) -> bool:
+        """Outside an allocation: the batch job it submits requeues itself after a preemption (batch_script)."""
+        return not in_allocation(environ)
 
     def preflight(self, job: Job) -> dict[str, dict[str, str]]:
         _need("srun", "scontrol")
@@ -192,7 +201,7 @@ class SlurmLauncher:
 
     def _step(self, job: Job, name: str, env: dict[str, str], output: batch.Output) -> Result:
         """srun inside the allocation we run in."""
-        proc = batch.start(srun_argv(job, name), env=env, cwd=str(job.workdir))
+        proc = batch.start(srun_argv(job, name, srun_args=self.settings.srun_args), env=env, cwd=str(job.workdir))
         output.pump(proc.stdout)  # the helpers' prefixed lines
         output.pump(proc.stderr, "[srun] ")
 
@@ -208,9 +217,10 @@ class SlurmLauncher:
         """sbatch a script that runs the srun; follow its output file; scancel on the way out."""
         files = batch.job_files(job.run_dir, "slurm")
         script, log = files / "job.sh", files / "job.log"
-        script.write_text(batch_script(job, name))
+        script.write_text(batch_script(job, name, srun_args=self.settings.srun_args))
         log.unlink(missing_ok=True)
-        proc = batch.start(sbatch_argv(job, name, str(script), str(log)), env=env, cwd=str(job.workdir))
+        proc = batch.start(sbatch_argv(job, name, str(script), str(log), self.settings.sbatch_args), env=env,
+                           cwd=str(job.workdir))
         output.pump(proc.stdout, "[sbatch] ")
         output.pump(proc.stderr, "[sbatch] ")
         done = threading.Event()
@@ -223,7 +233,7 @@ class SlurmLauncher:
             # sbatch --wait notices the end only at its next poll (seconds): once every role
             # ended, or one failed (Slurm then kills the rest), ask squeue.
             done = not output.ends.running() or output.ends.failed
-            if done and output.found and (Path(job.run_dir or ".") / preemption.DONE).exists():
+            if done and output.found and (Path(job.run_dir or ".") / preempt.DONE).exists():
                 # a job this launcher submitted starts with no restarts: one now is the script's requeue
                 requeued = requeued or int(requeue.job_fields(output.found[0], env).get("Restarts") or 0) > 0
             return requeued or proc.poll() is not None or bool(done and output.found and

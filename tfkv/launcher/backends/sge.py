@@ -16,7 +16,7 @@ Teardown: when a role fails, the others learn it from the scheduler and exit; af
 the launcher deletes the job (`qdel <unique job name>`), which kills whatever task is left, and
 stops the local scheduler's process group. Ctrl-C or SIGTERM does the same at once. The helper
 passes signals on to its role and dies with the shepherd, and maps exit codes 99 and 100 (which
-would make Grid Engine rerun or hold the task) to 1. Site-specific flags: TFKV_QSUB_ARGS (e.g.
+would make Grid Engine rerun or hold the task) to 1. Site-specific flags: cluster.qsub_args (TFKV_QSUB_ARGS; e.g.
 "-q gpu.q -l h_vmem=4G").
 """
 
@@ -30,10 +30,11 @@ import threading
 from pathlib import Path
 from typing import IO
 
-from tfkv import knobs
+from tfkv.config.cluster import SGECluster
 from tfkv.errors import ConfigError
-from tfkv.launcher import batch, role, supervisor
-from tfkv.launcher.base import Job, Result
+from tfkv.launcher import role, supervisor
+from tfkv.launcher.backends import batch
+from tfkv.launcher.base import Backend, Job, Result
 from tfkv.launcher.process import status_text
 from tfkv.launcher.record import local_versions
 
@@ -55,17 +56,19 @@ def task_script(job: Job) -> str:
             f"exec {shlex.join(helper)}\n")
 
 
-def qsub_argv(job: Job, name: str, script: str, logs: Path, environ: dict[str, str] | None = None) -> list[str]:
-    environ = os.environ if environ is None else environ
+def qsub_argv(job: Job, name: str, script: str, logs: Path, qsub_args: str = "") -> list[str]:
     return ["qsub", "-sync", "y", "-t", f"1-{len(job.plan) - 1}", "-N", name, "-V", "-wd", str(job.workdir),
             "-j", "y", "-o", f"{logs}/task-$TASK_ID.log", "-S", "/bin/bash",
-            *shlex.split(knobs.get("cluster.qsub_args", environ)), script]
+            *shlex.split(qsub_args), script]
 
 
-class SGELauncher:
+class SGELauncher(Backend):
     """The scheduler here; servers and workers as the tasks of one Grid Engine array job."""
 
     name = "sge"
+    config = SGECluster
+    chooses_nodes = True
+    local_ranks = False  # Grid Engine gives a task no index on its host
 
     def preflight(self, job: Job) -> dict[str, dict[str, str]]:
         _need("qsub", "qdel")
@@ -89,7 +92,8 @@ class SGELauncher:
                                cwd=str(job.workdir))
         output.pump(scheduler.stdout)
         output.pump(scheduler.stderr, "[scheduler] ")
-        qsub = batch.start(qsub_argv(job, name, str(script), files), env=env, cwd=str(job.workdir))
+        qsub = batch.start(qsub_argv(job, name, str(script), files, self.settings.qsub_args), env=env,
+                           cwd=str(job.workdir))
         output.pump(qsub.stdout, "[qsub] ")
         output.pump(qsub.stderr, "[qsub] ")
 

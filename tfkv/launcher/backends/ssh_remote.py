@@ -22,7 +22,7 @@ from typing import IO, TYPE_CHECKING
 
 from tfkv.launcher.hosts import Host
 from tfkv.launcher.plan import Process, forwarded_env
-from tfkv.launcher.ssh_connect import CONNECT_TIMEOUT
+from tfkv.launcher.backends.ssh_connect import CONNECT_TIMEOUT
 from tfkv.keys import SECRET_NAMES
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ grace period. Open MPI puts every rank in its
 own process group; the helper passes signals on to its role and dies with orted/mpirun.
 
 The mpi backend does not copy the working tree: hosts must see the same paths (a shared file
-system), as with MXNet's launcher. Site-specific flags can be added with TFKV_MPIRUN_ARGS.
+system), as with MXNet's launcher. Site-specific flags: cluster.mpirun_args (TFKV_MPIRUN_ARGS).
 """
 
 from __future__ import annotations
@@ -32,10 +32,11 @@ import shutil
 import subprocess
 from typing import IO
 
-from tfkv import knobs
+from tfkv.config.cluster import MPICluster
 from tfkv.errors import ConfigError
-from tfkv.launcher import batch, role
-from tfkv.launcher.base import Job, Result
+from tfkv.launcher import role
+from tfkv.launcher.backends import batch
+from tfkv.launcher.base import Backend, Job, Result
 from tfkv.launcher.hosts import Host
 from tfkv.launcher.process import status_text
 from tfkv.launcher.plan import Process, forwarded_env
@@ -82,8 +83,9 @@ def _contexts(plan: list[Process]) -> list[tuple[int, str, list[Process]]]:
     return runs
 
 
-def mpirun_argv(job: Job, mpirun: str = "mpirun", environ: dict[str, str] | None = None) -> list[str]:
-    """The one mpirun command line that runs the whole plan."""
+def mpirun_argv(job: Job, mpirun: str = "mpirun", environ: dict[str, str] | None = None,
+                mpirun_args: str = "") -> list[str]:
+    """The one mpirun command line that runs the whole plan (`mpirun_args`: cluster.mpirun_args)."""
     if job.sync_dst_dir:
         raise ConfigError("the mpi launcher does not copy the working tree (--sync-dst-dir is for --launcher ssh); "
                           "use a file system every host shares")
@@ -93,7 +95,7 @@ def mpirun_argv(job: Job, mpirun: str = "mpirun", environ: dict[str, str] | None
     # One slot per role is the plan's business, not the host's core count; the roles bind nothing.
     argv += ["--oversubscribe", "--bind-to", "none", "--mca", "orte_abort_on_non_zero_status", "0",
              "--wdir", str(job.workdir), *_rsh_args(job.hosts)]
-    argv += shlex.split(knobs.get("cluster.mpirun_args", environ))
+    argv += shlex.split(mpirun_args)
     exports = {**forwarded_env(os.environ if environ is None else environ), **role.common_env(job.plan)}
     for i, (first, host, procs) in enumerate(_contexts(job.plan)):
         if i:
@@ -114,20 +116,22 @@ def _why(text: str) -> str:
     return (ranks or lines or ["no output"])[-1]
 
 
-class MPILauncher:
+class MPILauncher(Backend):
     """The job as one mpirun; the MPI rank decides the role."""
 
     name = "mpi"
+    config = MPICluster
+    places_roles = True
 
     def preflight(self, job: Job) -> dict[str, dict[str, str]]:
         """mpirun is here, the hosts file suits it, and every host runs tfkv: their versions."""
         mpirun = _need_mpirun()
-        mpirun_argv(job, mpirun)  # the hosts file and options are usable
+        mpirun_argv(job, mpirun, mpirun_args=self.settings.mpirun_args)  # the hosts file and options are usable
         versions = {"localhost": local_versions()}
         hosts = list(dict.fromkeys(p.host for p in job.plan))
         # One rank per host prints its versions: also proves mpirun reaches every host.
         argv = [mpirun, *(["--allow-run-as-root"] if os.geteuid() == 0 else []), "--oversubscribe",
-                "--tag-output", *_rsh_args(job.hosts), *shlex.split(knobs.get("cluster.mpirun_args"))]
+                "--tag-output", *_rsh_args(job.hosts), *shlex.split(self.settings.mpirun_args)]
         for i, host in enumerate(hosts):
             argv += ([":"] if i else []) + ["-np", "1", "--host", host, job.python, "-m", "tfkv.launcher.record"]
         # SIGTERM, not SIGKILL, on timeout: mpirun then ends the ssh sessions it started (each in a
@@ -161,7 +165,7 @@ class MPILauncher:
         return versions
 
     def launch(self, job: Job, out: IO[str]) -> Result:
-        argv = mpirun_argv(job, _need_mpirun())
+        argv = mpirun_argv(job, _need_mpirun(), mpirun_args=self.settings.mpirun_args)
         output = batch.Output(out, [p.name for p in job.plan])
         proc = batch.start(argv, env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=str(job.workdir))
         output.pump(proc.stdout)  # the helpers' prefixed lines

@@ -1,7 +1,8 @@
 """ssh connections for the ssh launcher (and the sweeps' host checks): a host reached exactly as
 `ssh HOST` would reach it, by Fabric or by `ssh` itself (for rsync).
 
-The ssh config (~/.ssh/config, or the file TFKV_SSH_CONFIG names) gives a host's HostName, User,
+The ssh config (~/.ssh/config, or the file cluster.ssh_config / TFKV_SSH_CONFIG names, passed
+in as `ssh_config`: the launcher's settings) gives a host's HostName, User,
 Port, IdentityFile, ProxyJump...; a hosts-file `user@host:port` wins over it. Fabric (paramiko)
 makes the connection; no password is ever asked for (keys or an agent only, as with ssh's
 BatchMode), and host keys are checked as OpenSSH checks them, where Fabric alone would accept any
@@ -14,7 +15,6 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tfkv import knobs
 from tfkv.errors import ConfigError
 from tfkv.launcher.hosts import Host
 
@@ -26,24 +26,24 @@ log = logging.getLogger("tfkv")
 CONNECT_TIMEOUT = 10  # seconds, unless the ssh config sets ConnectTimeout
 
 
-def ssh_config_path() -> str | None:
-    """The ssh config file named by TFKV_SSH_CONFIG (cluster.ssh_config); None: ssh's own (~/.ssh/config)."""
-    path = knobs.get("cluster.ssh_config")
+def ssh_config_path(path: str | None) -> str | None:
+    """The ssh config file `path` (cluster.ssh_config, TFKV_SSH_CONFIG) names, checked; None: ssh's
+    own (~/.ssh/config)."""
     if path and not Path(path).expanduser().is_file():
         raise ConfigError(f"TFKV_SSH_CONFIG={path} is not a file; point it at an ssh config file or unset it")
     return str(Path(path).expanduser()) if path else None
 
 
-def config_name() -> str:
-    return ssh_config_path() or "~/.ssh/config"
+def config_name(ssh_config: str | None) -> str:
+    return ssh_config_path(ssh_config) or "~/.ssh/config"
 
 
-def connect(host: Host) -> Connection:
+def connect(host: Host, ssh_config: str | None = None) -> Connection:
     """An open Fabric connection to `host`, set up as `ssh host` would be; never prompts."""
     from fabric import Config, Connection
 
     overrides = {"timeouts": {"connect": CONNECT_TIMEOUT}}  # the ssh config's ConnectTimeout wins
-    path = ssh_config_path()
+    path = ssh_config_path(ssh_config)
     config = Config(runtime_ssh_path=path, overrides=overrides) if path else Config(overrides=overrides)
     # IdentityFile etc. come from the ssh config; keys from the agent and ~/.ssh as ssh would try
     # them, unless the config says IdentitiesOnly and names the keys.
@@ -82,7 +82,7 @@ def _check_host_keys(client: Any, entry: dict[str, Any]) -> None:
     client.set_missing_host_key_policy(paramiko.AutoAddPolicy() if accept else paramiko.RejectPolicy())
 
 
-def connect_problem(host: Host, e: Exception) -> str:
+def connect_problem(host: Host, e: Exception, ssh_config: str | None = None) -> str:
     """One line: why `host` cannot be reached, and what to do."""
     import socket
 
@@ -90,10 +90,10 @@ def connect_problem(host: Host, e: Exception) -> str:
 
     if isinstance(e, paramiko.AuthenticationException) or "No authentication methods" in str(e):
         return (f"{host}: ssh refused the key ({e}); add your key to {host.name}'s authorized_keys or set "
-                f"IdentityFile in {config_name()}")
+                f"IdentityFile in {config_name(ssh_config)}")
     if isinstance(e, socket.gaierror):
         return (f"{host}: unknown host ({e.strerror}); fix the name in the hosts file or give it a HostName "
-                f"in {config_name()}")
+                f"in {config_name(ssh_config)}")
     if isinstance(e, paramiko.ssh_exception.NoValidConnectionsError):
         return f"{host}: no ssh server answers there ({e.strerror or e}); start sshd on it or fix the port"
     if isinstance(e, (TimeoutError, socket.timeout)):
@@ -102,15 +102,15 @@ def connect_problem(host: Host, e: Exception) -> str:
         return f"{host}: its host key changed; if that is expected, run ssh-keygen -R {host.name}"
     if isinstance(e, paramiko.SSHException) and "not found in known_hosts" in str(e):
         return (f"{host}: its host key is not in known_hosts; run `ssh {host.name}` once to check and accept it, "
-                f"or set StrictHostKeyChecking for it in {config_name()}")
+                f"or set StrictHostKeyChecking for it in {config_name(ssh_config)}")
     return f"{host}: cannot connect ({type(e).__name__}: {e}); check that `ssh {host}` works"
 
 
-def ssh_command(host: Host) -> list[str]:
+def ssh_command(host: Host, ssh_config: str | None = None) -> list[str]:
     """`ssh` as rsync should run it: the same config, never a prompt; the alias is given apart."""
     cmd = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={CONNECT_TIMEOUT}"]
-    if ssh_config_path():
-        cmd += ["-F", ssh_config_path()]
+    if ssh_config:
+        cmd += ["-F", ssh_config_path(ssh_config)]
     if host.port:
         cmd += ["-p", str(host.port)]
     if host.user:
