@@ -126,7 +126,7 @@ def _launch(cfg: Any, run_dir: Path, overrides: list[str], cwd: Path) -> float:
     from tfkv import checkpoint, knobs, worker
     from tfkv.checkpoint import preemption
     from tfkv.errors import EXIT_PREEMPTED, ClusterFailed
-    from tfkv.launcher import job
+    from tfkv.launcher import base, job
     from tfkv.trainer import objective
 
     c = cfg.cluster
@@ -145,7 +145,7 @@ def _launch(cfg: Any, run_dir: Path, overrides: list[str], cwd: Path) -> float:
         cfg.resume = checkpoint.AUTO  # workers look in the run directory themselves, each time
     hc = HydraConfig.get()
     env = worker.record(cfg, run_dir, hc)
-    python = sys.executable if c.launcher == "local" else c.get("python", "python3")
+    python = sys.executable if base.traits(c.launcher).runs_here else c.get("python", "python3")
     # SIGUSR1 here (a batch system's warning): worker 0 checkpoints at the end of a step and stops the job
     asked = signal.signal(preemption.SIGNAL, lambda *_: preemption.ask(run_dir))
 

@@ -25,7 +25,6 @@ from tfkv import preempt
 from tfkv.errors import EXIT_INTERRUPTED, TfkvError, report
 from tfkv.ps.cluster_env import ClusterEnv, ClusterEnvError
 
-log = logging.getLogger("tfkv")
 SERVING = ("scheduler", "server")  # the roles tfkv.ps runs; a worker runs the training command
 
 
