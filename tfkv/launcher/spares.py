@@ -31,9 +31,10 @@ def check(launcher: str, hostfile: str | None, spare_hosts: Sequence[str] | None
         return []
     traits = base.traits(launcher)
     if not traits.places_roles:
+        placing = " or ".join(n for n in base.REGISTRY.names() if base.traits(n).places_roles)
         raise ConfigError(f"cluster.spare_hosts: the {launcher} launcher does not place roles on hosts "
                           f"({'the resource manager picks the nodes' if traits.chooses_nodes else 'one machine'}); "
-                          "spare hosts are for --launcher ssh or mpi with a hosts file")
+                          f"spare hosts are for --launcher {placing} with a hosts file")
     if not hostfile:
         raise ConfigError("cluster.spare_hosts needs a hosts file (-H hosts / cluster.hostfile=hosts): a spare "
                           "takes the place of one of its hosts")
