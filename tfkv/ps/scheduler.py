@@ -68,6 +68,8 @@ class Scheduler:
         self.heard: Counter[str] = Counter()
         self._next_look = 0.0  # when `_silent` next looks for silent nodes
         self._behind_since: float | None = None  # since when messages wait each time it would look
+        self._last_call = 0.0  # when `_silent` was last called (the loop's pace)
+        self._looked = time.monotonic()  # when `_silent` last judged
 
     def run(self) -> int:
         """Run the job's membership to the end: 0 when every worker finished, EXIT_PEER_FAILED
@@ -243,7 +245,14 @@ class Scheduler:
         per message it cost O(nodes^2) per interval), and only once what has already arrived is
         read: a scheduler that got no CPU for a while (a loaded machine) finds the nodes' heartbeats
         of that while waiting in its socket, and must not blame a node for its own delay. A backlog
-        that lasts a whole heartbeat timeout of reading is judged anyway."""
+        that lasts a whole heartbeat timeout of reading is judged anyway. After such a while the
+        socket may not show them yet (ZeroMQ's I/O thread got no CPU either and has not read them
+        from the kernel): a loop that was held up looks one heartbeat interval later, unless it
+        has not judged for two heartbeat timeouts (a machine that never lets it catch up)."""
+        held_up = self._last_call and now - self._last_call > self.env.heartbeat_interval
+        self._last_call = now
+        if held_up and now - self._looked < 2 * self.env.heartbeat_timeout:
+            self._next_look = max(self._next_look, now + self.env.heartbeat_interval)
         if now < self._next_look:
             return None
         if self.sock.poll(0):
@@ -251,6 +260,6 @@ class Scheduler:
             if now - self._behind_since < self.env.heartbeat_timeout:
                 return None
         self._behind_since = None
-        self._next_look = now + self.env.heartbeat_interval / 2
+        self._next_look, self._looked = now + self.env.heartbeat_interval / 2, now
         return next((n for n in self.nodes.values()
                      if not n.done and now - n.last_seen > self.env.heartbeat_timeout), None)
