@@ -10,7 +10,9 @@
 #           127.0.0.1 and lists the run
 #   hydra-optuna-sweeper  hydra/sweeper=optuna (Optuna 2) searches; a direction against the
 #           objective's is one line before any trial; then the test suite's tests of that sweeper
-# Usage: .ci/extras.sh [extra ...] (default: all); EXTRAS_DIR keeps the venvs (default: a temporary one).
+# Usage: .ci/extras.sh [--prepare] [extra ...] (default: all); EXTRAS_DIR keeps the venvs (default: a
+# temporary one). --prepare only builds the venvs (network and disk, little CPU), so that CI can build
+# them while the test suites run; a later call with the same EXTRAS_DIR checks in them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -20,8 +22,19 @@ mkdir -p "$WORK"
 PYTHON=${PYTHON:-python3}
 LEAN=(epochs=1 steps_per_epoch=4 progress=false)
 
-"$PYTHON" -m pip wheel -q --no-deps -w "$WORK/wheel" "$REPO"
+PREPARE=false
+[ "${1:-}" != --prepare ] || { PREPARE=true; shift; }
+[ -n "$(ls "$WORK"/wheel/tfkv-*.whl 2>/dev/null)" ] || "$PYTHON" -m pip wheel -q --no-deps -w "$WORK/wheel" "$REPO"
 WHEEL=$(ls "$WORK"/wheel/tfkv-*.whl)
+
+# What each extra's venv holds (@ is the wheel). hydra-optuna-sweeper as README installs it: Optuna 2
+# keeps a study in a database only through SQLAlchemy 1.4; pytest for its tests of that sweeper.
+declare -A PACKAGES=(
+  [cpu]="@[cpu]"
+  [sweep]="@[cpu,sweep]"
+  [mlflow]="@[cpu,mlflow]"
+  [hydra-optuna-sweeper]="@[cpu] hydra-optuna-sweeper sqlalchemy<2 alembic<1.14 pytest pytest-timeout pyyaml"
+)
 
 # uv, where it is installed, makes each venv from its cache in seconds (pip takes minutes for TensorFlow)
 if command -v uv >/dev/null; then
@@ -32,11 +45,18 @@ else
   install() { local dir=$1; shift; "$dir/bin/pip" install -q "$@"; }
 fi
 
-venv() {  # venv NAME PIP-ARGS...: a fresh venv with these installed; its bin/ first on PATH
-  local dir="$WORK/$1"; shift
+build() {  # build NAME: a fresh venv holding PACKAGES[NAME], unless one was built for them already
+  local dir="$WORK/$1" packages=${PACKAGES[$1]//@/$WHEEL}
+  [ "$(cat "$dir/.packages" 2>/dev/null)" != "$packages" ] || return 0
   rm -rf "$dir"
   make_venv "$dir"
-  install "$dir" "$@"
+  set -f; install "$dir" $packages; set +f  # no globbing of [cpu]
+  echo "$packages" >"$dir/.packages"
+}
+
+venv() {  # venv NAME: its venv built; its bin/ first on PATH
+  local dir="$WORK/$1"
+  build "$1"
   export PATH="$dir/bin:${PATH#"$WORK"/*/bin:}" VIRTUAL_ENV="$dir"
   echo "== $(basename "$dir"): $("$dir/bin/python" -c 'from importlib import metadata as m
 print(" ".join(f"{d.name}=={d.version}" for d in m.distributions()
@@ -53,7 +73,7 @@ one_line() {  # one_line WORDS CMD...: CMD exits 2 with a single tfkv-run line t
 }
 
 check_cpu() {
-  venv cpu "$WHEEL[cpu]"
+  venv cpu
   cd "$(fresh cpu)"
   tfkv-run "${LEAN[@]}" >/dev/null
   one_line "tfkv[mlflow]" tfkv-run logger=mlflow "${LEAN[@]}"
@@ -62,7 +82,7 @@ check_cpu() {
 }
 
 check_sweep() {
-  venv sweep "$WHEEL[cpu,sweep]"
+  venv sweep
   cd "$(fresh sweep)"
   tfkv-run -m hydra/sweeper=tfkv_optuna hydra/launcher=joblib hydra.launcher.n_jobs=2 hydra.sweeper.n_trials=2 \
     hydra.sweeper.n_jobs=2 objective=test_loss 'optimizer.lr=choice(0.1,0.00001)' hydra.sweep.dir=sweep \
@@ -83,7 +103,7 @@ EOF
 }
 
 check_mlflow() {
-  venv mlflow "$WHEEL[cpu,mlflow]"
+  venv mlflow
   local d port pid
   d=$(fresh mlflow)
   cd "$d"
@@ -121,9 +141,7 @@ EOF
 }
 
 check_hydra-optuna-sweeper() {
-  # as README installs it: Optuna 2 keeps a study in a database only through SQLAlchemy 1.4
-  venv hydra-optuna-sweeper "$WHEEL[cpu]" hydra-optuna-sweeper 'sqlalchemy<2' 'alembic<1.14' \
-    pytest pytest-timeout pyyaml
+  venv hydra-optuna-sweeper
   cd "$(fresh hydra-optuna)"
   one_line "hydra.sweeper.direction=minimize but objective test_accuracy is to maximize" \
     tfkv-run -m hydra/sweeper=optuna 'optimizer.lr=interval(0.01,0.1)' "${LEAN[@]}"
@@ -133,6 +151,13 @@ check_hydra-optuna-sweeper() {
   cd "$REPO"
   python -m pytest -q -p no:randomly -p no:cacheprovider -m slow -k hydra_s_own tests/sweep/test_sweep_optuna.py
 }
+
+if $PREPARE; then
+  for e in ${@:-${!PACKAGES[@]}}; do build "$e" & done
+  wait  # every build's status: set -e stops at the first that failed
+  for e in ${@:-${!PACKAGES[@]}}; do [ -f "$WORK/$e/.packages" ] || { echo "FAIL: the $e venv was not built"; exit 1; }; done
+  exit 0
+fi
 
 for extra in "${@:-cpu sweep mlflow hydra-optuna-sweeper}"; do
   for e in $extra; do
