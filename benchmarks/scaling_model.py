@@ -18,7 +18,7 @@ the processes inside a budget of --cpus cores (0.4, the emulated hosts'), as the
 The link is not measured here: a tc tbf link carries 0.95 of its rate (issue 29's measurement).
 No latency term: netem is not in this kernel, so none could be emulated or measured.
 
-The step model (docs/scaling.md has it with the tables this writes): H hosts, one worker and one
+The step model (docs/concepts/scaling.md has it with the tables this writes): H hosts, one worker and one
 server each, W = S = H, model of P bytes in keys (n_split keys of 1M elements or more, cut in a part per
 server; n_whole keys over 64 KiB, a message each; n_small keys fused into a PUSHPULL per server),
 per-worker batch B:

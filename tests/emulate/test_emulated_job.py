@@ -1,4 +1,4 @@
-"""A real `tfkv-run cluster=ssh` job on an emulated cluster, exactly as docs/cluster.md tells it:
+"""A real `tfkv-run cluster=ssh` job on an emulated cluster, exactly as docs/guides/emulated-cluster.md tells it:
 `TFKV_SSH_CONFIG=D/ssh_config tfkv-run ... cluster=ssh cluster.hostfile=D/hosts`."""
 
 from __future__ import annotations
