@@ -1,6 +1,7 @@
-"""The import layers of pyproject.toml's [tool.importlinter] hold (cli -> launcher -> trainer ->
-parallel -> store -> ps -> base, the launcher and ps without TensorFlow, no cycles), so the README's
-test command checks them as CI's `lint-imports` step does."""
+"""The import layers of pyproject.toml's [tool.importlinter] hold (cli -> trainer -> parallel ->
+store -> ps -> base, the launcher beside the trainer on the base alone, the launcher and ps without
+TensorFlow, no cycles; docs/development/architecture.md draws them), so the fast suite checks them
+as CI's `lint-imports` step does."""
 
 import shutil
 import subprocess
