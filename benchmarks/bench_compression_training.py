@@ -31,6 +31,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from dist_job import Failed, run_job  # noqa: E402
+import record  # noqa: E402 - benchmarks/record.py
 
 
 def main() -> None:
@@ -43,6 +44,7 @@ def main() -> None:
     ap.add_argument("--overlap-ab", action="store_true",
                     help="also run float32 pushing every key after the whole backward pass")
     ap.add_argument("--job-timeout", type=float, default=240.0)
+    record.add_argument(ap, "compression_training")
     args = ap.parse_args()
     counts = [int(w) for w in args.workers.split(",")]
     # Every job is secure (the job's keys), as launched jobs are by default; "plain" is the float32
@@ -73,14 +75,18 @@ def main() -> None:
 
     print(f"{'workers':>7}  {'contender':<34} {'samples/s':>10} {'vs float32':>10} {'pushed B/step':>14} "
           f"{'bytes ratio':>11}")
+    rows = []
     for w in counts:
         base_s = med(w, "float32", lambda r: r["samples_s"])
         base_b = med(w, "float32", lambda r: r["push_bytes"])
         for c in contenders:
             s, b = med(w, c, lambda r: r["samples_s"]), med(w, c, lambda r: r["push_bytes"])
             print(f"{w:>7}  {c:<34} {s:>10.0f} {s / base_s:>10.3f} {b:>14,.0f} {base_b / b:>10.1f}x")
+            rows.append({"workers": w, "contender": c, "samples/s": s, "vs float32": s / base_s,
+                         "pushed B/step": b, "bytes ratio": base_b / b})
     print("per-trial samples/s: " + "; ".join(
         f"{w}w {c} " + "/".join(f"{r['samples_s']:.0f}" for r in got[(w, c)]) for w in counts for c in contenders))
+    record.write(args.result, "compression_training", record.settings_of(args), rows)
 
 
 if __name__ == "__main__":

@@ -18,13 +18,15 @@ benchmarks' own full runs. Writes <out>.json and <out>.md; exits non-zero if a r
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import record  # noqa: E402 - benchmarks/record.py
 
 # Per benchmark: its arguments here, the first word of its table's header line, and the names of
 # the table's columns (the header itself has names with spaces in them).
@@ -100,7 +102,8 @@ def main() -> None:
     ap.add_argument("--new", type=Path, default=Path(__file__).resolve().parent.parent, help="the tree after")
     ap.add_argument("--rounds", type=int, default=2, help="runs of every benchmark per tree")
     ap.add_argument("--only", default=",".join(SETTINGS), help="comma-separated: " + ", ".join(SETTINGS))
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "trees")
+    ap.add_argument("--out", type=Path, default=record.default_path("trees").with_suffix(""),
+                    help="where the results go: OUT.json (the record) and OUT.md")
     a = ap.parse_args()
     benches = a.only.split(",")
     unknown = [b for b in benches if b not in SETTINGS]
@@ -135,9 +138,8 @@ def main() -> None:
     print(head)
     print("\n".join(table))
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.with_suffix(".json").write_text(json.dumps({"commits": commits, "rounds": a.rounds,
-                                                      "settings": {b: SETTINGS[b][0] for b in benches},
-                                                      "rows": rows}, indent=1) + "\n")
+    record.write(a.out.with_suffix(".json"), "trees", {b: SETTINGS[b][0] for b in benches}, rows, commits=commits,
+                 rounds=a.rounds)
     a.out.with_suffix(".md").write_text(f"# bench_trees\n\n{head}\n\n" + "\n".join(table) + "\n")
 
 
