@@ -2,10 +2,10 @@
 worker pushes per step, with 2 and 4 local workers and 1 server, same run.
 
 LeNet (tfkv `lenet`) on one synthetic 28x28x1 batch, b=32 per worker, SGD (lr 0.01, momentum
-0.9). Contenders: float32 pushes; MXNet's 2-bit pushes
-(`set_gradient_compression({"type": "2bit", "threshold": 0.5})`, called right after the store is
-created, before any key exists, as the trainer does; pulls stay float32); and the accurate 2-bit,
-`{"type": "2bit_momentum"}` (a tfkv-run config's `kvstore.compression.type=2bit`: the momentum
+0.9). Contenders: float32 pushes; MXNet's 2-bit pushes (a config's
+`kvstore.compression.type=2bit_mxnet`, set right after the store is created, before any key
+exists, as the trainer does; pulls stay float32); and the accurate 2-bit
+(`kvstore.compression.type=2bit`: the momentum
 applied on the workers before quantising, the servers' SGD without it), the one speed targets
 are measured with. Their accuracy: bench_compression_accuracy.py. Each job is the one in
 benchmarks/dist_job.py (time-based steps, workers' weights checked to agree). Trials alternate
@@ -49,7 +49,8 @@ def main() -> None:
     counts = [int(w) for w in args.workers.split(",")]
     # Every job is secure (the job's keys), as launched jobs are by default; "plain" is the float32
     # job with TFKV_SECURE=0, what security costs beside what compression saves.
-    compressions = {"2bit (accurate: 2bit_momentum)": "2bit_momentum", "2bit (MXNet's)": "2bit"}
+    # config names (dist_job.config_compression): 2bit is the accurate one, 2bit_mxnet MXNet's exact one
+    compressions = {"2bit (accurate)": "2bit", "2bit (MXNet's)": "2bit_mxnet"}
     contenders = ["float32", *compressions, "float32, plain (secure=false)"] + (
         ["float32, pushed after backward"] if args.overlap_ab else [])
     print(f"LeNet, dist_sync, 1 server, b={args.batch} per worker; samples/s of the whole job, median of "

@@ -106,6 +106,10 @@ def test_scaling_model_compares_its_predictions_with_a_cluster_run(tmp_path):
         in proc.stdout, proc.stdout
     assert "| lenet | tfkv | 2 | 1gbit |" in proc.stdout and "mwms" not in proc.stdout
     assert "largest error 28%" in proc.stdout and "NOT met" in proc.stdout
+    table = proc.stdout
+    (tmp_path / "cluster.json").write_text(json.dumps({"benchmark": "cluster", "rows": rows}))  # a result record
+    proc = _scaling_model("--costs", str(tmp_path / "costs.json"), "--compare", str(tmp_path / "cluster.json"))
+    assert proc.returncode == 0 and proc.stdout == table, proc.stderr
 
     rows[0]["cpus"] = 0.2  # measured in another budget than the costs: refused, one line
     (tmp_path / "cluster.json").write_text(json.dumps(rows))
