@@ -22,6 +22,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -73,9 +74,11 @@ def parse_table(text: str, first: str, columns: list[str]) -> dict[str, dict[str
 
 def run_one(tree: Path, bench: str) -> dict[str, dict[str, float]]:
     args, first, columns = SETTINGS[bench]
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    done = subprocess.run([sys.executable, str(tree / "benchmarks" / f"bench_{bench}.py"), *args], cwd=tree, env=env,
-                          capture_output=True, text=True, timeout=1800)
+    with tempfile.TemporaryDirectory(prefix="bench_trees_") as records:
+        # the runs' own records go to a scratch folder: a comparison must not replace a tree's results
+        env = {**os.environ, "PYTHONPATH": str(tree), record.ENV: records}
+        done = subprocess.run([sys.executable, str(tree / "benchmarks" / f"bench_{bench}.py"), *args], cwd=tree,
+                              env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"bench_{bench} on {tree} exited {done.returncode}: {done.stderr.strip()[-800:]}")
     return parse_table(done.stdout, first, columns)
