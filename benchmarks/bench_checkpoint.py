@@ -24,10 +24,14 @@ import os
 import signal
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import record  # noqa: E402 - benchmarks/record.py
 
 OVERHEAD_JOB = ["progress=false", "batch_size=16", "resume=false"]  # 88 steps per epoch
 RESTART_JOB = ["kvstore=dist_sync", "cluster=local", "cluster.num_workers=2", "cluster.num_servers=1",
@@ -45,7 +49,7 @@ def rate(args: list[str], where: Path) -> float:
     return sum(h["samples"] for h in history) / sum(h["train_seconds"] for h in history)
 
 
-def overhead(trials: int, epochs: int, root: Path) -> None:
+def overhead(trials: int, epochs: int, root: Path) -> list[dict]:
     runs: dict[str, list[float]] = {"none": [], "every_steps=50": []}
     for t in range(trials):
         for name in runs:
@@ -56,6 +60,8 @@ def overhead(trials: int, epochs: int, root: Path) -> None:
               f"({', '.join(f'{r:.0f}' for r in rates)})")
     ratio = statistics.median(runs["every_steps=50"]) / statistics.median(runs["none"])
     print(f"ratio every_steps=50 / none: {ratio:.3f}")
+    return [{"what": f"step checkpoints {name}", "samples/s": statistics.median(rates),
+             "vs none": statistics.median(rates) / statistics.median(runs["none"])} for name, rates in runs.items()]
 
 
 def _worker(launcher: subprocess.Popen, rank: int) -> int | None:
@@ -71,7 +77,7 @@ def _worker(launcher: subprocess.Popen, rank: int) -> int | None:
     return None
 
 
-def restart(root: Path) -> None:
+def restart(root: Path) -> list[dict]:
     run = root / "restart"
     job = subprocess.Popen(["tfkv-run", *RESTART_JOB, f"hydra.run.dir={run}"], stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
@@ -99,6 +105,8 @@ def restart(root: Path) -> None:
         raise SystemExit(f"the restarted job did not resume (status {code}):\n" + "".join(ln for _, ln in seen)[-3000:])
     print(f"kill -9 of worker 1 -> restart line {when['tfkv: restart 1 of 1'] - killed:.1f} s, "
           f"-> training again (resume line) {when['resumed from'] - killed:.1f} s")
+    return [{"what": "kill -9 of worker 1 -> restart line", "seconds": when["tfkv: restart 1 of 1"] - killed},
+            {"what": "kill -9 of worker 1 -> training again", "seconds": when["resumed from"] - killed}]
 
 
 def main() -> None:
@@ -106,12 +114,15 @@ def main() -> None:
     p.add_argument("--what", default="overhead,restart", help="overhead, restart or both (comma-separated)")
     p.add_argument("--trials", type=int, default=3, help="runs of each contender (overhead)")
     p.add_argument("--epochs", type=int, default=10, help="epochs of each run (overhead)")
+    record.add_argument(p, "checkpoint")
     a = p.parse_args()
+    rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench-checkpoint-") as d:
         if "overhead" in a.what:
-            overhead(a.trials, a.epochs, Path(d))
+            rows += overhead(a.trials, a.epochs, Path(d))
         if "restart" in a.what:
-            restart(Path(d))
+            rows += restart(Path(d))
+    record.write(a.result, "checkpoint", record.settings_of(a), rows)
 
 
 if __name__ == "__main__":

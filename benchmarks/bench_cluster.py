@@ -24,7 +24,6 @@ is a row with its error, and the exit status is 1.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -37,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import cluster_jobs  # noqa: E402
 import cluster_report  # noqa: E402
+import record  # noqa: E402
 from bench_dist_training import MODELS  # noqa: E402
 from dist_job import Failed  # noqa: E402
 
@@ -64,14 +64,14 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--straggler", action=argparse.BooleanOptionalAction, default=True,
                     help="also the straggler setting (async against sync)")
     ap.add_argument("--job-timeout", type=float, default=300.0)
-    ap.add_argument("--json", help="write the rows here")
-    ap.add_argument("--plots", help="where the PNGs go (default: --json's directory; none without --json)")
+    record.add_argument(ap, "cluster", "--json", "--result")
+    ap.add_argument("--plots", help="where the PNGs go (default: --json's directory; none with --json none)")
     ap.add_argument("--quick", action="store_true", help=f"the short run: {QUICK}")
     ap.add_argument("--table", nargs="+", metavar="FILE", help="print the table and targets of a run's JSON rows")
     ap.add_argument("--plot", nargs="+", metavar="FILE", help="draw the PNGs of a run's JSON rows")
     args = ap.parse_args()
-    if args.plots is None and (args.json or args.plot):
-        args.plots = str(Path(args.json or args.plot[0]).resolve().parent)
+    if args.plots is None and (args.plot or args.result != "none"):
+        args.plots = str(Path(args.plot[0] if args.plot else args.result).resolve().parent)
     if args.quick:
         for k, v in QUICK.items():
             setattr(args, k, v)
@@ -198,8 +198,7 @@ def main() -> None:
         print(f"setting {n} hosts {link}{' straggler' if straggler else ''} done "
               f"({time.monotonic() - t_start:.0f} s in all)", flush=True)
     cluster_report.add_ratios(rows)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    record.write(args.result, "cluster", record.settings_of(args), rows, run=run_id)
     show(rows, args.plots)
     if any(r["samples_per_sec"] is None for r in rows):
         sys.exit(1)

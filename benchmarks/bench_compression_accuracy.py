@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -27,6 +26,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import record  # noqa: E402 - benchmarks/record.py
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -74,7 +76,7 @@ def main() -> None:
     ap.add_argument("--threshold", type=float, default=0.5)
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--job-timeout", type=float, default=600.0)
-    ap.add_argument("--json", help="write the rows and settings here")
+    record.add_argument(ap, "compression_accuracy", "--json", "--result")
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     print(f"default experiment (digits MLP, SGD lr 0.1 momentum 0.9), dist_sync, {args.workers} workers, 1 server, "
@@ -101,15 +103,10 @@ def main() -> None:
                          "mean_points_vs_uncompressed": statistics.mean(diffs), "worst_points": min(diffs)}
         print(f"{name:<42} {summary[kind]['mean_accuracy']:>13.4f} {statistics.mean(diffs):>+25.2f} "
               f"{min(diffs):>+20.2f}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({
-            "command": "python benchmarks/bench_compression_accuracy.py " + " ".join(sys.argv[1:]),
-            "settings": {"experiment": "tfkv-run default (digits, mlp, sgd lr 0.1 momentum 0.9 wd 1e-4, batch 64 "
-                                       "per worker)", "kvstore": "dist_sync", "workers": args.workers,
-                         "servers": 1, "epochs": args.epochs, "threshold": args.threshold, "seeds": seeds},
-            "machine": platform.node(), "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "rows": rows, "summary": summary}, indent=1) + "\n")
+    record.write(args.result, "compression_accuracy",
+                 {"experiment": "tfkv-run default (digits, mlp, sgd lr 0.1 momentum 0.9 wd 1e-4, batch 64 per worker)",
+                  "kvstore": "dist_sync", "workers": args.workers, "servers": 1, "epochs": args.epochs,
+                  "threshold": args.threshold, "seeds": seeds}, rows, summary=summary)
 
 
 if __name__ == "__main__":

@@ -2,10 +2,10 @@
 worker pushes per step, with 2 and 4 local workers and 1 server, same run.
 
 LeNet (tfkv `lenet`) on one synthetic 28x28x1 batch, b=32 per worker, SGD (lr 0.01, momentum
-0.9). Contenders: float32 pushes; MXNet's 2-bit pushes
-(`set_gradient_compression({"type": "2bit", "threshold": 0.5})`, called right after the store is
-created, before any key exists, as the trainer does; pulls stay float32); and the accurate 2-bit,
-`{"type": "2bit_momentum"}` (a tfkv-run config's `kvstore.compression.type=2bit`: the momentum
+0.9). Contenders: float32 pushes; MXNet's 2-bit pushes (a config's
+`kvstore.compression.type=2bit_mxnet`, set right after the store is created, before any key
+exists, as the trainer does; pulls stay float32); and the accurate 2-bit
+(`kvstore.compression.type=2bit`: the momentum
 applied on the workers before quantising, the servers' SGD without it), the one speed targets
 are measured with. Their accuracy: bench_compression_accuracy.py. Each job is the one in
 benchmarks/dist_job.py (time-based steps, workers' weights checked to agree). Trials alternate
@@ -31,6 +31,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from dist_job import Failed, run_job  # noqa: E402
+import record  # noqa: E402 - benchmarks/record.py
 
 
 def main() -> None:
@@ -43,11 +44,13 @@ def main() -> None:
     ap.add_argument("--overlap-ab", action="store_true",
                     help="also run float32 pushing every key after the whole backward pass")
     ap.add_argument("--job-timeout", type=float, default=240.0)
+    record.add_argument(ap, "compression_training")
     args = ap.parse_args()
     counts = [int(w) for w in args.workers.split(",")]
     # Every job is secure (the job's keys), as launched jobs are by default; "plain" is the float32
     # job with TFKV_SECURE=0, what security costs beside what compression saves.
-    compressions = {"2bit (accurate: 2bit_momentum)": "2bit_momentum", "2bit (MXNet's)": "2bit"}
+    # config names (dist_job.config_compression): 2bit is the accurate one, 2bit_mxnet MXNet's exact one
+    compressions = {"2bit (accurate)": "2bit", "2bit (MXNet's)": "2bit_mxnet"}
     contenders = ["float32", *compressions, "float32, plain (secure=false)"] + (
         ["float32, pushed after backward"] if args.overlap_ab else [])
     print(f"LeNet, dist_sync, 1 server, b={args.batch} per worker; samples/s of the whole job, median of "
@@ -73,14 +76,18 @@ def main() -> None:
 
     print(f"{'workers':>7}  {'contender':<34} {'samples/s':>10} {'vs float32':>10} {'pushed B/step':>14} "
           f"{'bytes ratio':>11}")
+    rows = []
     for w in counts:
         base_s = med(w, "float32", lambda r: r["samples_s"])
         base_b = med(w, "float32", lambda r: r["push_bytes"])
         for c in contenders:
             s, b = med(w, c, lambda r: r["samples_s"]), med(w, c, lambda r: r["push_bytes"])
             print(f"{w:>7}  {c:<34} {s:>10.0f} {s / base_s:>10.3f} {b:>14,.0f} {base_b / b:>10.1f}x")
+            rows.append({"workers": w, "contender": c, "samples/s": s, "vs float32": s / base_s,
+                         "pushed B/step": b, "bytes ratio": base_b / b})
     print("per-trial samples/s: " + "; ".join(
         f"{w}w {c} " + "/".join(f"{r['samples_s']:.0f}" for r in got[(w, c)]) for w in counts for c in contenders))
+    record.write(args.result, "compression_training", record.settings_of(args), rows)
 
 
 if __name__ == "__main__":

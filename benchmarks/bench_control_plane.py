@@ -50,6 +50,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import record  # noqa: E402 - benchmarks/record.py
 KEY_FLOATS = 256  # 1 KiB keys: the control plane, not the bytes, is measured
 STARTUP_TARGET = 10.0
 
@@ -279,7 +280,7 @@ def main() -> None:
     ap.add_argument("--barriers", type=int, default=20)
     ap.add_argument("--idle", type=float, default=3.0, help="seconds of heartbeats only, for their load")
     ap.add_argument("--job-timeout", type=float, default=300.0)
-    ap.add_argument("--json", default=os.path.join(HERE, "results", "control_plane.json"))
+    record.add_argument(ap, "control_plane", "--json", "--result")
     ap.add_argument("--role", choices=["node", "worker"], help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -313,12 +314,10 @@ def main() -> None:
                          if "startup_s" in r else f"FAILED: {r['exit']}"), flush=True)
     text = table(rows) + "\n\n" + verdict(rows) + "\n"
     print(text)
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(rows, f, indent=1)
-    with open(os.path.splitext(args.json)[0] + ".md", "w") as f:
-        f.write(f"# Control plane at scale\n\n`python benchmarks/bench_control_plane.py --nodes {args.nodes}"
-                f" --barriers {args.barriers} --idle {args.idle:g}`\n\n{text}")
+    if record.write(args.result, "control_plane", record.settings_of(args), rows):
+        with open(os.path.splitext(args.result)[0] + ".md", "w") as f:
+            f.write(f"# Control plane at scale\n\n`python benchmarks/bench_control_plane.py --nodes {args.nodes}"
+                    f" --barriers {args.barriers} --idle {args.idle:g}`\n\n{text}")
     if any("startup_s" not in r for r in rows):
         sys.exit(1)
 

@@ -40,6 +40,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
 
+import record  # noqa: E402 - benchmarks/record.py, beside this script
+
 SHAPE = (32, 32, 3)
 CLASSES = 10
 FILE_BYTES = 64 << 20
@@ -131,6 +133,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--steps", type=int, default=100, help="steps per epoch of the rate test")
     ap.add_argument("--trials", type=int, default=5)
+    record.add_argument(ap, "data_rss")
     args = ap.parse_args()
 
     sizes = sorted(parse_size(s) for s in args.sizes.split(","))
@@ -140,7 +143,7 @@ def main() -> None:
                  "1 GiB; use --dir elsewhere or smaller --sizes")
     common = [f"batch_size={args.batch}", "eval_batch_size=1024", "seed=0"]
     print(f"{'set':>8} {'records':>9} {'write s':>8} {'epoch s':>8} {'peak RSS MiB':>13}")
-    peaks, rates = [], None
+    peaks, rates, rows = [], None, []
     with tempfile.TemporaryDirectory(prefix="tfkv-bench-run-") as cwd:
         for size in sizes:
             folder = tempfile.mkdtemp(prefix="tfkv-bench-rss-", dir=args.dir)
@@ -154,6 +157,8 @@ def main() -> None:
                 print(f"{size / 1e6:>6.0f}MB {records:>9} {written:>8.1f} {metrics['train_seconds']:>8.1f} "
                       f"{peak:>13.0f}", flush=True)
                 peaks.append(peak)
+                rows.append({"set": f"{size / 1e6:.0f} MB", "records": records, "write_s": written,
+                             "epoch_s": metrics["train_seconds"], "peak_rss_mib": peak})
                 if rates is None:  # the smallest set, which also fits in memory: LeNet from both sources
                     rates = rate(cwd, folder, args, common)
             finally:
@@ -166,6 +171,8 @@ def main() -> None:
     tfr, mem = (statistics.median(rates[k]) for k in ("tfrecord", "memory"))
     print(f"samples/s (lenet, batch {args.batch}, {args.steps} steps, 2nd epoch, median of {args.trials}): "
           f"tfrecord {tfr:.0f}, memory {mem:.0f}, ratio = tfrecord / memory {tfr / mem:.3f} (target >= {RATE_TARGET})")
+    record.write(args.result, "data_rss", record.settings_of(args), rows, rss_growth_mib=growth,
+                 samples_per_sec={"tfrecord": tfr, "memory": mem, "tfrecord/memory": tfr / mem})
 
 
 def rate(cwd: str, folder: str, args: argparse.Namespace, common: list[str]) -> dict[str, list[float]]:

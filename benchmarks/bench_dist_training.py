@@ -56,6 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import dist_job  # noqa: E402
+import record  # noqa: E402 - benchmarks/record.py
 from dist_job import (CALIBRATION_STEPS, LR, MOMENTUM, WARMUP_STEPS, Failed, check_agreement,  # noqa: E402
                       measure, report, run_plan, security_env, set_threads, synthetic, weights_checksum)
 
@@ -300,6 +301,7 @@ def main() -> None:
     ap.add_argument("--role", choices=["local", "dist_sync", "mwms", "pss", "pss_server"], help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--sync-dir", help=argparse.SUPPRESS)
+    record.add_argument(ap, "dist_training")
     args = ap.parse_args()
     for m in args.models.split(","):
         if m not in MODELS:
@@ -353,7 +355,7 @@ def main() -> None:
     print(f"{'model':<6} {'params':>10} {'local':>9} {'MWMS':>9} " + (f"{'PSS':>9} " if pss else "")
           + f"{'dist_sync':>10} {'plain':>9} {'dist/MWMS':>10} " + (f"{'dist/PSS':>9} " if pss else "")
           + f"{'dist/local':>11} {'secure/plain':>13}   (samples/s)")
-    slower = []
+    slower, rows = [], []
     for m in models:
         params = {info[m][k]["params"] for k in contenders}
         if len(params) != 1:
@@ -364,6 +366,9 @@ def main() -> None:
         print(f"{m:<6} {params.pop():>10,} {lo:>9.0f} {mw:>9.0f} " + (f"{ps:>9.0f} " if pss else "")
               + f"{ds:>10.0f} {pl:>9.0f} {ds / mw:>10.3f} " + (f"{ds / ps:>9.3f} " if pss else "")
               + f"{ds / lo:>11.3f} {ds / pl:>13.3f}")
+        rows.append({"model": m, "params": info[m]["local"]["params"], "local": lo, "MWMS": mw,
+                     **({"PSS": ps} if pss else {}), "dist_sync": ds, "plain": pl, "dist_sync/MWMS": ds / mw,
+                     **({"dist_sync/PSS": ds / ps} if pss else {}), "dist_sync/local": ds / lo, "secure/plain": ds / pl})
         if ds <= mw:
             slower.append(m)
     print(f"Targets (secure dist_sync): >= 1.3x MWMS, >= 1.2x PSS, secure/plain >= 0.9. "
@@ -374,6 +379,7 @@ def main() -> None:
           f"secure costs <= 10%, secure/plain >= 0.9).")
     print("per-trial samples/s: " + "; ".join(
         f"{k} {m} " + "/".join(f"{v:.0f}" for v in samples[(k, m)]) for m in models for k in contenders))
+    record.write(args.result, "dist_training", record.settings_of(args), rows)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import record  # noqa: E402 - benchmarks/record.py
+
 TAG = "TFKV_BENCH_FAILFAST"
 WORKER = """\
 import os, sys, time
@@ -97,6 +100,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--load", type=int, default=0, help="busy processes kept running meanwhile")
     ap.add_argument("--roles", default="worker 1,server 0,scheduler")
+    record.add_argument(ap, "failfast")
     args = ap.parse_args()
     load = [multiprocessing.Process(target=_busy, daemon=True) for _ in range(args.load)]
     for p in load:
@@ -116,12 +120,15 @@ def main() -> None:
         for p in load:
             p.terminate()
     print(f"\nmedian seconds from the signal to the job down (load {args.load}, {args.repeat} tries each)")
+    rows = []
     for victim in args.roles.split(","):
         kill = statistics.median(times[(victim, "SIGKILL")])
         stop = statistics.median(times[(victim, "SIGSTOP")])
         print(f"{victim:10s} SIGKILL {kill:5.1f}  SIGSTOP {stop:5.1f}  ratio hang/death {stop / kill:.2f}  "
               f"target SIGSTOP <= 10 s: {'met' if max(times[(victim, 'SIGSTOP')]) <= 10 else 'MISSED'}")
+        rows.append({"victim": victim, "SIGKILL_s": kill, "SIGSTOP_s": stop, "hang/death": stop / kill})
     print(f"every failure line named the role: {named_all}")
+    record.write(args.result, "failfast", record.settings_of(args), rows, every_line_named_the_role=named_all)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import record  # noqa: E402 - benchmarks/record.py
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 NUM_TEST = 512
@@ -127,6 +130,7 @@ def main() -> None:
     ap.add_argument("--keras-fit", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--precision", default="float32", help=argparse.SUPPRESS)
     ap.add_argument("--jit", action="store_true", help=argparse.SUPPRESS)
+    record.add_argument(ap, "gpu")
     args = ap.parse_args()
     if args.keras_fit:
         return keras_fit(args)
@@ -147,10 +151,13 @@ def main() -> None:
                 if workers == 1 or (precision, jit) not in fits:
                     fits.setdefault((precision, jit), []).append(run_fit(args, precision, jit))
                 ours[row].append(run_tfkv(args, precision, jit, workers, Path(tmp)))
+    table = []
     for row in rows:
         precision, jit, _ = ROWS[row]
         a, b = statistics.median(ours[row]), statistics.median(fits[(precision, jit)])
         print(f"{row:<14} {a:>10.0f} {b:>10.0f} {a / b:>9.3f}")
+        table.append({"row": row, "tfkv-run": a, "keras fit": b, "tfkv/fit": a / b})
+    record.write(args.result, "gpu", record.settings_of(args), table, device_name=gpu_name(args.device))
 
 
 if __name__ == "__main__":

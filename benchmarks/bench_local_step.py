@@ -24,6 +24,7 @@ from tfkv import optim, store  # noqa: E402
 from tfkv.models import build  # noqa: E402
 from tfkv.parallel import devices  # noqa: E402
 from tfkv.parallel.data_parallel import DataParallel  # noqa: E402
+import record  # noqa: E402 - benchmarks/record.py, beside this script
 
 CASES = {
     # name: (model node, as conf/model/*.yaml, input shape, batch)
@@ -76,10 +77,12 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--devices", type=int, default=4)
     ap.add_argument("--cases", default=",".join(CASES))
+    record.add_argument(ap, "local_step")
     args = ap.parse_args()
     tf_devices = devices.setup([f"cpu:{i}" for i in range(args.devices)])
     print(f"{'case':<12} {'plain TF':>10} {'tfkv x1':>10} {'ratio':>6}   "
           f"{'tfkv x' + str(args.devices):>10} {'vs x1':>6}  (samples/s, median of {args.trials})")
+    rows = []
     for name in args.cases.split(","):
         cfg, shape, batch = CASES[name]
         keras.utils.set_random_seed(0)
@@ -98,6 +101,10 @@ def main() -> None:
         med = {k: statistics.median(v) for k, v in results.items()}
         print(f"{name:<12} {med['plain']:>10.0f} {med['x1']:>10.0f} {med['x1'] / med['plain']:>6.3f}   "
               f"{med['xk']:>10.0f} {med['xk'] / med['x1']:>6.3f}")
+        rows.append({"case": name, "batch": batch, "plain_tf": med["plain"], "tfkv_1": med["x1"],
+                     "ratio": med["x1"] / med["plain"], f"tfkv_{args.devices}": med["xk"],
+                     f"{args.devices}_vs_1": med["xk"] / med["x1"]})
+    record.write(args.result, "local_step", record.settings_of(args), rows)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import tensorflow as tf  # noqa: E402
 from tfkv import models, optim, store  # noqa: E402
 from tfkv.parallel import devices, placement  # noqa: E402
 from tfkv.parallel.model_parallel import ModelParallel  # noqa: E402
+import record  # noqa: E402 - benchmarks/record.py
 
 
 def contender(groups, specs, tf_by_spec, batch, micro, x, y, seq_len):
@@ -67,6 +68,7 @@ def main() -> None:
     ap.add_argument("--intra-op-threads", type=int, default=0,
                     help="threads per op (0: TensorFlow's default, all cores); 1 makes a logical "
                          "device behave like one core of its own, so stages can only gain by overlapping")
+    record.add_argument(ap, "model_parallel")
     args = ap.parse_args()
     if args.intra_op_threads:
         tf.config.threading.set_intra_op_parallelism_threads(args.intra_op_threads)
@@ -107,6 +109,8 @@ def main() -> None:
     print(f"  pipelined / naive, 2 devices : {med['2dev-auto-pipe'] / med['2dev-auto-m1']:.3f}")
     print(f"  pipelined / naive, 4 devices : {med['4dev-auto-pipe'] / med['4dev-auto-m1']:.3f}")
     print(f"  balanced / unbalanced, 2 dev : {med['2dev-auto-pipe'] / med['2dev-unbal-pipe']:.3f}")
+    record.write(args.result, "model_parallel", record.settings_of(args),
+                 [{"contender": name, "samples/s": med[name], "vs 1dev": med[name] / med["1dev"]} for name in steps])
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ import time
 import numpy as np
 import zmq
 from dist_job import start_ps  # benchmarks/, this script's directory
+import record  # benchmarks/record.py
 
 # ResNet18 (CIFAR variant, tfkv.models "resnet18", 32x32x3 -> 10) trainable variable shapes, in
 # model order: tfkv.models.resnet.build_resnet18((32, 32, 3), 10).trainable_variables
@@ -73,6 +74,7 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--chunk", default="4M", help="TFKV_CHUNK_BYTES for the chunked contenders (the default is 16M)")
     ap.add_argument("--threshold", type=float, default=0.5)
+    record.add_argument(ap, "overlap")
     args = ap.parse_args()
     chunk = parse_size(args.chunk)
 
@@ -159,9 +161,11 @@ def main() -> None:
                 results[name].append(2 * model_bytes * n / (time.perf_counter() - t0) / 1e9)
         raw_gbs = max(statistics.median(results["raw per key"]), statistics.median(results["raw chunked"]))
         print(f"\n{'contender':<18}{'GB/s':>8}{'vs raw':>9}   (median of {args.trials} trials of {args.seconds} s)")
+        rows = []
         for name, values in results.items():
             gbs = statistics.median(values)
             print(f"{name:<18}{gbs:8.3f}{gbs / raw_gbs:9.2f}")
+            rows.append({"contender": name, "GB/s": gbs, "vs raw": gbs / raw_gbs})
         store.push_bytes = 0
         store._threshold = None
         pushpull(chunked)
@@ -176,6 +180,8 @@ def main() -> None:
               "plain, TFKV_SECURE=0, as raw is)")
         store.close()
         secure.close()
+        record.write(args.result, "overlap", record.settings_of(args), rows,
+                     pushed_bytes_per_step={"float32": plain, "2bit": store.push_bytes})
     finally:
         from tfkv.launcher.supervisor import stop_groups
 

@@ -50,6 +50,7 @@ import time
 import numpy as np
 import zmq
 from dist_job import run_plan, security_env  # benchmarks/, this script's directory
+import record  # benchmarks/record.py
 
 BIGARRAY_BOUND = 1_000_000  # elements; tfkv's (and MXNet's) default MXNET_KVSTORE_BIGARRAY_BOUND
 CONTROL_KEY = 1 << 20
@@ -323,6 +324,7 @@ def main() -> None:
     ap.add_argument("--job-timeout", type=float, default=180.0, help="seconds before a job counts as hung")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
+    record.add_argument(ap, "pushpull")
     args = ap.parse_args()
     if args.worker:
         tfkv_worker(args)
@@ -365,7 +367,7 @@ def main() -> None:
             + f"{'tfkv 1x1':>8} {'ratio':>6}   {'raw 2x2':>8} {'tfkv 2x2':>8} {'ratio':>6}   "
             f"{'MXNet 1.9.1 ratio 1x1':>21}   {'secure 1x1':>10} {'secure/plain':>12}")
     print(head)
-    below = []
+    below, rows = [], []
     for n in sizes:
         r1, t1, r2, t2 = med["raw1"][n], med["tfkv1"][n], med["raw2"][n], med["tfkv2"][n]
         s1 = med["secure1"][n]
@@ -373,6 +375,9 @@ def main() -> None:
         print(f"{human(n):>8} {r1:>8.3f} " + (f"{med['rawcopy'][n]:>8.3f} " if has_copy else "")
               + f"{t1:>8.3f} {t1 / r1:>6.3f}   {r2:>8.3f} {t2:>8.3f} {t2 / r2:>6.3f}   {mx:>21}   "
               f"{s1:>10.3f} {s1 / t1:>12.3f}")
+        rows.append({"size": human(n), "raw_1x1": r1, **({"raw_copy_1x1": med["rawcopy"][n]} if has_copy else {}),
+                     "tfkv_1x1": t1, "ratio_1x1": t1 / r1, "raw_2x2": r2, "tfkv_2x2": t2, "ratio_2x2": t2 / r2,
+                     "mxnet_ratio_1x1": MXNET_RATIO.get(n), "secure_1x1": s1, "secure/plain": s1 / t1})
         if (n == KEYSET and t1 / r1 < KEYSET_TARGET) or (n >= 1 << 20 and t1 / r1 < TARGET):
             below.append(human(n))
     print(f"ratio = tfkv / raw with the same processes and traffic pattern. Target: tfkv 1x1 >= {TARGET} "
@@ -384,6 +389,7 @@ def main() -> None:
     print("per-trial spread (min-max GB/s): " + "; ".join(
         f"{s} {human(n)} {min(series[s][n]):.2f}-{max(series[s][n]):.2f}"
         for s in ("raw1", "tfkv1") for n in sizes if n >= 1 << 20 or n == KEYSET))
+    record.write(args.result, "pushpull", record.settings_of(args), rows, unit="GB/s, both directions")
 
 
 if __name__ == "__main__":

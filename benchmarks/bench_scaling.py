@@ -36,6 +36,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from dist_job import MODELS, Failed, run_job  # noqa: E402
+import record  # noqa: E402 - benchmarks/record.py
 
 PHASES = ["compute", "push", "pull", "assign"]
 
@@ -48,6 +49,7 @@ def main() -> None:
     ap.add_argument("--model", choices=list(MODELS), default="mlp")
     ap.add_argument("--batch", type=int, default=32, help="per worker")
     ap.add_argument("--job-timeout", type=float, default=300.0)
+    record.add_argument(ap, "scaling")
     args = ap.parse_args()
     counts = [int(w) for w in args.workers.split(",")]
     print(f"{args.model} {MODELS[args.model][0]} on {'x'.join(map(str, MODELS[args.model][1]))}, dist_sync, "
@@ -72,6 +74,7 @@ def main() -> None:
     print(f"{'workers':>7} {'samples/s':>10} {'plain':>8} {'secure/plain':>12} {'speed-up':>9} {'efficiency':>10} "
           f"{'step ms':>8}   "
           + " ".join(f"{p if p != 'pull' else 'wait+pull':>10}" for p in PHASES) + "   (ms per step, worker mean)")
+    rows = []
     for w in counts:
         rs = got[w]
         s = statistics.median(r["samples_s"] for r in rs)
@@ -81,8 +84,12 @@ def main() -> None:
         print(f"{w:>7} {s:>10.0f} {pl:>8.0f} {s / pl:>12.2f} {s / (base * counts[0]):>9.2f} {s / (base * w):>10.2f} "
               f"{step:>8.2f}   "
               + " ".join(f"{v:>10.2f}" for v in ph))
+        rows.append({"workers": w, "samples/s": s, "plain": pl, "secure/plain": s / pl,
+                     "speed-up": s / (base * counts[0]), "efficiency": s / (base * w), "step_ms": step,
+                     **{f"{p if p != 'pull' else 'wait+pull'}_ms": v for p, v in zip(PHASES, ph)}})
     print("per-trial samples/s: " + "; ".join(f"{w}w " + "/".join(f"{r['samples_s']:.0f}" for r in got[w])
                                              for w in counts))
+    record.write(args.result, "scaling", record.settings_of(args), rows)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,9 @@ import time
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import record  # noqa: E402 - benchmarks/record.py
+
 
 def run(secure: bool, sizes_mib: list[float], seconds: float, op: str = "push+pull") -> dict:
     from dist_job import start_ps  # benchmarks/, this script's directory
@@ -81,6 +84,7 @@ if __name__ == "__main__":
     ap.add_argument("--gcm", action="store_true", help="also measure secure with aeg hidden (AES-256-GCM)")
     ap.add_argument("--op", choices=["push+pull", "pushpull"], default="push+pull",
                     help="an iteration: push then pull (two requests), or one pushpull (training's)")
+    record.add_argument(ap, "security")
     a = ap.parse_args()
     sizes = [_size(s) for s in a.sizes.split(",")]
     if a.mode == "both":  # each mode in a fresh process: one ZeroMQ context, one environment
@@ -105,14 +109,18 @@ if __name__ == "__main__":
         print(f"{a.op} GB/s, 1 worker x 1 server, loopback, median of {a.rounds} alternating rounds")
         extra = f" {'gcm':>8} {'gcm/plain':>10} {'gcm/secure':>11}" if a.gcm else ""
         print(f"{'size':>8} {'plain':>8} {'secure':>8} {'secure/plain':>13}{extra}")
+        rows = []
         for mib in sizes:
             gbs = {m: statistics.median(g[f"{mib:g}"] for g in got[m]) for m in modes}
             line = f"{_label(mib):>8} {gbs['plain']:8.3f} {gbs['secure']:8.3f} {gbs['secure'] / gbs['plain']:13.2f}"
             if a.gcm:
                 line += f" {gbs['gcm']:8.3f} {gbs['gcm'] / gbs['plain']:10.2f} {gbs['gcm'] / gbs['secure']:11.2f}"
             print(line, flush=True)
+            rows.append({"size": _label(mib), **gbs, "secure/plain": gbs["secure"] / gbs["plain"],
+                         **({"gcm/plain": gbs["gcm"] / gbs["plain"]} if a.gcm else {})})
         print("secure = the default (job keys: AEGIS-128X4 data plane, CURVE control plane); plain = TFKV_SECURE=0; "
               "gcm = secure where aeg is missing (AES-256-GCM). Target: secure/plain >= 0.7 from 1 MiB up.")
+        record.write(a.result, "security", record.settings_of(a), rows, unit="GB/s")
     else:  # the child: its figures as one JSON line
         print(json.dumps({k if isinstance(k, str) else f"{k:g}": v
                           for k, v in run(a.mode == "secure", sizes, a.seconds, a.op).items()}))

@@ -25,6 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import record  # noqa: E402 - benchmarks/record.py
+
 LAUNCHERS = {
     "one by one (basic)": [],
     "two at once (joblib)": ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"],
@@ -53,6 +56,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--trials", type=int, default=1, help="repetitions of each sweep (median reported)")
     ap.add_argument("--dist", action="store_true", help="every trial a dist_sync job with cluster=local")
+    record.add_argument(ap, "sweep")
     args = ap.parse_args()
     times: dict[str, list[float]] = {name: [] for name in LAUNCHERS}
     with tempfile.TemporaryDirectory(prefix="bench_sweep.") as tmp:
@@ -70,6 +74,9 @@ def main() -> None:
     one, two = medians.values()
     print(f"  ratio one-by-one / two-at-once = {one / two:.2f}")
     print(json.dumps({"trials": n, "kind": kind, "seconds": medians, "ratio": one / two}))
+    record.write(args.result, "sweep", record.settings_of(args),
+                 [{"launcher": name, "seconds": m, "vs one-by-one": m / one} for name, m in medians.items()],
+                 trials=n, kind=kind)
 
 
 if __name__ == "__main__":

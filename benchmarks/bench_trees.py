@@ -18,13 +18,16 @@ benchmarks' own full runs. Writes <out>.json and <out>.md; exits non-zero if a r
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import record  # noqa: E402 - benchmarks/record.py
 
 # Per benchmark: its arguments here, the first word of its table's header line, and the names of
 # the table's columns (the header itself has names with spaces in them).
@@ -71,9 +74,11 @@ def parse_table(text: str, first: str, columns: list[str]) -> dict[str, dict[str
 
 def run_one(tree: Path, bench: str) -> dict[str, dict[str, float]]:
     args, first, columns = SETTINGS[bench]
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    done = subprocess.run([sys.executable, str(tree / "benchmarks" / f"bench_{bench}.py"), *args], cwd=tree, env=env,
-                          capture_output=True, text=True, timeout=1800)
+    with tempfile.TemporaryDirectory(prefix="bench_trees_") as records:
+        # the runs' own records go to a scratch folder: a comparison must not replace a tree's results
+        env = {**os.environ, "PYTHONPATH": str(tree), record.ENV: records}
+        done = subprocess.run([sys.executable, str(tree / "benchmarks" / f"bench_{bench}.py"), *args], cwd=tree,
+                              env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"bench_{bench} on {tree} exited {done.returncode}: {done.stderr.strip()[-800:]}")
     return parse_table(done.stdout, first, columns)
@@ -100,7 +105,8 @@ def main() -> None:
     ap.add_argument("--new", type=Path, default=Path(__file__).resolve().parent.parent, help="the tree after")
     ap.add_argument("--rounds", type=int, default=2, help="runs of every benchmark per tree")
     ap.add_argument("--only", default=",".join(SETTINGS), help="comma-separated: " + ", ".join(SETTINGS))
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "trees")
+    ap.add_argument("--out", type=Path, default=record.default_path("trees").with_suffix(""),
+                    help="where the results go: OUT.json (the record) and OUT.md")
     a = ap.parse_args()
     benches = a.only.split(",")
     unknown = [b for b in benches if b not in SETTINGS]
@@ -135,9 +141,8 @@ def main() -> None:
     print(head)
     print("\n".join(table))
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.with_suffix(".json").write_text(json.dumps({"commits": commits, "rounds": a.rounds,
-                                                      "settings": {b: SETTINGS[b][0] for b in benches},
-                                                      "rows": rows}, indent=1) + "\n")
+    record.write(a.out.with_suffix(".json"), "trees", {b: SETTINGS[b][0] for b in benches}, rows, commits=commits,
+                 rounds=a.rounds)
     a.out.with_suffix(".md").write_text(f"# bench_trees\n\n{head}\n\n" + "\n".join(table) + "\n")
 
 

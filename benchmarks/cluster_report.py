@@ -26,6 +26,8 @@ def load(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
             got = json.loads(Path(path).read_text())
         except (OSError, ValueError) as e:
             refuse(f"cannot read {path} ({e}); give bench_cluster.py --json files")
+        if isinstance(got, dict):  # a result record (benchmarks/record.py): its rows
+            got = got.get("rows")
         if not isinstance(got, list) or not all(isinstance(r, dict) and all(k in r for k in REQUIRED) for r in got):
             refuse(f"{path} is not a bench_cluster.py --json file (a list of rows with {', '.join(REQUIRED)})")
         rows += got

@@ -260,6 +260,8 @@ def compare(costs: dict, path: str) -> tuple[str, bool]:
     try:
         with open(path) as f:
             measured = json.load(f)
+        if isinstance(measured, dict):  # a result record (benchmarks/record.py): its rows
+            measured = measured.get("rows") or []
         rows = [r for r in measured if r.get("contender") in ("tfkv", "tfkv_plain") and not r.get("straggler")
                 and r.get("samples_per_sec") and r.get("model") in MODELS]
     except (OSError, ValueError, AttributeError) as e:

@@ -1,11 +1,14 @@
-"""Every benchmark script runs to the end and prints its table, with tiny settings (the figures
-themselves are not checked here: these machines are shared and noisy; see the README).
+"""Every benchmark script runs to the end, prints its table and writes its result record, with tiny
+settings (the figures themselves are not checked here: these machines are shared and noisy). The
+records go to a temporary directory ($TFKV_BENCH_RESULTS): a smoke run never replaces a committed
+figure in benchmarks/results.
 
 The scripts that start jobs or train models are marked `bench` as well: CI leaves them out (each
 costs 20-50 s of its 20 minutes); `pytest -m bench` runs them, before a benchmark is changed or
 its figures quoted."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -35,13 +38,25 @@ CASES = [
 ]
 
 
+def _committed_results() -> dict[str, tuple[int, int]]:
+    """benchmarks/results/ as (size, mtime) per file: what a test must leave as it was."""
+    return {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in (REPO / "benchmarks" / "results").iterdir()}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script,args,expected", CASES, ids=[getattr(c, "values", c)[0] for c in CASES])
-def test_benchmark_runs(script, args, expected):
+def test_benchmark_runs(script, args, expected, tmp_path):
+    before = _committed_results()
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *args], capture_output=True,
-                          text=True, timeout=240, stdin=subprocess.DEVNULL)
+                          text=True, timeout=240, stdin=subprocess.DEVNULL,
+                          env={**os.environ, "TFKV_BENCH_RESULTS": str(tmp_path)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert expected in proc.stdout, proc.stdout[-3000:]
+    bench = script[len("bench_"):-len(".py")]
+    got = json.loads((tmp_path / f"{bench}.json").read_text())
+    assert got["benchmark"] == bench and got["rows"] and got["command"].startswith(f"python benchmarks/{script} ")
+    assert got["machine"]["logical_cores"] == os.cpu_count() and got["date"].endswith("Z"), got
+    assert _committed_results() == before, "a smoke run wrote into benchmarks/results"
 
 
 @pytest.mark.slow
@@ -53,7 +68,7 @@ def test_control_plane_benchmark_writes_a_row_per_job(tmp_path):
                            "--barriers", "3", "--idle", "0.5", "--json", str(out)],
                           capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = json.loads(out.read_text())
+    rows = json.loads(out.read_text())["rows"]
     assert [(r["nodes"], r["workers"], r["servers"], r["secure"]) for r in rows] == [(8, 6, 2, True), (8, 6, 2, False)]
     for r in rows:
         assert r["exit"] == "every process 0" and r["false_failures"] == 0, r
@@ -91,6 +106,10 @@ def test_scaling_model_compares_its_predictions_with_a_cluster_run(tmp_path):
         in proc.stdout, proc.stdout
     assert "| lenet | tfkv | 2 | 1gbit |" in proc.stdout and "mwms" not in proc.stdout
     assert "largest error 28%" in proc.stdout and "NOT met" in proc.stdout
+    table = proc.stdout
+    (tmp_path / "cluster.json").write_text(json.dumps({"benchmark": "cluster", "rows": rows}))  # a result record
+    proc = _scaling_model("--costs", str(tmp_path / "costs.json"), "--compare", str(tmp_path / "cluster.json"))
+    assert proc.returncode == 0 and proc.stdout == table, proc.stderr
 
     rows[0]["cpus"] = 0.2  # measured in another budget than the costs: refused, one line
     (tmp_path / "cluster.json").write_text(json.dumps(rows))

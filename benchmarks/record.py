@@ -1,0 +1,176 @@
+"""The result file every benchmark writes: benchmarks/results/<bench>.json.
+
+A record holds what was measured (`rows`), how (`command`, `settings`), when (`date`, UTC), on what
+code (`commit`) and on which machine (`machine`). benchmarks/report.py turns the latest record of
+each benchmark into docs/performance.md. The scripts run as `python benchmarks/bench_x.py`, so
+this file's directory is on sys.path and they `import record`.
+
+Where a record goes: `--result PATH` if given; else the directory in $TFKV_BENCH_RESULTS (the tests
+set it, so a smoke run never overwrites a committed figure); else benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+RESULTS = HERE / "results"
+ENV = "TFKV_BENCH_RESULTS"
+# argparse destinations that are plumbing between a script and its own child processes, not settings
+PLUMBING = {"result", "role", "out", "worker", "sync_dir", "keras_fit", "precision", "jit"}
+
+
+def default_path(bench: str) -> Path:
+    """Where `bench`'s record goes when no --result is given."""
+    folder = os.environ.get(ENV)
+    return (Path(folder) if folder else RESULTS) / f"{bench}.json"
+
+
+def add_argument(ap: argparse.ArgumentParser, bench: str, *flags: str) -> None:
+    """The option that says where the record goes (`--result`; a script that had `--json` keeps it)."""
+    ap.add_argument(*(flags or ("--result",)), dest="result", default=str(default_path(bench)), metavar="FILE",
+                    help=f"write the result record here (default: {ENV}/{bench}.json if set, else "
+                         f"benchmarks/results/{bench}.json); 'none' writes nothing")
+
+
+def settings_of(args: argparse.Namespace) -> dict[str, Any]:
+    """The run's options, less the ones that only carry state to the script's own child processes."""
+    return {k: v for k, v in sorted(vars(args).items()) if k not in PLUMBING}
+
+
+def _run(cmd: list[str]) -> str:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=30, cwd=REPO).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def commit() -> str:
+    """The checkout's commit, '+dirty' when tracked files differ from it ('' outside a git checkout)."""
+    sha = _run(["git", "rev-parse", "--short=12", "HEAD"])
+    if sha and _run(["git", "status", "--porcelain", "--untracked-files=no"]):
+        sha += "+dirty"
+    return sha
+
+
+def _version(*dists: str) -> str | None:
+    for d in dists:
+        try:
+            return metadata.version(d)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return _run(["sysctl", "-n", "machdep.cpu.brand_string"]) or platform.processor() or platform.machine()
+
+
+def _memory_gib() -> float | None:
+    try:
+        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _gpus() -> list[str]:
+    if not shutil.which("nvidia-smi"):
+        return []
+    out = _run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"])
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def _zmq() -> tuple[str | None, str | None]:
+    try:
+        import zmq
+    except ImportError:
+        return None, None
+    return zmq.pyzmq_version(), zmq.zmq_version()
+
+
+def machine() -> dict[str, Any]:
+    """What the figures depend on: host, CPU, memory, GPUs and the versions of the stack.
+    TensorFlow's version comes from its package metadata: importing it here would cost seconds."""
+    pyzmq, libzmq = _zmq()
+    return {
+        "hostname": platform.node(),
+        "os": platform.platform(),
+        "cpu": _cpu_model(),
+        "logical_cores": os.cpu_count(),
+        "memory_gib": _memory_gib(),
+        "gpus": _gpus(),
+        "python": platform.python_version(),
+        "tensorflow": _version("tensorflow", "tensorflow-cpu", "tensorflow-macos"),
+        "tfkv": _version("tfkv"),
+        "pyzmq": pyzmq,
+        "libzmq": libzmq,
+    }
+
+
+def command() -> str:
+    """The command as run, from the repository root: `python benchmarks/bench_x.py --flag value`."""
+    script = Path(sys.argv[0]).resolve()
+    try:
+        script = script.relative_to(REPO)
+    except ValueError:
+        pass
+    return shlex.join(["python", str(script), *sys.argv[1:]])
+
+
+def make(bench: str, settings: dict[str, Any], rows: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    """A record of a run that has just finished on this machine."""
+    return {
+        "benchmark": bench,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "command": command(),
+        "commit": commit(),
+        "machine": machine(),
+        "settings": settings,
+        "rows": rows,
+        **extra,
+    }
+
+
+def write(path: str | Path | None, bench: str, settings: dict[str, Any], rows: list[dict[str, Any]],
+          **extra: Any) -> Path | None:
+    """Write the record to `path` (None or 'none': nowhere) and say so on stdout."""
+    if path is None or str(path) == "none":
+        return None
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(make(bench, settings, rows, **extra), indent=1, default=str) + "\n")
+    print(f"result: {out}", flush=True)
+    return out
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    """A record; a file holding only a list of rows (what bench_cluster.py and bench_control_plane.py
+    wrote before records) is read as a record with just those rows."""
+    got = json.loads(Path(path).read_text())
+    return {"rows": got} if isinstance(got, list) else got
+
+
+def load_rows(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a record or of a bare list of rows."""
+    rows = load(path).get("rows")
+    if not isinstance(rows, list):
+        raise ValueError(f"{path} has no list of rows")
+    return rows
