@@ -27,7 +27,7 @@ PREPARE=false
 [ -n "$(ls "$WORK"/wheel/tfkv-*.whl 2>/dev/null)" ] || "$PYTHON" -m pip wheel -q --no-deps -w "$WORK/wheel" "$REPO"
 WHEEL=$(ls "$WORK"/wheel/tfkv-*.whl)
 
-# What each extra's venv holds (@ is the wheel). hydra-optuna-sweeper as README installs it: Optuna 2
+# What each extra's venv holds (@ is the wheel). hydra-optuna-sweeper as docs/guides/sweeps.md installs it: Optuna 2
 # keeps a study in a database only through SQLAlchemy 1.4; pytest for its tests of that sweeper.
 declare -A PACKAGES=(
   [cpu]="@[cpu]"

@@ -168,7 +168,7 @@ def test_resume_from_an_explicit_run_directory(tmp_path):
 
 
 def test_home_in_a_path_is_expanded_as_the_shell_does(tmp_path):
-    """README's `dataset.root=~/data/mnist` (a lexer error in Hydra's grammar) works as typed."""
+    """The docs' `dataset.root=~/data/mnist` (a lexer error in Hydra's grammar) works as typed."""
     proc = tfkv_run("--cfg", "job", "dataset=mnist", "dataset.root=~/data/mnist", "hydra.run.dir=~/runs/x",
                     cwd=tmp_path, env={"HOME": str(tmp_path)})
     assert f"root: {tmp_path}/data/mnist" in proc.stdout, proc.stdout

@@ -209,7 +209,7 @@ _OVERRIDE = re.compile(r"^([+~]{0,2}[\w.\-/@]+)=(.*)$", re.S)
 def expand_home(arg: str) -> str:
     """`key=~/data` -> `key=/home/me/data`, as the shell expands `~` in an assignment.
 
-    Hydra's override grammar has no unquoted `~` in a value, so without this the README's own
+    Hydra's override grammar has no unquoted `~` in a value, so without this the docs' own
     `dataset.root=~/data/mnist` is a lexer error. A quoted value (`'key="~/x"'`) stays as written.
     """
     m = _OVERRIDE.match(arg)

@@ -39,7 +39,7 @@ class OptimizerConfig:
     clip_gradient: Optional[float] = None
     # null, or the most the global L2 norm of each worker's gradient (of its mean loss over its
     # batch, all its devices together) may be: scaled down to it before it is pushed (Keras's
-    # global_clipnorm, per worker; see README "Precision, clipping and XLA")
+    # global_clipnorm, per worker; see docs/guides/precision-and-devices.md)
     clipnorm: Optional[float] = None
     # MXNet's: the store (or its servers) keeps float32 master weights and optimizer state for
     # half-precision (float16/bfloat16) keys and hands out their cast; false: the update runs in half

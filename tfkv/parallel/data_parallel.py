@@ -30,7 +30,7 @@ workers of a `dist_*` job nothing is exchanged while training: each worker keeps
 statistics; before a split evaluation every worker takes worker 0's (`Parallel.evaluate_split`),
 the ones its checkpoint and export hold.
 
-Precision, clipping, XLA (README "Precision, clipping and XLA"): with a `loss_scale`
+Precision, clipping, XLA (docs/guides/precision-and-devices.md): with a `loss_scale`
 (mixed_float16) the loss is scaled before backprop and the gradients unscaled after; a step
 whose gradients are not all finite on any device, or, with a synchronous `dist_*` store, on any
 worker (a vote through the store before anything is pushed: `KVStore.all_workers`), is skipped

@@ -1,0 +1,1 @@
+tfkv-run +experiment=lstm_ptb epochs=2
