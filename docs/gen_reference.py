@@ -480,11 +480,12 @@ def _hydra_flags() -> list[tuple[str, ...]]:
 
 def cli_page() -> str:
     from tfkv import cli as tfkv_cli
+    from tfkv import versions
     from tfkv.config import CLUSTER_SCHEMAS, cluster
     from tfkv.emulate import cli as emulate_cli
     from tfkv.launcher import cli as launch_cli
 
-    run_rows = [(code("--version"), first_paragraph(tfkv_cli.versions.__doc__ or "").split(":", 1)[1].strip())]
+    run_rows = [(code("--version"), first_paragraph(versions.__doc__ or "").split(". ")[0] + ".")]
     run_rows += _hydra_flags()
     run = "\n\n".join([
         "## tfkv-run",
@@ -495,7 +496,7 @@ def cli_page() -> str:
         table(("Flag", "Meaning"), run_rows),
     ])
     own = {"--" + f.name.replace("_", "-") for f in cluster.options(*CLUSTER_SCHEMAS.values())}
-    own |= {"--run-dir", "--help"}
+    own |= {"--run-dir", "--help", "--version"}
     launchers = sorted(set(CLUSTER_SCHEMAS) - {"none"})
 
     def keep(a: argparse.Action) -> bool:
@@ -506,8 +507,7 @@ def cli_page() -> str:
         first_paragraph(launch_cli.__doc__ or ""),
         "```text\ntfkv-launch [options] -- command [args ...]\n```",
         table(("Option", "Default", "Meaning"),
-              [(code("--version"), "", "print tfkv's version and exit")]
-              + _arg_rows(launch_cli.parser(), keep,
+              _arg_rows(launch_cli.parser(), keep,
                           lambda a: launchers + ["installed plug-ins' launchers"] if a.dest == "launcher"
                           else a.choices)),
         "```text\n" + launch_cli.EPILOG.rstrip() + "\n```",
@@ -516,7 +516,7 @@ def cli_page() -> str:
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     emulate = ["## tfkv-emulate", first_paragraph(emulate_cli.__doc__ or ""),
                "```text\n" + (emulate_cli.__doc__ or "").split("\n\n")[1].strip("\n") + "\n```",
-               table(("Option", "Default", "Meaning"), [(code("--version"), "", "print tfkv's version and exit")])]
+               table(("Option", "Default", "Meaning"), _arg_rows(parser, lambda a: bool(a.option_strings)))]
     for name, p in sub.choices.items():
         emulate += [f"### tfkv-emulate {name}", next(c.help for c in sub._choices_actions if c.dest == name) or "",
                     table(("Option", "Default", "Meaning"), _arg_rows(p, lambda a: "--help" not in a.option_strings))]
