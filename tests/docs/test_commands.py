@@ -164,18 +164,16 @@ def environment(env: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _hydra_args(args: list[str]) -> object:
-    """tfkv-run's arguments as Hydra's own parser reads them."""
+def _hydra_args(args: list[str]) -> object | None:
+    """tfkv-run's arguments as Hydra's own parser reads them; None for a flag that answers and
+    exits (--version: tfkv-run answers it itself, before Hydra)."""
     from hydra._internal.utils import get_args_parser
 
-    err = io.StringIO()
+    if "--version" in args:
+        return None
     parser = get_args_parser()
     parser.prog = "tfkv-run"
-    try:
-        with contextlib.redirect_stderr(err):
-            return parser.parse_args(args)
-    except SystemExit:
-        raise CommandFailed(err.getvalue().strip().splitlines()[-1]) from None
+    return _parse(parser, args)
 
 
 def _load(args: object, overrides: list[str], multirun: bool) -> object:
@@ -214,7 +212,7 @@ def check_run(command: Command, workdir: Path | None = None) -> list[object]:
     if placeholder:
         raise CommandFailed(f"{placeholder} has a placeholder: write a concrete value")
     parsed = _hydra_args(args)
-    if parsed.help or parsed.hydra_help or parsed.shell_completion or parsed.info or "--version" in args:
+    if parsed is None or parsed.help or parsed.hydra_help or parsed.shell_completion or parsed.info:
         return []  # answers and exits: nothing to compose
     plugins.load()
     try:
