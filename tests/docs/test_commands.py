@@ -100,7 +100,7 @@ def blocks(path: Path) -> Iterator[tuple[int, list[str], str]]:
             continue
         fence, lang = m.group(1), m.group(2).lower()
         end = next((k for k in range(n + 1, len(lines)) if lines[k].strip().startswith(fence)), len(lines))
-        if lang in ("bash", "sh", "shell", "console"):
+        if lang in ("bash", "sh", "shell"):
             before = next((lines[k] for k in range(n - 1, -1, -1) if lines[k].strip()), "")
             mm = _MARKER.match(before)
             yield n + 2, lines[n + 1:end], (mm.group(1) or mm.group(2)) if mm else ""
