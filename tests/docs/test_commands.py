@@ -14,6 +14,8 @@ a block's fence changes what is checked (docs/development/docs.md):
     <!-- check: needs gpu -->      ... not that the GPUs it names are here
     <!-- check: skip -->           not checked (output shown as bash, a sketch)
 
+Several combine, separated by commas: `<!-- check: needs data, needs gpu -->`.
+
 In a snippet file, a `# check: <marker>` line applies to the commands after it. A `tfkv-launch`
 (`tfkv-emulate`) line is parsed by its own parser; the command it launches, if tfkv-run, is checked as
 one of its workers sees it. Each command is one test, named by its page and line.
@@ -319,8 +321,9 @@ def check(command: Command, workdir: Path) -> None:
     try:
         if command.argv[0] == "(unparsable)":
             raise CommandFailed(f"the shell cannot split it: {command.argv[1]}")
-        if command.marker and command.marker not in MARKERS:
-            raise CommandFailed(f"unknown marker <!-- check: {command.marker} -->; use one of: {', '.join(MARKERS)}")
+        unknown = [m for m in (m.strip() for m in command.marker.split(",")) if m and m not in MARKERS]
+        if unknown:  # several combine: <!-- check: needs data, needs gpu -->
+            raise CommandFailed(f"unknown marker <!-- check: {unknown[0]} -->; use one of: {', '.join(MARKERS)}")
         if command.marker == "skip":
             return
         inner = command
@@ -336,10 +339,10 @@ def check(command: Command, workdir: Path) -> None:
             # a worker of the job: the launcher gives it its role
             inner = Command(command.page, command.line, launched, {**command.env, "DMLC_ROLE": "worker"},
                             command.marker)
-        with environment(inner.env):
+        with environment(inner.env):  # CUDA_VISIBLE_DEVICES=0 tfkv-run ...: what the GPU check sees too
             tasks = check_run(inner, workdir)
-        if tasks:
-            check_needs(inner, tasks[0])
+            if tasks:
+                check_needs(inner, tasks[0])
         if command.marker == "run" and command.argv[0] == "tfkv-run":
             run_for_real(command, workdir)
     except CommandFailed as e:
@@ -386,9 +389,9 @@ tfkv-run cluster=ssh kvstore=dist_sync cluster.hostfile=/no/such/hosts
 tfkv-run devices=[gpu:0,gpu:99]
 ```
 
-<!-- check: needs cluster -->
+<!-- check: needs cluster, needs gpu -->
 ```bash
-tfkv-run cluster=ssh kvstore=dist_sync cluster.hostfile=/no/such/hosts
+tfkv-run cluster=ssh kvstore=dist_sync cluster.hostfile=/no/such/hosts devices=[gpu:99]
 ```
 
 <!-- check: sometimes -->
