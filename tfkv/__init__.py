@@ -19,3 +19,29 @@ def conf_dir() -> str:
         if (candidate / "config.yaml").is_file():
             return str(candidate)
     raise RuntimeError(f"tfkv's config tree is missing (looked in {here / 'conf'}); reinstall tfkv")
+
+
+def versions() -> str:
+    """tfkv's version and those of what it runs on, read from the installed packages' metadata
+    (TensorFlow is not imported: this answers in a blink). What `--version` prints for every tfkv
+    command; here, at the package's root, so that the launcher, which imports only base modules,
+    answers it too."""
+    from importlib import metadata
+
+    def installed(*names: str) -> str:
+        for name in names:
+            try:
+                return metadata.version(name)
+            except metadata.PackageNotFoundError:
+                continue
+        return "not installed"
+
+    try:
+        import zmq
+
+        libzmq = zmq.zmq_version()
+    except ImportError:
+        libzmq = "not installed"
+    tf = installed("tensorflow", "tensorflow-cpu", "tensorflow-macos", "tf-nightly", "tensorflow-intel")
+    return (f"tfkv {installed('tfkv')}, TensorFlow {tf}, Hydra {installed('hydra-core')}, "
+            f"ZeroMQ {libzmq} (pyzmq {installed('pyzmq')})")

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tfkv.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, message, report
-from tfkv import conf_dir
+from tfkv import conf_dir, versions
 from tfkv.hydra_messages import one_line
 
 _run_dir: Path | None = None  # the job's run directory once known, for the Ctrl-C line
@@ -240,30 +240,6 @@ def _hydra_app() -> Callable[[], Any]:
 
     plugins.load()  # installed packages' models, data sets, stores and launchers as config options
     return hydra.main(version_base="1.3", config_path=conf_dir(), config_name="config")(_main)
-
-
-def versions() -> str:
-    """`tfkv-run --version`: tfkv's version and those of what it runs on, read from the installed
-    packages' metadata (TensorFlow is not imported: this answers in a blink)."""
-    from importlib import metadata
-
-    def installed(*names: str) -> str:
-        for name in names:
-            try:
-                return metadata.version(name)
-            except metadata.PackageNotFoundError:
-                continue
-        return "not installed"
-
-    try:
-        import zmq
-
-        libzmq = zmq.zmq_version()
-    except ImportError:
-        libzmq = "not installed"
-    tf = installed("tensorflow", "tensorflow-cpu", "tensorflow-macos", "tf-nightly", "tensorflow-intel")
-    return (f"tfkv {installed('tfkv')}, TensorFlow {tf}, Hydra {installed('hydra-core')}, "
-            f"ZeroMQ {libzmq} (pyzmq {installed('pyzmq')})")
 
 
 def _run() -> None:

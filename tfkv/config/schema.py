@@ -30,13 +30,13 @@ class OptimizerConfig:
     """What every optimizer takes."""
 
     name: str = MISSING  # sgd | adam
-    lr: float = 0.1
-    wd: float = 0.0
+    lr: float = 0.1  # learning rate
+    wd: float = 0.0  # weight decay (MXNet's wd)
     # MXNet's: the summed gradient is multiplied by rescale_grad (null: 1 / the examples of one
     # update, every worker's for dist_sync, as MXNet's Module sets it), then clipped to
     # [-clip_gradient, clip_gradient] (null: no clipping)
     rescale_grad: Optional[float] = None
-    clip_gradient: Optional[float] = None
+    clip_gradient: Optional[float] = None  # see rescale_grad; null: no clipping
     # null, or the most the global L2 norm of each worker's gradient (of its mean loss over its
     # batch, all its devices together) may be: scaled down to it before it is pushed (Keras's
     # global_clipnorm, per worker; see docs/guides/precision-and-devices.md)
@@ -49,15 +49,15 @@ class OptimizerConfig:
 
 @dataclass
 class SGDConfig(OptimizerConfig):
-    momentum: float = 0.0
+    momentum: float = 0.0  # 0: plain SGD
 
 
 @dataclass
 class AdamConfig(OptimizerConfig):
     lr: float = 0.001
-    beta1: float = 0.9
-    beta2: float = 0.999
-    epsilon: float = 1e-8
+    beta1: float = 0.9  # decay rate of the first-moment estimate
+    beta2: float = 0.999  # decay rate of the second-moment estimate
+    epsilon: float = 1e-8  # added to the denominator, for numerical stability
 
 
 @dataclass
@@ -77,7 +77,7 @@ class CompressionConfig:
 
 @dataclass
 class _KVStoreSettings:
-    type: str = MISSING
+    type: str = MISSING  # the store type, chosen by kvstore=<option> (tfkv.store.REGISTRY)
     # true: the store runs the optimizer (MXNet's default); false: the store only sums gradients
     # and every device applies the update to its own copy of the weights.
     update_on_kvstore: bool = True
@@ -115,8 +115,8 @@ class SweepConfig:
     # Set by the tfkv_optuna sweeper for each trial it asks (never by hand): the study the
     # trial's worker 0 reports its per-epoch objective to, so that a pruner can stop it.
     study: Optional[str] = None
-    storage: Optional[str] = None
-    trial: Optional[int] = None
+    storage: Optional[str] = None  # with study: the Optuna storage it lives in
+    trial: Optional[int] = None  # with study: this trial's number in it
 
 
 @dataclass
@@ -151,15 +151,16 @@ class Config:
     # auto (from objective's name: tfkv.config.objective) | maximize | minimize: which way it is better
     direction: str = "auto"
     optimizer: Any = MISSING  # one of OPTIMIZER_SCHEMAS, by optimizer.name
-    kvstore: KVStoreConfig = MISSING
+    kvstore: KVStoreConfig = MISSING  # chosen by kvstore=<option>
     cluster: Any = field(default_factory=lambda: {"launcher": "none"})  # one of CLUSTER_SCHEMAS
+    # the devices this process trains on: cpu:N, gpu:N, or gpu:{local_rank} (a launched worker's own GPU)
     devices: List[str] = field(default_factory=lambda: ["cpu:0"])
-    work_load_list: Optional[List[float]] = None
+    work_load_list: Optional[List[float]] = None  # each device's share of the batch (null: equal shares)
     batch_size: int = 64  # per machine; split across `devices`
-    eval_batch_size: int = 1000
-    epochs: int = 10
+    eval_batch_size: int = 1000  # examples per batch when evaluating the test split
+    epochs: int = 10  # passes over the training data
     steps_per_epoch: Optional[int] = None  # null: the fewest full batches of any worker's shard
-    seed: int = 0
+    seed: int = 0  # the random seed (0 to 2**32 - 1)
     deterministic: bool = False  # tf.config.experimental.enable_op_determinism()
     # false | auto (newest valid checkpoint of this run directory, else fresh) | true (auto, else the
     # last checkpoint of the same command, epochs aside) | a run or checkpoint directory

@@ -14,12 +14,16 @@ import signal
 import sys
 from pathlib import Path
 
+from tfkv import versions
 from tfkv.emulate.cluster import Cluster
 from tfkv.emulate.spec import HostSpec, Refused
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tfkv-emulate", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="tfkv-emulate", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # --version unwrapped
+    parser.add_argument("--version", action="version", version=f"tfkv-emulate {versions()}",
+                        help="print tfkv's version and those of what it runs on, and exit")
     commands = parser.add_subparsers(dest="command", required=True)
     up = commands.add_parser("up", help="bring hosts node1..nodeN up")
     up.add_argument("--hosts", type=int, required=True, help="how many hosts (node1..nodeN)")

@@ -11,6 +11,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from tfkv import versions
 from tfkv.config import cluster
 from tfkv.errors import TfkvError, report
 
@@ -80,6 +81,8 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument(*flags, "--" + f.name.replace("_", "-"), default=own.get("default", f.default),
                        required=own.get("required", False), help=f.metadata.get("help", "") + own.get("help_more", ""),
                        **extra)
+    p.add_argument("--version", action="version", version=f"tfkv-launch {versions()}",
+                   help="print tfkv's version and those of what it runs on, and exit")
     p.add_argument("--run-dir", help="where the job's record goes (default: outputs/launch-<time>)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the workers' command, after --")
     return p
