@@ -76,8 +76,10 @@ class CommandFailed(AssertionError):
 def pages(root: Path = ROOT) -> list[Path]:
     """README.md, docs/**/*.md and docs/snippets/*.sh, where they exist."""
     found = [root / "README.md"] if (root / "README.md").is_file() else []
-    found += sorted((root / "docs").rglob("*.md")) + sorted((root / "docs" / "snippets").glob("*.sh"))
-    return found
+    found += sorted((root / "docs").rglob("*.md"))
+    shown = "\n".join(p.read_text() for p in found)
+    # a snippet the README or a page shows as a block is checked there, under that block's marker
+    return found + [p for p in sorted((root / "docs" / "snippets").glob("*.sh")) if f"```bash\n{p.read_text()}```" not in shown]
 
 
 def blocks(path: Path) -> Iterator[tuple[int, list[str], str]]:
