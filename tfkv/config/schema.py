@@ -167,8 +167,8 @@ class Config:
     resume: Any = False
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     # evaluate the `resume` checkpoint on the test split, no training (tfkv.export). null means
-    # false: Hydra's `+key=value` adds a key only where it is absent or null, and the issue's
-    # spelling is `+eval_only=true` (eval_only=true works too)
+    # false, so that `+eval_only=true` works as well as `eval_only=true` (Hydra's `+key=value`
+    # adds a key only where it is absent or null)
     eval_only: Optional[bool] = None
     export: ExportConfig = field(default_factory=ExportConfig)
     progress: bool = True  # progress bar on a terminal
