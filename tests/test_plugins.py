@@ -200,7 +200,9 @@ def test_tfkv_run_trains_a_plugin_model_on_a_plugin_store(plugin_env, tmp_path):
     assert "tinynet: width 8, dropout 0.0" in proc.stdout
     run = run_dir(tmp_path)
     assert "kvstore=twin" in (run / "tfkv.log").read_text()
-    assert json.loads((run / "metrics.json").read_text())["test_accuracy"] > 0.3  # digits: 10 classes
+    # digits: 10 classes, chance 0.1; one epoch of a width-8 net ends near 0.3, on either side of it
+    # as the threads' order of sums goes (0.29 in one CI rehearsal), so twice chance is what it proves
+    assert json.loads((run / "metrics.json").read_text())["test_accuracy"] > 0.2
     # the plug-in that cannot be imported is one line when chosen, naming it
     proc = tfkv_run("kvstore=shaky", "epochs=1", cwd=tmp_path, env=plugin_env, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
