@@ -20,7 +20,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -65,15 +64,6 @@ def commit() -> str:
     return sha
 
 
-def _version(*dists: str) -> str | None:
-    for d in dists:
-        try:
-            return metadata.version(d)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
-
-
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -98,18 +88,12 @@ def _gpus() -> list[str]:
     return [line.strip() for line in out.splitlines() if line.strip()]
 
 
-def _zmq() -> tuple[str | None, str | None]:
-    try:
-        import zmq
-    except ImportError:
-        return None, None
-    return zmq.pyzmq_version(), zmq.zmq_version()
-
-
 def machine() -> dict[str, Any]:
     """What the figures depend on: host, CPU, memory, GPUs and the versions of the stack.
-    TensorFlow's version comes from its package metadata: importing it here would cost seconds."""
-    pyzmq, libzmq = _zmq()
+    The versions are tfkv.stack()'s, from package metadata: importing TensorFlow would cost seconds."""
+    from tfkv import stack
+
+    versions = stack()
     return {
         "hostname": platform.node(),
         "os": platform.platform(),
@@ -118,10 +102,10 @@ def machine() -> dict[str, Any]:
         "memory_gib": _memory_gib(),
         "gpus": _gpus(),
         "python": platform.python_version(),
-        "tensorflow": _version("tensorflow", "tensorflow-cpu", "tensorflow-macos"),
-        "tfkv": _version("tfkv"),
-        "pyzmq": pyzmq,
-        "libzmq": libzmq,
+        "tensorflow": versions["tensorflow"],
+        "tfkv": versions["tfkv"],
+        "pyzmq": versions["pyzmq"],
+        "libzmq": versions["libzmq"],
     }
 
 

@@ -485,7 +485,7 @@ def cli_page() -> str:
     from tfkv.emulate import cli as emulate_cli
     from tfkv.launcher import cli as launch_cli
 
-    run_rows = [(code("--version"), first_paragraph(versions.__doc__ or "").split(". ")[0] + ".")]
+    run_rows = [(code("--version"), first_paragraph(versions.__doc__ or "").split(". ")[0].rstrip(".") + ".")]
     run_rows += _hydra_flags()
     run = "\n\n".join([
         "## tfkv-run",

@@ -21,27 +21,36 @@ def conf_dir() -> str:
     raise RuntimeError(f"tfkv's config tree is missing (looked in {here / 'conf'}); reinstall tfkv")
 
 
-def versions() -> str:
-    """tfkv's version and those of what it runs on, read from the installed packages' metadata
-    (TensorFlow is not imported: this answers in a blink). What `--version` prints for every tfkv
-    command; here, at the package's root, so that the launcher, which imports only base modules,
-    answers it too."""
+def stack() -> dict[str, str | None]:
+    """The versions of tfkv and what it runs on (None: not installed), read from the installed
+    packages' metadata: TensorFlow is not imported, so this answers in a blink. One definition for
+    `--version` (below) and the benchmarks' records of the machine they ran on."""
     from importlib import metadata
 
-    def installed(*names: str) -> str:
+    def installed(*names: str) -> str | None:
         for name in names:
             try:
                 return metadata.version(name)
             except metadata.PackageNotFoundError:
                 continue
-        return "not installed"
+        return None
 
     try:
         import zmq
 
-        libzmq = zmq.zmq_version()
+        libzmq: str | None = zmq.zmq_version()
     except ImportError:
-        libzmq = "not installed"
-    tf = installed("tensorflow", "tensorflow-cpu", "tensorflow-macos", "tf-nightly", "tensorflow-intel")
-    return (f"tfkv {installed('tfkv')}, TensorFlow {tf}, Hydra {installed('hydra-core')}, "
-            f"ZeroMQ {libzmq} (pyzmq {installed('pyzmq')})")
+        libzmq = None
+    return {"tfkv": installed("tfkv"),
+            "tensorflow": installed("tensorflow", "tensorflow-cpu", "tensorflow-macos", "tf-nightly", "tensorflow-intel"),
+            "hydra": installed("hydra-core"), "pyzmq": installed("pyzmq"), "libzmq": libzmq}
+
+
+def versions() -> str:
+    """tfkv's version and those of what it runs on, read from the installed packages' metadata
+    (TensorFlow is not imported: this answers in a blink).
+
+    What `--version` prints for every tfkv command; here, at the package's root, so that the
+    launcher, which imports only base modules, answers it too."""
+    v = {k: value or "not installed" for k, value in stack().items()}
+    return f"tfkv {v['tfkv']}, TensorFlow {v['tensorflow']}, Hydra {v['hydra']}, ZeroMQ {v['libzmq']} (pyzmq {v['pyzmq']})"
