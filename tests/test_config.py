@@ -38,7 +38,7 @@ def test_every_experiment_composes_and_validates(experiment):
     cfg = _compose(f"+experiment={experiment}")
     check.validate(cfg)
     model = experiment.replace("cifar_", "").replace("mnist_", "").replace("digits_", "")
-    model = {"lstm_ptb": "lstm_lm"}.get(experiment, model)
+    model = {"lstm_ptb": "lstm_lm", "ctr_dlrm": "dlrm"}.get(experiment, model)
     assert cfg.model._target_ == _compose(f"model={model}").model._target_
 
 

@@ -40,7 +40,7 @@ def _check(input_shape: Any, vocab_sizes: Sequence[int], embedding_dim: int, bot
     if len(vocab_sizes) != features or min(int(v) for v in vocab_sizes) < 1:
         raise ConfigError(f"model.vocab_sizes={list(vocab_sizes)} must give one table size (at least 1) per "
                           f"categorical feature: the data set has {features}; set it to the data set's "
-                          "vocab_sizes (conf/model/dlrm.yaml: ${dataset.vocab_sizes})")
+                          "vocab_sizes (model.vocab_sizes=[...] as dataset.vocab_sizes)")
     return int(input_shape["dense"][0]), features
 
 
