@@ -1,0 +1,396 @@
+"""A large embedding table trained by tfkv (dist_sync, row-sparse, ShardedEmbedding) against
+tf.distribute's ParameterServerStrategy with partitioned variables, same run, same model, same data:
+samples/s, bytes on the wire per step, and the peak memory of every process.
+
+Both contenders train the DLRM-like model of tfkv.models.dlrm (bottom MLP [64, dim], one table of
+`--dim` float32 per categorical feature, `--tables` rows each, the first of at least 10M rows by
+default, dot interaction, top MLP [64, 32], one logit) on the same synthetic click log
+(tfkv.data.clicks: Zipf ids, one pool of `--pool` batches per worker, drawn once from seed 0),
+with plain SGD (lr `--lr`, lazy: only the rows a batch touched change), 2 workers and 2 servers:
+
+    tfkv   DataParallel + KVStore `dist_sync` (2 worker processes, 2 servers, a scheduler, started
+           by tfkv.launcher make_plan + local.run, secure as a launched job is by default); each
+           table a tfkv.layers.ShardedEmbedding: the rows live on the servers, sharded by range;
+           a worker pulls the rows of its next batch while the current one computes (the trainer's
+           prefetch) and pushes the rows it touched. Bytes per step: the store's push_bytes +
+           pull_bytes counters (payload), per worker, over the timed steps.
+    PSS    tf.distribute.ParameterServerStrategy: a chief (the ClusterCoordinator) schedules steps
+           on 2 worker tasks against 2 ps tasks (TF_CONFIG, gRPC, in subprocesses on 127.0.0.1);
+           built inside strategy.scope() with variable_partitioner=MinSizePartitioner (the tables
+           split in one shard per ps, each shard initialised on its ps); the same model in TF ops
+           (tf.nn.embedding_lookup on the ShardedVariable), each shard updated by scatter_sub of
+           its IndexedSlices gradient; batches from coordinator.create_per_worker_dataset. PSS is
+           asynchronous, so its samples/s is steps x b / the chief's time. Bytes per step are an
+           estimate (TF counts none): the rows it gathers and the rows it scatters (one per id of
+           the batch, no dedup: embedding_lookup gathers duplicates), plus every dense weight read
+           and its gradient written, 4 bytes a float.
+
+Peak memory: each process's VmHWM (/proc/<pid>/status), polled by this script every 50 ms
+(workers and the chief also report their own at the end); the table itself is `table_bytes`.
+
+    python benchmarks/bench_embedding.py [--tables 10000000,100000] [--dim 64] [--batch 512]
+[--seconds 10] [--trials 1] [--contenders tfkv,pss] [--json OUT]
+
+Runs on loopback (127.0.0.1): every process on this machine, the output says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import record  # noqa: E402 - benchmarks/record.py
+from dist_job import CALIBRATION_STEPS, WARMUP_STEPS, Failed, run_plan, set_threads  # noqa: E402
+
+WORKERS, SERVERS = 2, 2
+BOTTOM, TOP = [64], [64, 32]
+NUM_DENSE = 8
+CONTENDERS = ("tfkv", "pss")
+
+
+def spec_of(args: argparse.Namespace) -> Any:
+    from tfkv.data.clicks import Clicks
+
+    return Clicks(num_dense=NUM_DENSE, vocab_sizes=tuple(args.table_rows))
+
+
+def pool(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """The examples every contender's workers draw their batches from (seed 0, stream 1)."""
+    from tfkv.data.clicks import generate
+
+    return generate(spec_of(args), 0, args.batch * args.pool * WORKERS, stream=1)
+
+
+def peak_rss_mib(pid: int | str = "self") -> float:
+    """A process's peak resident set (VmHWM), in MiB; 0 when it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    except (OSError, ValueError):
+        pass
+    return 0.0
+
+
+def dense_params(args: argparse.Namespace) -> int:
+    """The weights outside the tables (the MLPs), as tfkv.models.dlrm.build makes them."""
+    sizes = [NUM_DENSE, *BOTTOM, args.dim]
+    n = sum(a * b + b for a, b in zip(sizes, sizes[1:]))
+    features = len(args.table_rows) + 1
+    width = args.dim + features * (features - 1) // 2
+    for units in [*TOP, 1]:
+        n += width * units + units
+        width = units
+    return n
+
+
+# -- the PSS chief and its tasks --------------------------------------------------------------
+
+def run_pss_server(args: argparse.Namespace) -> None:
+    """A ParameterServerStrategy worker or ps task: a TF server until the chief says it is done."""
+    import tensorflow as tf
+
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    tf.distribute.Server(resolver.cluster_spec(), job_name=resolver.task_type, task_index=resolver.task_id,
+                         protocol="grpc", start=True)
+    done = os.path.join(args.sync_dir, "pss-done")
+    while not os.path.exists(done):
+        time.sleep(0.05)
+    os._exit(0)  # a TF server has no clean stop
+
+
+def run_pss(args: argparse.Namespace) -> None:
+    """The chief: the model's variables on the ps tasks (tables partitioned), steps scheduled."""
+    import numpy as np
+    import tensorflow as tf
+    from tensorflow.python.distribute.sharded_variable import ShardedVariable
+
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
+        min_shard_bytes=1 << 20, max_shards=SERVERS)
+    strategy = tf.distribute.ParameterServerStrategy(resolver, variable_partitioner=partitioner)
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    try:
+        dense, cat, click = pool(args)
+        rng = np.random.default_rng(0)
+
+        def uniform(shape: tuple[int, ...], scale: float) -> Any:
+            # called on the ps, one shard at a time (the partition_* arguments say which)
+            def init(partition_shape: Any = None, partition_offset: Any = None) -> Any:
+                return tf.random.uniform(partition_shape or shape, -scale, scale, seed=int(rng.integers(1 << 30)))
+            return tf.Variable(init, shape=shape, dtype=tf.float32)
+
+        with strategy.scope():
+            tables = [uniform((rows, args.dim), 0.05) for rows in args.table_rows]
+            layers = []
+            for sizes in ([NUM_DENSE, *BOTTOM, args.dim], None):
+                if sizes is None:
+                    f = len(tables) + 1
+                    sizes = [args.dim + f * (f - 1) // 2, *TOP, 1]
+                layers.append([(uniform((a, b), (6.0 / (a + b)) ** 0.5), tf.Variable(tf.zeros([b])))
+                               for a, b in zip(sizes, sizes[1:])])
+        bottom, top = layers
+        # a table too small to split (under 2 MiB) is one variable on one ps
+        shards = [s for t in tables for s in (t.variables if isinstance(t, ShardedVariable) else [t])]
+        weights = [w for layer in layers for pair in layer for w in pair]
+        n = len(tables) + 1
+        pairs = [i * n + j for i in range(n) for j in range(i + 1, n)]
+
+        def mlp(x: Any, stack: list, last_relu: bool) -> Any:
+            for i, (w, b) in enumerate(stack):
+                x = tf.matmul(x, w) + b
+                if last_relu or i < len(stack) - 1:
+                    x = tf.nn.relu(x)
+            return x
+
+        def replica(xd: Any, xc: Any, y: Any) -> Any:
+            with tf.GradientTape() as tape:
+                b = mlp(xd, bottom, True)
+                vectors = [b] + [tf.nn.embedding_lookup(t, xc[:, i]) for i, t in enumerate(tables)]
+                stacked = tf.stack(vectors, axis=1)
+                dots = tf.reshape(tf.einsum("nid,njd->nij", stacked, stacked), (-1, n * n))
+                logit = mlp(tf.concat([b, tf.gather(dots, pairs, axis=1)], axis=1), top, False)
+                loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(y, logit))
+            grads = tape.gradient(loss, shards + weights)
+            for v, g in zip(shards + weights, grads):
+                if isinstance(g, tf.IndexedSlices):  # a table shard: only the rows looked up change
+                    v.scatter_sub(tf.IndexedSlices(args.lr * g.values, g.indices, g.dense_shape))
+                else:
+                    v.assign_sub(args.lr * g)
+            return loss
+
+        def dataset_fn() -> Any:
+            data = tf.data.Dataset.from_tensor_slices((dense, cat, click[:, None]))
+            return data.shuffle(len(click)).batch(args.batch, drop_remainder=True).repeat()
+
+        batches = iter(coordinator.create_per_worker_dataset(dataset_fn))
+
+        @tf.function
+        def step(iterator: Any) -> Any:
+            return strategy.run(replica, args=next(iterator))
+
+        def steps(count: int) -> tuple[float, float]:
+            t0 = time.perf_counter()
+            results = [coordinator.schedule(step, args=(batches,)) for _ in range(count)]
+            coordinator.join()
+            return time.perf_counter() - t0, float(np.mean([r.fetch() for r in results[-10:]]))
+
+        steps(WARMUP_STEPS * WORKERS)
+        per_step = steps(CALIBRATION_STEPS * WORKERS)[0] / (CALIBRATION_STEPS * WORKERS)
+        count = max(4, int(args.seconds / per_step))
+        elapsed, loss = steps(count)
+        ids = args.batch * len(args.table_rows)
+        estimate = 4 * (2 * ids * args.dim + 2 * dense_params(args))  # rows gathered + scattered, weights + grads
+        out = {"steps": count, "seconds": elapsed, "samples": count * args.batch, "loss": loss,
+               "bytes_per_step": estimate, "bytes_measured": False, "chief_peak_rss_mib": peak_rss_mib()}
+        Path(args.out, "pss.json").write_text(json.dumps(out))
+    finally:
+        Path(args.sync_dir, "pss-done").touch()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def job_pss(args: argparse.Namespace, tmp: str) -> None:
+    from tfkv.launcher.plan import Process
+    from tfkv.launcher.ports import free_port
+
+    cluster = {"chief": [f"127.0.0.1:{free_port()}"],
+               "worker": [f"127.0.0.1:{free_port()}" for _ in range(WORKERS)],
+               "ps": [f"127.0.0.1:{free_port()}" for _ in range(SERVERS)]}
+    tasks = [("chief", 0)] + [("worker", i) for i in range(WORKERS)] + [("ps", i) for i in range(SERVERS)]
+    plan = [Process(f"PSS {t} {i}", "worker", rank, "127.0.0.1",
+                    role_argv(args, "pss" if t == "chief" else "pss_server", tmp),
+                    {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": t, "index": i}}),
+                     "TFKV_BENCH_ROLE": f"{'ps' if t == 'ps' else t} {i}"})
+            for rank, (t, i) in enumerate(tasks)]
+    run_plan(plan, args.job_timeout, "ParameterServerStrategy")
+
+
+# -- tfkv ------------------------------------------------------------------------------------------
+
+def run_tfkv(args: argparse.Namespace) -> None:
+    raise NotImplementedError
+
+
+def job_tfkv(args: argparse.Namespace, tmp: str) -> None:
+    raise Failed("tfkv: not wired yet")
+
+
+def collect_tfkv(tmp: str, peaks: dict[str, float]) -> dict[str, Any]:
+    raise NotImplementedError
+
+
+# -- the parent ---------------------------------------------------------------------------------
+
+class PeakWatch:
+    """Polls the VmHWM of every process that says its role (TFKV_BENCH_ROLE, or DMLC_ROLE and the
+    rank for tfkv's) among this process's descendants: {role: peak MiB}."""
+
+    def __init__(self, interval: float = 0.05) -> None:
+        self.peaks: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._interval = interval
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> PeakWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @staticmethod
+    def _role(pid: str) -> str | None:
+        try:
+            env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
+        except OSError:
+            return None
+        if "TFKV_BENCH_ROLE" in env:
+            return env["TFKV_BENCH_ROLE"]
+        role = env.get("DMLC_ROLE")
+        if role in ("worker", "server"):
+            return f"{role} {env.get('DMLC_WORKER_ID') or env.get('DMLC_SERVER_ID') or env.get('DMLC_RANK', '?')}"
+        return role
+
+    def _descendants(self) -> list[str]:
+        parents: dict[str, str] = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    parents[entry] = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]
+                except OSError:
+                    continue
+        mine, found = {str(os.getpid())}, True
+        while found:
+            found = False
+            for pid, ppid in parents.items():
+                if ppid in mine and pid not in mine:
+                    mine.add(pid)
+                    found = True
+        mine.discard(str(os.getpid()))
+        return sorted(mine)
+
+    def _run(self) -> None:
+        roles: dict[str, str | None] = {}
+        while not self._stop.wait(self._interval):
+            for pid in self._descendants():
+                if pid not in roles:
+                    roles[pid] = self._role(pid)
+                if roles[pid]:
+                    self.peaks[roles[pid]] = max(self.peaks.get(roles[pid], 0.0), peak_rss_mib(pid))
+
+
+def role_argv(args: argparse.Namespace, role: str, tmp: str) -> list[str]:
+    return [sys.executable, os.path.abspath(__file__), "--role", role, "--out", tmp, "--sync-dir", tmp,
+            "--tables", args.tables, "--dim", str(args.dim), "--batch", str(args.batch), "--pool", str(args.pool),
+            "--lr", str(args.lr), "--seconds", str(args.seconds)]
+
+
+def run_contender(args: argparse.Namespace, contender: str) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix=f"bench_embedding_{contender}_") as tmp, PeakWatch() as watch:
+        if contender == "pss":
+            job_pss(args, tmp)
+            got = json.loads(Path(tmp, "pss.json").read_text())
+            watch.peaks["chief 0"] = max(watch.peaks.get("chief 0", 0.0), got.pop("chief_peak_rss_mib"))
+        else:
+            job_tfkv(args, tmp)
+            got = collect_tfkv(tmp, watch.peaks)
+    got["peaks"] = dict(sorted(watch.peaks.items()))
+    return got
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tables", default="10000000,100000",
+                    help="rows of each categorical feature's table, comma-separated (the first: >= 10M for the claim)")
+    ap.add_argument("--dim", type=int, default=64, help="embedding width (float32; 64: a 10M-row table of 2.4 GiB, three times a TensorFlow process)")
+    ap.add_argument("--batch", type=int, default=512, help="examples per worker step")
+    ap.add_argument("--pool", type=int, default=32, help="distinct batches per worker in the data pool")
+    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--seconds", type=float, default=10.0, help="timed steps per contender and trial")
+    ap.add_argument("--trials", type=int, default=1)
+    ap.add_argument("--contenders", default=",".join(CONTENDERS))
+    ap.add_argument("--job-timeout", type=float, default=300.0, help="seconds before a job counts as hung")
+    ap.add_argument("--role", choices=["tfkv", "pss", "pss_server"], help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--sync-dir", help=argparse.SUPPRESS)
+    record.add_argument(ap, "embedding", "--json")
+    args = ap.parse_args()
+    try:
+        args.table_rows = [int(r) for r in args.tables.split(",")]
+        assert args.table_rows and min(args.table_rows) >= 1
+    except (ValueError, AssertionError):
+        ap.error(f"--tables={args.tables!r} must be row counts of at least 1, comma-separated (e.g. 10000000,100000)")
+    if args.role == "pss":
+        return run_pss(args)
+    if args.role == "pss_server":
+        return run_pss_server(args)
+    if args.role == "tfkv":
+        return run_tfkv(args)
+    contenders = [c for c in args.contenders.split(",") if c]
+    unknown = sorted(set(contenders) - set(CONTENDERS))
+    if unknown:
+        ap.error(f"--contenders: {unknown[0]!r} is not one of {', '.join(CONTENDERS)}")
+    table_bytes = sum(args.table_rows) * args.dim * 4
+    print(f"bench_embedding: loopback (127.0.0.1, every process on this machine), {WORKERS} workers, "
+          f"{SERVERS} servers; tables {args.tables} rows x {args.dim} float32 = {table_bytes / 2**20:.0f} MiB; "
+          f"batch {args.batch} per worker, SGD lr {args.lr}", flush=True)
+    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in contenders}
+    failed = False
+    for trial in range(args.trials):
+        for contender in (contenders if trial % 2 == 0 else contenders[::-1]):
+            try:
+                got = run_contender(args, contender)
+            except Failed as e:
+                print(f"{contender}: FAILED {e}", flush=True)
+                failed = True
+                continue
+            got["samples_per_sec"] = got["samples"] / got["seconds"]
+            runs[contender].append(got)
+            print(f"trial {trial + 1} {contender}: {got['samples_per_sec']:.0f} samples/s, "
+                  f"{got['bytes_per_step'] / 2**10:.0f} KiB/step per worker"
+                  f"{'' if got['bytes_measured'] else ' (estimated)'}, loss {got['loss']:.4f}, peak RSS MiB "
+                  + ", ".join(f"{k} {v:.0f}" for k, v in got["peaks"].items()), flush=True)
+    rows = []
+    for contender, got in runs.items():
+        if not got:
+            continue
+        best = sorted(got, key=lambda g: g["samples_per_sec"])[len(got) // 2]  # the median trial
+        workers = [v for k, v in best["peaks"].items() if k.startswith("worker")]
+        servers = [v for k, v in best["peaks"].items() if k.startswith(("server", "ps"))]
+        rows.append({"contender": contender, "samples_per_sec": statistics.median(g["samples_per_sec"] for g in got),
+                     "bytes_per_step": best["bytes_per_step"], "bytes_measured": best["bytes_measured"],
+                     "worker_peak_rss_mib": max(workers, default=0.0), "server_peak_rss_mib": max(servers, default=0.0),
+                     "table_bytes": table_bytes, "table_mib": table_bytes / 2**20, "loss": best["loss"],
+                     "peaks_mib": best["peaks"], "trials": len(got), "network": "loopback"})
+    print(f"\n{'contender':<9} {'samples/s':>10} {'KiB/step':>9} {'worker MiB':>11} {'server MiB':>11} "
+          f"{'table MiB':>10} {'worker/table':>13}")
+    for r in rows:
+        print(f"{r['contender']:<9} {r['samples_per_sec']:>10.0f} {r['bytes_per_step'] / 2**10:>9.0f}"
+              f"{'' if r['bytes_measured'] else '*'} {r['worker_peak_rss_mib']:>10.0f} {r['server_peak_rss_mib']:>11.0f} "
+              f"{r['table_mib']:>10.0f} {r['worker_peak_rss_mib'] / r['table_mib']:>13.2f}")
+    speed = {r["contender"]: r["samples_per_sec"] for r in rows}
+    if "tfkv" in speed and "pss" in speed:
+        print(f"tfkv/PSS samples/s: {speed['tfkv'] / speed['pss']:.2f} (target >= 1.5); "
+              "worker peak RSS / table: target well below 1")
+    print("* estimated: PSS rows gathered + scattered and dense weights + gradients, 4 bytes a float; "
+          "tfkv: the store's push_bytes + pull_bytes. Network: loopback.", flush=True)
+    record.write(args.result, "embedding", record.settings_of(args), rows, network="loopback")
+    if failed:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
