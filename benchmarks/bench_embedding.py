@@ -51,7 +51,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import record  # noqa: E402 - benchmarks/record.py
-from dist_job import CALIBRATION_STEPS, WARMUP_STEPS, Failed, run_plan, set_threads  # noqa: E402
+from bench_dist_training import run_pss_server  # noqa: E402 - a TF server until the chief is done
+from dist_job import CALIBRATION_STEPS, WARMUP_STEPS, Failed, run_plan  # noqa: E402
 
 WORKERS, SERVERS = 2, 2
 BOTTOM, TOP = [64], [64, 32]
@@ -96,19 +97,6 @@ def dense_params(args: argparse.Namespace) -> int:
 
 
 # -- the PSS chief and its tasks --------------------------------------------------------------
-
-def run_pss_server(args: argparse.Namespace) -> None:
-    """A ParameterServerStrategy worker or ps task: a TF server until the chief says it is done."""
-    import tensorflow as tf
-
-    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
-    tf.distribute.Server(resolver.cluster_spec(), job_name=resolver.task_type, task_index=resolver.task_id,
-                         protocol="grpc", start=True)
-    done = os.path.join(args.sync_dir, "pss-done")
-    while not os.path.exists(done):
-        time.sleep(0.05)
-    os._exit(0)  # a TF server has no clean stop
-
 
 def run_pss(args: argparse.Namespace) -> None:
     """The chief: the model's variables on the ps tasks (tables partitioned), steps scheduled."""
@@ -295,7 +283,7 @@ class PeakWatch:
 def role_argv(args: argparse.Namespace, role: str, tmp: str) -> list[str]:
     return [sys.executable, os.path.abspath(__file__), "--role", role, "--out", tmp, "--sync-dir", tmp,
             "--tables", args.tables, "--dim", str(args.dim), "--batch", str(args.batch), "--pool", str(args.pool),
-            "--lr", str(args.lr), "--seconds", str(args.seconds)]
+            "--lr", str(args.lr), "--seconds", str(args.seconds), "--worker-threads", str(args.worker_threads)]
 
 
 def run_contender(args: argparse.Namespace, contender: str) -> dict[str, Any]:
@@ -323,6 +311,8 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=1)
     ap.add_argument("--contenders", default=",".join(CONTENDERS))
     ap.add_argument("--job-timeout", type=float, default=300.0, help="seconds before a job counts as hung")
+    ap.add_argument("--worker-threads", type=int, default=0,
+                    help="TF intra/inter-op threads of each PSS task (0: TensorFlow's default)")
     ap.add_argument("--role", choices=["tfkv", "pss", "pss_server"], help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--sync-dir", help=argparse.SUPPRESS)
