@@ -145,6 +145,7 @@ class KVStore(ABC):
     def pushpull_async(self, key: Key | Sequence[Key], value: Any, priority: int | Sequence[int] = 0) -> list[Any]:
         """Push the keys and ask for them back without waiting, where the store can (see
         `async_pushpull`); returns what `arrivals` takes. Here: push now, pull in `arrivals`."""
+        self._refuse_row_sparse(key)
         self.push(key, value, priority)
         return list(key) if isinstance(key, (list, tuple)) else [key]
 
