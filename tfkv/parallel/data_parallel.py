@@ -291,6 +291,10 @@ class DataParallel(Parallel):
             if self.loss_scale is not None:  # the scale is of the mean loss, as in Keras
                 loss = loss * (scale / n)
         grads = tape.gradient(loss, variables)
+        # A dense key's gradient is pushed and updated whole (an Embedding's IndexedSlices too)
+        dense = len(self.params[r])
+        grads = [tf.convert_to_tensor(g) if i < dense and isinstance(g, tf.IndexedSlices) else g
+                 for i, g in enumerate(grads)]
         if self.loss_scale is not None:
             grads = [_times(g, n / scale) for g in grads]
         return grads, pred, losses, reg
