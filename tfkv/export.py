@@ -3,7 +3,9 @@
 `model.keras` in the run directory is the trained model saved by Keras itself, loadable with
 `keras.models.load_model` where tfkv is not installed. A layer of one of tfkv's own classes (the
 LSTM model's Embedding, whose gradient is dense for the stores) is saved as the Keras class it
-extends, from the same config with the same weights: it computes the same outputs. Layers of the
+extends, from the same config with the same weights: it computes the same outputs (a
+`tfkv.layers.ShardedEmbedding` is saved as the `keras.layers.Embedding` it extends, with the whole
+table: its `keras_config`; tfkv gathers the table from the store first). Layers of the
 user's own classes stay theirs: loading those needs the user's package, as Keras requires for
 any custom layer. `export.saved_model=true` also writes `saved_model/` (Keras' `model.export`),
 a TensorFlow SavedModel whose `serve` endpoint takes a batch of inputs, for TF Serving.
@@ -46,9 +48,16 @@ def portable(model: Any) -> Any:
         return model  # also a subclassed model, which clone_model cannot clone
     copy = keras.models.clone_model(
         model, recursive=True,
-        clone_function=lambda layer: _keras_class(type(layer)).from_config(layer.get_config()))
+        clone_function=lambda layer: _keras_class(type(layer)).from_config(_keras_config(layer)))
     copy.set_weights(model.get_weights())
     return copy
+
+
+def _keras_config(layer: Any) -> dict[str, Any]:
+    """The config of the Keras class a layer is saved as: its `keras_config()` where it has one
+    (a config without tfkv's own keys), else its config."""
+    keras_config = getattr(layer, "keras_config", None)
+    return keras_config() if callable(keras_config) and type(layer).__module__.startswith("tfkv") else layer.get_config()
 
 
 def save(model: Any, run_dir: Path, saved_model: bool = False) -> Path:

@@ -81,6 +81,13 @@ class _KVStoreSettings:
     # true: the store runs the optimizer (MXNet's default); false: the store only sums gradients
     # and every device applies the update to its own copy of the weights.
     update_on_kvstore: bool = True
+    # true: every keras.layers.Embedding of the model trains row-sparse, the model unchanged: its
+    # table is a row-sparse key of the store (the servers', by rows, for dist_*), its gradient is
+    # pushed as the rows the batch touched and the store updates only those (MXNet's lazy update),
+    # the rows a batch reads are refreshed from the store before it (requested while the previous
+    # batch computes). tfkv.layers.ShardedEmbedding trains so always, keeping only the batch's
+    # rows on a worker. Needs update_on_kvstore=true; not with placement (model parallelism).
+    row_sparse: bool = False
     compression: CompressionConfig = field(default_factory=CompressionConfig)
 
 

@@ -30,6 +30,14 @@ workers of a `dist_*` job nothing is exchanged while training: each worker keeps
 statistics; before a split evaluation every worker takes worker 0's (`Parallel.evaluate_split`),
 the ones its checkpoint and export hold.
 
+Row-sparse tables (tfkv.parallel.sparse): every `tfkv.layers.ShardedEmbedding`, and with
+`row_sparse` every `keras.layers.Embedding`, is a row-sparse key of the store (keys after the
+dense ones). Its gradient leaves the compiled step as rows with their table ids and is pushed as
+rows after it; the rows each batch reads are loaded into the copies before it computes, those
+of the next batch (`step`'s `upcoming`) requested while this one computes. Such a model always
+goes through the store (its tables live there) and needs `update_on_kvstore`. `get_weights`
+gives the tables whole, gathered from the store: the weights of the model built without one.
+
 Precision, clipping, XLA (docs/guides/precision-and-devices.md): with a `loss_scale`
 (mixed_float16) the loss is scaled before backprop and the gradients unscaled after; a step
 whose gradients are not all finite on any device, or, with a synchronous `dist_*` store, on any
@@ -53,6 +61,8 @@ import tensorflow as tf
 
 from tfkv import optim
 from tfkv.errors import ConfigError
+from tfkv.layers import serving_rows
+from tfkv.parallel import sparse
 from tfkv.parallel.base import Parallel
 from tfkv.parallel.criterion import Criterion, regularization
 from tfkv.parallel.precision import LossScale, all_finite
@@ -74,10 +84,11 @@ class DataParallel(Parallel):
         loss_scale: LossScale | None = None,
         clipnorm: float | None = None,
         jit_compile: bool = False,
+        row_sparse: bool = False,
     ):
         """`devices` are TensorFlow device names; `batch_sizes[i]` examples go to device i;
         `criterion`: the loss and metrics (default: sparse categorical crossentropy on logits,
-        accuracy); `loss_scale`, `clipnorm`, `jit_compile`: see the module docstring.
+        accuracy); `loss_scale`, `clipnorm`, `jit_compile`, `row_sparse`: see the module docstring.
 
         As in MXNet, what is pushed is the gradient of the loss summed over the examples (an
         example's loss is the mean over its positions, e.g. tokens), plus the examples' count
@@ -92,17 +103,27 @@ class DataParallel(Parallel):
         self.devices = list(devices)
         self.store = store
         self.batch_sizes = [int(n) for n in batch_sizes]
-        self.uses_store = len(self.devices) > 1 or store.distributed
-        self.update_on_kvstore = update_on_kvstore and self.uses_store
         optimizer = self._rescaled(optimizer, sum(self.batch_sizes))
         self.replicas = []
-        for d in self.devices:
-            with tf.device(d):
-                self.replicas.append(build_model())
-        if initial_weights is not None:
-            self.replicas[0].set_weights(list(initial_weights))
-        self.params = [r.trainable_variables for r in self.replicas]
+        with serving_rows():  # a ShardedEmbedding holds the batch's rows, the store its table
+            for d in self.devices:
+                with tf.device(d):
+                    self.replicas.append(build_model())
+        found = sparse.find(self.replicas, row_sparse, first_key=0)
+        self.uses_store = len(self.devices) > 1 or store.distributed or bool(found)
+        self.update_on_kvstore = update_on_kvstore and self.uses_store
+        if found and not self.update_on_kvstore:
+            raise ConfigError(f"the embedding tables {', '.join(t.name for t in found)} are row-sparse keys of the "
+                              "store, which updates their rows: set kvstore.update_on_kvstore=true")
+        tables = {j: None for j in range(len(found))}
+        table_vars = {id(t.variable(r)) for t in found for r in range(len(self.replicas))}
+        self.params = [[v for v in r.trainable_variables if id(v) not in table_vars] for r in self.replicas]
         self.keys = list(range(len(self.params[0])))
+        for j, t in enumerate(found):
+            t.key = len(self.keys) + j
+        self.sparse = (sparse.Tables(found, self.replicas, store, sum(self.batch_sizes)) if found else None)
+        if initial_weights is not None:
+            tables = self._set_portable_weights(list(initial_weights))
 
         if self.update_on_kvstore:
             store.set_optimizer(optimizer)
@@ -116,6 +137,8 @@ class DataParallel(Parallel):
             # Every copy starts from the first one's weights (MXNet: init, then pull everywhere).
             for k in self.keys:
                 store.broadcast(k, self.params[0][k], out=[p[k] for p in self.params], priority=-k)
+        if self.sparse is not None:
+            self.sparse.init({j: v for j, v in tables.items() if v is not None})
         self._sync_non_trainable(source=0)
 
         self.loss_scale = loss_scale
@@ -123,9 +146,9 @@ class DataParallel(Parallel):
         self.jit_compile = jit_compile
         self._compiled = False
         self._device_grads = [
-            tf.function(functools.partial(self._device_gradients, model, n), jit_compile=True) if jit_compile
-            else functools.partial(self._device_gradients, model, n)
-            for model, n in zip(self.replicas, self.batch_sizes)]
+            tf.function(functools.partial(self._device_gradients, r, n), jit_compile=True) if jit_compile
+            else functools.partial(self._device_gradients, r, n)
+            for r, n in enumerate(self.batch_sizes)]
         # Loss scaling decides after the whole backprop whether anything is pushed, so the
         # pushes cannot start from inside it.
         self._streams = self.uses_store and store.async_pushpull and loss_scale is None
@@ -137,7 +160,8 @@ class DataParallel(Parallel):
             self._grads = tf.function(self._forward_backward_pushing if self._streams else self._checked_gradients)
             self._set_weights = tf.function(self._assign_all)
             self._apply = tf.function(self._apply_aggregated)
-        self._eval = tf.function(self._eval_step)
+        self._eval_compiled = tf.function(self._eval_step)
+        self._eval = self._eval_compiled if self.sparse is None else self._eval_with_rows
         # Seconds per phase of the non-traceable step, summed over steps (see reset_timings).
         self.timings = {"compute": 0.0, "push": 0.0, "pull": 0.0, "assign": 0.0, "steps": 0}
 
@@ -147,43 +171,60 @@ class DataParallel(Parallel):
 
     # -- one training step ---------------------------------------------------------------------
 
-    def step(self, x: Any, y: Any) -> None:
-        """Train on one batch (x, y) of sum(batch_sizes) examples."""
+    #: step() takes the next batch's x (`upcoming`): the trainer peeks it for the row prefetch
+    prefetches = True
+
+    def step(self, x: Any, y: Any, upcoming: Any = None) -> None:
+        """Train on one batch (x, y) of sum(batch_sizes) examples; `upcoming`: the x of the next
+        call, if known, whose table rows are requested while this batch computes."""
         if self.jit_compile and not self._compiled:
             with _xla_refusal():  # the first step is where XLA compiles
-                self._step_once(x, y)
+                self._step_once(x, y, upcoming)
             self._compiled = True
             return
-        self._step_once(x, y)
+        self._step_once(x, y, upcoming)
 
-    def _step_once(self, x: Any, y: Any) -> None:
+    def _step_once(self, x: Any, y: Any, upcoming: Any) -> None:
         self.metrics.prepare(y)
+        tables = self.sparse
+        if tables is not None:
+            tables.before(x, upcoming)  # this batch's rows into the copies
         if self.store.traceable or not self.uses_store:
-            self._step(x, y)
+            rows, finite = self._step(x, y)
+            if tables is not None:
+                tables.after(rows if bool(finite) else None, upcoming)
             return
         clock = time.perf_counter
         tm = self.timings
         t0 = clock()
         if self._streams:
-            self._grads(x, y)  # pushes every key from inside, as its gradients are ready
+            rows = self._grads(x, y)  # pushes every dense key from inside, as its gradients are ready
             if self._hook_error is not None:
                 error, self._hook_error, self._inflight = self._hook_error, None, []
                 raise error
-            t1 = t2 = clock()
+            t1 = clock()
+            if tables is not None:
+                tables.after(rows, upcoming)  # before the dense replies are waited for
+            t2 = clock()
+            tm["push"] += t2 - t1
         else:
-            grads, finite = self._grads(x, y)
+            grads, rows, finite = self._grads(x, y)
             t1 = clock()
             if self.loss_scale is not None:
                 # dist_sync: every worker skips the same steps, so the weights stay alike
                 finite = self.store.all_workers(bool(finite))
                 self.loss_scale.update(finite)
                 if not finite:
+                    if tables is not None:
+                        tables.after(None, upcoming)
                     tm["compute"] += t1 - t0
                     tm["steps"] += 1
                     return
             # Priority k: backprop's order, the last layer first (the order the gradients came).
             self._inflight = self.store.pushpull_async(self.keys, [[g[k] for g in grads] for k in self.keys],
                                                        priority=list(self.keys))
+            if tables is not None:
+                tables.after(rows, upcoming)
             t2 = clock()
             tm["push"] += t2 - t1
         pending, self._inflight = self._inflight, []
@@ -194,8 +235,8 @@ class DataParallel(Parallel):
         tm["assign"] += t3 - t2 - waited
         tm["steps"] += 1
 
-    def _forward_backward_pushing(self, x: Any, y: Any) -> None:
-        grads = self._forward_backward(x, y)
+    def _forward_backward_pushing(self, x: Any, y: Any) -> list[list[tuple[Any, Any]]]:
+        grads, rows = self._forward_backward(x, y)
         # Stateful ops run in program order, so the hooks fire in backprop's order: the last
         # layer's first, each as soon as its gradients exist.
         for k in reversed(self.keys):
@@ -205,6 +246,7 @@ class DataParallel(Parallel):
                     values = [tf.add_n(values)]
             tf.numpy_function(functools.partial(self._push_hook, k), values, Tout=tf.int32, stateful=True,
                               name=f"push_{k}")
+        return rows
 
     def _push_hook(self, key: int, *values: np.ndarray) -> np.int32:
         # Runs on a TensorFlow thread: an exception here would come back wrapped in a TF error,
@@ -218,23 +260,29 @@ class DataParallel(Parallel):
             self.timings["push"] += time.perf_counter() - t
         return np.int32(0)
 
-    def _forward_backward(self, x: Any, y: Any) -> list[list[Any]]:
-        """Every device's gradients of its slice's summed loss (unscaled), clipped (clipnorm)."""
-        grads, offset = [], 0
+    def _forward_backward(self, x: Any, y: Any) -> tuple[list[list[Any]], list[list[tuple[Any, Any]]]]:
+        """Every device's gradients of its slice's summed loss (unscaled), clipped (clipnorm):
+        per device, the dense keys' and each row-sparse table's as (rows, table ids)."""
+        grads, rows, offset = [], [], 0
+        tables = self.sparse.tables if self.sparse is not None else []
         scale = self.loss_scale.scale.read_value() if self.loss_scale is not None else tf.constant(1.0)
         for d, n, device_grads in zip(self.devices, self.batch_sizes, self._device_grads):
             with tf.device(d):
                 xs, ys = (tf.nest.map_structure(lambda t: t[offset:offset + n], v) for v in (x, y))
                 g, pred, losses, reg = device_grads(xs, ys, scale)
-                grads.append(g)
+                grads.append(g[:len(self.keys)])
+                rows.append([t.global_rows(len(rows), gt) for t, gt in zip(tables, g[len(self.keys):])])
                 self.metrics.add(ys, pred, losses, n, reg)
             offset += n
-        return self._clipped(grads) if self.clipnorm else grads
+        return self._clipped(grads, rows) if self.clipnorm else (grads, rows)
 
-    def _device_gradients(self, model: Any, n: int, xs: Any, ys: Any, scale: Any) -> tuple[Any, ...]:
+    def _device_gradients(self, r: int, n: int, xs: Any, ys: Any, scale: Any) -> tuple[Any, ...]:
         """One copy's forward and backward pass (what jit_compile compiles): the gradients of
         its examples' summed loss; with loss scaling, backprop runs from the mean loss times
-        `scale` (Keras's meaning of the scale) and the gradients are brought back after."""
+        `scale` (Keras's meaning of the scale) and the gradients are brought back after.
+        The gradients are the dense keys', then the row-sparse tables' (tf.IndexedSlices)."""
+        model = self.replicas[r]
+        variables = self.params[r] + (self.sparse.variables(r) if self.sparse is not None else [])
         with tf.GradientTape() as tape:
             pred = model(xs, training=True)
             losses = self.criterion.losses(ys, pred)
@@ -242,33 +290,47 @@ class DataParallel(Parallel):
             loss = tf.add_n([tf.reduce_sum(v) for v in losses.values()]) + n * reg
             if self.loss_scale is not None:  # the scale is of the mean loss, as in Keras
                 loss = loss * (scale / n)
-        grads = tape.gradient(loss, model.trainable_variables)
+        grads = tape.gradient(loss, variables)
+        # A dense key's gradient is pushed and updated whole (an Embedding's IndexedSlices too)
+        dense = len(self.params[r])
+        grads = [tf.convert_to_tensor(g) if i < dense and isinstance(g, tf.IndexedSlices) else g
+                 for i, g in enumerate(grads)]
         if self.loss_scale is not None:
-            grads = [g * (n / scale) for g in grads]
+            grads = [_times(g, n / scale) for g in grads]
         return grads, pred, losses, reg
 
-    def _clipped(self, grads: list[list[Any]]) -> list[list[Any]]:
+    def _clipped(self, grads: list[list[Any]], rows: list[list[tuple[Any, Any]]]) -> tuple[list[list[Any]], Any]:
         """Every device's gradients times clipnorm / max(norm, clipnorm), norm the global norm of
         this worker's gradient of its mean loss: tf.clip_by_global_norm of the summed gradient
-        over the worker's examples (linear, so each device's share scales alike)."""
+        over the worker's examples (linear, so each device's share scales alike); a table's
+        rows summed per id over the devices count as its gradient."""
         with tf.device(self.devices[0]):
             summed = [tf.add_n([g[k] for g in grads]) for k in self.keys]
+            for j in range(len(rows[0])):
+                unique, where = tf.unique(tf.concat([r[j][1] for r in rows], 0))
+                summed.append(tf.math.unsorted_segment_sum(tf.concat([r[j][0] for r in rows], 0), where,
+                                                           tf.shape(unique)[0]))
             norm = tf.linalg.global_norm(summed) / float(sum(self.batch_sizes))
             factor = self.clipnorm / tf.maximum(norm, self.clipnorm)
-        return [[v * tf.cast(factor, v.dtype) for v in g] for g in grads]
+        return ([[v * tf.cast(factor, v.dtype) for v in g] for g in grads],
+                [[(v * tf.cast(factor, v.dtype), i) for v, i in r] for r in rows])
 
-    def _checked_gradients(self, x: Any, y: Any) -> tuple[list[list[Any]], Any]:
-        grads = self._forward_backward(x, y)
-        return grads, all_finite(grads) if self.loss_scale is not None else tf.constant(True)
+    def _checked_gradients(self, x: Any, y: Any) -> tuple[list[list[Any]], list[list[tuple[Any, Any]]], Any]:
+        grads, rows = self._forward_backward(x, y)
+        finite = all_finite(grads + _row_values(rows)) if self.loss_scale is not None else tf.constant(True)
+        return grads, rows, finite
 
-    def _fused_step(self, x: Any, y: Any) -> None:
-        grads = self._forward_backward(x, y)
+    def _fused_step(self, x: Any, y: Any) -> tuple[list[list[tuple[Any, Any]]], Any]:
+        """The step of a traceable store; returns the tables' rows to push and whether the
+        gradients were finite (false: a skipped step, nothing pushed)."""
+        grads, rows = self._forward_backward(x, y)
         if self.loss_scale is None:
             self._exchange(grads)
-            return
-        finite = all_finite(grads)  # this machine's devices: one graph, nothing to agree on
+            return rows, tf.constant(True)
+        finite = all_finite(grads + _row_values(rows))  # this machine's devices: one graph, nothing to agree on
         tf.cond(finite, lambda: self._exchange(grads), lambda: None)
         self.loss_scale.update(finite)
+        return rows, finite
 
     def _exchange(self, grads: list[list[Any]]) -> None:
         """The update of one step: through the store, or the one device's own."""
@@ -299,6 +361,16 @@ class DataParallel(Parallel):
 
     # -- metrics, evaluation, state ------------------------------------------------------------
 
+    def _eval_with_rows(self, x: Any, y: Any) -> None:
+        """Evaluate a batch whose table rows are loaded first; with a ShardedEmbedding, in pieces
+        of a training batch (what its cache holds)."""
+        n = int(tf.shape(tf.nest.flatten(x)[0])[0])
+        size = sum(self.batch_sizes) if self.sparse.sharded else max(n, 1)
+        for start in range(0, max(n, 1), size):
+            xs, ys = (tf.nest.map_structure(lambda t: t[start:start + size], v) for v in (x, y))
+            self.sparse.load_for(xs)
+            self._eval_compiled(xs, ys)
+
     def _eval_step(self, x: Any, y: Any) -> None:
         model = self.replicas[0]
         with tf.device(self.devices[0]):
@@ -320,22 +392,67 @@ class DataParallel(Parallel):
         return [[p[k] for p in self.params] for k in self.keys]
 
     def _copies_of_state(self) -> list[list[Any]]:
-        return [list(vs) for vs in zip(*(r.non_trainable_variables for r in self.replicas))]
+        """Per non-trainable variable, its copies; a ShardedEmbedding's row ids are the rows'
+        (loaded with them), not state."""
+        own = self.sparse.is_table_variable if self.sparse is not None else (lambda v: False)
+        return [list(vs) for vs in zip(*(r.non_trainable_variables for r in self.replicas)) if not own(vs[0])]
 
     def _sync_non_trainable(self, source: int | None) -> None:
         if len(self.replicas) == 1:
             return
-        for vs in zip(*(r.non_trainable_variables for r in self.replicas)):
+        for vs in self._copies_of_state():
             value = vs[source].numpy() if source is not None else np.mean([v.numpy() for v in vs], axis=0)
             for v in vs:
                 v.assign(value)
 
     def get_weights(self) -> list[np.ndarray]:
-        """All variables of the first copy, in `model.weights` order."""
-        return [np.asarray(w) for w in self.replicas[0].get_weights()]
+        """All variables of the first copy, in `model.weights` order: those of the model as built
+        without a store, so a row-sparse table is gathered whole from the store."""
+        if self.sparse is None:
+            return [np.asarray(w) for w in self.replicas[0].get_weights()]
+        return [np.asarray(v.numpy()) if j is None else self.sparse.gather(self.sparse.tables[j])
+                for v, j in self._portable()]
 
     def weight_names(self) -> list[str]:
-        return [f"{i:04d}/{v.path}" for i, v in enumerate(self.replicas[0].weights)]
+        return [f"{i:04d}/{v.path}" for i, (v, _) in enumerate(self._portable())]
+
+    def _portable(self) -> list[tuple[Any, int | None]]:
+        """(variable of the first copy, its table's index or None) for each weight of the model
+        as built without a store (a ShardedEmbedding's cache stands for its table; its row ids
+        are left out)."""
+        tables = self.sparse.tables if self.sparse is not None else []
+        out = []
+        for v in self.replicas[0].weights:
+            j = next((j for j, t in enumerate(tables) if v is t.variable(0)), None)
+            if j is None and any(t.sharded and v is t.copies[0].row_ids for t in tables):
+                continue
+            out.append((v, j))
+        return out
+
+    def _set_portable_weights(self, weights: list[np.ndarray]) -> dict[int, np.ndarray]:
+        """`weights` (get_weights' form) into the first copy; returns the tables' (by index)."""
+        slots = self._portable()
+        if len(weights) != len(slots):
+            raise ValueError(f"{len(weights)} weights for a model of {len(slots)} variables")
+        tables = {}
+        for (v, j), w in zip(slots, weights):
+            if j is None:
+                v.assign(w)
+            else:
+                tables[j] = w
+        return tables
+
+
+def _times(g: Any, factor: Any) -> Any:
+    """A gradient times `factor` (a tf.IndexedSlices: its rows)."""
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(g.values * factor, g.indices, g.dense_shape)
+    return g * factor
+
+
+def _row_values(rows: list[list[tuple[Any, Any]]]) -> list[Any]:
+    """The row values of every device's tables' (rows, ids) (what a finiteness check reads)."""
+    return [v for r in rows for v, _ in r]
 
 
 @contextlib.contextmanager

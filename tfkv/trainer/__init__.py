@@ -60,6 +60,8 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | No
             return final
         hooks = Hooks(chief_hooks.for_chief(run, preemption))
         final = loop.fit(run, hooks)
+        # The trained weights while the store is open: a row-sparse table is gathered from it.
+        weights = run.parallel.get_weights() if run.chief else None
     except BaseException as e:
         if run is not None:
             run.saver.close()  # what the run saved last still lands, when it can
@@ -71,7 +73,7 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | No
     kvstore.close()
     try:
         if run.chief:  # the trained model (model.keras, saved_model/), once no worker waits for this one
-            export.write(cfg, run.source, run.parallel.get_weights(), run_dir)
+            export.write(cfg, run.source, weights, run_dir)
         hooks.end(final, run_dir)
     except BaseException as e:
         hooks.close(e)

@@ -77,15 +77,28 @@ def _epoch(run: Run, epoch: int, hooks: Hook) -> dict[str, Any]:
     # waiting for worker 0's checkpoint and the others' evaluation (no-op alone).
     run.store.barrier()
     t0 = time.perf_counter()
-    for i, (x, y) in enumerate(batches, first + 1):
+    # A step that prefetches (row-sparse tables) is shown the next batch while it computes.
+    peeking = getattr(run.parallel, "prefetches", False)
+    for i, (x, y, upcoming) in enumerate(_peeked(batches) if peeking else ((x, y, None) for x, y in batches),
+                                         first + 1):
         try:
-            run.parallel.step(x, y)
+            run.parallel.step(x, y, upcoming) if peeking else run.parallel.step(x, y)
         except tf.errors.InvalidArgumentError as e:  # before anything saves or evaluates the weights
             if not nonfinite(e):
                 raise
             raise _diverged(epoch, i, run) from None
         hooks.step(_step_end(run, epoch, i, first, t0))
     return _record(run, epoch, time.perf_counter() - t0, first)
+
+
+def _peeked(batches: Any) -> Any:
+    """(x, y, the next batch's x or None) for each batch."""
+    it = iter(batches)
+    current = next(it, None)
+    while current is not None:
+        following = next(it, None)
+        yield current[0], current[1], None if following is None else following[0]
+        current = following
 
 
 def _step_end(run: Run, epoch: int, i: int, first: int, t0: float) -> StepEnd:

@@ -172,6 +172,7 @@ def _data_parallel(cfg: Any, source: Any, tf_devices: list[str], sizes: list[int
         criterion=criterion,
         loss_scale=LossScale() if cfg.precision == "mixed_float16" else None,
         clipnorm=cfg.optimizer.clipnorm, jit_compile=cfg.jit_compile,
+        row_sparse=cfg.kvstore.row_sparse,
     )
 
 
@@ -182,6 +183,9 @@ def _model_parallel(cfg: Any, source: Any, tf_devices: list[str], kvstore: Any, 
     from tfkv.parallel import placement
     from tfkv.parallel.model_parallel import ModelParallel
 
+    if cfg.kvstore.row_sparse:
+        raise ConfigError("kvstore.row_sparse=true trains with data parallelism; with placement (model parallelism) "
+                          "the embeddings train dense: set kvstore.row_sparse=false or placement=null")
     groups = models.build_groups(cfg.model, source.input_shape, source.outputs)
     specs = placement.assign(cfg.placement, groups, list(cfg.devices), models.name(cfg.model))
     mode = "placement=auto" if placement.is_auto(cfg.placement) else "placement from config"

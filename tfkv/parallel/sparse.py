@@ -1,0 +1,277 @@
+"""Row-sparse training: embedding tables held by the KVStore as row-sparse keys, each batch's rows
+loaded before it reads them, the rows it touched pushed as rows (MXNet's row_sparse weights).
+
+Which layers: every `tfkv.layers.ShardedEmbedding` (its copies hold a cache of `rows_per_batch`
+rows, the table is a `tfkv.store.Table` key the store makes), and with `kvstore.row_sparse` every
+`keras.layers.Embedding` (its copies keep the whole table, initialised into the store from the
+first copy's weights; only the rows a batch reads are refreshed from the store). A table's
+gradient leaves the compiled step as (rows, their table ids), summed per id on each device, and
+is pushed as one `RowSparse` per device; the store sums them and updates only those rows.
+
+Which rows a batch reads: for a functional or Sequential model a probe
+(`keras.Model(model.inputs, [layer.input, ...])`) computes each table's ids from the batch, so
+the rows of batch n+1 are requested (`row_sparse_pull_async`) while batch n computes and taken
+(`rows`) when n+1 starts. A synchronous store is asked after this worker's push of round n (its
+servers answer once the round closes: the rows include round n's update); dist_async is asked
+before batch n computes. Without a probe (a subclassed model, a layer shared between calls) a
+ShardedEmbedding fetches its rows at lookup time, and a Keras Embedding's copies take back the
+rows they pushed, which is exact for one worker only (more are refused).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfkv.errors import ConfigError
+from tfkv.layers import ShardedEmbedding
+from tfkv.store.base import KVStore
+from tfkv.store.sparse import RowSparse, Table
+
+log = logging.getLogger("tfkv")
+
+# Rows per row_sparse_pull when a whole table is gathered (export, checkpoints): about 64 MiB.
+GATHER_BYTES = 64 << 20
+
+
+@dataclass
+class SparseTable:
+    """One embedding table: its store key and the layer in every copy of the model."""
+
+    key: int
+    copies: list[Any]  # the layer in each replica
+    sharded: bool  # a ShardedEmbedding's cache of rows (else the whole table on every copy)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        layer = self.copies[0]
+        return (int(layer.input_dim), int(layer.output_dim))
+
+    @property
+    def name(self) -> str:
+        return self.copies[0].name
+
+    def variable(self, r: int) -> Any:
+        """The trainable variable of copy `r` (the cache, or the whole table)."""
+        return self.copies[r].embeddings
+
+    def global_rows(self, r: int, grad: Any) -> tuple[Any, Any]:
+        """Traceable: copy `r`'s gradient as (rows, table ids), each id once (rows summed)."""
+        if grad is None:  # the table did not take part in the loss
+            return tf.zeros([0, self.shape[1]], tf.float32), tf.zeros([0], tf.int64)
+        if isinstance(grad, tf.IndexedSlices):
+            values, ids = grad.values, tf.cast(grad.indices, tf.int64)
+        else:  # a layer whose gradient is dense (models.lstm_lm's): the rows it touched
+            ids = tf.where(tf.reduce_any(tf.not_equal(grad, 0), axis=-1))[:, 0]
+            values = tf.gather(grad, ids)
+        if self.sharded:  # a slot of the cache -> the table row it holds
+            ids = tf.gather(tf.convert_to_tensor(self.copies[r].row_ids.value), ids)
+        unique, where = tf.unique(ids)
+        return tf.math.unsorted_segment_sum(values, where, tf.shape(unique)[0]), unique
+
+
+@dataclass
+class Prefetch:
+    """Rows requested for a batch not yet stepped: `x` is that batch (matched by identity)."""
+
+    x: Any
+    pending: list[Any] = field(default_factory=list)  # per table: what `store.rows` takes
+
+
+def find(replicas: Sequence[Any], row_sparse: bool, first_key: int) -> list[SparseTable]:
+    """The model's row-sparse tables, keys from `first_key` in layer order."""
+    per_copy = [[layer for layer in m._flatten_layers(include_self=False)
+                 if isinstance(layer, ShardedEmbedding) or (row_sparse and isinstance(layer, keras.layers.Embedding))]
+                for m in replicas]
+    return [SparseTable(first_key + j, list(copies), isinstance(copies[0], ShardedEmbedding))
+            for j, copies in enumerate(zip(*per_copy))]
+
+
+class Tables:
+    """The row-sparse tables of a data-parallel model and what moves their rows."""
+
+    def __init__(self, tables: list[SparseTable], replicas: Sequence[Any], store: KVStore, batch: int) -> None:
+        self.tables = tables
+        self.store = store
+        self.batch = batch  # this worker's examples per step (all its devices)
+        self.replicas = list(replicas)
+        self._prefetch: Prefetch | None = None
+        self.probe = self._make_probe(replicas[0])
+        if self.probe is None:
+            self._fetch_at_lookup()
+
+    # -- what the trainer and DataParallel ask ----------------------------------------------------
+
+    @property
+    def sharded(self) -> bool:
+        return any(t.sharded for t in self.tables)
+
+    def variables(self, r: int) -> list[Any]:
+        return [t.variable(r) for t in self.tables]
+
+    def is_table_variable(self, v: Any) -> bool:
+        return any(v is t.variable(r) or (t.sharded and v is t.copies[r].row_ids)
+                   for t in self.tables for r in range(len(t.copies)))
+
+    def init(self, tables: dict[int, np.ndarray]) -> None:
+        """Each table's key in the store: from `tables` (a checkpoint's, by table index), else a
+        ShardedEmbedding's Table (made by the store) or a Keras Embedding's first copy's weights."""
+        for j, t in enumerate(self.tables):
+            layer = t.copies[0]
+            if j in tables:
+                value = np.asarray(tables[j], np.float32)
+                if value.shape != t.shape:
+                    raise ValueError(f"table {t.name}: the checkpoint holds shape {value.shape}, the layer {t.shape}")
+                self.store.init(t.key, RowSparse(value, np.arange(t.shape[0], dtype=np.int64), t.shape))
+                if not t.sharded:
+                    for c in t.copies:
+                        c.embeddings.assign(value)
+            elif t.sharded:
+                self.store.init(t.key, Table(t.shape, init=layer.init, scale=layer.scale, seed=layer.seed))
+            else:
+                value = np.asarray(layer.embeddings.numpy(), np.float32)
+                self.store.init(t.key, RowSparse(value, np.arange(t.shape[0], dtype=np.int64), t.shape))
+                for c in t.copies[1:]:
+                    c.embeddings.assign(value)
+
+    def before(self, x: Any, upcoming: Any) -> None:
+        """Before batch `x` computes: its rows in every copy (prefetched, or pulled now); an
+        asynchronous store is asked for `upcoming`'s rows at once."""
+        if self.probe is not None:
+            prefetch, self._prefetch = self._prefetch, None
+            if prefetch is None or prefetch.x is not x:
+                prefetch = self._request(x)
+            self._load([self.store.rows(p) for p in prefetch.pending])
+        if upcoming is not None and not self.store.sync and self.probe is not None:
+            self._prefetch = self._request(upcoming)
+
+    def after(self, rows: list[list[tuple[Any, Any]]] | None, upcoming: Any) -> None:
+        """After batch n computed: push its rows (`rows[d][j]`: device d's (rows, ids) of table
+        j; None for a skipped step), then, with a synchronous store, ask for `upcoming`'s."""
+        if rows is not None:
+            for j, t in enumerate(self.tables):
+                self.store.push(t.key, [RowSparse(np.asarray(r[j][0]), np.asarray(r[j][1]), t.shape) for r in rows])
+            if self.probe is None:
+                self._take_back(rows)
+        if upcoming is not None and self.store.sync and self.probe is not None:
+            self._prefetch = self._request(upcoming)
+
+    def load_for(self, x: Any) -> None:
+        """The rows batch `x` reads, pulled now, in every copy (evaluation)."""
+        if self.probe is not None:
+            self._load([self.store.rows(p) for p in self._request(x).pending])
+
+    def gather(self, t: SparseTable) -> np.ndarray:
+        """Table `t` whole, from the store, in pieces of about GATHER_BYTES."""
+        rows, dim = t.shape
+        out = np.empty(t.shape, np.float32)
+        step = max(1, GATHER_BYTES // (4 * dim))
+        for start in range(0, rows, step):
+            got = self.store.row_sparse_pull(t.key, row_ids=np.arange(start, min(rows, start + step), dtype=np.int64))
+            out[np.asarray(got.indices)] = np.asarray(got.data)
+        return out
+
+    def refresh_whole(self) -> None:
+        """Every whole-table copy made equal to the store's (before an evaluation)."""
+        for t in self.tables:
+            if not t.sharded:
+                value = self.gather(t)
+                for c in t.copies:
+                    c.embeddings.assign(value)
+
+    # -- ids, requests, loading -----------------------------------------------------------------
+
+    def _make_probe(self, model: Any) -> Any:
+        try:
+            inputs = [layer.input for layer in (t.copies[0] for t in self.tables)]
+            probe = keras.Model(model.inputs, inputs)
+        except Exception as e:  # noqa: BLE001 - Keras's many ways of saying "not a graph of layers"
+            log.info("row-sparse tables: the ids a batch reads cannot be computed ahead for this model (%s); "
+                     "the rows are fetched at lookup time instead of while the previous batch computes",
+                     str(e).splitlines()[0][:160] if str(e) else type(e).__name__)
+            return None
+
+        @tf.function(reduce_retracing=True)
+        def ids(x: Any) -> list[Any]:
+            out = probe(x, training=False)
+            out = out if isinstance(out, (list, tuple)) else [out]
+            return [tf.unique(tf.reshape(tf.cast(o, tf.int64), [-1])).y for o in out]
+
+        return ids
+
+    def _request(self, x: Any) -> Prefetch:
+        ids = self.probe(x)
+        pending = []
+        for t, wanted in zip(self.tables, ids):
+            wanted = np.sort(wanted.numpy())
+            if t.sharded and len(wanted) > t.copies[0].rows_per_batch:
+                raise ConfigError(f"ShardedEmbedding {t.name!r}: a batch reads {len(wanted)} distinct rows, more than "
+                                  f"its rows_per_batch={t.copies[0].rows_per_batch}; raise rows_per_batch to at least "
+                                  f"{len(wanted)} or lower batch_size")
+            pending.append(self.store.row_sparse_pull_async(t.key, row_ids=wanted))
+        return Prefetch(x, pending)
+
+    def _load(self, rows: list[RowSparse]) -> None:
+        for t, got in zip(self.tables, rows):
+            ids, data = np.asarray(got.indices, np.int64), np.asarray(got.data, np.float32).reshape(-1, t.shape[1])
+            if t.sharded:
+                size = t.copies[0].rows_per_batch
+                padded_ids = np.full(size, t.shape[0], np.int64)
+                padded_ids[:len(ids)] = ids
+                padded = np.zeros((size, t.shape[1]), np.float32)
+                padded[:len(ids)] = data
+                for c in t.copies:
+                    c.row_ids.assign(padded_ids)
+                    c.embeddings.assign(padded)
+            elif len(ids):
+                update = tf.IndexedSlices(tf.constant(data), tf.constant(ids))
+                for c in t.copies:
+                    c.embeddings.value.scatter_update(update)
+
+    def _take_back(self, rows: list[list[tuple[Any, Any]]]) -> None:
+        """Without a probe, a whole-table copy takes back the rows it pushed (the only rows a
+        store of one worker changed)."""
+        for j, t in enumerate(self.tables):
+            if t.sharded:
+                continue
+            ids = np.unique(np.concatenate([np.asarray(r[j][1], np.int64) for r in rows]))
+            if len(ids):
+                self._load_one(t, self.store.row_sparse_pull(t.key, row_ids=ids))
+
+    def _load_one(self, t: SparseTable, got: RowSparse) -> None:
+        update = tf.IndexedSlices(tf.constant(np.asarray(got.data, np.float32)),
+                                  tf.constant(np.asarray(got.indices, np.int64)))
+        for c in t.copies:
+            c.embeddings.value.scatter_update(update)
+
+    def _fetch_at_lookup(self) -> None:
+        whole = [t.name for t in self.tables if not t.sharded]
+        if whole and self.store.num_workers > 1:
+            raise ConfigError(f"kvstore.row_sparse: the Embedding layers {', '.join(whole)} of this model (subclassed, "
+                              f"or a layer called more than once) cannot have their rows refreshed ahead in a job of "
+                              f"{self.store.num_workers} workers; build the model functionally (keras.Model(inputs, "
+                              "outputs) or Sequential) or use tfkv.layers.ShardedEmbedding")
+        for t in self.tables:
+            if t.sharded:
+                for c in t.copies:
+                    c.fetch = _Fetcher(self.store, t)
+
+
+class _Fetcher:
+    """A ShardedEmbedding's lookup-time fetch: (sorted ids, rows) of the ids asked for."""
+
+    def __init__(self, store: KVStore, table: SparseTable) -> None:
+        self.store, self.table = store, table
+
+    def __call__(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        limit = self.table.copies[0].rows_per_batch
+        if len(ids) > limit:
+            raise ValueError(f"ShardedEmbedding {self.table.name!r}: a batch reads {len(ids)} distinct rows, more than "
+                             f"its rows_per_batch={limit}; raise rows_per_batch or lower batch_size")
+        got = self.store.row_sparse_pull(self.table.key, row_ids=np.asarray(ids, np.int64))
+        return np.asarray(got.indices, np.int64), np.asarray(got.data, np.float32)
