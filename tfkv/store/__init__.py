@@ -13,6 +13,7 @@ from typing import Any
 
 from tfkv.registry import Registry
 from tfkv.store.base import KVStore
+from tfkv.store.sparse import RowSparse, Table
 
 
 @dataclass(frozen=True)
@@ -104,4 +105,4 @@ def create(name: str = "local", **kwargs: Any) -> KVStore:
     return REGISTRY.get(canonical(name))(**kwargs)
 
 
-__all__ = ["Capabilities", "KVStore", "canonical", "capabilities", "create", "names", "register"]
+__all__ = ["Capabilities", "KVStore", "RowSparse", "Table", "canonical", "capabilities", "create", "names", "register"]

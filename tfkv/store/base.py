@@ -6,6 +6,11 @@ list of values. `priority` (an int, or one per key) orders a store's requests, h
 where it has any to order (the parameter-server client); the single-machine stores run inside
 one graph and ignore it. What a store can do beyond the common API is a capability query, not
 a guess from its type name.
+
+A key initialised with a `RowSparse` or a `Table` (tfkv.store.sparse) is row-sparse, as MXNet's
+row_sparse weights: pushes carry rows (summed, and with an optimizer MXNet's lazy update of only
+those rows), `row_sparse_pull` returns the rows asked for, and the dense `pull`/`pushpull` of
+such a key are refused in one line naming it.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from typing import Any, Callable, Hashable, Iterator, Mapping, Sequence
 import numpy as np
 
 from tfkv import knobs
+from tfkv.store import sparse
+from tfkv.store.sparse import RowSparse
 
 Key = Hashable
 #: MXNet's updater: updater(key, received, stored) changes `stored` in place (or returns the new value)
@@ -127,7 +134,8 @@ class KVStore(ABC):
 
     def pushpull(self, key: Key | Sequence[Key], value: Any, out: Any = None, priority: int | Sequence[int] = 0) -> Any:
         """Push, then pull into `out`; without `out`, as MXNet, into `value` (every array of it
-        that can be written, see `writable`), and the result is also returned."""
+        that can be written, see `writable`), and the result is also returned. Dense keys only."""
+        self._refuse_row_sparse(key)
         self.push(key, value, priority)
         if out is not None:
             return self.pull(key, out, priority)
@@ -137,6 +145,7 @@ class KVStore(ABC):
     def pushpull_async(self, key: Key | Sequence[Key], value: Any, priority: int | Sequence[int] = 0) -> list[Any]:
         """Push the keys and ask for them back without waiting, where the store can (see
         `async_pushpull`); returns what `arrivals` takes. Here: push now, pull in `arrivals`."""
+        self._refuse_row_sparse(key)
         self.push(key, value, priority)
         return list(key) if isinstance(key, (list, tuple)) else [key]
 
@@ -144,6 +153,45 @@ class KVStore(ABC):
         """(key, value) for each of `pending` (from pushpull_async), as each becomes available."""
         for k in pending:
             yield k, self.pull(k)
+
+    # -- row-sparse keys (tfkv.store.sparse) ------------------------------------------------------
+
+    def is_row_sparse(self, key: Key) -> bool:
+        """Whether `key` was initialised row-sparse (with a RowSparse or a Table)."""
+        return False
+
+    def row_sparse_pull(self, key: Key | Sequence[Key], out: Any = None, priority: int | Sequence[int] = 0,
+                        row_ids: Any = None) -> Any:
+        """MXNet's: the rows `row_ids` (any order, repeats allowed) of a row-sparse key, as a
+        RowSparse whose ids are unique and sorted. A list of keys takes a list of row_ids (one per
+        key) or one array for all. With `out` (a RowSparse, a list per key) the result is written
+        into it in place and None returned."""
+        return sparse.deliver(key, [self._pull_rows(k, ids) for k, ids in sparse.requests(key, row_ids)], out)
+
+    def row_sparse_pull_async(self, key: Key | Sequence[Key], row_ids: Any, priority: int | Sequence[int] = 0) -> Any:
+        """Ask for the rows now, take them later with `rows` (a prefetch). Here: pulled at once;
+        the dist store sends the requests without waiting (safe from a TensorFlow op's thread)."""
+        return self.row_sparse_pull(key, priority=priority, row_ids=row_ids)
+
+    def rows(self, pending: Any) -> Any:
+        """What `row_sparse_pull` would have returned for the request `pending` stands for."""
+        return pending
+
+    def pull_rows(self, key: Key, row_ids: Any) -> Any:
+        """The rows `row_ids` of a row-sparse key in the order of the ids (repeats repeated),
+        shape row_ids.shape + row shape: what an embedding lookup needs. The single-machine
+        stores return a tf.Tensor and may be traced; others a numpy array."""
+        return self.row_sparse_pull(key, row_ids=row_ids).gather(row_ids)
+
+    def _pull_rows(self, key: Key, row_ids: Any) -> RowSparse:
+        """One key's rows for row_sparse_pull (ids unique and sorted); each store type's own."""
+        raise ValueError(f"row_sparse_pull of key {key!r}: kvstore={self.type} holds no row-sparse keys")
+
+    def _refuse_row_sparse(self, key: Key | Sequence[Key]) -> None:
+        """pushpull (and a dense pull) take dense keys only: one line naming a row-sparse key."""
+        for k in (key if isinstance(key, (list, tuple)) else [key]):
+            if not isinstance(k, (list, tuple)) and self.is_row_sparse(k):
+                raise sparse.refused("pushpull", k)
 
     def broadcast(self, key: Key | Sequence[Key], value: Any, out: Any, priority: int | Sequence[int] = 0) -> None:
         """Initialise keys from `value` and copy them into every `out`."""

@@ -15,6 +15,15 @@ another dtype to a half key (or a half value to a float32 key) is refused naming
 optimizer in the store updates a half key in float32 (tfkv.store.tf_updater: rounded to half
 each update, or on a float32 master copy with `multi_precision`). 2-bit compression keeps its
 residuals in float32 and the decoded sum is cast back to the key's dtype.
+
+Row-sparse keys (init with a tfkv.store.RowSparse or Table; tfkv.store.tf_rows) are a float32
+variable of the whole table here too, as MXNet's local store holds them. A push of rows (a
+RowSparse, a tf.IndexedSlices, or one per device) is summed without densifying and, with an
+optimizer, updates only those rows and their state (MXNet's lazy update); without one the key
+becomes the pushed rows, zero elsewhere (MXNet's). `row_sparse_pull` and `pull_rows` gather rows.
+All of it works eagerly and inside a tf.function (rows then come back as tensors). A Python
+updater, and gradient compression, are refused for them in one line naming the key. A
+tf.IndexedSlices pushed to a dense key is densified, as TensorFlow does.
 """
 
 from __future__ import annotations
@@ -24,9 +33,10 @@ from typing import Any, Hashable, Mapping, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tfkv.store import tf_compression
+from tfkv.store import sparse, tf_compression, tf_rows
 from tfkv.ps import compression, dtypes
 from tfkv.store.base import Key, KVStore, Updater, gpu_p2p, pairs
+from tfkv.store.sparse import RowSparse
 from tfkv.store.tf_updater import TFUpdater
 
 
@@ -40,6 +50,7 @@ class LocalStore(KVStore):
         self._devices = list(devices) if devices else ["/device:CPU:0"]
         self._values: dict[Hashable, tf.Variable] = {}
         self._home: dict[Hashable, str] = {}
+        self._sparse: set[Hashable] = set()  # the row-sparse keys
         self._updater: TFUpdater | None = None
         self._py_updater: Updater | None = None  # MXNet's _set_updater: a Python callable
         # Read once: the choice is traced into the step's graph.
@@ -60,9 +71,13 @@ class LocalStore(KVStore):
             self._check_key(k)
             if k in self._values:
                 raise ValueError(f"key {k!r} is already initialised")
-            home = self._place(k, values[0])
+            value = values[0]
+            if sparse.is_sparse_init(value):
+                value = tf_rows.initial(k, value)
+                self._sparse.add(k)
+            home = self._place(k, value)
             with tf.device(home):
-                self._values[k] = tf.Variable(tf.identity(values[0]), trainable=False)
+                self._values[k] = tf.Variable(tf.identity(value), trainable=False)
             self._home[k] = home
             if self._updater is not None:
                 self._updater.create_state(k, self._values[k], home)
@@ -74,8 +89,13 @@ class LocalStore(KVStore):
     def push(self, key: Key | Sequence[Key], value: Any, priority: int = 0) -> None:
         for k, values in pairs(key, value):
             var = self._var(k)
+            if k in self._sparse:
+                self._push_rows(k, var, values)
+                continue
             held = dtypes.of(var)
             for v in values:
+                if isinstance(v, RowSparse):
+                    raise sparse.refused("sparse_push", k)
                 dtypes.check(k, held, v)
             merged = self._merge(k, values)
             with tf.device(self._home[k]):
@@ -85,6 +105,52 @@ class LocalStore(KVStore):
                     self._updater.update(k, var, merged)
                 else:
                     var.assign(merged)
+
+    def _push_rows(self, key: Hashable, var: tf.Variable, values: list[Any]) -> None:
+        """A row-sparse key's push: every device's rows summed, then the lazy update (or, with
+        no optimizer, the key becomes those rows)."""
+        if self._py_updater is not None:
+            raise sparse.refused("updater", key)
+        if getattr(self, "_compression", None) is not None:
+            raise sparse.refused("compression", key)
+        parts = [tf_rows.rows_of(key, v, var.shape) for v in values]
+        with tf.device(self._home[key] if self._sum_on_home else "/device:CPU:0"):
+            ids, rows = tf_rows.summed(parts)
+        # After the checks: a push refused in a graph (an id out of range) changes nothing.
+        with tf.device(self._home[key]), tf.control_dependencies([ids, rows]):
+            if self._updater is not None:
+                self._updater.update_rows(key, var, ids, rows)
+            else:
+                var.assign(tf.zeros_like(var))
+                var.scatter_update(tf.IndexedSlices(rows, ids))
+
+    def is_row_sparse(self, key: Key) -> bool:
+        return key in self._sparse
+
+    def _sparse_var(self, key: Key) -> tf.Variable:
+        var = self._var(key)
+        if key not in self._sparse:
+            raise sparse.refused("sparse_pull", key)
+        return var
+
+    def _pull_rows(self, key: Key, row_ids: Any) -> RowSparse:
+        """The rows, ids unique and sorted: numpy eagerly, tensors inside a tf.function."""
+        var = self._sparse_var(key)
+        ids = tf_rows.unique_sorted(tf_rows.checked_ids(key, row_ids, var.shape[0]))
+        with tf.device(self._home[key]):
+            data = tf.gather(var, ids)
+        if tf.executing_eagerly():
+            return RowSparse(data.numpy(), ids.numpy(), tuple(var.shape))
+        return RowSparse(data, ids, tuple(var.shape))
+
+    def pull_rows(self, key: Key, row_ids: Any) -> tf.Tensor:
+        """The rows `row_ids` in their order (a tf.Tensor of shape row_ids.shape + row shape),
+        eagerly or traced: the trainer's lookup of an embedding's rows."""
+        var = self._sparse_var(key)
+        ids = tf_rows.checked_ids(key, row_ids, var.shape[0])
+        with tf.device(self._home[key]):
+            rows = tf.gather(var, ids)
+        return tf.reshape(rows, tf.concat([tf.shape(row_ids, out_type=tf.int32), tf.shape(rows)[1:]], 0))
 
     def _merge(self, key: Hashable, values: list[Any]) -> Any:
         """The sum of a key's device values."""
@@ -112,6 +178,8 @@ class LocalStore(KVStore):
         results = []
         for k, outs in pairs(key, out):
             var = self._var(k)
+            if k in self._sparse:
+                raise sparse.refused("pull", k)
             for o in outs:
                 if not isinstance(o, np.ndarray):
                     o.assign(var if o.dtype == var.dtype else tf.cast(var, o.dtype))  # cast: MXNet's CopyFromTo
@@ -200,7 +268,7 @@ class DeviceStore(LocalStore):
         super().set_updater(updater)
 
     def _key_added(self, key: Hashable) -> None:
-        if self._compression is None:
+        if self._compression is None or key in self._sparse:  # row-sparse keys are never compressed
             return
         size = int(np.prod(self._values[key].shape))
         self._residuals[key] = self._per_device(size)

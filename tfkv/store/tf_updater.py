@@ -1,7 +1,8 @@
 """Applies a `tfkv.optim` rule to TensorFlow variables, keeping its state in variables.
 
 Used by the local/device stores (update in the store) and by data parallelism when every
-device updates its own weights (`update_on_kvstore=false`). All of it can run inside a
+device updates its own weights (`update_on_kvstore=false`); `update_rows` is MXNet's lazy update
+of a row-sparse key (only the rows pushed, and their state, change). All of it can run inside a
 tf.function. States save and load as plain numpy arrays keyed "<key>/<state name>".
 
 A half-precision weight (float16, bfloat16) is updated by the rule in float32, as on the
@@ -74,6 +75,21 @@ class TFUpdater:
         weight.assign(new_weight if half is None else tf.cast(new_weight, half))
         for var, value in zip(self._state[key], new_state):
             var.assign(value)
+        count.assign_add(1)
+
+    def update_rows(self, key: Hashable, weight: Any, ids: Any, grad: Any) -> None:
+        """MXNet's lazy update of a row-sparse key: the rule applied to the rows `ids` (unique)
+        of `weight` (a float32 variable) and of its state, with `grad` their summed gradients,
+        and scattered back; other rows and their state are left alone. The count is the key's,
+        one per update however many rows it names."""
+        count = self._count[key]
+        states = self._state[key]
+        rows = tf.gather(weight, ids)
+        new_rows, new_state = self.optimizer.step(TFOps, tf.cast(count, tf.float32), rows, grad,
+                                                  tuple(tf.gather(s, ids) for s in states))
+        weight.scatter_update(tf.IndexedSlices(new_rows, ids))
+        for var, value in zip(states, new_state):
+            var.scatter_update(tf.IndexedSlices(value, ids))
         count.assign_add(1)
 
     def get_states(self) -> dict[str, np.ndarray]:

@@ -1,0 +1,249 @@
+"""Row-sparse values of the KVStore API: the rows of a table that a push carries or a pull asks for.
+
+`RowSparse(data, indices, shape)` is MXNet's row_sparse NDArray: `data` (n, *row_shape) holds the
+rows whose ids are `indices` (n,), of a dense table of `shape` (rows, *row_shape); rows not named
+are zero. A push may name a row twice and in any order (the rows are summed); a pull returns ids
+unique and sorted, as MXNet's `row_sparse_pull`. `Table` describes a row-sparse key whose rows the
+store creates itself (from a seed), so a table larger than a worker is never made on one.
+
+The checks and argument handling every store type shares live here too, one line per refusal and
+each naming the key. numpy only: TensorFlow values (tf.IndexedSlices, tensors) are read by duck
+typing, so `tfkv.store` imports without TensorFlow.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Sequence
+
+import numpy as np
+
+FLOAT32 = np.dtype(np.float32)
+INITS = ("uniform", "normal", "zeros")
+
+
+@dataclass(eq=False)
+class RowSparse:
+    """Rows `indices` of a table of dense `shape`, their values in `data` (numpy arrays, or
+    TensorFlow tensors inside a tf.function). Mutable: a pull's `out=` has its three fields
+    replaced in place."""
+
+    data: Any
+    indices: Any
+    shape: tuple[int, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        self.shape = tuple(int(s) for s in self.shape)
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        return self.shape[1:]
+
+    @classmethod
+    def of(cls, value: Any, shape: Sequence[int] | None = None) -> "RowSparse":
+        """A numpy RowSparse of a RowSparse or a tf.IndexedSlices (values, indices, dense_shape),
+        eager tensors read as numpy. `shape` stands in for an IndexedSlices without dense_shape.
+        Checks nothing (see check_rows)."""
+        if isinstance(value, RowSparse):
+            return cls(np.asarray(value.data), np.asarray(value.indices), value.shape or tuple(shape or ()))
+        if not is_indexed_slices(value):
+            raise TypeError(f"a {type(value).__name__} is not rows of a table: give a tfkv.store.RowSparse or a "
+                            "tf.IndexedSlices")
+        dense = value.dense_shape
+        dense = tuple(np.asarray(dense).tolist()) if dense is not None else tuple(shape or ())
+        return cls(np.asarray(value.values), np.asarray(value.indices), dense)
+
+    def merged(self) -> "RowSparse":
+        """The same rows with duplicates summed, ids unique and sorted (numpy)."""
+        data, ids = np.asarray(self.data), np.asarray(self.indices).astype(np.int64).reshape(-1)
+        if ids.size == 0:
+            return RowSparse(data.reshape((0, *self.row_shape)), ids, self.shape)
+        order = np.argsort(ids, kind="stable")
+        ids = ids[order]
+        starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
+        return RowSparse(np.add.reduceat(data[order], starts, axis=0), ids[starts], self.shape)
+
+    def dense(self) -> np.ndarray:
+        """The whole table: the rows given (duplicates summed), zeros elsewhere."""
+        data = np.asarray(self.data)
+        out = np.zeros(self.shape, data.dtype)
+        np.add.at(out, np.asarray(self.indices).astype(np.int64), data)
+        return out
+
+    def gather(self, row_ids: Any) -> np.ndarray:
+        """The rows `row_ids` in their order (repeats repeated), shape row_ids.shape + row_shape,
+        from a merged RowSparse (ids sorted) that holds every one of them."""
+        ids = np.asarray(row_ids).astype(np.int64)
+        return np.asarray(self.data)[np.searchsorted(np.asarray(self.indices), ids.reshape(-1))].reshape(
+            (*ids.shape, *self.row_shape))
+
+    def __repr__(self) -> str:
+        return f"RowSparse({len(self.indices)} rows of a {self.shape} table)"
+
+
+@dataclass(frozen=True)
+class Table:
+    """A row-sparse key whose rows the store makes: `init` "uniform" (in [-scale, scale]),
+    "normal" (standard deviation `scale`) or "zeros", drawn from `seed` (and the key) where the
+    rows live, never on a worker. float32 only. Plain data: it travels to the servers as JSON."""
+
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+    init: str = "uniform"
+    scale: float = 0.05
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        try:
+            shape = tuple(int(s) for s in self.shape)
+        except (TypeError, ValueError):
+            raise ValueError(f"Table shape {self.shape!r}: give (rows, *row_shape) as whole numbers") from None
+        if len(shape) < 1 or any(s < 1 for s in shape):
+            raise ValueError(f"Table shape {shape}: give (rows, *row_shape), every size at least 1")
+        object.__setattr__(self, "shape", shape)
+        if np.dtype(self.dtype) != FLOAT32:
+            raise ValueError(f"Table dtype {self.dtype!r}: a row-sparse key holds float32")
+        if self.init not in INITS:
+            raise ValueError(f"Table init {self.init!r} is unknown; choose one of {', '.join(INITS)}")
+        if not (isinstance(self.scale, (int, float)) and math.isfinite(self.scale) and self.scale >= 0):
+            raise ValueError(f"Table scale {self.scale!r}: give a finite number of at least 0")
+        if not isinstance(self.seed, (int, np.integer)) or isinstance(self.seed, bool):
+            raise ValueError(f"Table seed {self.seed!r}: give a whole number")
+
+    @property
+    def num_rows(self) -> int:
+        return self.shape[0]
+
+
+def is_indexed_slices(value: Any) -> bool:
+    """A tf.IndexedSlices (or anything shaped like one), recognised without importing TensorFlow."""
+    return all(hasattr(value, a) for a in ("values", "indices", "dense_shape"))
+
+
+def is_rows(value: Any) -> bool:
+    """A row-sparse value: a RowSparse or a tf.IndexedSlices."""
+    return isinstance(value, RowSparse) or is_indexed_slices(value)
+
+
+def is_sparse_init(value: Any) -> bool:
+    """What makes a key row-sparse at init: a RowSparse, a Table or a tf.IndexedSlices."""
+    return isinstance(value, Table) or is_rows(value)
+
+
+# -- the checks: one line each, naming the key ----------------------------------------------------
+
+def check_ids(key: Hashable, row_ids: Any, num_rows: int, what: str = "row_sparse_pull") -> np.ndarray:
+    """`row_ids` as a flat int64 array; ValueError naming the key for ids that are not whole
+    numbers or fall outside the table's rows."""
+    ids = np.asarray(row_ids)
+    if ids.dtype.kind not in "iu":
+        if ids.size == 0:
+            return np.zeros(0, np.int64)
+        raise ValueError(f"{what} of key {key!r}: row ids of dtype {ids.dtype.name}; give whole numbers "
+                         f"(int32 or int64) from 0 to {num_rows - 1}")
+    ids = ids.astype(np.int64).reshape(-1)
+    if ids.size and (ids.min() < 0 or ids.max() >= num_rows):
+        bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+        raise ValueError(f"{what} of key {key!r}: row id {bad} is out of range; the table has {num_rows} rows "
+                         f"(ids 0 to {num_rows - 1})")
+    return ids
+
+
+def check_rows(key: Hashable, rows: RowSparse, shape: Sequence[int], dtype: Any = FLOAT32,
+               what: str = "push") -> RowSparse:
+    """`rows` (numpy, RowSparse.of) checked against the key's dense `shape` and `dtype`, its ids
+    as a flat int64 array; ValueError naming the key where data and indices disagree, the row
+    shape or dense shape is not the key's, the dtype is another, or an id is out of range."""
+    shape = tuple(int(s) for s in shape)
+    data, ids = np.asarray(rows.data), np.asarray(rows.indices)
+    if ids.ndim != 1:
+        raise ValueError(f"{what} of key {key!r}: indices of shape {ids.shape}; a RowSparse's indices are one id per "
+                         "row of data (a vector)")
+    if data.ndim < 1 or len(data) != len(ids):
+        raise ValueError(f"{what} of key {key!r}: data and indices disagree: {len(data) if data.ndim else 0} rows of "
+                         f"data for {len(ids)} row ids (one row per id)")
+    if tuple(data.shape[1:]) != shape[1:]:
+        raise ValueError(f"{what} of key {key!r}: rows of shape {tuple(data.shape[1:])} for a table whose rows have "
+                         f"shape {shape[1:]}")
+    if rows.shape and tuple(rows.shape) != shape:
+        raise ValueError(f"{what} of key {key!r}: a value of dense shape {tuple(rows.shape)} for a table of shape "
+                         f"{shape}")
+    if data.dtype != np.dtype(dtype):
+        raise ValueError(f"{what} of key {key!r}: {data.dtype.name} rows for a {np.dtype(dtype).name} row-sparse key; "
+                         f"cast them first (data.astype({np.dtype(dtype).name!r}) or tf.cast)")
+    return RowSparse(data, check_ids(key, ids, shape[0], what), shape)
+
+
+def check_table_dtype(key: Hashable, dtype: Any, what: str = "init") -> None:
+    """Row-sparse keys are float32: a half (or any other) dtype refused, naming the key."""
+    if np.dtype(getattr(dtype, "as_numpy_dtype", dtype)) != FLOAT32:
+        name = np.dtype(getattr(dtype, "as_numpy_dtype", dtype)).name
+        raise ValueError(f"{what} of key {key!r}: a row-sparse key holds float32, not {name}; give float32 rows")
+
+
+# -- the refusals of dense operations on row-sparse keys and the reverse ---------------------------
+
+# What each refusal says, by the operation refused; `refused(what, key)` makes the error.
+REFUSALS = {
+    "pull": "key {key!r} is row-sparse: pull its rows with row_sparse_pull({key!r}, row_ids=...)",
+    "pushpull": "key {key!r} is row-sparse: pushpull takes dense keys; push its rows, then "
+                "row_sparse_pull({key!r}, row_ids=...)",
+    "dense_push": "push of key {key!r}: a dense value for a row-sparse key; push a tfkv.store.RowSparse or a "
+                  "tf.IndexedSlices of its rows",
+    "sparse_push": "push of key {key!r}: row-sparse rows for a dense key; push a dense array, or initialise the key "
+                   "with a RowSparse or a Table to push rows",
+    "sparse_pull": "row_sparse_pull of key {key!r}: a dense key; pull it whole with pull({key!r})",
+    "compression": "push of key {key!r}: gradient compression does not apply to row-sparse keys; push their rows "
+                   "uncompressed (set_gradient_compression({{'type': 'none'}}))",
+    "updater": "push of key {key!r}: a Python updater (set_updater) takes dense keys only; for a row-sparse key use "
+               "set_optimizer (MXNet's lazy SGD or Adam update of the rows pushed)",
+}
+
+
+def refused(what: str, key: Hashable) -> ValueError:
+    """The one-line ValueError refusing operation `what` (a REFUSALS name) on `key`."""
+    return ValueError(REFUSALS[what].format(key=key))
+
+
+# -- argument forms, shared by every store's row_sparse_pull ---------------------------------------
+
+def requests(key: Any, row_ids: Any) -> list[tuple[Hashable, Any]]:
+    """MXNet's row_sparse_pull arguments as (key, row_ids) pairs: one key with its ids, or a list
+    of keys with a list of ids (one per key) or one array of ids for every key."""
+    if row_ids is None:
+        raise ValueError(f"row_sparse_pull of key {key!r}: give row_ids=, the rows to pull")
+    if not isinstance(key, (list, tuple)):
+        return [(key, row_ids)]
+    if isinstance(row_ids, (list, tuple)):
+        if len(row_ids) != len(key):
+            raise ValueError(f"row_sparse_pull of keys {list(key)!r}: {len(row_ids)} row_ids for {len(key)} keys "
+                             "(give one array of ids per key)")
+        return list(zip(key, row_ids))
+    return [(k, row_ids) for k in key]
+
+
+def deliver(key: Any, results: list[RowSparse], out: Any) -> Any:
+    """row_sparse_pull's result: the RowSparse (a list for a list of keys) when `out` is None;
+    else each `out` (a RowSparse, or a list of them per key: one per device) gets the rows in
+    place (its data, indices and shape replaced; numpy rows copied per out) and None is returned."""
+    if out is None:
+        return results if isinstance(key, (list, tuple)) else results[0]
+    keys = list(key) if isinstance(key, (list, tuple)) else [key]
+    outs = list(out) if isinstance(key, (list, tuple)) else [out]
+    if len(outs) != len(keys):
+        raise ValueError(f"row_sparse_pull of keys {keys!r}: {len(outs)} outs for {len(keys)} keys")
+    for k, o, r in zip(keys, outs, results):
+        for each in (o if isinstance(o, (list, tuple)) else [o]):
+            if not isinstance(each, RowSparse):
+                raise TypeError(f"row_sparse_pull of key {k!r}: out must be a tfkv.store.RowSparse (or a list of "
+                                f"them), not a {type(each).__name__}")
+            numpy = isinstance(r.data, np.ndarray)
+            each.data = np.array(r.data) if numpy else r.data
+            each.indices = np.array(r.indices) if numpy else r.indices
+            each.shape = r.shape
+    return None
+
+
+__all__ = ["RowSparse", "Table", "check_ids", "check_rows", "check_table_dtype", "deliver", "is_rows",
+           "is_sparse_init", "refused", "requests"]
