@@ -52,7 +52,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import record  # noqa: E402 - benchmarks/record.py
 from bench_dist_training import run_pss_server  # noqa: E402 - a TF server until the chief is done
-from dist_job import CALIBRATION_STEPS, WARMUP_STEPS, Failed, run_plan  # noqa: E402
+from dist_job import CALIBRATION_STEPS, WARMUP_STEPS, Failed, measure, run_plan, security_env  # noqa: E402
 
 WORKERS, SERVERS = 2, 2
 BOTTOM, TOP = [64], [64, 32]
@@ -208,15 +208,74 @@ def job_pss(args: argparse.Namespace, tmp: str) -> None:
 # -- tfkv ------------------------------------------------------------------------------------------
 
 def run_tfkv(args: argparse.Namespace) -> None:
-    raise NotImplementedError
+    """One tfkv worker: DataParallel over the model with ShardedEmbedding tables, store dist_sync."""
+    import keras
+
+    from tfkv import optim, store
+    from tfkv.models import dlrm
+    from tfkv.parallel import devices
+    from tfkv.parallel.criterion import Criterion
+    from tfkv.parallel.data_parallel import DataParallel
+
+    tf_devices = devices.setup(["cpu:0"])
+    kv = store.create("dist_sync", devices=tf_devices)
+    try:
+        rank = kv.rank
+        dense, cat, click = pool(args)
+        lo, hi = rank * args.batch * args.pool, (rank + 1) * args.batch * args.pool  # this worker's slice
+        batches = [({"dense": dense[i:i + args.batch], "cat": cat[i:i + args.batch]}, click[i:i + args.batch, None])
+                   for i in range(lo, hi, args.batch)]
+        keras.utils.set_random_seed(0)
+        dp = DataParallel(
+            lambda: dlrm.build({"dense": (NUM_DENSE,), "cat": (len(args.table_rows),)}, vocab_sizes=args.table_rows,
+                               embedding_dim=args.dim, bottom=BOTTOM, top=TOP, embedding="sharded",
+                               rows_per_batch=args.batch),
+            tf_devices, kv, optim.SGD(schedule=optim.Schedule(lr=args.lr)), [args.batch],
+            criterion=Criterion({"_target_": "keras.losses.BinaryCrossentropy", "from_logits": True}, []))
+        count = iter(range(1 << 62))
+
+        def step() -> None:
+            i = next(count) % len(batches)
+            dp.step(*batches[i], batches[(i + 1) % len(batches)][0])
+
+        def reset() -> None:
+            dp.take_metrics()
+            kv.push_bytes = 0
+            if hasattr(kv, "pull_bytes"):
+                kv.pull_bytes = 0
+
+        n, elapsed = measure(step, rank, args.seconds, args.sync_dir, "tfkv", before_timed=reset)
+        moved = kv.push_bytes + getattr(kv, "pull_bytes", 0)
+        out = {"steps": n, "seconds": elapsed, "samples": n * args.batch * kv.num_workers,
+               "loss": dp.take_metrics()[0]["loss"], "bytes_per_step": moved / n,
+               "bytes_measured": hasattr(kv, "pull_bytes"), "peak_rss_mib": peak_rss_mib()}
+        Path(args.out, f"tfkv-{rank}.json").write_text(json.dumps(out))
+    except BaseException:
+        kv.abort("bench_embedding worker failed")
+        raise
+    kv.close()
 
 
 def job_tfkv(args: argparse.Namespace, tmp: str) -> None:
-    raise Failed("tfkv: not wired yet")
+    from tfkv.launcher.plan import make_plan
+    from tfkv.launcher.ports import free_port
+
+    plan = make_plan(WORKERS, SERVERS, role_argv(args, "tfkv", tmp), [sys.executable, "-m", "tfkv.ps.node"],
+                     ["127.0.0.1"], "127.0.0.1", free_port(), extra_env=security_env(True))
+    run_plan(plan, args.job_timeout, "tfkv dist_sync")
 
 
 def collect_tfkv(tmp: str, peaks: dict[str, float]) -> dict[str, Any]:
-    raise NotImplementedError
+    """The job's figures: samples/s over the slowest worker's time, bytes per step per worker."""
+    reports = [json.loads(Path(tmp, f"tfkv-{r}.json").read_text()) for r in range(WORKERS)]
+    if len({r["steps"] for r in reports}) != 1:
+        raise Failed("tfkv: the workers ran different step counts")
+    for r, rep in enumerate(reports):
+        peaks[f"worker {r}"] = max(peaks.get(f"worker {r}", 0.0), rep["peak_rss_mib"])
+    return {"steps": reports[0]["steps"], "seconds": max(r["seconds"] for r in reports),
+            "samples": reports[0]["samples"], "loss": reports[0]["loss"],
+            "bytes_per_step": sum(r["bytes_per_step"] for r in reports) / WORKERS,
+            "bytes_measured": reports[0]["bytes_measured"]}
 
 
 # -- the parent ---------------------------------------------------------------------------------
@@ -248,8 +307,8 @@ class PeakWatch:
         if "TFKV_BENCH_ROLE" in env:
             return env["TFKV_BENCH_ROLE"]
         role = env.get("DMLC_ROLE")
-        if role in ("worker", "server"):
-            return f"{role} {env.get('DMLC_WORKER_ID') or env.get('DMLC_SERVER_ID') or env.get('DMLC_RANK', '?')}"
+        if role in ("worker", "server"):  # tfkv's: the launcher's rank hint numbers them
+            return f"{role} {env.get('TFKV_RANK_HINT', '?')}"
         return role
 
     def _descendants(self) -> list[str]:
