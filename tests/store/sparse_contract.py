@@ -147,6 +147,17 @@ def _all_rows(kv: Any, key: int) -> list:
     return _arr(kv.row_sparse_pull(key, row_ids=np.arange(ROWS)).data)
 
 
+def _train(kv: Any, key: int, kind: str, devices: int) -> tuple[list, list]:
+    """Init `key` with its initial table, push every round of `kind`; (all rows, own row)."""
+    from tfkv.store import RowSparse
+
+    kv.init(key, RowSparse(initial(key).astype(f32), np.arange(ROWS), SHAPE))
+    for rnd in range(len(ROUNDS[kind])):
+        _push_round(kv, key, kind, rnd, devices)
+    kv.barrier()
+    return _all_rows(kv, key), _arr(kv.row_sparse_pull(key, row_ids=[own_row(kv.rank)]).data)
+
+
 def run(kv: Any, devices: int, state_dir: str) -> dict[str, Any]:
     """Every check against `kv` (fresh; `devices` values per push); what it saw."""
     from tfkv import optim
@@ -191,12 +202,7 @@ def run(kv: Any, devices: int, state_dir: str) -> dict[str, Any]:
 
     # lazy SGD with momentum and weight decay: only the rows pushed, and their momentum, change
     kv.set_optimizer(optim.SGD(schedule=optim.Schedule(lr=SGD["lr"]), momentum=SGD["momentum"], wd=SGD["wd"]))
-    kv.init(SGD_KEY, RowSparse(initial(SGD_KEY).astype(f32), np.arange(ROWS), SHAPE))
-    for rnd in range(len(ROUNDS["sgd"])):
-        _push_round(kv, SGD_KEY, "sgd", rnd, devices)
-    kv.barrier()
-    seen["sgd"] = _all_rows(kv, SGD_KEY)
-    seen["sgd_own"] = _arr(kv.row_sparse_pull(SGD_KEY, row_ids=[own_row(kv.rank)]).data)
+    seen["sgd"], seen["sgd_own"] = _train(kv, SGD_KEY, "sgd", devices)
 
     # the state saved (per row, "<key>/momentum") and loaded back
     first, again = os.path.join(state_dir, "sparse_a.npz"), os.path.join(state_dir, "sparse_b.npz")
@@ -215,12 +221,7 @@ def run(kv: Any, devices: int, state_dir: str) -> dict[str, Any]:
     # lazy Adam: the rate's bias correction counts the key's updates, not the row's
     kv.set_optimizer(optim.Adam(schedule=optim.Schedule(lr=ADAM["lr"]), beta1=ADAM["beta1"], beta2=ADAM["beta2"],
                                 epsilon=ADAM["epsilon"], wd=ADAM["wd"]))
-    kv.init(ADAM_KEY, RowSparse(initial(ADAM_KEY).astype(f32), np.arange(ROWS), SHAPE))
-    for rnd in range(len(ROUNDS["adam"])):
-        _push_round(kv, ADAM_KEY, "adam", rnd, devices)
-    kv.barrier()
-    seen["adam"] = _all_rows(kv, ADAM_KEY)
-    seen["adam_own"] = _arr(kv.row_sparse_pull(ADAM_KEY, row_ids=[own_row(kv.rank)]).data)
+    seen["adam"], seen["adam_own"] = _train(kv, ADAM_KEY, "adam", devices)
 
     seen["refusals"] = refusals(kv)
     # last: a Python updater replaces the optimizer (or is refused by a store whose servers update)
