@@ -93,3 +93,21 @@ def test_table_and_row_sparse_refuse_bad_descriptions():
     np.testing.assert_array_equal(merged.data, [[2.0], [4.0]])
     np.testing.assert_array_equal(rows.dense()[:, 0], [2, 0, 0, 0, 4])
     np.testing.assert_array_equal(merged.gather([4, 4, 0])[:, 0], [4, 4, 2])
+
+
+def test_traced_pushes_are_checked_when_traced_and_compression_refused(tf_devices):
+    kv = store.create("device", devices=tf_devices[:2])
+    kv.init("emb", Table((8, 2), init="zeros"))
+
+    def push(values, shape=(8, 2)):
+        tf.function(lambda: kv.push("emb", tf.IndexedSlices(values, tf.constant([1]), tf.constant(shape))))()
+
+    with pytest.raises(ValueError, match="push of key 'emb': a value of dense shape \\(9, 2\\) for a table of shape"):
+        push(tf.ones([1, 2]), (9, 2))
+    with pytest.raises(ValueError, match="push of key 'emb': rows of shape \\(3,\\)"):
+        push(tf.ones([1, 3]), (8, 3))
+    with pytest.raises(ValueError, match="push of key 'emb': a row-sparse key holds float32, not float16"):
+        push(tf.ones([1, 2], tf.float16))
+    kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
+    with pytest.raises(ValueError, match="push of key 'emb': gradient compression does not apply to row-sparse keys"):
+        kv.push("emb", RowSparse(np.ones((1, 2), np.float32), [0], (8, 2)))
