@@ -39,7 +39,7 @@ def initial(key: Hashable, value: Any) -> Any:
     rows = RowSparse.of(value)
     if not rows.shape:
         raise ValueError(f"init of key {key!r}: rows without a dense shape; give RowSparse(data, indices, shape)")
-    return sparse.check_rows(key, rows, rows.shape, what="init").merged().dense()
+    return sparse.check_rows(key, rows, rows.shape, what="init").dense()
 
 
 def rows_of(key: Hashable, value: Any, shape: Sequence[int]) -> tuple[tf.Tensor, tf.Tensor]:
