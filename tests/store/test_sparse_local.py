@@ -111,3 +111,17 @@ def test_traced_pushes_are_checked_when_traced_and_compression_refused(tf_device
     kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
     with pytest.raises(ValueError, match="push of key 'emb': gradient compression does not apply to row-sparse keys"):
         kv.push("emb", RowSparse(np.ones((1, 2), np.float32), [0], (8, 2)))
+
+
+def test_row_sparse_pull_argument_forms():
+    """MXNet's forms: one array of ids for every key of a list; row_ids required; out a RowSparse."""
+    kv = store.create("local")
+    kv.init([1, 2], [RowSparse(np.array([[1.0]], np.float32), [3], (4, 1)), Table((4, 1), init="zeros")])
+    one, two = kv.row_sparse_pull([1, 2], row_ids=np.array([3, 0, 3]))
+    assert (one.indices.tolist(), one.data.tolist(), two.indices.tolist()) == ([0, 3], [[0.0], [1.0]], [0, 3])
+    with pytest.raises(ValueError, match="row_sparse_pull of key 1: give row_ids="):
+        kv.row_sparse_pull(1)
+    with pytest.raises(ValueError, match=r"row_sparse_pull of keys \[1, 2\]: 1 row_ids for 2 keys"):
+        kv.row_sparse_pull([1, 2], row_ids=[np.array([0])])
+    with pytest.raises(TypeError, match="row_sparse_pull of key 1: out must be a tfkv.store.RowSparse"):
+        kv.row_sparse_pull(1, out=np.zeros((4, 1), np.float32), row_ids=[0])
