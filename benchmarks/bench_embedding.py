@@ -333,7 +333,7 @@ class PeakWatch:
         roles: dict[str, str | None] = {}
         while not self._stop.wait(self._interval):
             for pid in self._descendants():
-                if pid not in roles:
+                if not roles.get(pid):  # read again while None: a child between fork and exec has our environ
                     roles[pid] = self._role(pid)
                 if roles[pid]:
                     self.peaks[roles[pid]] = max(self.peaks.get(roles[pid], 0.0), peak_rss_mib(pid))
