@@ -115,27 +115,35 @@ def _role_argv(role: str, s: Settings, tmp: Path) -> list[str]:
 def _tfkv(cluster: Any, hosts_file: Path, model: str, s: Settings, tmp: Path, kvstore: str, secure: bool,
           compression: str) -> None:
     """One tfkv job through tfkv-launch's ssh launcher: one server and one worker per host."""
-    n = len(cluster.hosts)
     worker = dist_job.worker_argv(dist_job.TRAINING_MODELS[model], s.batch, s.seconds, str(tmp), _tag(kvstore, secure, compression),
                                   kvstore=kvstore, compression=compression, threads=s.threads)
+    launch_tfkv(cluster, hosts_file, worker, secure, tmp / f"launch-{model}", s.timeout, f"tfkv {kvstore}")
+
+
+def launch_tfkv(cluster: Any, hosts_file: Path, worker: list[str], secure: bool, run_dir: Path, timeout: float,
+                what: str, python: str = sys.executable) -> None:
+    """`worker` as a tfkv job through tfkv-launch's ssh launcher, MXNet's placement with -n hosts
+    -s hosts (one server and one worker per host); Failed with the log's tail if it fails or
+    runs past `timeout` (tfkv-launch is then interrupted: it stops every role on every host)."""
+    n = len(cluster.hosts)
     argv = [sys.executable, "-m", "tfkv.launcher.cli", "-n", str(n), "-s", str(n), "-H", str(hosts_file),
-            "--launcher", "ssh", "--python", sys.executable, "--run-dir", str(tmp / f"launch-{model}"),
+            "--launcher", "ssh", "--python", python, "--run-dir", str(run_dir),
             "--secure" if secure else "--no-secure", "--", *worker]
-    log = tmp / f"tfkv-launch-{model}.log"
+    log = Path(f"{run_dir}.log")
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env={**os.environ, **cluster.env()}, start_new_session=True)
         try:
-            code = proc.wait(timeout=s.timeout)
+            code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGINT)  # tfkv-launch stops every role on every host, then exits
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
-            raise Failed(f"tfkv {kvstore} ran past {s.timeout:.0f} s\n{_tail(log)}") from None
+            raise Failed(f"{what} ran past {timeout:.0f} s\n{_tail(log)}") from None
     if code != 0:
-        raise Failed(f"tfkv {kvstore} exited with status {code}\n{_tail(log)}")
+        raise Failed(f"{what} exited with status {code}\n{_tail(log)}")
 
 
 def _tag(kvstore: str, secure: bool, compression: str) -> str:
