@@ -1,6 +1,7 @@
-"""benchmarks/bench_embedding.py runs both contenders to the end with tiny tables, prints its table
-and writes its record with the rows the issue names (the figures are not checked: a shared machine).
-Multi-process (two jobs of five processes each): slow, and `bench` as the other training benchmarks."""
+"""benchmarks/bench_embedding.py runs both contenders to the end with tiny tables, on loopback and on
+a 2-host emulated cluster, prints its table and writes its record with the rows the issue names
+(the figures are not checked: a shared machine). Multi-process (two jobs of five processes each):
+slow, and `bench` as the other training benchmarks."""
 
 import json
 import os
@@ -9,24 +10,35 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, need_root
 
 
 @pytest.mark.slow
 @pytest.mark.bench
-def test_bench_embedding_runs(tmp_path):
+@pytest.mark.parametrize("where", ["loopback", "emulated"])
+def test_bench_embedding_runs(tmp_path, where):
+    extra = []
+    if where == "emulated":
+        need_root("an emulated cluster")
+        python = tmp_path / "python"  # the hosts' Python, importing this checkout's tfkv
+        python.write_text(f"#!/bin/sh\nPYTHONPATH={REPO} exec {sys.executable} \"$@\"\n")
+        python.chmod(0o755)
+        extra = ["--emulate", "10gbit", "--cpus", "0.9", "--python", str(python)]
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_embedding.py"), "--tables", "20000,500",
-                           "--dim", "8", "--batch", "64", "--pool", "4", "--seconds", "0.5"],
+                           "--dim", "8", "--batch", "64", "--pool", "4", "--seconds", "0.5", *extra],
                           capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
-                          env={**os.environ, "TFKV_BENCH_RESULTS": str(tmp_path)})
+                          env={**os.environ, "TFKV_BENCH_RESULTS": str(tmp_path), "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "tfkv/PSS samples/s" in proc.stdout and "loopback" in proc.stdout, proc.stdout[-3000:]
+    assert "tfkv/PSS samples/s" in proc.stdout, proc.stdout[-3000:]
     got = json.loads((tmp_path / "embedding.json").read_text())
-    assert got["benchmark"] == "embedding" and got["network"] == "loopback"
+    assert got["benchmark"] == "embedding" and got["network"].startswith(
+        "loopback" if where == "loopback" else "emulated cluster"), got["network"]
+    assert got["network"] in proc.stdout
     assert got["command"].startswith("python benchmarks/bench_embedding.py ")
     rows = {r["contender"]: r for r in got["rows"]}
     assert set(rows) == {"tfkv", "pss"}
     for r in rows.values():
+        assert set(r["peaks_mib"]) >= {"worker 0", "worker 1"}, r["peaks_mib"]
         assert r["samples_per_sec"] > 0 and r["worker_peak_rss_mib"] > 100 and r["table_bytes"] == 20500 * 8 * 4
     assert rows["tfkv"]["bytes_measured"] and not rows["pss"]["bytes_measured"]
     # a tfkv step moves the rows of its batch, not the table: 64 examples x 2 features x 8 floats
