@@ -439,7 +439,7 @@ def main() -> None:
     ap.add_argument("--role", choices=["tfkv", "pss", "pss_server"], help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--sync-dir", help=argparse.SUPPRESS)
-    record.add_argument(ap, "embedding", "--json")
+    record.add_argument(ap, "embedding", "--json", "--result")
     args = ap.parse_args()
     try:
         args.table_rows = [int(r) for r in args.tables.split(",")]

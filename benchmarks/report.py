@@ -141,6 +141,15 @@ SPECS: dict[str, Spec] = {
         "same run. The table shows the largest host count without a straggler; the record has every setting.",
         ["model", "link", "contender"], ["samples_per_sec"], "samples/s",
         columns=["model", "hosts", "link", "contender", "samples_per_sec"], select=_largest_setting),
+    "embedding": Spec(
+        "Embedding tables larger than a worker",
+        "Samples/s, bytes per step (per worker) and every process's peak memory of a DLRM with a table of "
+        "10M+ rows trained by tfkv (`dist_sync`, row-sparse, `ShardedEmbedding`) against "
+        "`ParameterServerStrategy` with partitioned variables, 2 workers and 2 servers each, same run; the "
+        "network (emulated cluster or loopback) is the row's. PSS's bytes are an estimate.",
+        ["contender"], ["samples_per_sec"], "samples/s",
+        columns=["contender", "samples_per_sec", "bytes_per_step", "bytes_measured", "worker_peak_rss_mib",
+                 "server_peak_rss_mib", "table_mib", "network"]),
     "trees": Spec(
         "Two checkouts compared",
         "The push/pull, security and distributed-training benchmarks run on two checkouts of tfkv, rounds "
