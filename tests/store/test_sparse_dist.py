@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import sparse_contract as contract
+
 HERE = Path(__file__).parent
 WORKER = str(HERE / "sparse_dist_worker.py")
 
@@ -60,6 +62,20 @@ def test_sync_rows_are_summed_over_workers_and_updated_lazily_on_sharded_servers
         ids, rows = r["u"]
         assert ids == [0, 50_000, 99_999] and np.abs(rows).max() <= 0.25 and np.std(rows) > 0.05
     assert results[0]["u"] == results[1]["u"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,sharding", [("dist_sync", "range"), ("dist_sync", "hash"), ("dist_async", "range"),
+                                           ("dist_async", "hash")])
+def test_dist_stores_keep_the_row_sparse_contract(cluster, kind, sharding):
+    """2 servers, 2 workers, 2 devices each: every worker's report against the numpy oracle."""
+    results = _job(cluster, "contract", kind=kind, TFKV_ROW_SHARDING=sharding, TEST_DEVICES="2")
+    for seen in results:
+        assert seen["type"] == kind
+        want = contract.expected(kind == "dist_sync", 2, 2, seen["rank"])
+        assert contract.mismatches(seen, want) == [], json.dumps(seen)[:3000]
+    if kind == "dist_async":  # servers apply each push: without an optimizer it would overwrite
+        assert results[0]["without_optimizer"].startswith("RuntimeError: dist_async needs an optimizer")
 
 
 @pytest.mark.slow

@@ -398,8 +398,8 @@ class DistStore(KVStore):
     def _init_table(self, k: Key, value: Any) -> None:
         """Make `k` a table on every server: each server makes its shard from the description
         (a Table's init, or zeros), then a RowSparse's rows are sent in chunks to their owners."""
-        kid = self._id(k)
-        if kid in self._layouts or kid in self._tables:
+        self._check_key(k)
+        if k in self._ids:
             raise ValueError(f"key {k!r} is already initialised")
         if isinstance(value, Table):
             shape, rows, spec = value.shape, None, {"init": value.init, "scale": float(value.scale),
@@ -413,6 +413,7 @@ class DistStore(KVStore):
             raise ValueError(f"init of key {k!r}: a table of shape {shape}; give (rows, *row_shape)")
         width = int(np.prod(shape[1:], dtype=np.int64))
         placement = RowPlacement(shape[0], self.servers.count, self.env.row_sharding)
+        kid = self._id(k)  # once the value was found good: a refused init leaves no key behind
         self._tables[kid] = TableKey(tuple(shape), width, placement)
         if self.rank == 0:  # worker 0's value wins; the others wait at the barrier
             for s in range(self.servers.count):
@@ -526,6 +527,10 @@ class DistStore(KVStore):
         if self._sender is not None:
             self._sender.momentum = momentum
         self._user_optimizer, self._optimizer = optimizer, served
+        if self.num_workers > 1:
+            # Every worker's requests so far are served by the optimizer they were made under:
+            # worker 0 must not swap it while another still pushes or reads its state.
+            self.barrier()
         if self.rank == 0:
             spec = {"optimizer": optim.to_dict(served)}
             for s in range(self.servers.count):
