@@ -147,7 +147,7 @@ class LocalStore(KVStore):
         """The rows `row_ids` in their order (a tf.Tensor of shape row_ids.shape + row shape),
         eagerly or traced: the trainer's lookup of an embedding's rows."""
         var = self._sparse_var(key)
-        ids = tf_rows.checked_ids(key, row_ids, var.shape[0])
+        ids = tf_rows.checked_ids(key, row_ids, var.shape[0], "pull_rows")
         with tf.device(self._home[key]):
             rows = tf.gather(var, ids)
         return tf.reshape(rows, tf.concat([tf.shape(row_ids, out_type=tf.int32), tf.shape(rows)[1:]], 0))

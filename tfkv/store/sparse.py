@@ -59,6 +59,8 @@ class RowSparse:
         data, ids = np.asarray(self.data), np.asarray(self.indices).astype(np.int64).reshape(-1)
         if ids.size == 0:
             return RowSparse(data.reshape((0, *self.row_shape)), ids, self.shape)
+        if np.all(ids[1:] > ids[:-1]):  # already merged (a whole table given row by row): no copy
+            return RowSparse(data, ids, self.shape)
         order = np.argsort(ids, kind="stable")
         ids = ids[order]
         starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
@@ -66,9 +68,9 @@ class RowSparse:
 
     def dense(self) -> np.ndarray:
         """The whole table: the rows given (duplicates summed), zeros elsewhere."""
-        data = np.asarray(self.data)
-        out = np.zeros(self.shape, data.dtype)
-        np.add.at(out, np.asarray(self.indices).astype(np.int64), data)
+        rows = self.merged()
+        out = np.zeros(self.shape, np.asarray(rows.data).dtype)
+        out[rows.indices] = rows.data
         return out
 
     def gather(self, row_ids: Any) -> np.ndarray:

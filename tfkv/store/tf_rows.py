@@ -39,7 +39,7 @@ def initial(key: Hashable, value: Any) -> Any:
     rows = RowSparse.of(value)
     if not rows.shape:
         raise ValueError(f"init of key {key!r}: rows without a dense shape; give RowSparse(data, indices, shape)")
-    return sparse.check_rows(key, rows, rows.shape, what="init").merged().dense()
+    return sparse.check_rows(key, rows, rows.shape, what="init").dense()
 
 
 def rows_of(key: Hashable, value: Any, shape: Sequence[int]) -> tuple[tf.Tensor, tf.Tensor]:
@@ -56,6 +56,10 @@ def rows_of(key: Hashable, value: Any, shape: Sequence[int]) -> tuple[tf.Tensor,
     if data.shape.rank is not None and tuple(data.shape[1:]) != tuple(shape[1:]):
         raise ValueError(f"push of key {key!r}: rows of shape {tuple(data.shape[1:])} for a table whose rows have "
                          f"shape {tuple(shape[1:])}")
+    dense = value.shape if isinstance(value, RowSparse) else tf.get_static_value(value.dense_shape)
+    if dense is not None and len(dense) and tuple(int(s) for s in dense) != tuple(shape):
+        raise ValueError(f"push of key {key!r}: a value of dense shape {tuple(int(s) for s in dense)} for a table of "
+                         f"shape {tuple(shape)}")
     ids = checked_ids(key, ids, shape[0], "push")
     with tf.control_dependencies([tf.debugging.assert_equal(
             tf.shape(data, out_type=tf.int64)[0], tf.size(ids, out_type=tf.int64),
