@@ -261,3 +261,54 @@ def test_tfkv_run_trains_checkpoints_resumes_and_exports_row_sparse(sharded, tmp
                              f"resume={straight / 'checkpoints' / 'epoch-0002'}")
     assert evaluated["test_loss"] == pytest.approx(final["test_loss"], rel=1e-6)
     assert (ev_dir / "model.keras").is_file()
+
+
+# -- a real dist job: 2 workers, 2 servers holding the tables by rows ---------------------------
+
+WORKER = Path(__file__).resolve().parent / "sparse_worker.py"
+
+
+def _start_workers(c, mode, *args, env=None):
+    outs = []
+    for i in range(c.num_workers):
+        out = c.dir / f"worker{i}.npz"
+        c.start(f"worker {i}", "worker", [sys.executable, str(WORKER), mode, str(out), *args], TFKV_RANK_HINT=str(i),
+                **(env or {}))
+        outs.append(out)
+    return outs
+
+
+def _finished(c, timeout):
+    codes = c.wait(timeout)
+    assert all(code == 0 for code in codes.values()), f"{codes}\n{c.outputs()}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", ["range", "hash"])
+def test_dist_sync_two_workers_learn_what_keras_learns_at_the_global_batch(cluster, sharding):
+    """Worker r takes rows r::2 of each global batch; the servers sum both workers' rows before
+    the update, so the tables and the dense weights end as plain Keras's at the global batch.
+    The next batch's rows are requested after this worker's push: they hold the round's update."""
+    import sparse_worker as W
+
+    c = cluster(num_servers=2, num_workers=2, TFKV_ROW_SHARDING=sharding)
+    c.start_servers()
+    outs = _start_workers(c, "exact")
+    _finished(c, 300)
+    results = []
+    for out in outs:
+        with np.load(out) as f:
+            n = sum(1 for k in f.files if k.startswith("start"))
+            results.append(([f[f"start{i}"] for i in range(n)], [f[f"end{i}"] for i in range(n)], int(f["cache_rows"])))
+    (start, end, cache), (start1, end1, _) = results
+    assert cache == 2 * W.BATCH * W.WIDTH  # worker holds a cache, the servers the ShardedEmbedding's table
+    for a, b in zip(start + end, start1 + end1):
+        np.testing.assert_array_equal(a, b)  # both workers see the same tables
+    plain = W.two_tables()  # outside a store: both embeddings plain Keras
+    plain.set_weights(start)
+    plain.compile(optimizer=keras.optimizers.SGD(0.5),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    for x, y in W.global_batches(2):
+        plain.train_on_batch(x, y)
+    _assert_close(end, plain.get_weights())
+    assert not np.allclose(end[1], start[1]), "the ShardedEmbedding's table did not move"
