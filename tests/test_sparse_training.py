@@ -312,3 +312,64 @@ def test_dist_sync_two_workers_learn_what_keras_learns_at_the_global_batch(clust
         plain.train_on_batch(x, y)
     _assert_close(end, plain.get_weights())
     assert not np.allclose(end[1], start[1]), "the ShardedEmbedding's table did not move"
+
+
+# -- a table larger than a worker may hold ----------------------------------------------------------
+
+MIB = 1 << 20
+WORKER_LIMIT = 1024 * MIB  # a TensorFlow worker training a small model peaks near 750 MiB
+BIG_ROWS, BIG_DIM = 30_000_000, 16  # 1.9 GB of float32: the two servers hold it
+
+
+def _memory_cgroup(name: str, limit: int) -> Path | None:
+    """A cgroup v1 memory group inside this process's own, limited to `limit` bytes (swap too);
+    None where the machine has none this process may make."""
+    root = Path("/sys/fs/cgroup/memory")
+    try:
+        own = next(line.rstrip("\n").split(":", 2)[2] for line in open("/proc/self/cgroup")
+                   if line.split(":")[1] == "memory")
+        path = root / own.lstrip("/") / name
+        path.mkdir()
+    except (OSError, StopIteration):
+        return None
+    (path / "memory.limit_in_bytes").write_text(str(limit))
+    if (path / "memory.memsw.limit_in_bytes").exists():
+        (path / "memory.memsw.limit_in_bytes").write_text(str(limit))
+    return path
+
+
+def _in_cgroup(group: Path, argv: list[str]) -> list[str]:
+    """`argv` run as a member of `group` (it joins before it starts, so all it allocates counts)."""
+    return ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$0" "$@"', *argv]
+
+
+@pytest.mark.slow
+def test_a_worker_trains_a_table_larger_than_the_memory_it_may_use(cluster, tmp_path):
+    table_bytes = BIG_ROWS * BIG_DIM * 4
+    assert table_bytes > 1.5 * WORKER_LIMIT
+    group = _memory_cgroup(f"tfkv-sparse-{os.getpid()}", WORKER_LIMIT)
+    if group is None:
+        pytest.skip("no cgroup v1 memory controller this process may make a group in (/sys/fs/cgroup/memory, as root)")
+    try:
+        # The limit holds: a process of the group that makes the table itself is killed.
+        alloc = subprocess.run(_in_cgroup(group, [sys.executable, "-c", f"import numpy as np; "
+                                                  f"a = np.ones({table_bytes // 4}, np.float32); print(a.sum())"]),
+                               capture_output=True, timeout=120)
+        assert alloc.returncode in (-9, 137), (alloc.returncode, alloc.stderr[-500:])
+        c = cluster(num_servers=2, num_workers=1)
+        c.start_servers()
+        out = c.dir / "worker0.npz"
+        c.start("worker 0", "worker", _in_cgroup(group, [sys.executable, str(WORKER), "memory", str(out),
+                                                         str(BIG_ROWS), str(BIG_DIM), "30"]), TFKV_RANK_HINT="0")
+        _finished(c, 480)
+        peak = int((group / "memory.max_usage_in_bytes").read_text())
+    finally:
+        try:
+            group.rmdir()
+        except OSError:  # a process still in it: the cluster fixture kills it, the group stays empty behind
+            pass
+    with np.load(out) as f:
+        rss, losses, cache = int(f["peak_rss"]), f["losses"], int(f["cache_rows"])
+    assert cache == 256 * 3  # the worker's rows: one batch's
+    assert rss < WORKER_LIMIT and peak <= WORKER_LIMIT < table_bytes
+    assert losses[-5:].mean() < 0.8 * losses[:5].mean(), losses  # it learns
