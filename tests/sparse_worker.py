@@ -1,6 +1,7 @@
 """A worker of a real dist job training row-sparse tables (tests/test_sparse_training.py):
 `python sparse_worker.py MODE OUT.npz [args]`, its store `tfkv.store.create($TEST_KVSTORE)`.
 
+`ids_model` is the tfkv-run model of the tests (model._target_=sparse_worker.ids_model).
 exact: the model of `two_tables` (a row-sparse keras Embedding and a ShardedEmbedding) trained
   with SGD on slice `rank` of each global batch of `global_batches`; OUT holds the weights before
   and after (gathered from the servers), for the test to compare with plain Keras.
@@ -16,7 +17,20 @@ import numpy as np
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-ROWS, DIM, WIDTH, CLASSES, BATCH, STEPS = 150, 4, 3, 5, 8, 5  # BATCH per worker
+ROWS, DIM, WIDTH, CLASSES, BATCH, STEPS = 120, 4, 3, 5, 8, 5  # BATCH per worker
+
+
+def ids_model(input_shape, num_classes, rows=ROWS, dim=DIM, sharded=False, rows_per_batch=48):
+    """ids -> embedding (keras, or tfkv's ShardedEmbedding) -> flatten -> logits (a tfkv-run model)."""
+    import keras
+
+    from tfkv.layers import ShardedEmbedding
+
+    inp = keras.Input(tuple(input_shape), dtype="int32")
+    embed = (ShardedEmbedding(rows, dim, rows_per_batch, seed=3, name="embed") if sharded
+             else keras.layers.Embedding(rows, dim, name="embed"))
+    hidden = keras.layers.Dense(8, activation="tanh")(keras.layers.Flatten()(embed(inp)))
+    return keras.Model(inp, keras.layers.Dense(num_classes)(hidden))
 
 
 def two_tables(rows=ROWS, dim=DIM, rows_per_batch=2 * BATCH * WIDTH):

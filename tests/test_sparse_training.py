@@ -22,22 +22,14 @@ import pytest
 import tensorflow as tf
 from hydra import compose, initialize_config_dir
 
+from sparse_worker import CLASSES, DIM, ROWS, WIDTH, ids_model
+
 from tfkv import check, cli, optim, store
-from tfkv.layers import ShardedEmbedding
 from tfkv.parallel.data_parallel import DataParallel
 from tfkv.store.local import LocalStore
 
 RTOL, ATOL = 1e-5, 1e-6
-ROWS, DIM, WIDTH, CLASSES, BATCH, STEPS = 120, 4, 3, 5, 16, 6
-
-
-def ids_model(input_shape, num_classes, rows=ROWS, dim=DIM, sharded=False, rows_per_batch=BATCH * WIDTH):
-    """ids -> embedding (keras, or tfkv's ShardedEmbedding) -> flatten -> logits (a tfkv-run model)."""
-    inp = keras.Input(tuple(input_shape), dtype="int32")
-    embed = (ShardedEmbedding(rows, dim, rows_per_batch, seed=3, name="embed") if sharded
-             else keras.layers.Embedding(rows, dim, name="embed"))
-    hidden = keras.layers.Dense(8, activation="tanh")(keras.layers.Flatten()(embed(inp)))
-    return keras.Model(inp, keras.layers.Dense(num_classes)(hidden))
+BATCH, STEPS = 16, 6
 
 
 def _batches(steps=STEPS, batch=BATCH, seed=0):
@@ -200,19 +192,39 @@ def _data(root: Path) -> Path:
     return path
 
 
+def _args(root: Path) -> list[str]:
+    return ["model._target_=sparse_worker.ids_model", "~model.hidden", "~model.dropout", "dataset=npy",
+            f"dataset.npz={_data(root)}", f"dataset.num_classes={CLASSES}", f"batch_size={BATCH}", "progress=false"]
+
+
 def _run(root: Path, name: str, *overrides: str) -> tuple[dict, Path]:
     """tfkv's trainer in this process, as tfkv-run runs it."""
     from tfkv.trainer import train
 
-    args = ["model._target_=test_sparse_training.ids_model", "~model.hidden", "~model.dropout", "dataset=npy",
-            f"dataset.npz={_data(root)}", f"dataset.num_classes={CLASSES}", f"batch_size={BATCH}", "progress=false",
-            *overrides]
+    args = [*_args(root), *overrides]
     with initialize_config_dir(config_dir=cli.conf_dir(), version_base="1.3"):
         cfg = compose("config", overrides=args)
     check.validate(cfg)
     run_dir = root / name
     run_dir.mkdir(exist_ok=True)
     return train(cfg, run_dir, args, search_root=root), run_dir
+
+
+def _assert_plain_keras_evaluates(model: Path, data: Path, test_loss: float) -> None:
+    """model.keras, loaded by plain Keras (no tfkv on the path), holds a keras Embedding with the
+    whole table and gives tfkv's test loss."""
+    code = ("import json, sys, numpy as np, keras\n"
+            "m = keras.models.load_model(sys.argv[1])\n"
+            "e = m.get_layer('embed')\n"
+            "f = np.load(sys.argv[2])\n"
+            "loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(f['y_test'], m(f['x_test']))\n"
+            "print(json.dumps([type(e).__module__ + '.' + type(e).__name__, list(e.embeddings.shape), float(loss)]))\n")
+    out = subprocess.run([sys.executable, "-c", code, str(model), str(data)], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": ""}, cwd=data.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    cls, shape, loss = json.loads(out.stdout.strip().splitlines()[-1])
+    assert cls.startswith("keras.") and cls.endswith("Embedding") and shape == [ROWS, DIM]
+    assert loss == pytest.approx(test_loss, rel=1e-5)
 
 
 def _checkpoint_weights(ckpt: Path) -> list[np.ndarray]:
@@ -242,20 +254,7 @@ def test_tfkv_run_trains_checkpoints_resumes_and_exports_row_sparse(sharded, tmp
     for a, b in zip(_checkpoint_weights(resumed / "checkpoints" / "epoch-0002"),
                     _checkpoint_weights(straight / "checkpoints" / "epoch-0002"), strict=True):
         np.testing.assert_array_equal(a, b)
-    # model.keras: a plain keras Embedding with the whole table, evaluated as tfkv evaluates it
-    code = ("import json, sys, numpy as np, keras\n"
-            "m = keras.models.load_model(sys.argv[1])\n"
-            "e = m.get_layer('embed')\n"
-            "f = np.load(sys.argv[2])\n"
-            "loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(f['y_test'], m(f['x_test']))\n"
-            "print(json.dumps([type(e).__module__ + '.' + type(e).__name__, list(e.embeddings.shape), float(loss)]))\n")
-    out = subprocess.run([sys.executable, "-c", code, str(straight / "model.keras"), str(tmp_path / "ids.npz")],
-                         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ""},
-                         cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-2000:]
-    cls, shape, loss = json.loads(out.stdout.strip().splitlines()[-1])
-    assert cls.startswith("keras.") and cls.endswith("Embedding") and shape == [ROWS, DIM]
-    assert loss == pytest.approx(final["test_loss"], rel=1e-5)
+    _assert_plain_keras_evaluates(straight / "model.keras", tmp_path / "ids.npz", final["test_loss"])
     # eval_only of the last checkpoint: the same test loss, and the same model exported
     evaluated, ev_dir = _run(tmp_path, "eval", *model, "kvstore.row_sparse=true", "eval_only=true",
                              f"resume={straight / 'checkpoints' / 'epoch-0002'}")
@@ -373,3 +372,24 @@ def test_a_worker_trains_a_table_larger_than_the_memory_it_may_use(cluster, tmp_
     assert cache == 256 * 3  # the worker's rows: one batch's
     assert rss < WORKER_LIMIT and peak <= WORKER_LIMIT < table_bytes
     assert losses[-5:].mean() < 0.8 * losses[:5].mean(), losses  # it learns
+
+
+@pytest.mark.slow
+def test_tfkv_run_dist_sync_job_trains_a_sharded_table_and_exports_it_whole(tmp_path):
+    """tfkv-run with kvstore=dist_sync cluster=local: 2 workers, 2 servers holding the table by
+    rows; worker 0 checkpoints and exports the table gathered from the servers; eval_only of the
+    checkpoint, alone, gives the job's test loss."""
+    from conftest import REPO, tfkv_run
+
+    env = {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
+    job = [*_args(tmp_path), "+model.sharded=true", *ADAM, "kvstore=dist_sync", "cluster=local",
+           "cluster.num_workers=2", "cluster.num_servers=2"]
+    tfkv_run(*job, "epochs=2", "hydra.run.dir=run", cwd=tmp_path, env=env, timeout=600)
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["test_accuracy"] > 0.5
+    _assert_plain_keras_evaluates(tmp_path / "run" / "model.keras", tmp_path / "ids.npz", metrics["test_loss"])
+    weights = _checkpoint_weights(tmp_path / "run" / "checkpoints" / "epoch-0002")
+    assert weights[0].shape == (ROWS, DIM)
+    tfkv_run(*job, "eval_only=true", "resume=run", "hydra.run.dir=eval", cwd=tmp_path, env=env, timeout=300)
+    evaluated = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert evaluated["test_loss"] == pytest.approx(metrics["test_loss"], rel=1e-6)
