@@ -25,6 +25,7 @@ from hydra import compose, initialize_config_dir
 from sparse_worker import CLASSES, DIM, ROWS, WIDTH, ids_model
 
 from tfkv import check, cli, optim, store
+from tfkv.layers import ShardedEmbedding
 from tfkv.parallel.data_parallel import DataParallel
 from tfkv.store.local import LocalStore
 
@@ -144,6 +145,48 @@ def test_too_many_distinct_ids_for_the_cache_is_one_line(tf_devices):
         dp.step(x, y)
     text = str(e.value)
     assert "ShardedEmbedding 'embed'" in text and "rows_per_batch=4" in text and "\n" not in text
+
+
+class Subclassed(keras.Model):
+    """A subclassed model: no graph of layers for a probe, so rows are fetched at lookup time
+    (ShardedEmbedding) or taken back after the push (a Keras Embedding's whole table)."""
+
+    def __init__(self, sharded=False):
+        super().__init__()
+        self.embed = (ShardedEmbedding(ROWS, DIM, BATCH * WIDTH, seed=2, name="embed") if sharded
+                      else keras.layers.Embedding(ROWS, DIM, name="embed"))
+        self.flat, self.out = keras.layers.Flatten(), keras.layers.Dense(CLASSES)
+
+    def call(self, x):
+        return self.out(self.flat(self.embed(x)))
+
+
+def _subclassed(sharded=False):
+    model = Subclassed(sharded)
+    model(np.zeros((1, WIDTH), np.int32))  # built
+    return model
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["keras-embedding", "sharded"])
+def test_a_subclassed_model_fetches_rows_at_lookup_time_and_learns_what_keras_learns(sharded, tf_devices, caplog):
+    batches = _batches()
+    keras.utils.set_random_seed(5)
+    initial = _subclassed().get_weights()
+    with caplog.at_level("INFO", logger="tfkv"):
+        dp = DataParallel(lambda: _subclassed(sharded), tf_devices[:2], store.create("local", devices=tf_devices[:2]),
+                          SGD, [BATCH // 2] * 2, initial_weights=initial, row_sparse=True)
+    assert dp.sparse.probe is None
+    assert "fetched at lookup time" in caplog.text
+    for x, y in batches:
+        dp.step(x, y)
+    oracle = _subclassed()
+    oracle.set_weights(initial)
+    oracle.compile(optimizer=keras.optimizers.SGD(0.5),
+                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    for x, y in batches:
+        oracle.train_on_batch(x, y)
+    _assert_close(dp.get_weights(), oracle.get_weights())
+    assert not np.allclose(dp.get_weights()[0], initial[0])
 
 
 class RecordingLocalStore(LocalStore):
