@@ -104,6 +104,7 @@ class DistStore(KVStore):
     def __init__(self, devices: Sequence[str] | None = None, env: ClusterEnv | None = None):
         env = env or ClusterEnv.from_env()
         node.run_unless_worker(env)
+        RowPlacement(1, 1, env.row_sharding)  # an unknown kvstore.row_sharding refused before the job forms
         self.env = env
         memory.keep_freed_buffers()  # the same large buffers every step (tfkv.ps.memory)
         self._devices = list(devices or [])
