@@ -444,12 +444,13 @@ class DistStore(KVStore):
             rows = RowSparse(np.concatenate([np.asarray(g.data) for g in given]),
                              np.concatenate([g.indices for g in given]), table.shape).merged()
         data = np.ascontiguousarray(rows.data, np.float32).reshape(len(rows.indices), table.width)
-        for s, positions in enumerate(table.placement.split(rows.indices)):
-            if not len(positions) and not self.sync:
-                continue  # travels only to the servers that own rows of it
-            ids, part = rows.indices[positions], data[positions].reshape(-1)
-            self.push_bytes += ids.nbytes + part.nbytes
-            self.servers.push(s, P.Message(P.Type.PUSH, key=kid, rows=ids, data=part))
+        with self.servers.lock:  # one push's messages together, whichever thread pushes (a TensorFlow op's)
+            for s, positions in enumerate(table.placement.split(rows.indices)):
+                if not len(positions) and not self.sync:
+                    continue  # travels only to the servers that own rows of it
+                ids, part = rows.indices[positions], data[positions].reshape(-1)
+                self.push_bytes += ids.nbytes + part.nbytes
+                self.servers.push(s, P.Message(P.Type.PUSH, key=kid, rows=ids, data=part))
 
     def row_sparse_pull(self, key: Key | Sequence[Key], out: Any = None, priority: int | Sequence[int] = 0,
                         row_ids: Any = None) -> Any:
