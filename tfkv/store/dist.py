@@ -408,7 +408,7 @@ class DistStore(KVStore):
         else:
             given = RowSparse.of(value)
             sparse.check_table_dtype(k, np.asarray(given.data).dtype)
-            rows = sparse.check_rows(k, given, given.shape, what="init").merged()
+            rows = sparse.check_rows(k, given, given.shape, what="init")  # on every worker: the same refusals
             shape, spec = given.shape, {"init": "zeros", "scale": 0.0, "seed": 0}
         if len(shape) < 1 or shape[0] < 1:
             raise ValueError(f"init of key {k!r}: a table of shape {shape}; give (rows, *row_shape)")
@@ -422,6 +422,7 @@ class DistStore(KVStore):
                                   "sharding": placement.sharding, **spec}}
                 self.servers.request(s, P.Message(P.Type.INIT, key=kid, meta=meta))
             if rows is not None:
+                rows = rows.merged()
                 data = np.ascontiguousarray(rows.data, np.float32).reshape(len(rows.indices), width)
                 for s, positions in enumerate(placement.split(rows.indices)):
                     for chunk in row_chunks(len(positions), width, self.env.chunk_bytes):
