@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from tfkv import optim
+from tfkv.ps import channel
 from tfkv.ps import protocol as P
 from tfkv.ps.parts import RowPlacement, row_chunks
 from tfkv.ps.rows import BLOCK, Shard, merge
@@ -330,3 +331,18 @@ def test_every_row_sparse_fuzz_case_is_refused_with_an_error_and_the_server_serv
         assert [m.type for _, m in sent] == [P.Type.ERROR], (label, [m.meta for _, m in sent])
     assert set(srv.rounds.shards) == {fuzz_peer.TABLE_KEY} and not srv.rounds.open[fuzz_peer.TABLE_KEY].pushed
     assert not srv.rounds.shards[fuzz_peer.TABLE_KEY].value.any()
+
+
+def test_a_tampered_rows_frame_fails_authentication_and_nothing_is_parsed():
+    """An on-path change to a sealed row id (say, to aim a push at another row) is caught by the
+    tag before the protocol reads any frame."""
+    a, b = _pair()
+    frames = P.encode(_rows_msg(P.Type.PUSH, 1, 1, 4, [3, 5], np.ones(2 * W)))
+    (sealed,) = list(a.seal(frames))
+    forged = [bytes(f) for f in sealed]
+    rows_part = len(forged) - 2  # the envelope, then header, rows and payload each sealed
+    changed = bytearray(forged[rows_part])
+    changed[0] ^= 1
+    forged[rows_part] = bytes(changed)
+    with pytest.raises(channel.Refused, match="fails authentication"):
+        b.open(forged)
