@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from tfkv import optim
+from tfkv.ps import channel
 from tfkv.ps import protocol as P
 from tfkv.ps.parts import RowPlacement, row_chunks
 from tfkv.ps.rows import BLOCK, Shard, merge
@@ -304,3 +305,44 @@ def test_requests_that_do_not_fit_a_table_are_refused_naming_the_key_and_the_ser
     srv.serve(b"w", push([2], np.ones(W)))
     srv.serve(b"w", _rows_msg(P.Type.PULL, 9, 5, 4, [2]))
     assert sent[-1][1].data.tolist() == [np.float32(-0.1)] * W  # SGD's default lr 0.1
+
+
+def test_every_row_sparse_fuzz_case_is_refused_with_an_error_and_the_server_serves_on():
+    """tests/fuzz_peer.py's rows_cases (which a registered worker of a real job sends in
+    tests/ps/test_fuzz_registered.py), each through the server's own decoding and dispatch."""
+    import sys
+
+    from conftest import REPO
+
+    sys.path.insert(0, str(REPO / "tests"))
+    import fuzz_peer
+
+    srv = _server(2)
+    srv.rounds.updater = NumpyUpdater(optim.SGD(schedule=optim.Schedule(lr=1.0)))
+    size, sender = 4, 9
+    srv.rounds.values[0] = np.zeros(size, np.float32)
+    _init(srv, fuzz_peer.TABLE_KEY, fuzz_peer.table(size))
+    seqs = iter(range(100, 10_000))
+    cases = list(fuzz_peer.rows_cases(sender, lambda: next(seqs), 0, size))
+    assert len(cases) > 60
+    for label, frames in cases:
+        sent = _replies(srv)
+        srv.handle(b"w", frames)
+        assert [m.type for _, m in sent] == [P.Type.ERROR], (label, [m.meta for _, m in sent])
+    assert set(srv.rounds.shards) == {fuzz_peer.TABLE_KEY} and not srv.rounds.open[fuzz_peer.TABLE_KEY].pushed
+    assert not srv.rounds.shards[fuzz_peer.TABLE_KEY].value.any()
+
+
+def test_a_tampered_rows_frame_fails_authentication_and_nothing_is_parsed():
+    """An on-path change to a sealed row id (say, to aim a push at another row) is caught by the
+    tag before the protocol reads any frame."""
+    a, b = _pair()
+    frames = P.encode(_rows_msg(P.Type.PUSH, 1, 1, 4, [3, 5], np.ones(2 * W)))
+    (sealed,) = list(a.seal(frames))
+    forged = [bytes(f) for f in sealed]
+    rows_part = len(forged) - 2  # the envelope, then header, rows and payload each sealed
+    changed = bytearray(forged[rows_part])
+    changed[0] ^= 1
+    forged[rows_part] = bytes(changed)
+    with pytest.raises(channel.Refused, match="fails authentication"):
+        b.open(forged)

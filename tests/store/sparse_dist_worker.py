@@ -96,10 +96,22 @@ def wire(kv, out):
     json.dump({"steps": steps}, out)
 
 
-SCENARIOS = {f.__name__: f for f in (sgd, refusals, wire)}
+def contract(kv, out):
+    """H1's row-sparse contract (tests/store/sparse_contract.py) as this worker of the job."""
+    import sparse_contract  # tests/store, this script's directory
+
+    with tempfile.TemporaryDirectory() as d:
+        json.dump(sparse_contract.run(kv, int(os.environ.get("TEST_DEVICES", "2")), d), out)
+
+
+SCENARIOS = {f.__name__: f for f in (sgd, refusals, wire, contract)}
 
 if __name__ == "__main__":
     scenario, path = sys.argv[1], sys.argv[2]
+    if scenario == "contract":
+        # TensorFlow's import holds the GIL for seconds: done after joining the job it can starve the
+        # heartbeat thread past the tests' 3 s timeout (tests/dist_worker.py does the same)
+        import tensorflow  # noqa: F401
     store = tfkv.store.create(os.environ.get("TEST_KVSTORE", "dist_sync"))
     with open(path, "w") as f:
         SCENARIOS[scenario](store, f)

@@ -104,6 +104,9 @@ class Tables:
         self.probe = self._make_probe(replicas[0])
         if self.probe is None:
             self._fetch_at_lookup()
+        log.info("row-sparse tables in kvstore=%s: %s; %s", store.type, ", ".join(map(_described, tables)),
+                 "each batch's rows requested while the one before computes" if self.probe is not None
+                 else "rows fetched at lookup time")
 
     # -- what the trainer and DataParallel ask ----------------------------------------------------
 
@@ -260,6 +263,12 @@ class Tables:
             if t.sharded:
                 for c in t.copies:
                     c.fetch = _Fetcher(self.store, t)
+
+
+def _described(t: SparseTable) -> str:
+    where = (f"a batch's rows on the worker, at most {t.copies[0].rows_per_batch}" if t.sharded
+             else "whole on the worker")
+    return f"{t.name} {t.shape[0]}x{t.shape[1]} ({where})"
 
 
 class _Fetcher:

@@ -104,6 +104,7 @@ class DistStore(KVStore):
     def __init__(self, devices: Sequence[str] | None = None, env: ClusterEnv | None = None):
         env = env or ClusterEnv.from_env()
         node.run_unless_worker(env)
+        RowPlacement(1, 1, env.row_sharding)  # an unknown kvstore.row_sharding refused before the job forms
         self.env = env
         memory.keep_freed_buffers()  # the same large buffers every step (tfkv.ps.memory)
         self._devices = list(devices or [])
@@ -398,8 +399,8 @@ class DistStore(KVStore):
     def _init_table(self, k: Key, value: Any) -> None:
         """Make `k` a table on every server: each server makes its shard from the description
         (a Table's init, or zeros), then a RowSparse's rows are sent in chunks to their owners."""
-        kid = self._id(k)
-        if kid in self._layouts or kid in self._tables:
+        self._check_key(k)
+        if k in self._ids:
             raise ValueError(f"key {k!r} is already initialised")
         if isinstance(value, Table):
             shape, rows, spec = value.shape, None, {"init": value.init, "scale": float(value.scale),
@@ -407,12 +408,13 @@ class DistStore(KVStore):
         else:
             given = RowSparse.of(value)
             sparse.check_table_dtype(k, np.asarray(given.data).dtype)
-            rows = sparse.check_rows(k, given, given.shape, what="init").merged()
+            rows = sparse.check_rows(k, given, given.shape, what="init")  # on every worker: the same refusals
             shape, spec = given.shape, {"init": "zeros", "scale": 0.0, "seed": 0}
         if len(shape) < 1 or shape[0] < 1:
             raise ValueError(f"init of key {k!r}: a table of shape {shape}; give (rows, *row_shape)")
         width = int(np.prod(shape[1:], dtype=np.int64))
         placement = RowPlacement(shape[0], self.servers.count, self.env.row_sharding)
+        kid = self._id(k)  # once the value was found good: a refused init leaves no key behind
         self._tables[kid] = TableKey(tuple(shape), width, placement)
         if self.rank == 0:  # worker 0's value wins; the others wait at the barrier
             for s in range(self.servers.count):
@@ -420,6 +422,7 @@ class DistStore(KVStore):
                                   "sharding": placement.sharding, **spec}}
                 self.servers.request(s, P.Message(P.Type.INIT, key=kid, meta=meta))
             if rows is not None:
+                rows = rows.merged()
                 data = np.ascontiguousarray(rows.data, np.float32).reshape(len(rows.indices), width)
                 for s, positions in enumerate(placement.split(rows.indices)):
                     for chunk in row_chunks(len(positions), width, self.env.chunk_bytes):
@@ -442,12 +445,13 @@ class DistStore(KVStore):
             rows = RowSparse(np.concatenate([np.asarray(g.data) for g in given]),
                              np.concatenate([g.indices for g in given]), table.shape).merged()
         data = np.ascontiguousarray(rows.data, np.float32).reshape(len(rows.indices), table.width)
-        for s, positions in enumerate(table.placement.split(rows.indices)):
-            if not len(positions) and not self.sync:
-                continue  # travels only to the servers that own rows of it
-            ids, part = rows.indices[positions], data[positions].reshape(-1)
-            self.push_bytes += ids.nbytes + part.nbytes
-            self.servers.push(s, P.Message(P.Type.PUSH, key=kid, rows=ids, data=part))
+        with self.servers.lock:  # one push's messages together, whichever thread pushes (a TensorFlow op's)
+            for s, positions in enumerate(table.placement.split(rows.indices)):
+                if not len(positions) and not self.sync:
+                    continue  # travels only to the servers that own rows of it
+                ids, part = rows.indices[positions], data[positions].reshape(-1)
+                self.push_bytes += ids.nbytes + part.nbytes
+                self.servers.push(s, P.Message(P.Type.PUSH, key=kid, rows=ids, data=part))
 
     def row_sparse_pull(self, key: Key | Sequence[Key], out: Any = None, priority: int | Sequence[int] = 0,
                         row_ids: Any = None) -> Any:
@@ -526,6 +530,10 @@ class DistStore(KVStore):
         if self._sender is not None:
             self._sender.momentum = momentum
         self._user_optimizer, self._optimizer = optimizer, served
+        if self.num_workers > 1:
+            # Every worker's requests so far are served by the optimizer they were made under:
+            # worker 0 must not swap it while another still pushes or reads its state.
+            self.barrier()
         if self.rank == 0:
             spec = {"optimizer": optim.to_dict(served)}
             for s in range(self.servers.count):

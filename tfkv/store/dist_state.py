@@ -35,7 +35,9 @@ def save(store: Any, fname: str) -> None:
             tables.append((k, table, [(rows, store.servers.request(s, P.Message(P.Type.GET_STATE, key=kid, rows=rows)))
                                       for s, rows in _shards(store, table, state_names)]))
             continue
-        layout = store._layouts[kid]
+        layout = store._layouts.get(kid)
+        if layout is None:  # an id given to a key whose init was refused
+            continue
         requests.append((k, layout, [store.servers.request(part.server, P.Message(P.Type.GET_STATE, key=part.skey))
                                      for part in layout.parts]))
     store.servers.settle()
@@ -54,6 +56,9 @@ def save(store: Any, fname: str) -> None:
         count = 0
         for rows, seq in chunks:
             reply = store.servers.take(seq)
+            if reply.meta["names"] != state_names:
+                raise RuntimeError(f"optimizer state of key {k!r}: the servers run an optimizer with states "
+                                   f"{reply.meta['names']}, this worker set one with {state_names}")
             # dist_async: a server counts the pushes that reached it (the most: the key's pushes)
             count = max(count, reply.meta["count"])
             for j, state in enumerate(np.split(reply.data, len(state_names)) if state_names else []):
@@ -85,7 +90,9 @@ def load(store: Any, fname: str) -> None:
                     store.servers.request(s, P.Message(P.Type.SET_STATE, key=kid, rows=rows, data=data,
                                                        meta={"count": count, "names": names}))
                 continue
-            layout = store._layouts[kid]
+            layout = store._layouts.get(kid)
+            if layout is None:
+                continue
             for part in layout.parts:
                 data = (np.concatenate([states[f"{k}/{n}"].reshape(-1)[part.start:part.end] for n in names])
                         if names else None)
