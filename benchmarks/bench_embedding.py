@@ -13,7 +13,8 @@ with plain SGD (lr `--lr`, lazy: only the rows a batch touched change), 2 worker
            table a tfkv.layers.ShardedEmbedding: the rows live on the servers, sharded by range;
            a worker pulls the rows of its next batch while the current one computes (the trainer's
            prefetch) and pushes the rows it touched. Bytes per step: the store's push_bytes +
-           pull_bytes counters (payload), per worker, over the timed steps.
+           pull_bytes counters (payload), per worker, over the timed steps. The workers' dense
+           weights must agree at the end (a job that stopped synchronising fails).
     PSS    tf.distribute.ParameterServerStrategy: a chief (the ClusterCoordinator) schedules steps
            on 2 worker tasks against 2 ps tasks (TF_CONFIG, gRPC, in subprocesses on 127.0.0.1);
            built inside strategy.scope() with variable_partitioner=MinSizePartitioner (the tables
@@ -58,7 +59,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import cluster_jobs  # noqa: E402 - how jobs run on the emulated hosts
 import record  # noqa: E402 - benchmarks/record.py
 from bench_dist_training import run_pss_server  # noqa: E402 - a TF server until the chief is done
-from dist_job import CALIBRATION_STEPS, WARMUP_STEPS, Failed, measure, run_plan, security_env  # noqa: E402
+from dist_job import (CALIBRATION_STEPS, WARMUP_STEPS, Failed, check_agreement, measure, run_plan,  # noqa: E402
+                      security_env, weights_checksum)
 
 WORKERS, SERVERS = 2, 2
 BOTTOM, TOP = [64], [64, 32]
@@ -267,7 +269,8 @@ def run_tfkv(args: argparse.Namespace) -> None:
         out = {"steps": n, "seconds": elapsed, "samples": n * args.batch * kv.num_workers,
                "loss": dp.take_metrics()[0]["loss"], "bytes_per_step": moved / n,
                "bytes_measured": hasattr(kv, "pull_bytes"), "peak_rss_mib": peak_rss_mib(),
-               "ms_per_step": {k: 1000 * v / n for k, v in dp.timings.items() if k != "steps"}}
+               "ms_per_step": {k: 1000 * v / n for k, v in dp.timings.items() if k != "steps"},
+               "checksum": weights_checksum(dp.params[0])}  # the dense weights: every worker's alike
         Path(args.out, f"tfkv-{rank}.json").write_text(json.dumps(out))
     except BaseException:
         kv.abort("bench_embedding worker failed")
@@ -295,8 +298,7 @@ def job_tfkv(args: argparse.Namespace, tmp: str, secure: bool = True, cluster: A
 def collect_tfkv(tmp: str, peaks: dict[str, float]) -> dict[str, Any]:
     """The job's figures: samples/s over the slowest worker's time, bytes per step per worker."""
     reports = [json.loads(Path(tmp, f"tfkv-{r}.json").read_text()) for r in range(WORKERS)]
-    if len({r["steps"] for r in reports}) != 1:
-        raise Failed("tfkv: the workers ran different step counts")
+    check_agreement(reports, "tfkv")  # same steps, same dense weights, a finite loss
     for r, rep in enumerate(reports):
         peaks[f"worker {r}"] = max(peaks.get(f"worker {r}", 0.0), rep["peak_rss_mib"])
     return {"steps": reports[0]["steps"], "seconds": max(r["seconds"] for r in reports),
