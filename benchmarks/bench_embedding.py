@@ -29,7 +29,7 @@ with plain SGD (lr `--lr`, lazy: only the rows a batch touched change), 2 worker
 Peak memory: each process's VmHWM (/proc/<pid>/status), polled by this script every 50 ms
 (workers and the chief also report their own at the end); the table itself is `table_bytes`.
 
-    python benchmarks/bench_embedding.py [--tables 10000000,100000] [--dim 64] [--batch 2048]
+    python benchmarks/bench_embedding.py [--tables 10000000,100000] [--dim 64] [--batch 4096]
         [--seconds 10] [--trials 1] [--contenders tfkv,pss,tfkv_plain] [--emulate 10gbit --cpus 0.9] [--json OUT]
 
 Where: on loopback (127.0.0.1, every process on this machine), or with --emulate LINK on an
@@ -425,8 +425,8 @@ def main() -> None:
     ap.add_argument("--tables", default="10000000,100000",
                     help="rows of each categorical feature's table, comma-separated (the first: >= 10M for the claim)")
     ap.add_argument("--dim", type=int, default=64, help="embedding width (float32; 64: a 10M-row table of 2.4 GiB, three times a TensorFlow process)")
-    ap.add_argument("--batch", type=int, default=2048, help="examples per worker step")
-    ap.add_argument("--pool", type=int, default=32, help="distinct batches per worker in the data pool")
+    ap.add_argument("--batch", type=int, default=4096, help="examples per worker step (DLRM trains on large batches)")
+    ap.add_argument("--pool", type=int, default=16, help="distinct batches per worker in the data pool")
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--seconds", type=float, default=10.0, help="timed steps per contender and trial")
     ap.add_argument("--trials", type=int, default=1)
