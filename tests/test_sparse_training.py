@@ -190,7 +190,11 @@ def test_a_subclassed_model_fetches_rows_at_lookup_time_and_learns_what_keras_le
 
 
 class RecordingLocalStore(LocalStore):
-    """The real local store, recording the order of pushes and row requests of the table key."""
+    """The real local store driven as the parameter-server client is (between the compiled
+    halves of the step, not traced into it), recording the order of its pushes and row requests
+    of the table key."""
+
+    traceable = False
 
     def __init__(self, devices=None):
         super().__init__(devices)
