@@ -330,6 +330,20 @@ def _finished(c, timeout):
 
 
 @pytest.mark.slow
+def test_dist_async_workers_train_the_tables_with_rows_requested_before_each_batch(cluster):
+    """dist_async: each worker asks for the next batch's rows before this batch computes (no
+    round to wait for); both train, the servers' tables move and stay finite."""
+    c = cluster(num_servers=2, num_workers=2, TEST_KVSTORE="dist_async")
+    c.start_servers()
+    outs = _start_workers(c, "exact")
+    _finished(c, 300)
+    for out in outs:
+        with np.load(out) as f:
+            start, end = f["start1"], f["end1"]
+        assert np.isfinite(end).all() and not np.allclose(start, end)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["range", "hash"])
 def test_dist_sync_two_workers_learn_what_keras_learns_at_the_global_batch(cluster, sharding):
     """Worker r takes rows r::2 of each global batch; the servers sum both workers' rows before
