@@ -136,6 +136,19 @@ def test_sharded_embedding_keeps_only_a_batch_of_rows_and_learns_what_keras_lear
     assert dp.evaluate([(x, y)])["loss"] == pytest.approx(keras_loss, rel=1e-5)
 
 
+def test_sharded_embedding_without_a_store_is_a_keras_embedding_and_round_trips(tmp_path):
+    model = ids_model((WIDTH,), CLASSES, sharded=True)
+    layer = model.get_layer("embed")
+    assert isinstance(layer, keras.layers.Embedding) and not layer.holds_rows
+    assert tuple(layer.embeddings.shape) == (ROWS, DIM)  # the whole table, as plain Keras has it
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    again = loaded.get_layer("embed")
+    assert type(again) is ShardedEmbedding and again.rows_per_batch == layer.rows_per_batch
+    x = _batches(steps=1)[0][0]
+    np.testing.assert_allclose(loaded(x), model(x), rtol=1e-6)
+
+
 def test_too_many_distinct_ids_for_the_cache_is_one_line(tf_devices):
     keras.utils.set_random_seed(7)
     dp = DataParallel(lambda: ids_model((WIDTH,), CLASSES, sharded=True, rows_per_batch=4), tf_devices[:1],
@@ -454,3 +467,9 @@ def test_tfkv_run_dist_sync_job_trains_a_sharded_table_and_exports_it_whole(tmp_
     tfkv_run(*job, "eval_only=true", "resume=run", "hydra.run.dir=eval", cwd=tmp_path, env=env, timeout=300)
     evaluated = json.loads((tmp_path / "eval" / "metrics.json").read_text())
     assert evaluated["test_loss"] == pytest.approx(metrics["test_loss"], rel=1e-6)
+    # the job resumed from epoch 1 (the table's rows and Adam's per-row state back on the servers)
+    # ends where the uninterrupted one did, to the round-off of the servers' sums
+    tfkv_run(*job, "epochs=2", f"resume={tmp_path / 'run' / 'checkpoints' / 'epoch-0001'}", "hydra.run.dir=resumed",
+             cwd=tmp_path, env=env, timeout=600)
+    for a, b in zip(_checkpoint_weights(tmp_path / "resumed" / "checkpoints" / "epoch-0002"), weights, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
