@@ -473,3 +473,18 @@ def test_tfkv_run_dist_sync_job_trains_a_sharded_table_and_exports_it_whole(tmp_
              cwd=tmp_path, env=env, timeout=600)
     for a, b in zip(_checkpoint_weights(tmp_path / "resumed" / "checkpoints" / "epoch-0002"), weights, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_resume_refuses_a_checkpoint_of_the_other_row_sparse_setting_in_one_line(tmp_path):
+    """The tables' keys come after the dense ones with row_sparse: the optimizer states of the
+    two settings do not fit each other. A checkpoint from before the setting existed is dense."""
+    from tfkv.checkpoint.resume import check_fits
+    from tfkv.errors import ConfigError
+
+    ours = {"model": {"_target_": "m"}, "optimizer": {"name": "sgd"}, "kvstore": {"row_sparse": False}}
+    (tmp_path / "config.yaml").write_text("model: {_target_: m}\noptimizer: {name: sgd}\nkvstore: {row_sparse: true}\n")
+    with pytest.raises(ConfigError) as e:
+        check_fits(tmp_path, ours)
+    assert "kvstore.row_sparse is True in the checkpoint, False here" in str(e.value) and "\n" not in str(e.value)
+    (tmp_path / "config.yaml").write_text("model: {_target_: m}\noptimizer: {name: sgd}\nkvstore: {type: local}\n")
+    check_fits(tmp_path, ours)
