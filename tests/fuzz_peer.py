@@ -27,9 +27,10 @@ from dist_worker import answer  # noqa: E402  (tests/ is this script's directory
 T = P.Type
 
 
-def frames(type_, sender, seq, meta=None, data=None, key=0, reply=False, raw_meta=None):
+def frames(type_, sender, seq, meta=None, data=None, key=0, reply=False, raw_meta=None, rows=None):
     out = [bytes(f) for f in P.encode(P.Message(type_, sender=sender, seq=seq, key=key, data=data, reply=reply,
-                                                meta={} if raw_meta is not None else meta))]
+                                                meta={} if raw_meta is not None else meta,
+                                                rows=None if rows is None else np.asarray(rows, np.int64)))]
     if raw_meta is not None:
         out[1] = raw_meta
     return out
@@ -177,6 +178,81 @@ def server_cases(sender, next_seq, key, size):
             yield f"{name} {type_.name} one byte short", [header, *body, b"\0" * (2 * size - 1)]
             if type_ in (T.SET_STATE, T.PUSHPULL):
                 yield f"{name} {type_.name}", [header, *body, b"\0" * (2 * size)]
+    yield from rows_cases(sender, next_seq, key, size)
+
+
+TABLE_KEY = 1 << 39  # a row-sparse key the fuzzing worker makes on the server; no worker pushes it
+TABLE_ROWS = 8
+
+
+def table(size):
+    return {"rows": TABLE_ROWS, "width": size, "shard": 0, "shards": 1, "sharding": "range", "init": "zeros",
+            "scale": 0.0, "seed": 0}
+
+
+def table_init(sender, seq, size):
+    """The INIT that makes TABLE_KEY (valid: the server acknowledges it)."""
+    return frames(T.INIT, sender, seq, {"table": table(size)}, key=TABLE_KEY)
+
+
+def rows_cases(sender, next_seq, key, size):
+    """Row-sparse requests (the rows frame) that no server may serve: to the dense `key`, to
+    TABLE_KEY with ids, values or descriptions that do not fit it, and rows frames that lie."""
+    ones = np.ones(size, np.float32)
+    t = table(size)
+
+    def rows(type_, ids, data=None, meta=None, k=TABLE_KEY):
+        return frames(type_, sender, next_seq(), meta, data, key=k, rows=ids)
+
+    yield "rows PUSH to a dense key", rows(T.PUSH, [0], ones, k=key)
+    yield "rows PULL of a dense key", rows(T.PULL, [0], k=key)
+    yield "rows PUSH, row id out of range", rows(T.PUSH, [TABLE_ROWS], ones)
+    yield "rows PUSH, negative row id", rows(T.PUSH, [1, -1], np.ones(2 * size, np.float32))
+    yield "rows PULL, row id 2**62", rows(T.PULL, [0, 1 << 62])
+    yield "rows PUSH, two rows of values for one id", rows(T.PUSH, [0], np.ones(2 * size, np.float32))
+    yield "rows PUSH, rows too narrow", rows(T.PUSH, [0, 1], np.ones(2 * size - 2, np.float32))
+    yield "rows PUSH without values", rows(T.PUSH, [0])
+    yield "rows PULL of an unknown key", rows(T.PULL, [0], k=TABLE_KEY + 7)
+    yield "dense PULL of a table", frames(T.PULL, sender, next_seq(), key=TABLE_KEY)
+    yield "dense PUSH to a table", frames(T.PUSH, sender, next_seq(), data=np.ones(TABLE_ROWS * size, np.float32),
+                                          key=TABLE_KEY)
+    yield "one-key PUSHPULL of a table", frames(T.PUSHPULL, sender, next_seq(), key=TABLE_KEY,
+                                                data=np.ones(TABLE_ROWS * size, np.float32))
+    yield "GET_STATE of a table without rows", frames(T.GET_STATE, sender, next_seq(), key=TABLE_KEY)
+    yield "GET_STATE of rows out of range", rows(T.GET_STATE, [TABLE_ROWS])
+    yield "SET_STATE of rows with other names", rows(T.SET_STATE, [0], ones, {"names": ["mean"], "count": 1})
+    yield "INIT of rows out of range", rows(T.INIT, [TABLE_ROWS], ones)
+    yield "INIT of rows to a dense key", rows(T.INIT, [0], ones, k=key)
+    yield "INIT of a table with values but no rows", frames(T.INIT, sender, next_seq(), {"table": t}, ones,
+                                                            key=TABLE_KEY)
+    yield "INIT of a table of another shape", frames(T.INIT, sender, next_seq(), {"table": {**t, "rows": 9}},
+                                                     key=TABLE_KEY)
+    yield "INIT of a table over a dense key", frames(T.INIT, sender, next_seq(), {"table": t}, key=key)
+    yield "INIT of a table larger than memory", frames(T.INIT, sender, next_seq(), {"table": {
+        **t, "rows": 1 << 40, "width": 1 << 20}}, key=TABLE_KEY + 1)
+    yield "INIT of a table's shard 1 of 1", frames(T.INIT, sender, next_seq(), {"table": {**t, "shard": 1}},
+                                                   key=TABLE_KEY + 1)
+    yield "INIT of nothing", frames(T.INIT, sender, next_seq(), key=TABLE_KEY + 1)
+    for path, meta in mutations(t):
+        yield f"INIT table {path}", frames(T.INIT, sender, next_seq(), {"table": meta}, key=TABLE_KEY + 1)
+    for name in t:
+        yield f"INIT table without {name}", frames(T.INIT, sender, next_seq(),
+                                                   {"table": {k: v for k, v in t.items() if k != name}},
+                                                   key=TABLE_KEY + 1)
+
+    def head(type_, flags, count=0, dtype=P.DType.NONE):
+        return P.HEADER.pack(P.MAGIC, P.VERSION, int(type_), flags, int(dtype), sender, next_seq(), TABLE_KEY, count)
+
+    rd = P.FLAG_ROWS | P.FLAG_DATA
+    yield "rows frame of 12 bytes", [head(T.PULL, P.FLAG_ROWS), b"\0" * 12]
+    yield "rows frame missing", [head(T.PULL, P.FLAG_ROWS)]
+    yield "values not a whole number of rows", [head(T.PUSH, rd, 3, P.DType.FLOAT32), b"\0" * 16, b"\0" * 12]
+    yield "values for no rows", [head(T.PUSH, rd, 1, P.DType.FLOAT32), b"", b"\0" * 4]
+    yield "half-precision rows", [head(T.PUSH, rd, size, P.DType.FLOAT16), b"\0" * 8, b"\0" * 2 * size]
+    yield "2-bit rows", [head(T.PUSH, rd, 16, P.DType.TWOBIT), b"\0" * 8, b"\0" * 4]
+    yield "rows on a PING", [head(T.PING, P.FLAG_ROWS), b"\0" * 8]
+    yield "rows on a PUSHPULL", [head(T.PUSHPULL, rd, size, P.DType.FLOAT32), b"\0" * 8, b"\0" * 4 * size]
+    yield "rows on a reply", [head(T.PULL, P.FLAG_ROWS | P.FLAG_REPLY), b"\0" * 8]
 
 
 def scheduler_cases(sender):
@@ -212,6 +288,10 @@ def worker(out_path, steps, nkeys, size):
     sent_to_scheduler = fuzz_scheduler(kv.link)
     kid = kv._layout(0)[0]
     server = kv._layout(0)[1].parts[0][0]
+    with kv.servers.lock:  # a table no worker pushes, for rows_cases to aim at (a valid request, acknowledged)
+        kv.servers.transport.put(server, table_init(kv.link.id, next(kv.servers.seq), size))
+        made = answer(kv, server, 10_000)
+        assert made is not None and P.decode(made).type == T.ACK, made
     cases = list(server_cases(kv.link.id, lambda: next(kv.servers.seq), kid, size))
     per_step = -(-len(cases) // steps)
     not_refused, answered = [], 0

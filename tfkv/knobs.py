@@ -81,6 +81,9 @@ KNOBS: tuple[Knob, ...] = (
          "milliseconds before an unanswered request is resent (with resend)", unit=1000),
     Knob(("TFKV_CHUNK_BYTES",), "kvstore.chunk_bytes", int, 16 << 20,
          "the largest message a worker sends for one key (a larger part is cut into chunks)", least=4),
+    Knob(("TFKV_ROW_SHARDING",), "kvstore.row_sharding", str, "range",
+         "row-sparse keys: how a table's rows are spread over the servers: range (server s holds rows "
+         "[s*N/S, (s+1)*N/S)) or hash (row r on server r % S)"),
     Knob(("TFKV_FUSION_BYTES",), "kvstore.fusion_bytes", int, 512 << 10,
          "requests (and replies) to one server are held and sent together until this many payload "
          "bytes are queued or the node waits; 0 sends each at once", least=0),

@@ -17,7 +17,8 @@ WIRING = {"DMLC_ROLE": "server", "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_
           "DMLC_NUM_WORKER": "2", "TFKV_SECURE": "0"}
 # What the parameter server's modules read of a role's ClusterEnv: the names stay.
 READ = {"interface", "bigarray_bound", "verbose", "resend", "resend_timeout", "heartbeat_interval", "heartbeat_timeout",
-        "request_timeout", "start_timeout", "max_message_bytes", "reduction_nthreads", "chunk_bytes", "fusion_bytes"}
+        "request_timeout", "start_timeout", "max_message_bytes", "reduction_nthreads", "chunk_bytes", "fusion_bytes",
+        "row_sharding"}
 
 
 def test_every_runtime_knob_is_one_attribute_from_its_row():

@@ -312,7 +312,7 @@ def test_several_messages_travel_in_one_zeromq_message_and_split_back():
 
 def test_a_node_of_protocol_version_1_is_refused_by_name():
     v1 = P.HEADER.pack(P.MAGIC, 1, int(P.Type.PUSH), P.FLAG_DATA, int(P.DType.FLOAT32), 1, 1, 0, 1 << 18)
-    with pytest.raises(P.ProtocolError, match="protocol version 1, this node speaks 2: every node of a job"):
+    with pytest.raises(P.ProtocolError, match="protocol version 1, this node speaks 3: every node of a job"):
         P.decode([v1, b"\0" * (1 << 20)])
 
 

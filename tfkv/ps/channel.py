@@ -34,7 +34,7 @@ import numpy as np
 from tfkv.errors import TfkvError
 from tfkv.ps import aead
 from tfkv.ps.aead import Cipher, InvalidTag
-from tfkv.ps.protocol import FLAG_DATA, FLAG_META, HEADER, MAGIC as _MAGIC
+from tfkv.ps.protocol import FLAG_DATA, HEADER, MAGIC as _MAGIC, frames_of
 
 log = logging.getLogger("tfkv.ps")
 
@@ -109,7 +109,7 @@ class _Partial:
         if frame != self.head_at:
             return
         flags = plain[4] if len(plain) == HEADER.size else 0  # a bad header: decode refuses the message
-        count = 1 + bool(flags & FLAG_META) + bool(flags & FLAG_DATA)
+        count = frames_of(flags)  # the payload, if any, is the message's last frame
         self.head, self.head_at = plain, frame + count
         self.payload_at = frame + count - 1 if flags & FLAG_DATA else -1
 

@@ -4,6 +4,10 @@ A key lives on one server, picked as MXNet does (`key * 9973 % num_servers`), un
 more than the big-array bound, in which case it is cut into one contiguous part per server; a
 part over the chunk size is cut into chunks, each its own key on its server (`plan`). A `Pull`
 collects a key's parts as their replies arrive and writes the value where the caller asked.
+
+A row-sparse key (a table) is placed by rows instead (`RowPlacement`): every server holds a
+shard of its rows, by `range` (server s the rows [s*N//S, (s+1)*N//S)) or by `hash` (row r on
+server r % S, its local row r // S); the knob kvstore.row_sharding (TFKV_ROW_SHARDING) picks.
 """
 
 from __future__ import annotations
@@ -136,3 +140,75 @@ def plan(kid: int, shape: tuple[int, ...], servers: int, bigarray_bound: int, ch
             lo, hi = a + j * (b - a) // pieces, a + (j + 1) * (b - a) // pieces
             parts.append(Part(server, lo, hi, kid + (len(parts) << CHUNK_SHIFT)))
     return Layout(shape, size, parts, dtype)
+
+
+SHARDINGS = ("range", "hash")
+
+
+@dataclass(frozen=True)
+class RowPlacement:
+    """Where each row of a row-sparse key of `rows` rows lives over `servers` servers, and its
+    row on that server (its local row): the worker cuts requests by it, a server maps the
+    global ids it is sent to its shard's rows by it."""
+
+    rows: int
+    servers: int
+    sharding: str = "range"
+
+    def __post_init__(self) -> None:
+        if self.sharding not in SHARDINGS:
+            raise ValueError(f"kvstore.row_sharding (TFKV_ROW_SHARDING) is {self.sharding!r}: use range or hash")
+        if self.rows < 1 or self.servers < 1:
+            raise ValueError(f"a row-sparse key of {self.rows} rows over {self.servers} servers")
+
+    def start(self, server: int) -> int:
+        """range: the first global row of `server`'s shard."""
+        return server * self.rows // self.servers
+
+    def shard_rows(self, server: int) -> int:
+        """How many rows `server` holds."""
+        if self.sharding == "hash":
+            return max(0, (self.rows - server + self.servers - 1) // self.servers)
+        return self.start(server + 1) - self.start(server)
+
+    def server_of(self, ids: np.ndarray) -> np.ndarray:
+        """The server of each of `ids` (valid global rows)."""
+        if self.sharding == "hash":
+            return ids % self.servers
+        # the last server whose range starts at or before each id (empty ranges share a start)
+        starts = np.array([self.start(s) for s in range(self.servers)], np.int64)
+        return np.searchsorted(starts, ids, side="right") - 1
+
+    def local(self, server: int, ids: np.ndarray) -> np.ndarray:
+        """The local rows of `ids` on `server`; ValueError unless every one is a row of its shard."""
+        ids = np.asarray(ids, np.int64)
+        if self.sharding == "hash":
+            local, wrong = ids // self.servers, (ids < 0) | (ids >= self.rows) | (ids % self.servers != server)
+        else:
+            local = ids - self.start(server)
+            wrong = (local < 0) | (local >= self.shard_rows(server))
+        if wrong.any():
+            bad = int(ids[np.argmax(wrong)])
+            raise ValueError(f"row id {bad} is not a row of shard {server} of a table of {self.rows} rows")
+        return local
+
+    def global_ids(self, server: int, local: np.ndarray) -> np.ndarray:
+        """The global rows of `server`'s local rows."""
+        local = np.asarray(local, np.int64)
+        return local * self.servers + server if self.sharding == "hash" else local + self.start(server)
+
+    def split(self, ids: np.ndarray) -> list[np.ndarray]:
+        """For each server, the positions in `ids` of the rows it holds (in the order of `ids`)."""
+        servers = self.server_of(np.asarray(ids, np.int64))
+        if self.servers == 1:
+            return [np.arange(len(servers))]
+        order = np.argsort(servers, kind="stable")
+        bounds = np.searchsorted(servers[order], np.arange(self.servers + 1))
+        return [order[bounds[s]:bounds[s + 1]] for s in range(self.servers)]
+
+
+def row_chunks(n: int, width: int, chunk_bytes: int, per_row: int = 1) -> list[slice]:
+    """Slices of n rows of `width` float32 values (times `per_row` arrays, an optimizer's states)
+    that each fit in chunk_bytes (at least one row each)."""
+    step = max(1, chunk_bytes // max(1, width * 4 * per_row))
+    return [slice(a, min(n, a + step)) for a in range(0, n, step)]

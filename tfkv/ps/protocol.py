@@ -2,14 +2,18 @@
 
     frame 0   header, 28 bytes, little-endian (HEADER below)
     frame 1   JSON object, only if FLAG_META is set (control messages; at most MAX_META bytes)
-    frame 2   payload, only if FLAG_DATA is set: one frame, sent from the numpy buffer without
+    frame 2   row ids, only if FLAG_ROWS is set: int64 little-endian, the global rows of a row-sparse
+              key a request names (INIT, PUSH, PULL, GET_STATE, SET_STATE; possibly none: a
+              synchronous job's empty push); its payload holds one row of values per id, in order
+    frame 3   payload, only if FLAG_DATA is set: one frame, sent from the numpy buffer without
               a copy and received without a copy (the array views the received frame). dtype
               FLOAT32: `count` float32 values (count*4 bytes); FLOAT16 and BFLOAT16: `count`
               half-precision values (count*2 bytes: a half key's push, pull and init; see
               tfkv.ps.dtypes); TWOBIT: `count` values 2-bit compressed (tfkv.ps.compression),
               ceil(count/16) uint32 words, so a push of n gradients is 16x smaller on the wire
 
-A ZeroMQ message may carry several protocol messages back to back (`split`): a node sends what it
+Frames present follow one another in this order (`frames_of` counts them from the flags; the
+payload is always the last). A ZeroMQ message may carry several protocol messages back to back (`split`): a node sends what it
 has ready for one peer together. A payload is one frame however large (a worker cuts a key's
 part into messages of at most TFKV_CHUNK_BYTES, 16 MiB): version 1 cut it into frames of 1 MiB,
 which both ends joined with a copy into a fresh array. What a peer can make a node buffer is bounded per socket instead
@@ -24,7 +28,7 @@ Nothing received is unpickled or evaluated: the header is unpacked with `struct`
 parsed by `json` and checked against its message type's schema (`tfkv.ps.schema`), payloads
 are viewed by `numpy.frombuffer`. Every field is checked; a message that does not fit raises
 `ProtocolError` and the receiver answers with an error or drops it. A node of another protocol
-version (1: payloads in 1 MiB frames) is refused by name.
+version (1: payloads in 1 MiB frames; 2: no rows frame) is refused by name.
 This module imports neither TensorFlow nor anything heavy.
 """
 
@@ -43,7 +47,7 @@ from tfkv.ps import dtypes, schema
 from tfkv.ps.compression import words
 
 MAGIC = 0x4B54  # "TK"
-VERSION = 2  # 2: a payload is one frame (1: cut into frames of 1 MiB)
+VERSION = 3  # 3: a rows frame (FLAG_ROWS); 2: a payload is one frame (1: cut into frames of 1 MiB)
 HEADER = struct.Struct("<HBBBBHIQQ")  # magic version type flags dtype sender seq key count
 # The largest frame a socket accepts when its peers are not known to be of the job (ZMQ_MAXMSGSIZE,
 # see the docstring and `max_frame`): 1 MiB and room for what wraps a frame. CURVE's MESSAGE command
@@ -65,6 +69,15 @@ FLAG_META = 1
 FLAG_DATA = 2
 FLAG_REPLY = 4
 FLAG_ACK = 8  # the sender wants an ACK for a PUSH (under PS_RESEND); errors are always answered
+FLAG_ROWS = 16  # a rows frame (int64 row ids) before the payload: a row-sparse key's request
+ROW_ID = np.dtype("<i8")
+ROWS_TYPES = frozenset(("INIT", "PUSH", "PULL", "GET_STATE", "SET_STATE"))  # requests that may name rows
+
+
+def frames_of(flags: int) -> int:
+    """How many frames a protocol message of these header flags has: the header, then metadata,
+    rows and payload where flagged (split, decode and tfkv.ps.channel count with this)."""
+    return 1 + bool(flags & FLAG_META) + bool(flags & FLAG_ROWS) + bool(flags & FLAG_DATA)
 
 
 class DType(enum.IntEnum):
@@ -110,7 +123,7 @@ _DTYPES = {int(DType.FLOAT32): (DType.FLOAT32, dtypes.FLOAT32), int(DType.TWOBIT
 # A half-precision array is sent as it is, with its dtype's code; any other is sent as float32.
 _HALF_CODES = {dtypes.FLOAT16: DType.FLOAT16, dtypes.BFLOAT16: DType.BFLOAT16}
 DTYPE_CODES = {dtypes.FLOAT32: int(DType.FLOAT32), **{k: int(v) for k, v in _HALF_CODES.items()}}  # an array's code
-_FLAGS = FLAG_META | FLAG_DATA | FLAG_REPLY | FLAG_ACK
+_FLAGS = FLAG_META | FLAG_DATA | FLAG_REPLY | FLAG_ACK | FLAG_ROWS
 
 
 class ProtocolError(TfkvError, ValueError):
@@ -129,6 +142,7 @@ class Message:
     count: int = 0  # TWOBIT only: how many values the words represent
     reply: bool = False
     want_ack: bool = True
+    rows: np.ndarray | None = None  # int64 row ids of a row-sparse key (FLAG_ROWS); None: a dense request
 
 
 def encode(msg: Message) -> list[Any]:
@@ -141,6 +155,9 @@ def encode(msg: Message) -> list[Any]:
         if len(meta) > MAX_META:  # refused here, by name, rather than disconnected on the wire
             raise ValueError(f"{msg.type.name}: metadata of {len(meta)} bytes exceeds {MAX_META}")
         frames.append(meta)
+    if msg.rows is not None:
+        flags |= FLAG_ROWS
+        frames.append(memoryview(np.ascontiguousarray(msg.rows, dtype=ROW_ID).reshape(-1)).cast("B"))
     count, dtype = 0, DType.NONE
     if msg.data is not None:
         flags |= FLAG_DATA
@@ -182,13 +199,12 @@ def split(frames: Sequence[Any]) -> list[Sequence[Any]]:
     """The protocol messages one ZeroMQ message carries, each as its frames: a node sends the
     messages it has ready for one peer together (a batch: one send, one wakeup of each thread on
     the way, one seal), each message still whole, header first. Only the frame counts are read
-    here (flags: 1 + meta + data frames); `decode` checks each message. Frames that do not cut
+    here (`frames_of` the header's flags); `decode` checks each message. Frames that do not cut
     into messages end in a last short slice, which decode refuses."""
     out, i, n = [], 0, len(frames)
     while i < n:
         head = memoryview(frames[i])
-        flags = head[4] if len(head) == HEADER.size else 0
-        size = 1 + bool(flags & FLAG_META) + bool(flags & FLAG_DATA)
+        size = frames_of(head[4] if len(head) == HEADER.size else 0)
         out.append(frames[i:i + size])
         i += size
     return out
@@ -234,7 +250,12 @@ def decode(frames: Sequence[Any], max_count: int | None = None) -> Message:
         nbytes = words(count) * 4 if dtype == DType.TWOBIT else count * itemsize
     elif count or dtype:
         raise ProtocolError(f"{kind.name}: count/dtype set without a payload")
-    expected = 1 + bool(flags & FLAG_META) + bool(flags & FLAG_DATA)
+    if flags & FLAG_ROWS:
+        if kind.name not in ROWS_TYPES or flags & FLAG_REPLY:
+            raise ProtocolError(f"{kind.name}: row ids are only for INIT, PUSH, PULL, GET_STATE and SET_STATE requests")
+        if flags & FLAG_DATA and dtype != DType.FLOAT32:
+            raise ProtocolError(f"{kind.name}: the rows of a row-sparse key are float32")
+    expected = frames_of(flags)
     if len(frames) != expected:
         raise ProtocolError(f"{kind.name}: {len(frames)} frames, flags and count say {expected}")
     msg = Message(kind, sender, seq, key, reply=bool(flags & FLAG_REPLY), want_ack=bool(flags & FLAG_ACK))
@@ -252,6 +273,17 @@ def decode(frames: Sequence[Any], max_count: int | None = None) -> Message:
         if not isinstance(meta, dict):
             raise ProtocolError(f"{kind.name}: metadata must be a JSON object")
         msg.meta = meta
+        i += 1
+    if flags & FLAG_ROWS:
+        raw = memoryview(frames[i])
+        if len(raw) % ROW_ID.itemsize:
+            raise ProtocolError(f"{kind.name}: a rows frame of {len(raw)} bytes is not a whole number of int64 ids")
+        nrows = len(raw) // ROW_ID.itemsize
+        if max_count is not None and nrows > max_count:
+            raise ProtocolError(f"{kind.name}: {nrows} row ids exceed the limit of {max_count}")
+        if flags & FLAG_DATA and (count % nrows if nrows else count):
+            raise ProtocolError(f"{kind.name}: {count} values cannot be {nrows} rows of one width")
+        msg.rows = np.frombuffer(raw, ROW_ID)  # checked against the key's rows by the server
         i += 1
     if flags & FLAG_DATA:
         raw = memoryview(frames[i])

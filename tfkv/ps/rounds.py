@@ -25,6 +25,14 @@ weights and state (MXNet's float16 update); with it the updater keeps a float32 
 (tfkv.ps.updater). Pushes may arrive 2-bit compressed (protocol dtype TWOBIT); they are decoded
 to float32 with the threshold a worker announced (SET_COMPRESSION) before they are summed.
 
+A row-sparse key (tfkv.ps.rows: this server's shard of a table's rows) takes pushes and pulls
+that name rows (the protocol's rows frame) and nothing else. Its synchronous round closes as a
+dense key's: when every worker has pushed once (a worker whose batch named none of this shard's
+rows pushes no rows, so that the round closes); the rows pushed are then summed per unique row
+and the optimizer updates those rows only (NumpyUpdater.update_rows, MXNet's lazy update), or,
+without one, the shard becomes the summed rows (every other row zero), as MXNet's store does.
+A row pull from a worker that pushed into the open round waits for it, as a dense pull does.
+
 How many of a sender's requests are held unanswered (what a PING answers, for the worker's
 lost-reply detection) is counted from what the rounds hold (`held`), never kept beside them.
 """
@@ -41,6 +49,7 @@ from tfkv.errors import TfkvError
 from tfkv.ps import compression, dtypes
 from tfkv.ps import protocol as P
 from tfkv.ps.reduction import Reducer
+from tfkv.ps.rows import Shard, merge
 from tfkv.ps.updater import NumpyUpdater
 
 _F32 = dtypes.FLOAT32
@@ -87,6 +96,7 @@ class Round:
     pushed: set[int] = field(default_factory=set)
     pulls: list[tuple[bytes, P.Message | Fused]] = field(default_factory=list)
     held: list[Held] = field(default_factory=list)  # for the next round
+    rows: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # a row-sparse key's: (local rows, values)
 
 
 @dataclass
@@ -116,6 +126,7 @@ class Rounds:
         self.updater: NumpyUpdater | None = None
         self.threshold: float | None = None  # of 2-bit pushes, once a worker set compression
         self.values: dict[int, np.ndarray] = {}
+        self.shards: dict[int, Shard] = {}  # row-sparse keys (tfkv.ps.rows)
         self.open: dict[int, Round] = defaultdict(Round)
         self.grouped: dict[int, GroupRound] = {}  # key -> the open GroupRound it is in
         self.left: dict[int, str] = {}  # workers that finished (LEFT), by id: their names
@@ -126,8 +137,37 @@ class Rounds:
     def value(self, key: int) -> np.ndarray:
         value = self.values.get(key)
         if value is None:
+            if key in self.shards:
+                raise RequestError(f"key {key} is row-sparse: a request of it names its rows (push rows, "
+                                   "row_sparse_pull)")
             raise RequestError(f"key {key} is not initialised on this server")
         return value
+
+    def shard(self, msg: P.Message) -> Shard:
+        """The row-sparse key a request names rows of."""
+        shard = self.shards.get(msg.key)
+        if shard is None:
+            if msg.key in self.values:
+                raise RequestError(f"key {msg.key} is dense: a {msg.type.name} naming rows is for a row-sparse key")
+            raise RequestError(f"key {msg.key} is not initialised on this server")
+        if msg.rows is None:
+            raise RequestError(f"key {msg.key} is row-sparse: a {msg.type.name} of it names its rows (push rows, "
+                               "row_sparse_pull)")
+        return shard
+
+    def local(self, shard: Shard, msg: P.Message) -> np.ndarray:
+        """The shard's rows a request names; RequestError naming the key if one is not of it."""
+        try:
+            return shard.local(msg.rows)
+        except ValueError as e:
+            raise RequestError(f"key {msg.key}: {e}") from None
+
+    def rows(self, shard: Shard, msg: P.Message) -> tuple[np.ndarray, np.ndarray]:
+        """(local rows, values (n, width)) a request carries; RequestError naming the key if they do not fit."""
+        try:
+            return shard.rows_of(msg.rows, msg.data)
+        except ValueError as e:
+            raise RequestError(f"key {msg.key}: {e}") from None
 
     def payload(self, msg: P.Message, size: int | None = None) -> np.ndarray:
         """The values a request carries (2-bit pushes decoded to float32), `size` of them."""
@@ -155,6 +195,8 @@ class Rounds:
 
     def push(self, identity: bytes, msg: P.Message) -> Outcome:
         """A key's PUSH: applied (async), summed into the key's round, or held for its next one."""
+        if msg.rows is not None or msg.key in self.shards:
+            return self._push_rows(identity, msg)
         group = self.grouped.get(msg.key)
         if group is not None:
             return self._dissolve(group, Held(identity, msg))
@@ -182,6 +224,29 @@ class Rounds:
         self._close(msg.key, r, out)
         return out
 
+    def _push_rows(self, identity: bytes, msg: P.Message) -> Outcome:
+        """A row-sparse key's PUSH: its rows applied (async), added to the key's round, or held."""
+        shard = self.shard(msg)
+        local, rows = self.rows(shard, msg)
+        if not self.sync:
+            self._async_updater().update_rows(msg.key, shard.value, *merge(local, rows))
+            return _acked(identity, msg)
+        r = self.open[msg.key]
+        if msg.sender in r.pushed:
+            r.held.append(Held(identity, msg))
+            return NOTHING  # acknowledged when its round opens
+        if self.left:
+            refused = self._refuse_owed(identity, msg, (msg.key,))
+            if refused:
+                return refused
+        r.rows.append((local, rows))
+        r.pushed.add(msg.sender)
+        if len(r.pushed) < len(self.workers):
+            return _acked(identity, msg)
+        out = list(_acked(identity, msg))
+        self._close(msg.key, r, out)
+        return out
+
     def _waiting(self, key: int, sender: int) -> Round | None:
         """The round a pull of `key` by `sender` waits for: one this sender has pushed into (sync)."""
         r = self.open.get(key)
@@ -189,10 +254,13 @@ class Rounds:
 
     def pull(self, identity: bytes, msg: P.Message) -> Outcome:
         """A key's PULL: answered now, or when the round its sender pushed into closes."""
-        group = self.grouped.get(msg.key)
-        if group is not None:
-            return self._dissolve(group, Held(identity, msg))
-        self.value(msg.key)
+        if msg.rows is not None or msg.key in self.shards:
+            self.local(self.shard(msg), msg)  # refused now if a row is not of the shard
+        else:
+            group = self.grouped.get(msg.key)
+            if group is not None:
+                return self._dissolve(group, Held(identity, msg))
+            self.value(msg.key)
         r = self._waiting(msg.key, msg.sender)
         if r is not None:
             r.pulls.append((identity, msg))  # answered when the round closes
@@ -200,7 +268,12 @@ class Rounds:
         return [(identity, self._pulled(msg))]
 
     def _pulled(self, msg: P.Message) -> P.Message:
-        return P.Message(P.Type.PULL, seq=msg.seq, key=msg.key, data=self.values[msg.key], reply=True)
+        if msg.rows is not None:  # the rows asked for, in their order (checked when the pull came)
+            shard = self.shards[msg.key]
+            data = shard.gather(shard.local(msg.rows))
+        else:
+            data = self.values[msg.key]
+        return P.Message(P.Type.PULL, seq=msg.seq, key=msg.key, data=data, reply=True)
 
     def pushpull(self, identity: bytes, msg: P.Message) -> Outcome:
         """Keys pushed and pulled in one request. Without metadata, the header's key: served as
@@ -234,6 +307,8 @@ class Rounds:
 
     def _pushpull_one(self, identity: bytes, msg: P.Message) -> Outcome:
         """A PUSHPULL of the header's key: its PUSH, then its PULL, or held whole for the next round."""
+        if msg.key in self.shards:
+            self.value(msg.key)  # refused: a PUSHPULL names no rows
         group = self.grouped.get(msg.key)
         if group is not None:
             return self._dissolve(group, Held(identity, msg))
@@ -296,11 +371,15 @@ class Rounds:
             out.append((fused.identity, P.Message(P.Type.PUSHPULL, seq=fused.request.seq, data=data, reply=True)))
 
     def _close(self, key: int, r: Round, out: list) -> None:
-        assert r.merged is not None
-        value = self.values[key]
-        if self.updater is not None:
-            self.values[key] = self.updater.update(key, value, r.merged)
+        shard = self.shards.get(key)
+        if shard is not None:
+            self._close_rows(key, shard, r)
+        elif self.updater is not None:
+            assert r.merged is not None
+            self.values[key] = self.updater.update(key, self.values[key], r.merged)
         else:
+            assert r.merged is not None
+            value = self.values[key]
             self.values[key] = r.merged if value.dtype == _F32 else r.merged.astype(value.dtype)
         self.open[key] = Round()
         self.closed[key] += 1
@@ -310,6 +389,16 @@ class Rounds:
             else:
                 out.append((identity, self._pulled(pull)))
         out.extend(r.held)  # each opens the next round
+
+    def _close_rows(self, key: int, shard: Shard, r: Round) -> None:
+        """A row-sparse round's rows summed per row, then applied (lazily) or made the shard."""
+        local = np.concatenate([ids for ids, _ in r.rows])
+        rows, summed = merge(local, np.concatenate([values for _, values in r.rows]))
+        if self.updater is not None:
+            self.updater.update_rows(key, shard.value, rows, summed)
+        else:
+            shard.value[...] = 0
+            shard.value[rows] = summed
 
     # -- group rounds --------------------------------------------------------------------------
 

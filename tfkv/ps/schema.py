@@ -141,6 +141,13 @@ _RANK = integer(0, 65535)
 _PID = integer(0, (1 << 32) - 1)
 _STATE = obj({"names": array(text(64), 16), "count": integer()})
 _SUM = obj({"sum": built_by(_sum), "of": integer()})
+MAX_TABLE_ROWS = 1 << 40  # rows of one row-sparse key (ids travel as int64; this bounds what a server makes)
+MAX_ROW_WIDTH = 1 << 24  # values in one row
+# A row-sparse key's shard, made by the server it is on (tfkv.ps.rows): every shard of the key
+# gets the same table description and its own index.
+_TABLE = obj({"rows": integer(1, MAX_TABLE_ROWS), "width": integer(1, MAX_ROW_WIDTH), "shard": _RANK,
+              "shards": integer(1, 65535), "sharding": text(8, ("range", "hash")),
+              "init": text(8, ("zeros", "uniform", "normal")), "scale": number, "seed": integer()})
 
 # The schema of every message, keyed by (type name, is a reply). A type missing from the table
 # is never valid in that direction.
@@ -167,7 +174,9 @@ SCHEMAS: dict[tuple[str, bool], Schema] = {
     ("CONFIGURE", False): Schema(obj({"sync": boolean})),
     ("SET_OPTIMIZER", False): Schema(obj({"optimizer": built_by(_optimizer)})),
     ("SET_COMPRESSION", False): Schema(built_by(_compression)),
-    ("INIT", False): Schema(data="required"),
+    # a dense key's part (data), or a row-sparse key's shard (meta: its table), or rows of it
+    # (rows frame and data); tfkv.ps.rows refuses an INIT that is none of these
+    ("INIT", False): Schema(obj({"table": _TABLE}), data="optional", meta_optional=True),
     ("PUSH", False): Schema(data="required"),
     ("PULL", False): Schema(),
     ("GET_STATE", False): Schema(),

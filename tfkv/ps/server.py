@@ -25,6 +25,7 @@ from tfkv.ps import protocol as P
 from tfkv.ps.cluster_env import ClusterEnv
 from tfkv.ps.reduction import Reducer
 from tfkv.ps.rounds import Fused, Held, Outcome, RequestError, Rounds
+from tfkv.ps.rows import Shard
 from tfkv.ps.scheduler_link import SchedulerLink
 from tfkv.ps.strangers import Strangers
 from tfkv.ps.transport import server as transport
@@ -190,13 +191,51 @@ class Server:
         return [(identity, P.ack(msg))]
 
     def on_init(self, identity: bytes, msg: P.Message) -> Outcome:
+        if msg.meta is not None or msg.rows is not None:
+            return self._init_rows(identity, msg)
+        if msg.key in self.rounds.shards:
+            raise RequestError(f"key {msg.key} is row-sparse: an INIT of it names its rows or its table")
         data = self.rounds.payload(msg)
         if msg.key not in self.rounds.values:  # the first init wins, as in MXNet
             self.rounds.values[msg.key] = data
         return [(identity, P.ack(msg))]
 
+    def _init_rows(self, identity: bytes, msg: P.Message) -> Outcome:
+        """A row-sparse key's shard made from its table's description (the first init wins, as for
+        a dense key; a different description is refused), and/or rows of it given their values."""
+        rounds, key = self.rounds, msg.key
+        if msg.meta is not None:
+            table = msg.meta["table"]
+            if key in rounds.values:
+                raise RequestError(f"key {key} is a dense key on this server, not a table")
+            shard = rounds.shards.get(key)
+            if shard is None:
+                try:
+                    rounds.shards[key] = Shard(key, table)
+                except ValueError as e:
+                    raise RequestError(f"key {key}: {e}") from None
+            elif not shard.describes(table):
+                raise RequestError(f"key {key} is already a table of another shape or placement on this server")
+        if msg.rows is not None:
+            shard = rounds.shard(msg)
+            local, values = rounds.rows(shard, msg)
+            shard.value[local] = values
+        elif msg.data is not None:
+            raise RequestError(f"key {key}: an INIT of a table carries its values with their rows")
+        return [(identity, P.ack(msg))]
+
     def on_get_state(self, identity: bytes, msg: P.Message) -> Outcome:
-        value, updater = self.rounds.value(msg.key), self.rounds.updater
+        updater = self.rounds.updater
+        if msg.rows is not None:
+            shard = self.rounds.shard(msg)
+            local = self.rounds.local(shard, msg)
+            if updater is None:
+                raise RequestError("this server has no optimizer, so no optimizer state")
+            states, count = updater.get_rows(msg.key, local, shard.width)
+            data = np.concatenate([s.reshape(-1) for s in states]) if states else np.zeros(0, np.float32)
+            return [(identity, P.Message(P.Type.GET_STATE, seq=msg.seq, key=msg.key, reply=True, data=data,
+                                         meta={"names": list(updater.optimizer.state_names), "count": count}))]
+        value = self.rounds.value(msg.key)
         if updater is None:
             raise RequestError("this server has no optimizer, so no optimizer state")
         states, count = updater.get(msg.key, value.size)
@@ -205,12 +244,22 @@ class Server:
                                      meta={"names": list(updater.optimizer.state_names), "count": count}))]
 
     def on_set_state(self, identity: bytes, msg: P.Message) -> Outcome:
-        value, updater = self.rounds.value(msg.key), self.rounds.updater
+        updater = self.rounds.updater
+        shard = self.rounds.shard(msg) if msg.rows is not None else None
+        value = self.rounds.value(msg.key) if shard is None else shard.value
         if updater is None:
             raise RequestError("set the optimizer before its state")
         names = list(updater.optimizer.state_names)
         if msg.meta["names"] != names:
             raise RequestError(f"state names {msg.meta['names']} do not match this optimizer's {names}")
+        if shard is not None:  # rows of a row-sparse key: each state's rows, one state after another
+            local = self.rounds.local(shard, msg)
+            n = len(local) * shard.width
+            data = self.rounds.payload(msg, n * len(names)) if names else np.zeros(0, np.float32)
+            updater.set_rows(msg.key, shard.value, local,
+                             [data[i * n:(i + 1) * n].reshape(len(local), shard.width) for i in range(len(names))],
+                             msg.meta["count"])
+            return [(identity, P.ack(msg))]
         data = self.rounds.payload(msg, value.size * len(names)) if names else np.zeros(0, np.float32)
         updater.set(msg.key, list(np.split(data, len(names))) if names else [], msg.meta["count"])
         return [(identity, P.ack(msg))]

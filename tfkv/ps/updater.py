@@ -12,6 +12,11 @@ lost); with it a float32 master copy of the weight and a float32 state are kept 
 key holds the master's cast (MXNet's multi_precision). State is held in float32 containers
 either way, so GET_STATE and checkpoints are float32 for every key; the master copy is not
 part of them (a restarted server starts it from the half weight).
+
+A row-sparse key's shard is updated lazily (`update_rows`, MXNet's lazy_update): only the rows
+pushed change, their per-row state is gathered, stepped by the same rule and scattered back, in
+place (a row pull's reply is a fresh gathered array, so nothing in flight views the shard); the
+other rows and their state stay as they are, and the update count is per key.
 """
 
 from __future__ import annotations
@@ -86,6 +91,35 @@ class NumpyUpdater:
             v -= step
             return np.add(weight, v)
         return np.subtract(weight, step)
+
+    def update_rows(self, key: int, table: np.ndarray, rows: np.ndarray, grad: np.ndarray) -> None:
+        """Update `table` (local rows, width) in place at its unique `rows` by `grad` (len(rows), width)."""
+        if key not in self.state:
+            self.state[key] = tuple(np.zeros_like(table) for _ in self.optimizer.state_names)
+            self.count[key] = 0
+        state = self.state[key]
+        t = np.float32(self.count[key])
+        weight = table[rows]
+        new_weight, new_state = self.optimizer.step(optim.NumpyOps, t, weight, grad, tuple(s[rows] for s in state))
+        table[rows] = new_weight
+        for s, new in zip(state, new_state):
+            s[rows] = new
+        self.count[key] += 1
+
+    def get_rows(self, key: int, rows: np.ndarray, width: int) -> tuple[list[np.ndarray], int]:
+        """The states of a row-sparse key at `rows` (zeros before its first update), and its count."""
+        state = self.state.get(key)
+        if state is None:
+            return [np.zeros((len(rows), width), np.float32) for _ in self.optimizer.state_names], self.count.get(key, 0)
+        return [s[rows] for s in state], self.count[key]
+
+    def set_rows(self, key: int, table: np.ndarray, rows: np.ndarray, states: list[np.ndarray], count: int) -> None:
+        """Set a row-sparse key's states at `rows` (each (len(rows), width)) and its count."""
+        if key not in self.state:
+            self.state[key] = tuple(np.zeros_like(table) for _ in self.optimizer.state_names)
+        for s, new in zip(self.state[key], states):
+            s[rows] = new
+        self.count[key] = int(count)
 
     def get(self, key: int, size: int) -> tuple[list[np.ndarray], int]:
         """The states of `key` (zeros before its first update) and its update count."""

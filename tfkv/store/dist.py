@@ -25,6 +25,20 @@ A key initialised with a float16 or bfloat16 value holds that dtype (tfkv.ps.dty
 machine's values are summed in it and travel at 2 bytes a value; a value of another dtype is
 refused naming both. Only float32 keys are fused into a PUSHPULL (it carries one dtype).
 
+A row-sparse key (initialised with a `tfkv.store.RowSparse` or a `Table`, tfkv.store.sparse) is
+a table sharded by rows over every server (`parts.RowPlacement`, kvstore.row_sharding: range or
+hash): a Table is made by the servers themselves, each its shard, from the seed (never on a
+worker), a RowSparse is sent as rows in chunks of at most kvstore.chunk_bytes. A push of rows (a
+RowSparse or tf.IndexedSlices, one per device) is summed here sparsely (duplicates merged) and
+goes only to the servers that own rows of it, as one PUSH each (rows frame and values), except
+that in a synchronous job every server gets one, with no rows if it owns none, so that each
+server's round closes. `row_sparse_pull` asks each owning server for its unique rows in chunks
+of at most kvstore.chunk_bytes; `row_sparse_pull_async` sends those requests without waiting
+(safe from a TensorFlow op's thread, under the link's lock) and `rows` takes them. In a
+synchronous job a row pull sent after this worker's push of a round is answered once that round
+closed, as a dense pull is. `push_bytes` and `pull_bytes` count the payload bytes sent and asked
+for (row ids included).
+
 Creating a store in a process whose role is `server` or `scheduler` runs that role and exits,
 as MXNet does, so one command can be started for every role of a job. A worker's store leaves
 when the interpreter exits, as MXNet's does in its destructor (see `_at_exit`).
@@ -36,7 +50,7 @@ import atexit
 import logging
 import os
 import sys
-from typing import Any, Hashable, Iterator, Sequence
+from typing import Any, Hashable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -46,11 +60,37 @@ from tfkv.ps import compression, dtypes, memory, node, parts
 from tfkv.ps.feedback import Sender
 from tfkv.ps import protocol as P
 from tfkv.ps.cluster_env import ClusterEnv
-from tfkv.ps.parts import Layout, Pull
+from tfkv.ps.parts import Layout, Pull, RowPlacement, row_chunks
 from tfkv.ps.scheduler_link import SchedulerLink
 from tfkv.ps.worker import ServerLink
-from tfkv.store import dist_state
+from tfkv.store import dist_state, sparse
 from tfkv.store.base import Key, KVStore, gpu_p2p, in_place, pairs
+from tfkv.store.sparse import RowSparse, Table
+
+
+class TableKey(NamedTuple):
+    """A row-sparse key as a worker knows it: its dense shape and where its rows are."""
+
+    shape: tuple[int, ...]
+    width: int  # values per row
+    placement: RowPlacement
+
+
+class RowPull(NamedTuple):
+    """One key's row pull in flight: its unique ids, and each request with the positions (in
+    those ids) of the rows it asked for."""
+
+    key: Hashable
+    table: TableKey
+    ids: np.ndarray
+    requests: list[tuple[int, np.ndarray]]
+
+
+class RowPulls(NamedTuple):
+    """What row_sparse_pull_async returns and `rows` takes: the caller's key argument and its pulls."""
+
+    key: Any
+    pulls: list[RowPull]
 
 
 class DistStore(KVStore):
@@ -64,6 +104,7 @@ class DistStore(KVStore):
     def __init__(self, devices: Sequence[str] | None = None, env: ClusterEnv | None = None):
         env = env or ClusterEnv.from_env()
         node.run_unless_worker(env)
+        RowPlacement(1, 1, env.row_sharding)  # an unknown kvstore.row_sharding refused before the job forms
         self.env = env
         memory.keep_freed_buffers()  # the same large buffers every step (tfkv.ps.memory)
         self._devices = list(devices or [])
@@ -75,7 +116,9 @@ class DistStore(KVStore):
         self._ids: dict[Hashable, int] = {}
         self._layouts: dict[int, Layout] = {}
         self._sender: Sender | None = None  # 2-bit compression of pushes, when set
-        self.push_bytes = 0  # payload bytes of every PUSH sent (measures compression)
+        self._tables: dict[int, TableKey] = {}  # row-sparse keys, by id
+        self.push_bytes = 0  # payload bytes of every PUSH sent (measures compression), row ids included
+        self.pull_bytes = 0  # payload bytes asked for by pulls (the values, and row ids sent), replies' values
         self.sum_on_device = self.on_device and gpu_p2p()
         # MXNet's store leaves in its destructor, and its scripts end without a teardown call:
         # this one leaves when the interpreter exits (close() unregisters it). An exception left in
@@ -165,8 +208,11 @@ class DistStore(KVStore):
 
     def init(self, key: Key | Sequence[Key], value: Any) -> None:
         for k, values in pairs(key, value):
+            if values and sparse.is_sparse_init(values[0]):
+                self._init_table(k, values[0])
+                continue
             kid = self._id(k)
-            if kid in self._layouts:
+            if kid in self._layouts or kid in self._tables:
                 raise ValueError(f"key {k!r} is already initialised")
             dtype = dtypes.key_dtype(values[0])
             flat = self._merge(k, values[:1], dtype)
@@ -186,11 +232,20 @@ class DistStore(KVStore):
     def push(self, key: Key | Sequence[Key], value: Any, priority: int | Sequence[int] = 0) -> None:
         self._check_can_push()
         for k, values in self._ordered(list(pairs(key, value)), priority):
-            self._push_key(k, values)
+            if self._tables and self.is_row_sparse(k):
+                self._push_rows(k, values)
+            elif values and any(sparse.is_rows(v) for v in values):
+                raise sparse.refused("sparse_push", k)
+            else:
+                self._push_key(k, values)
         self.servers.flush()  # a push is on its way when push returns (pushpull_async's wait for its arrivals)
         self.servers.poll()  # collect answers that are already here (errors surface early)
 
     def pull(self, key: Key | Sequence[Key], out: Any = None, priority: int | Sequence[int] = 0) -> Any:
+        if self._tables:
+            for k, _ in pairs(key, out):
+                if self.is_row_sparse(k):
+                    raise sparse.refused("pull", k)
         self.servers.fence()
         pulls = [self._request_pull(k, outs) for k, outs in self._ordered(list(pairs(key, out)), priority)]
         return self._finish(key, out, pulls)
@@ -200,6 +255,8 @@ class DistStore(KVStore):
         """Push each key and request it back at once, so that replies stream back while later
         keys are still going out (both directions of the link busy, not one after the other).
         Without `out` the result goes into `value`, as MXNet's (see base.in_place), and is returned."""
+        if self._tables:
+            self._refuse_row_sparse(key)
         into = out if out is not None else self._in_place(key, value)
         return self._finish(key, out, self.pushpull_async(key, value, priority, out=into))
 
@@ -217,6 +274,8 @@ class DistStore(KVStore):
         """Push each key and send its pull request without waiting for anything; `arrivals` (or
         `wait`) takes the replies and writes them into `out` if given. Safe to call from a
         TensorFlow op's thread (DataParallel pushes each gradient as backprop produces it)."""
+        if self._tables:  # per key and step: nothing to look up in a job without tables
+            self._refuse_row_sparse(key)
         self._check_can_push()
         outs = dict(pairs(key, out))
         with self.servers.lock:
@@ -244,6 +303,7 @@ class DistStore(KVStore):
         (A PUSH with its PULL's header behind the payload costs libzmq a write more per message.)"""
         pull = Pull(k, layout, outs)  # checks the outs before anything is sent
         flat = self._flat(k, layout, values)
+        self.pull_bytes += flat.nbytes
         pull.expect([self.servers.request(part.server, self._carrying(P.Type.PUSHPULL, part.skey,
                                                                       flat[part.start:part.end]))
                      for part in layout.parts])
@@ -256,6 +316,7 @@ class DistStore(KVStore):
         flat = self._flat(k, layout, values)
         part = layout.parts[0]
         self.push_bytes += flat.nbytes
+        self.pull_bytes += flat.nbytes
         pull.expect([self.servers.pushpull(part.server, part.skey, flat)])
         return pull
 
@@ -316,9 +377,136 @@ class DistStore(KVStore):
     def _request_pull(self, k: Key, outs: list[Any]) -> Pull:
         _, layout = self._layout(k)
         pull = Pull(k, layout, outs)  # checks the outs before anything is sent
+        self.pull_bytes += layout.size * layout.dtype.itemsize
         pull.expect([self.servers.request(part.server, P.Message(P.Type.PULL, key=part.skey))
                      for part in layout.parts])
         return pull
+
+    # -- row-sparse keys -----------------------------------------------------------------------
+
+    def is_row_sparse(self, key: Key) -> bool:
+        kid = self._ids.get(key) if isinstance(key, (int, str, np.integer)) else None
+        return kid is not None and kid in self._tables
+
+    def _table(self, key: Key, what: str) -> tuple[int, TableKey]:
+        kid = self._ids.get(key) if isinstance(key, (int, str, np.integer)) else None
+        table = self._tables.get(kid)  # type: ignore[arg-type]
+        if table is None:
+            if kid is not None and kid in self._layouts:
+                raise sparse.refused(what, key)
+            self._check_key(key)
+            raise KeyError(f"key {key!r} was not initialised; call init({key!r}, value) first")
+        return kid, table  # type: ignore[return-value]
+
+    def _init_table(self, k: Key, value: Any) -> None:
+        """Make `k` a table on every server: each server makes its shard from the description
+        (a Table's init, or zeros), then a RowSparse's rows are sent in chunks to their owners."""
+        self._check_key(k)
+        if k in self._ids:
+            raise ValueError(f"key {k!r} is already initialised")
+        if isinstance(value, Table):
+            shape, rows, spec = value.shape, None, {"init": value.init, "scale": float(value.scale),
+                                                    "seed": int(value.seed) % (1 << 63)}
+        else:
+            given = RowSparse.of(value)
+            sparse.check_table_dtype(k, np.asarray(given.data).dtype)
+            rows = sparse.check_rows(k, given, given.shape, what="init")  # on every worker: the same refusals
+            shape, spec = given.shape, {"init": "zeros", "scale": 0.0, "seed": 0}
+        if len(shape) < 1 or shape[0] < 1:
+            raise ValueError(f"init of key {k!r}: a table of shape {shape}; give (rows, *row_shape)")
+        width = int(np.prod(shape[1:], dtype=np.int64))
+        placement = RowPlacement(shape[0], self.servers.count, self.env.row_sharding)
+        kid = self._id(k)  # once the value was found good: a refused init leaves no key behind
+        self._tables[kid] = TableKey(tuple(shape), width, placement)
+        if self.rank == 0:  # worker 0's value wins; the others wait at the barrier
+            for s in range(self.servers.count):
+                meta = {"table": {"rows": shape[0], "width": width, "shard": s, "shards": self.servers.count,
+                                  "sharding": placement.sharding, **spec}}
+                self.servers.request(s, P.Message(P.Type.INIT, key=kid, meta=meta))
+            if rows is not None:
+                rows = rows.merged()
+                data = np.ascontiguousarray(rows.data, np.float32).reshape(len(rows.indices), width)
+                for s, positions in enumerate(placement.split(rows.indices)):
+                    for chunk in row_chunks(len(positions), width, self.env.chunk_bytes):
+                        at = positions[chunk]
+                        self.servers.request(s, P.Message(P.Type.INIT, key=kid, rows=rows.indices[at],
+                                                          data=data[at].reshape(-1)))
+
+    def _push_rows(self, k: Key, values: list[Any]) -> None:
+        """This machine's rows of `k` (one value per device) summed sparsely, then one PUSH to
+        each server owning some (every server, in a synchronous job)."""
+        kid, table = self._table(k, "sparse_push")
+        if self._sender is not None:
+            raise sparse.refused("compression", k)
+        if not values or not all(sparse.is_rows(v) for v in values):
+            raise sparse.refused("dense_push", k)
+        given = [sparse.check_rows(k, RowSparse.of(v, table.shape), table.shape) for v in values]
+        if len(given) == 1:
+            rows = given[0].merged()
+        else:
+            rows = RowSparse(np.concatenate([np.asarray(g.data) for g in given]),
+                             np.concatenate([g.indices for g in given]), table.shape).merged()
+        data = np.ascontiguousarray(rows.data, np.float32).reshape(len(rows.indices), table.width)
+        with self.servers.lock:  # one push's messages together, whichever thread pushes (a TensorFlow op's)
+            for s, positions in enumerate(table.placement.split(rows.indices)):
+                if not len(positions) and not self.sync:
+                    continue  # travels only to the servers that own rows of it
+                ids, part = rows.indices[positions], data[positions].reshape(-1)
+                self.push_bytes += ids.nbytes + part.nbytes
+                self.servers.push(s, P.Message(P.Type.PUSH, key=kid, rows=ids, data=part))
+
+    def row_sparse_pull(self, key: Key | Sequence[Key], out: Any = None, priority: int | Sequence[int] = 0,
+                        row_ids: Any = None) -> Any:
+        """MXNet's: every key's rows requested (from the servers that own them) before any is awaited."""
+        pending = self.row_sparse_pull_async(key, row_ids, priority)
+        return sparse.deliver(key, self._arrived_rows(pending), out)
+
+    def _pull_rows(self, key: Key, row_ids: Any) -> RowSparse:
+        return self._arrived_rows(self.row_sparse_pull_async(key, row_ids))[0]
+
+    def row_sparse_pull_async(self, key: Key | Sequence[Key], row_ids: Any, priority: int | Sequence[int] = 0) -> Any:
+        """Send each key's row requests now, without waiting (safe from a TensorFlow op's thread);
+        `rows` takes the answer. In a synchronous job, asked after this worker's push of a round,
+        the rows include that round's update."""
+        asked = sparse.requests(key, row_ids)
+        pulls = []
+        with self.servers.lock:
+            self.servers.fence()
+            for k, ids in self._ordered([(k, [ids]) for k, ids in asked], priority):
+                kid, table = self._table(k, "sparse_pull")
+                unique = np.unique(sparse.check_ids(k, ids[0], table.shape[0]))
+                requests = []
+                for s, positions in enumerate(table.placement.split(unique)):
+                    for chunk in row_chunks(len(positions), table.width, self.env.chunk_bytes):
+                        at = positions[chunk]
+                        self.pull_bytes += at.size * (8 + 4 * table.width)
+                        requests.append((self.servers.request(s, P.Message(P.Type.PULL, key=kid, rows=unique[at])),
+                                         at))
+                pulls.append(RowPull(k, table, unique, requests))
+            self.servers.flush()
+        if isinstance(key, (list, tuple)) and isinstance(priority, (list, tuple)):  # back in the caller's order
+            order = {k: i for i, k in enumerate(key)}
+            pulls.sort(key=lambda p: order[p.key])
+        return RowPulls(key, pulls)
+
+    def rows(self, pending: Any) -> Any:
+        """What row_sparse_pull would have returned for the request `pending` stands for."""
+        results = self._arrived_rows(pending)
+        return results if isinstance(pending.key, (list, tuple)) else results[0]
+
+    def _arrived_rows(self, pending: RowPulls) -> list[RowSparse]:
+        self.servers.wait([seq for pull in pending.pulls for seq, _ in pull.requests])
+        results = []
+        for pull in pending.pulls:
+            data = np.empty((len(pull.ids), pull.table.width), np.float32)
+            for seq, at in pull.requests:
+                reply = self.servers.take(seq)
+                if reply.data is None or reply.data.size != at.size * pull.table.width:
+                    raise RuntimeError(f"row_sparse_pull of key {pull.key!r}: a server answered "
+                                       f"{0 if reply.data is None else reply.data.size} values for {at.size} rows")
+                data[at] = reply.data.reshape(at.size, pull.table.width)
+            results.append(RowSparse(data.reshape((len(pull.ids), *pull.table.shape[1:])), pull.ids, pull.table.shape))
+        return results
 
     def set_gradient_compression(self, compression_params: Any) -> None:
         """MXNet's API, e.g. {"type": "2bit", "threshold": 0.5}, or tfkv's {"type":
@@ -344,6 +532,10 @@ class DistStore(KVStore):
         if self._sender is not None:
             self._sender.momentum = momentum
         self._user_optimizer, self._optimizer = optimizer, served
+        if self.num_workers > 1:
+            # Every worker's requests so far are served by the optimizer they were made under:
+            # worker 0 must not swap it while another still pushes or reads its state.
+            self.barrier()
         if self.rank == 0:
             spec = {"optimizer": optim.to_dict(served)}
             for s in range(self.servers.count):

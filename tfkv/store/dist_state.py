@@ -1,22 +1,43 @@
 """A dist store's (tfkv.store.dist.DistStore, passed in) optimizer state in one npz file: gathered from every server's key parts
 (`save`), and handed back to them (`load`, worker 0 sends, every worker waits at the barrier).
-Each worker's compression residuals and velocities are its own and not in it."""
+Each worker's compression residuals and velocities are its own and not in it.
+
+A row-sparse key's state (per row, as the servers keep it) is asked for and sent by rows, each
+server's shard in requests of at most kvstore.chunk_bytes, and saved as the local store saves
+it: one (rows, *row_shape) array per state, and the key's update count."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
 from tfkv.ps import protocol as P
+from tfkv.ps.parts import row_chunks
+
+
+def _shards(store: Any, table: Any, names: list[str]) -> Iterator[tuple[int, np.ndarray]]:
+    """(server, global rows) of every chunk of a table's state transfer."""
+    for s in range(store.servers.count):
+        rows = table.placement.global_ids(s, np.arange(table.placement.shard_rows(s)))
+        for chunk in row_chunks(len(rows), table.width, store.env.chunk_bytes, max(1, len(names))):
+            yield s, rows[chunk]
 
 
 def save(store: Any, fname: str) -> None:
     """Gather the optimizer state of every key from the servers into one npz file."""
-    requests = []
+    requests, tables = [], []
+    state_names = list(store._optimizer.state_names)
     for k, kid in store._ids.items():
-        layout = store._layouts[kid]
+        table = store._tables.get(kid)
+        if table is not None:
+            tables.append((k, table, [(rows, store.servers.request(s, P.Message(P.Type.GET_STATE, key=kid, rows=rows)))
+                                      for s, rows in _shards(store, table, state_names)]))
+            continue
+        layout = store._layouts.get(kid)
+        if layout is None:  # an id given to a key whose init was refused
+            continue
         requests.append((k, layout, [store.servers.request(part.server, P.Message(P.Type.GET_STATE, key=part.skey))
                                      for part in layout.parts]))
     store.servers.settle()
@@ -30,6 +51,21 @@ def save(store: Any, fname: str) -> None:
                 full[part.start:part.end] = np.split(reply.data, len(names))[j]
             out[f"{k}/{name}"] = full.reshape(layout.shape)
         out[f"{k}/count"] = np.asarray(replies[0].meta["count"])
+    for k, table, chunks in tables:
+        full = [np.empty((table.shape[0], table.width), np.float32) for _ in state_names]
+        count = 0
+        for rows, seq in chunks:
+            reply = store.servers.take(seq)
+            if reply.meta["names"] != state_names:
+                raise RuntimeError(f"optimizer state of key {k!r}: the servers run an optimizer with states "
+                                   f"{reply.meta['names']}, this worker set one with {state_names}")
+            # dist_async: a server counts the pushes that reached it (the most: the key's pushes)
+            count = max(count, reply.meta["count"])
+            for j, state in enumerate(np.split(reply.data, len(state_names)) if state_names else []):
+                full[j][rows] = state.reshape(len(rows), table.width)
+        for name, state in zip(state_names, full):
+            out[f"{k}/{name}"] = state.reshape(table.shape)
+        out[f"{k}/count"] = np.asarray(count)
     np.savez(fname, **out)
 
 
@@ -44,12 +80,31 @@ def load(store: Any, fname: str) -> None:
         with np.load(fname, allow_pickle=False) as f:
             states = {n: f[n] for n in f.files}
         for k, kid in store._ids.items():
-            layout = store._layouts[kid]
             names = list(store._optimizer.state_names) if store._optimizer else []
             count = int(states.get(f"{k}/count", 0))
+            table = store._tables.get(kid)
+            if table is not None:
+                full = [_entry(states, k, n, table.shape).reshape(table.shape[0], table.width) for n in names]
+                for s, rows in _shards(store, table, names):
+                    data = np.concatenate([f[rows].reshape(-1) for f in full]) if names else None
+                    store.servers.request(s, P.Message(P.Type.SET_STATE, key=kid, rows=rows, data=data,
+                                                       meta={"count": count, "names": names}))
+                continue
+            layout = store._layouts.get(kid)
+            if layout is None:
+                continue
             for part in layout.parts:
                 data = (np.concatenate([states[f"{k}/{n}"].reshape(-1)[part.start:part.end] for n in names])
                         if names else None)
                 store.servers.request(part.server, P.Message(P.Type.SET_STATE, key=part.skey, data=data,
                                                              meta={"count": count, "names": names}))
     store.barrier()
+
+
+def _entry(states: dict[str, np.ndarray], key: Any, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    value = states.get(f"{key}/{name}")
+    if value is None or tuple(value.shape) != tuple(shape):
+        got = "no entry" if value is None else f"an entry of shape {tuple(value.shape)}"
+        raise ValueError(f"optimizer state of key {key!r}: {got} {key}/{name}, expected {tuple(shape)}: was it saved "
+                         "for another model or another optimizer?")
+    return np.asarray(value, np.float32)

@@ -255,7 +255,7 @@ class SecureWorkerTransport(WorkerTransport):
         magic, version, kind, flags, dtype, _, seq, _, count = P.HEADER.unpack(head)
         landing = self._landing.get(seq)
         if (landing is None or magic != P.MAGIC or kind != P.Type.PULL or dtype != landing.dtype
-                or flags & (P.FLAG_META | P.FLAG_DATA | P.FLAG_REPLY) != P.FLAG_DATA | P.FLAG_REPLY
+                or flags & (P.FLAG_META | P.FLAG_ROWS | P.FLAG_DATA | P.FLAG_REPLY) != P.FLAG_DATA | P.FLAG_REPLY
                 or not landing.buffer.nbytes == size == count * landing.itemsize):
             return None
         return landing.buffer
