@@ -255,7 +255,8 @@ class DistStore(KVStore):
         """Push each key and request it back at once, so that replies stream back while later
         keys are still going out (both directions of the link busy, not one after the other).
         Without `out` the result goes into `value`, as MXNet's (see base.in_place), and is returned."""
-        self._refuse_row_sparse(key)
+        if self._tables:
+            self._refuse_row_sparse(key)
         into = out if out is not None else self._in_place(key, value)
         return self._finish(key, out, self.pushpull_async(key, value, priority, out=into))
 
@@ -273,7 +274,8 @@ class DistStore(KVStore):
         """Push each key and send its pull request without waiting for anything; `arrivals` (or
         `wait`) takes the replies and writes them into `out` if given. Safe to call from a
         TensorFlow op's thread (DataParallel pushes each gradient as backprop produces it)."""
-        self._refuse_row_sparse(key)
+        if self._tables:  # per key and step: nothing to look up in a job without tables
+            self._refuse_row_sparse(key)
         self._check_can_push()
         outs = dict(pairs(key, out))
         with self.servers.lock:
