@@ -121,7 +121,7 @@ class DataParallel(Parallel):
         self.keys = list(range(len(self.params[0])))
         for j, t in enumerate(found):
             t.key = len(self.keys) + j
-        self.sparse = (sparse.Tables(found, self.replicas, store, sum(self.batch_sizes)) if found else None)
+        self.sparse = (sparse.Tables(found, self.replicas, store) if found else None)
         if initial_weights is not None:
             tables = self._set_portable_weights(list(initial_weights))
 

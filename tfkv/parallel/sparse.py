@@ -95,11 +95,9 @@ def find(replicas: Sequence[Any], row_sparse: bool, first_key: int) -> list[Spar
 class Tables:
     """The row-sparse tables of a data-parallel model and what moves their rows."""
 
-    def __init__(self, tables: list[SparseTable], replicas: Sequence[Any], store: KVStore, batch: int) -> None:
+    def __init__(self, tables: list[SparseTable], replicas: Sequence[Any], store: KVStore) -> None:
         self.tables = tables
         self.store = store
-        self.batch = batch  # this worker's examples per step (all its devices)
-        self.replicas = list(replicas)
         self._prefetch: Prefetch | None = None
         # A traceable store (local, device) pushes inside the compiled step and its rows are
         # pulled and loaded by one compiled call; others move numpy rows, loaded by one too.
