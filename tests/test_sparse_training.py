@@ -136,6 +136,19 @@ def test_sharded_embedding_keeps_only_a_batch_of_rows_and_learns_what_keras_lear
     assert dp.evaluate([(x, y)])["loss"] == pytest.approx(keras_loss, rel=1e-5)
 
 
+def test_sharded_embedding_without_a_store_is_a_keras_embedding_and_round_trips(tmp_path):
+    model = ids_model((WIDTH,), CLASSES, sharded=True)
+    layer = model.get_layer("embed")
+    assert isinstance(layer, keras.layers.Embedding) and not layer.holds_rows
+    assert tuple(layer.embeddings.shape) == (ROWS, DIM)  # the whole table, as plain Keras has it
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    again = loaded.get_layer("embed")
+    assert type(again) is ShardedEmbedding and again.rows_per_batch == layer.rows_per_batch
+    x = _batches(steps=1)[0][0]
+    np.testing.assert_allclose(loaded(x), model(x), rtol=1e-6)
+
+
 def test_too_many_distinct_ids_for_the_cache_is_one_line(tf_devices):
     keras.utils.set_random_seed(7)
     dp = DataParallel(lambda: ids_model((WIDTH,), CLASSES, sharded=True, rows_per_batch=4), tf_devices[:1],
@@ -190,7 +203,11 @@ def test_a_subclassed_model_fetches_rows_at_lookup_time_and_learns_what_keras_le
 
 
 class RecordingLocalStore(LocalStore):
-    """The real local store, recording the order of pushes and row requests of the table key."""
+    """The real local store driven as the parameter-server client is (between the compiled
+    halves of the step, not traced into it), recording the order of its pushes and row requests
+    of the table key."""
+
+    traceable = False
 
     def __init__(self, devices=None):
         super().__init__(devices)
@@ -326,6 +343,20 @@ def _finished(c, timeout):
 
 
 @pytest.mark.slow
+def test_dist_async_workers_train_the_tables_with_rows_requested_before_each_batch(cluster):
+    """dist_async: each worker asks for the next batch's rows before this batch computes (no
+    round to wait for); both train, the servers' tables move and stay finite."""
+    c = cluster(num_servers=2, num_workers=2, TEST_KVSTORE="dist_async")
+    c.start_servers()
+    outs = _start_workers(c, "exact")
+    _finished(c, 300)
+    for out in outs:
+        with np.load(out) as f:
+            start, end = f["start1"], f["end1"]
+        assert np.isfinite(end).all() and not np.allclose(start, end)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["range", "hash"])
 def test_dist_sync_two_workers_learn_what_keras_learns_at_the_global_batch(cluster, sharding):
     """Worker r takes rows r::2 of each global batch; the servers sum both workers' rows before
@@ -436,3 +467,24 @@ def test_tfkv_run_dist_sync_job_trains_a_sharded_table_and_exports_it_whole(tmp_
     tfkv_run(*job, "eval_only=true", "resume=run", "hydra.run.dir=eval", cwd=tmp_path, env=env, timeout=300)
     evaluated = json.loads((tmp_path / "eval" / "metrics.json").read_text())
     assert evaluated["test_loss"] == pytest.approx(metrics["test_loss"], rel=1e-6)
+    # the job resumed from epoch 1 (the table's rows and Adam's per-row state back on the servers)
+    # ends where the uninterrupted one did, to the round-off of the servers' sums
+    tfkv_run(*job, "epochs=2", f"resume={tmp_path / 'run' / 'checkpoints' / 'epoch-0001'}", "hydra.run.dir=resumed",
+             cwd=tmp_path, env=env, timeout=600)
+    for a, b in zip(_checkpoint_weights(tmp_path / "resumed" / "checkpoints" / "epoch-0002"), weights, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_resume_refuses_a_checkpoint_of_the_other_row_sparse_setting_in_one_line(tmp_path):
+    """The tables' keys come after the dense ones with row_sparse: the optimizer states of the
+    two settings do not fit each other. A checkpoint from before the setting existed is dense."""
+    from tfkv.checkpoint.resume import check_fits
+    from tfkv.errors import ConfigError
+
+    ours = {"model": {"_target_": "m"}, "optimizer": {"name": "sgd"}, "kvstore": {"row_sparse": False}}
+    (tmp_path / "config.yaml").write_text("model: {_target_: m}\noptimizer: {name: sgd}\nkvstore: {row_sparse: true}\n")
+    with pytest.raises(ConfigError) as e:
+        check_fits(tmp_path, ours)
+    assert "kvstore.row_sparse is True in the checkpoint, False here" in str(e.value) and "\n" not in str(e.value)
+    (tmp_path / "config.yaml").write_text("model: {_target_: m}\noptimizer: {name: sgd}\nkvstore: {type: local}\n")
+    check_fits(tmp_path, ours)

@@ -97,7 +97,7 @@ class ShardedEmbedding(keras.layers.Embedding):
         cache = tf.convert_to_tensor(self._embeddings.value)
         slots = tf.minimum(tf.searchsorted(tf.convert_to_tensor(self.row_ids.value), flat), self.rows_per_batch - 1)
         out = tf.gather(cache, slots)
-        return tf.reshape(out, tf.concat([tf.shape(ids), [self.output_dim]], 0))
+        return tf.cast(tf.reshape(out, tf.concat([tf.shape(ids), [self.output_dim]], 0)), self.compute_dtype)
 
     def _fetch_now(self, flat: Any) -> None:
         """The rows of this batch's ids from the store, into the cache, before they are read."""

@@ -29,8 +29,11 @@ AUTO = "auto"
 
 # The settings whose change makes a checkpoint's variables or optimizer state another kind:
 # compared before anything is built, the first difference named. (The store type and where the
-# optimizer runs may change: every store saves its state in the same npz keys.)
-_MUST_FIT = ("model", "optimizer.name")
+# optimizer runs may change: every store saves its state in the same npz keys.) kvstore.row_sparse
+# numbers the keys otherwise (the tables' after the dense ones), so their states would not match.
+_MUST_FIT = ("model", "optimizer.name", "kvstore.row_sparse")
+# What a checkpoint saved before a setting existed had, in effect
+_BEFORE = {"kvstore.row_sparse": False}
 
 
 def _same_command(overrides: list[str]) -> list[str]:
@@ -133,7 +136,8 @@ def check_fits(path: Path, config: dict[str, Any]) -> None:
     except (OSError, yaml.YAMLError) as e:
         raise ConfigError(f"resume: {recorded} is not readable YAML ({e}); start afresh with resume=false") from None
     for key in _MUST_FIT:
-        found = _first_difference(_get(config, key), _get(theirs, key), key)
+        saved = _get(theirs, key)
+        found = _first_difference(_get(config, key), _BEFORE.get(key) if saved is None else saved, key)
         if found:
             raise ConfigError(f"resume: checkpoint {path} does not fit this model and optimizer: {found}; "
                               "resume a run of the same model settings, or start afresh with resume=false")

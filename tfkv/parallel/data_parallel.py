@@ -121,7 +121,7 @@ class DataParallel(Parallel):
         self.keys = list(range(len(self.params[0])))
         for j, t in enumerate(found):
             t.key = len(self.keys) + j
-        self.sparse = (sparse.Tables(found, self.replicas, store, sum(self.batch_sizes)) if found else None)
+        self.sparse = (sparse.Tables(found, self.replicas, store) if found else None)
         if initial_weights is not None:
             tables = self._set_portable_weights(list(initial_weights))
 
@@ -325,18 +325,20 @@ class DataParallel(Parallel):
         gradients were finite (false: a skipped step, nothing pushed)."""
         grads, rows = self._forward_backward(x, y)
         if self.loss_scale is None:
-            self._exchange(grads)
+            self._exchange(grads, rows)
             return rows, tf.constant(True)
         finite = all_finite(grads + _row_values(rows))  # this machine's devices: one graph, nothing to agree on
-        tf.cond(finite, lambda: self._exchange(grads), lambda: None)
+        tf.cond(finite, lambda: self._exchange(grads, rows), lambda: None)
         self.loss_scale.update(finite)
         return rows, finite
 
-    def _exchange(self, grads: list[list[Any]]) -> None:
-        """The update of one step: through the store, or the one device's own."""
+    def _exchange(self, grads: list[list[Any]], rows: list[list[tuple[Any, Any]]]) -> None:
+        """The update of one step: through the store (the tables' rows too), or the one device's own."""
         if not self.uses_store:
             self._apply_aggregated(grads[0])
             return
+        if self.sparse is not None:
+            self.sparse.push_traced(rows)
         for k in self.keys:
             self.store.push(k, [g[k] for g in grads], priority=-k)
             if self.update_on_kvstore:

@@ -95,12 +95,15 @@ def find(replicas: Sequence[Any], row_sparse: bool, first_key: int) -> list[Spar
 class Tables:
     """The row-sparse tables of a data-parallel model and what moves their rows."""
 
-    def __init__(self, tables: list[SparseTable], replicas: Sequence[Any], store: KVStore, batch: int) -> None:
+    def __init__(self, tables: list[SparseTable], replicas: Sequence[Any], store: KVStore) -> None:
         self.tables = tables
         self.store = store
-        self.batch = batch  # this worker's examples per step (all its devices)
-        self.replicas = list(replicas)
         self._prefetch: Prefetch | None = None
+        # A traceable store (local, device) pushes inside the compiled step and its rows are
+        # pulled and loaded by one compiled call; others move numpy rows, loaded by one too.
+        self.traced = bool(store.traceable)
+        self._pull_and_assign = tf.function(self._pull_and_assign_rows, reduce_retracing=True)
+        self._assign = tf.function(self._assign_rows, reduce_retracing=True)
         self.probe = self._make_probe(replicas[0])
         if self.probe is None:
             self._fetch_at_lookup()
@@ -145,28 +148,45 @@ class Tables:
     def before(self, x: Any, upcoming: Any) -> None:
         """Before batch `x` computes: its rows in every copy (prefetched, or pulled now); an
         asynchronous store is asked for `upcoming`'s rows at once."""
-        if self.probe is not None:
-            prefetch, self._prefetch = self._prefetch, None
-            if prefetch is None or prefetch.x is not x:
-                prefetch = self._request(x)
-            self._load([self.store.rows(p) for p in prefetch.pending])
-        if upcoming is not None and not self.store.sync and self.probe is not None:
+        if self.probe is None:
+            return
+        if self.traced:  # in this process: nothing to wait for, the rows are current when pulled
+            self.load_for(x)
+            return
+        prefetch, self._prefetch = self._prefetch, None
+        if prefetch is None or prefetch.x is not x:
+            prefetch = self._request(x)
+        self._load([self.store.rows(p) for p in prefetch.pending])
+        if upcoming is not None and not self.store.sync:
             self._prefetch = self._request(upcoming)
+
+    def push_traced(self, rows: list[list[tuple[Any, Any]]]) -> None:
+        """Traceable: push every device's rows of each table (a traceable store, in the step)."""
+        for j, t in enumerate(self.tables):
+            shape = tf.constant(t.shape, tf.int64)
+            self.store.push(t.key, [tf.IndexedSlices(r[j][0], r[j][1], shape) for r in rows])
 
     def after(self, rows: list[list[tuple[Any, Any]]] | None, upcoming: Any) -> None:
         """After batch n computed: push its rows (`rows[d][j]`: device d's (rows, ids) of table
-        j; None for a skipped step), then, with a synchronous store, ask for `upcoming`'s."""
+        j; None for a skipped step; a traceable store's were pushed in the step), then, with a
+        synchronous store, ask for `upcoming`'s."""
         if rows is not None:
-            for j, t in enumerate(self.tables):
-                self.store.push(t.key, [RowSparse(np.asarray(r[j][0]), np.asarray(r[j][1]), t.shape) for r in rows])
+            if not self.traced:
+                for j, t in enumerate(self.tables):
+                    self.store.push(t.key, [RowSparse(np.asarray(r[j][0]), np.asarray(r[j][1]), t.shape)
+                                            for r in rows])
             if self.probe is None:
                 self._take_back(rows)
-        if upcoming is not None and self.store.sync and self.probe is not None:
+        if upcoming is not None and self.store.sync and self.probe is not None and not self.traced:
             self._prefetch = self._request(upcoming)
 
     def load_for(self, x: Any) -> None:
         """The rows batch `x` reads, pulled now, in every copy (evaluation)."""
-        if self.probe is not None:
+        if self.probe is None:
+            return
+        if self.traced:
+            self._pull_and_assign(self._ids(x))
+        else:
             self._load([self.store.rows(p) for p in self._request(x).pending])
 
     def gather(self, t: SparseTable) -> np.ndarray:
@@ -178,14 +198,6 @@ class Tables:
             got = self.store.row_sparse_pull(t.key, row_ids=np.arange(start, min(rows, start + step), dtype=np.int64))
             out[np.asarray(got.indices)] = np.asarray(got.data)
         return out
-
-    def refresh_whole(self) -> None:
-        """Every whole-table copy made equal to the store's (before an evaluation)."""
-        for t in self.tables:
-            if not t.sharded:
-                value = self.gather(t)
-                for c in t.copies:
-                    c.embeddings.assign(value)
 
     # -- ids, requests, loading -----------------------------------------------------------------
 
@@ -203,38 +215,50 @@ class Tables:
         def ids(x: Any) -> list[Any]:
             out = probe(x, training=False)
             out = out if isinstance(out, (list, tuple)) else [out]
-            return [tf.unique(tf.reshape(tf.cast(o, tf.int64), [-1])).y for o in out]
+            return [tf.sort(tf.unique(tf.reshape(tf.cast(o, tf.int64), [-1])).y) for o in out]
 
         return ids
 
-    def _request(self, x: Any) -> Prefetch:
-        ids = self.probe(x)
-        pending = []
+    def _ids(self, x: Any) -> list[Any]:
+        """Each table's distinct ids of batch `x` (tensors, sorted), checked against its cache."""
+        ids = list(self.probe(x))
         for t, wanted in zip(self.tables, ids):
-            wanted = np.sort(wanted.numpy())
-            if t.sharded and len(wanted) > t.copies[0].rows_per_batch:
-                raise ConfigError(f"ShardedEmbedding {t.name!r}: a batch reads {len(wanted)} distinct rows, more than "
-                                  f"its rows_per_batch={t.copies[0].rows_per_batch}; raise rows_per_batch to at least "
-                                  f"{len(wanted)} or lower batch_size")
-            pending.append(self.store.row_sparse_pull_async(t.key, row_ids=wanted))
-        return Prefetch(x, pending)
+            if t.sharded and int(tf.shape(wanted)[0]) > t.copies[0].rows_per_batch:
+                raise ConfigError(f"ShardedEmbedding {t.name!r}: a batch reads {int(tf.shape(wanted)[0])} distinct "
+                                  f"rows, more than its rows_per_batch={t.copies[0].rows_per_batch}; raise "
+                                  f"rows_per_batch to at least that or lower batch_size")
+        return ids
+
+    def _request(self, x: Any) -> Prefetch:
+        return Prefetch(x, [self.store.row_sparse_pull_async(t.key, row_ids=wanted.numpy())
+                            for t, wanted in zip(self.tables, self._ids(x))])
 
     def _load(self, rows: list[RowSparse]) -> None:
-        for t, got in zip(self.tables, rows):
-            ids, data = np.asarray(got.indices, np.int64), np.asarray(got.data, np.float32).reshape(-1, t.shape[1])
+        """Pulled rows (numpy) into every copy, in one compiled call."""
+        self._assign([tf.constant(np.asarray(got.indices, np.int64)) for got in rows],
+                     [tf.constant(np.asarray(got.data, np.float32).reshape(-1, t.shape[1]))
+                      for t, got in zip(self.tables, rows)])
+
+    def _pull_and_assign_rows(self, ids: list[Any]) -> None:
+        """Traced: a traceable store's rows `ids` of each table into every copy."""
+        got = [self.store.row_sparse_pull(t.key, row_ids=i) for t, i in zip(self.tables, ids)]
+        self._assign_rows([g.indices for g in got], [g.data for g in got])
+
+    def _assign_rows(self, ids: list[Any], data: list[Any]) -> None:
+        """Traced: rows `data` of table ids `ids` (unique, sorted) into every copy: a cache's
+        slots (the rest padded: ids past the table, zero rows), or a whole table's rows."""
+        for t, i, d in zip(self.tables, ids, data):
+            i, d = tf.cast(i, tf.int64), tf.reshape(d, [-1, t.shape[1]])
             if t.sharded:
-                size = t.copies[0].rows_per_batch
-                padded_ids = np.full(size, t.shape[0], np.int64)
-                padded_ids[:len(ids)] = ids
-                padded = np.zeros((size, t.shape[1]), np.float32)
-                padded[:len(ids)] = data
+                pad = t.copies[0].rows_per_batch - tf.shape(i)[0]
+                padded_ids = tf.concat([i, tf.fill([pad], tf.constant(t.shape[0], tf.int64))], 0)
+                padded = tf.concat([d, tf.zeros([pad, t.shape[1]], tf.float32)], 0)
                 for c in t.copies:
                     c.row_ids.assign(padded_ids)
                     c.embeddings.assign(padded)
-            elif len(ids):
-                update = tf.IndexedSlices(tf.constant(data), tf.constant(ids))
+            else:
                 for c in t.copies:
-                    c.embeddings.value.scatter_update(update)
+                    c.embeddings.value.scatter_update(tf.IndexedSlices(d, i))
 
     def _take_back(self, rows: list[list[tuple[Any, Any]]]) -> None:
         """Without a probe, a whole-table copy takes back the rows it pushed (the only rows a
