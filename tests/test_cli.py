@@ -43,7 +43,7 @@ def test_default_job_trains_and_leaves_its_record(tmp_path):
     (["dataset=mnist", "dataset.download=false", "dataset.root=nowhere"], "nowhere"),
     (["seed=-1"], "seed=-1 must be between 0 and 4294967295"),
     (["+epoch=3"], "epoch is not a setting tfkv knows (did you mean epochs?)"),  # + got past the schema
-    (["model=resnet19"], "available: lenet, lstm_lm, mlp, resnet18, saved, vgg11 (did you mean 'resnet18'?)"),
+    (["model=resnet19"], "available: dlrm, lenet, lstm_lm, mlp, resnet18, saved, vgg11 (did you mean 'resnet18'?)"),
     (["experiment=mnist_lenet"], "to add it, write +experiment=mnist_lenet"),
     (["-m", "epochs=1", "--cfg", "job"], "Only one of --run, --multirun, --cfg"),
     (["devices=[cpu:0"], "write lists as key=[a,b]"),

@@ -65,8 +65,9 @@ SMALL = {"mlp": {"hidden": [16]}, "lenet": {}, "vgg11": {"width": 8}, "resnet18"
 
 
 def test_the_zoo_is_ordinary_target_entries():
-    assert ZOO == ["lenet", "lstm_lm", "mlp", "resnet18", "vgg11"]
-    for name in sorted(set(ZOO) - {"lstm_lm"}):  # lstm_lm: tests/parallel/test_model_parallel.py
+    assert ZOO == ["dlrm", "lenet", "lstm_lm", "mlp", "resnet18", "vgg11"]
+    # lstm_lm: tests/parallel/test_model_parallel.py; dlrm (dict inputs): tests/test_ctr_dlrm.py
+    for name in sorted(set(ZOO) - {"lstm_lm", "dlrm"}):
         node = _cfg(name, **SMALL[name])
         assert node._target_.startswith("tfkv.models.") and models.check(node) is not None
         assert _build(node, (32, 32, 3)).name == name

@@ -83,9 +83,10 @@ def test_insecure_cluster_runs_plain_with_a_warning(cluster):
     assert "WITHOUT authentication or encryption" in c.output("scheduler")
 
 
-def test_plan_with_secure_false_warns_and_turns_curve_off(tmp_path, caplog):
+def test_plan_with_secure_false_warns_and_turns_curve_off(tmp_path, caplog, monkeypatch):
     from tfkv.launcher import job
 
+    monkeypatch.setattr(job_keys, "_warned", set())  # warned once per process: an earlier test may have
     with caplog.at_level(logging.WARNING):
         j = job.plan_job(job.Options("local", 1, 1, secure=False), ["true"], tmp_path, tmp_path / "run")
     assert "WITHOUT authentication" in caplog.text
