@@ -86,7 +86,12 @@ def test_insecure_cluster_runs_plain_with_a_warning(cluster):
 def test_plan_with_secure_false_warns_and_turns_curve_off(tmp_path, caplog, monkeypatch):
     from tfkv.launcher import job
 
-    monkeypatch.setattr(job_keys, "_warned", set())  # warned once per process: an earlier test may have
+    # An earlier test in this process may have configured logging (a run's Hydra job_logging
+    # disables or re-levels loggers): the warning is asked of a logger as a fresh process has it.
+    monkeypatch.setattr(job_keys, "_warned", set())
+    tfkv_log = logging.getLogger("tfkv")
+    for name, value in (("disabled", False), ("propagate", True), ("level", logging.NOTSET)):
+        monkeypatch.setattr(tfkv_log, name, value)
     with caplog.at_level(logging.WARNING):
         j = job.plan_job(job.Options("local", 1, 1, secure=False), ["true"], tmp_path, tmp_path / "run")
     assert "WITHOUT authentication" in caplog.text
