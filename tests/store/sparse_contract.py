@@ -205,7 +205,8 @@ def run(kv: Any, devices: int, state_dir: str) -> dict[str, Any]:
     seen["sgd"], seen["sgd_own"] = _train(kv, SGD_KEY, "sgd", devices)
 
     # the state saved (per row, "<key>/momentum") and loaded back
-    first, again = os.path.join(state_dir, "sparse_a.npz"), os.path.join(state_dir, "sparse_b.npz")
+    # one file pair per worker: workers of a dist job may share state_dir
+    first, again = (os.path.join(state_dir, f"sparse_{name}_{kv.rank}.npz") for name in ("a", "b"))
     kv.save_optimizer_states(first)
     with np.load(first, allow_pickle=False) as f:
         momentum = f[f"{SGD_KEY}/momentum"]
