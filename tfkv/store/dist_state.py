@@ -76,6 +76,9 @@ def load(store: Any, fname: str) -> None:
             "gradient compression %s: each worker's %s are not in the optimizer state; they start from zero, "
             "so the updates from here differ from those of a job never stopped", store._sender.setting.kind.name,
             store._sender.held)
+    # Every worker's pushes so far applied first: a round still open (another worker's push on its
+    # way) would otherwise close after the state was put back, and move it again.
+    store.barrier()
     if store.rank == 0:
         with np.load(fname, allow_pickle=False) as f:
             states = {n: f[n] for n in f.files}
