@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence, Union
+from typing import Callable, NamedTuple, Sequence, Union
 
 import numpy as np
 
@@ -208,21 +208,7 @@ class Rounds:
         if not self.sync:
             self.values[msg.key] = self._async_updater().update(msg.key, value, data)
             return _acked(identity, msg)
-        r = self.open[msg.key]
-        if msg.sender in r.pushed:
-            r.held.append(Held(identity, msg))
-            return NOTHING  # acknowledged when its round opens
-        if self.left:
-            refused = self._refuse_owed(identity, msg, (msg.key,))
-            if refused:
-                return refused
-        r.merged = self.reducer.accumulate(r.merged, data)
-        r.pushed.add(msg.sender)
-        if len(r.pushed) < len(self.workers):
-            return _acked(identity, msg)
-        out = list(_acked(identity, msg))
-        self._close(msg.key, r, out)
-        return out
+        return self._join(identity, msg, lambda r: setattr(r, "merged", self.reducer.accumulate(r.merged, data)))
 
     def _push_rows(self, identity: bytes, msg: P.Message) -> Outcome:
         """A row-sparse key's PUSH: its rows applied (async), added to the key's round, or held."""
@@ -231,6 +217,11 @@ class Rounds:
         if not self.sync:
             self._async_updater().update_rows(msg.key, shard.value, *merge(local, rows))
             return _acked(identity, msg)
+        return self._join(identity, msg, lambda r: r.rows.append((local, rows)))
+
+    def _join(self, identity: bytes, msg: P.Message, add: Callable[[Round], None]) -> Outcome:
+        """A synchronous push into its key's round (dense or rows: `add` puts its values in), held
+        for the next round if its sender already pushed, refused if the round can never close."""
         r = self.open[msg.key]
         if msg.sender in r.pushed:
             r.held.append(Held(identity, msg))
@@ -239,7 +230,7 @@ class Rounds:
             refused = self._refuse_owed(identity, msg, (msg.key,))
             if refused:
                 return refused
-        r.rows.append((local, rows))
+        add(r)
         r.pushed.add(msg.sender)
         if len(r.pushed) < len(self.workers):
             return _acked(identity, msg)
