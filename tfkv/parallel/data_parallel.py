@@ -66,6 +66,7 @@ from tfkv.parallel import sparse
 from tfkv.parallel.base import Parallel
 from tfkv.parallel.criterion import Criterion, regularization
 from tfkv.parallel.precision import LossScale, all_finite
+from tfkv.store import npz
 from tfkv.store.base import KVStore
 from tfkv.store.tf_updater import TFUpdater
 
@@ -410,9 +411,15 @@ class DataParallel(Parallel):
     def get_weights(self) -> list[np.ndarray]:
         """All variables of the first copy, in `model.weights` order: those of the model as built
         without a store, so a row-sparse table is gathered whole from the store."""
+        return [np.concatenate(list(npz.pieces(w))) if isinstance(w, npz.Chunked) else w
+                for w in self.streamed_weights()]
+
+    def streamed_weights(self) -> list[Any]:
+        """`get_weights`, but each row-sparse table an `npz.Chunked`: its rows pulled from the
+        store piece by piece as they are written (what a checkpoint saves)."""
         if self.sparse is None:
             return [np.asarray(w) for w in self.replicas[0].get_weights()]
-        return [np.asarray(v.numpy()) if j is None else self.sparse.gather(self.sparse.tables[j])
+        return [np.asarray(v.numpy()) if j is None else self.sparse.rows_of(self.sparse.tables[j])
                 for v, j in self._portable()]
 
     def weight_names(self) -> list[str]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import keras
 import numpy as np
@@ -30,14 +30,11 @@ import tensorflow as tf
 
 from tfkv.errors import ConfigError
 from tfkv.layers import ShardedEmbedding
+from tfkv.store import npz
 from tfkv.store.base import KVStore
 from tfkv.store.sparse import RowSparse, Table
 
 log = logging.getLogger("tfkv")
-
-# Rows per row_sparse_pull when a whole table is gathered (export, checkpoints): about 64 MiB.
-GATHER_BYTES = 64 << 20
-
 
 @dataclass
 class SparseTable:
@@ -124,19 +121,26 @@ class Tables:
         return any(v is t.variable(r) or (t.sharded and v is t.copies[r].row_ids)
                    for t in self.tables for r in range(len(t.copies)))
 
-    def init(self, tables: dict[int, np.ndarray]) -> None:
-        """Each table's key in the store: from `tables` (a checkpoint's, by table index), else a
-        ShardedEmbedding's Table (made by the store) or a Keras Embedding's first copy's weights."""
+    def init(self, tables: dict[int, Any]) -> None:
+        """Each table's key in the store: from `tables` (a checkpoint's, by table index: put back
+        by row pieces, a memory-mapped table never read whole), else a ShardedEmbedding's Table
+        (made by the store) or a Keras Embedding's first copy's weights."""
         for j, t in enumerate(self.tables):
             layer = t.copies[0]
             if j in tables:
-                value = np.asarray(tables[j], np.float32)
-                if value.shape != t.shape:
-                    raise ValueError(f"table {t.name}: the checkpoint holds shape {value.shape}, the layer {t.shape}")
-                self.store.init(t.key, RowSparse(value, np.arange(t.shape[0], dtype=np.int64), t.shape))
-                if not t.sharded:
-                    for c in t.copies:
-                        c.embeddings.assign(value)
+                value = tables[j]
+                if tuple(value.shape) != t.shape:
+                    raise ValueError(f"table {t.name}: the checkpoint holds shape {tuple(value.shape)}, the layer {t.shape}")
+                self.store.init(t.key, Table(t.shape, init="zeros"))
+                start = 0
+                for piece in npz.pieces(value):
+                    ids = np.arange(start, start + len(piece), dtype=np.int64)
+                    self.store.set_rows(t.key, RowSparse(np.asarray(piece, np.float32), ids, t.shape))
+                    if not t.sharded:
+                        for c in t.copies:
+                            c.embeddings.value.scatter_update(tf.IndexedSlices(tf.constant(piece, tf.float32), ids))
+                    start += len(piece)
+                self.store.barrier()  # worker 0's rows are in the store before any worker pulls
             elif t.sharded:
                 self.store.init(t.key, Table(t.shape, init=layer.init, scale=layer.scale, seed=layer.seed))
             else:
@@ -189,15 +193,17 @@ class Tables:
         else:
             self._load([self.store.rows(p) for p in self._request(x).pending])
 
-    def gather(self, t: SparseTable) -> np.ndarray:
-        """Table `t` whole, from the store, in pieces of about GATHER_BYTES."""
+    def rows_of(self, t: SparseTable) -> npz.Chunked:
+        """Table `t` from the store as row pieces of about npz.PIECE_BYTES, pulled as they are
+        read (a checkpoint writes them; the table is never whole here)."""
         rows, dim = t.shape
-        out = np.empty(t.shape, np.float32)
-        step = max(1, GATHER_BYTES // (4 * dim))
-        for start in range(0, rows, step):
-            got = self.store.row_sparse_pull(t.key, row_ids=np.arange(start, min(rows, start + step), dtype=np.int64))
-            out[np.asarray(got.indices)] = np.asarray(got.data)
-        return out
+
+        def pulled() -> Iterator[np.ndarray]:
+            for start, end in npz.spans(rows, dim):
+                got = self.store.row_sparse_pull(t.key, row_ids=np.arange(start, end, dtype=np.int64))
+                yield np.asarray(got.data, np.float32).reshape(end - start, dim)
+
+        return npz.Chunked(t.shape, pulled)
 
     # -- ids, requests, loading -----------------------------------------------------------------
 
