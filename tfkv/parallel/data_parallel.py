@@ -36,7 +36,10 @@ dense ones). Its gradient leaves the compiled step as rows with their table ids 
 rows after it; the rows each batch reads are loaded into the copies before it computes, those
 of the next batch (`step`'s `upcoming`) requested while this one computes. Such a model always
 goes through the store (its tables live there) and needs `update_on_kvstore`. `get_weights`
-gives the tables whole, gathered from the store: the weights of the model built without one.
+gives the tables whole, gathered from the store: the weights of the model built without one;
+`streamed_weights` gives each table as row pieces pulled as they are written (checkpoints).
+With `evaluate_only` (eval_only) the tables of `initial_weights` (a checkpoint's, memory-mapped)
+stay where they are: each batch's rows are read from them, the store never holds them.
 
 Precision, clipping, XLA (docs/guides/precision-and-devices.md): with a `loss_scale`
 (mixed_float16) the loss is scaled before backprop and the gradients unscaled after; a step
@@ -86,10 +89,11 @@ class DataParallel(Parallel):
         clipnorm: float | None = None,
         jit_compile: bool = False,
         row_sparse: bool = False,
+        evaluate_only: bool = False,
     ):
         """`devices` are TensorFlow device names; `batch_sizes[i]` examples go to device i;
         `criterion`: the loss and metrics (default: sparse categorical crossentropy on logits,
-        accuracy); `loss_scale`, `clipnorm`, `jit_compile`, `row_sparse`: see the module docstring.
+        accuracy); `loss_scale`, `clipnorm`, `jit_compile`, `row_sparse`, `evaluate_only`: see the module docstring.
 
         As in MXNet, what is pushed is the gradient of the loss summed over the examples (an
         example's loss is the mean over its positions, e.g. tokens), plus the examples' count
@@ -139,7 +143,7 @@ class DataParallel(Parallel):
             for k in self.keys:
                 store.broadcast(k, self.params[0][k], out=[p[k] for p in self.params], priority=-k)
         if self.sparse is not None:
-            self.sparse.init({j: v for j, v in tables.items() if v is not None})
+            self.sparse.init({j: v for j, v in tables.items() if v is not None}, read_only=evaluate_only)
         self._sync_non_trainable(source=0)
 
         self.loss_scale = loss_scale

@@ -60,7 +60,9 @@ def save(store: Any, fname: str) -> None:
             if not table.placement.shard_rows(s):
                 continue
             first = table.placement.global_ids(s, np.zeros(1, np.int64))
-            reply = store.servers.take(store.servers.request(s, P.Message(P.Type.GET_STATE, key=kid, rows=first)))
+            seq = store.servers.request(s, P.Message(P.Type.GET_STATE, key=kid, rows=first))
+            store.servers.wait([seq])
+            reply = store.servers.take(seq)
             if reply.meta["names"] != state_names:
                 raise RuntimeError(f"optimizer state of key {k!r}: the servers run an optimizer with states "
                                    f"{reply.meta['names']}, this worker set one with {state_names}")
@@ -81,6 +83,7 @@ def _state_pieces(store: Any, kid: int, table: Any, j: int) -> Iterator[np.ndarr
         out = np.empty((len(ids), table.width), np.float32)
         asked = [(at, store.servers.request(s, P.Message(P.Type.GET_STATE, key=kid, rows=ids[at])))
                  for s, at in enumerate(table.placement.split(ids)) if len(at)]
+        store.servers.wait([seq for _, seq in asked])
         for at, seq in asked:
             out[at] = np.split(store.servers.take(seq).data, names)[j].reshape(len(at), table.width)
         yield out.reshape((len(ids), *table.shape[1:]))
