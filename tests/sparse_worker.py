@@ -5,8 +5,12 @@
 exact: the model of `two_tables` (a row-sparse keras Embedding and a ShardedEmbedding) trained
   with SGD on slice `rank` of each global batch of `global_batches`; OUT holds the weights before
   and after (gathered from the servers), for the test to compare with plain Keras.
-memory ROWS DIM STEPS: a ShardedEmbedding of ROWS x DIM float32 held by the servers, trained for
-  STEPS steps of Zipf ids; OUT holds this process's peak RSS, the table's bytes, the losses.
+memory ROWS DIM STEPS RUN_DIR [resume]: a ShardedEmbedding of ROWS x DIM float32 held by the
+  servers, trained for STEPS steps of Zipf ids, then checkpointed into RUN_DIR (the table written
+  by rows); with `resume`, the job starts from RUN_DIR's newest checkpoint instead (the table put
+  back by rows), trains, checkpoints again and exports model.keras from that checkpoint. OUT
+  holds this process's peak RSS, the table's bytes, the losses, some rows as the store holds them
+  (after the resume, before training; and at the end), an evaluated batch and its loss.
 """
 
 import os
@@ -80,8 +84,8 @@ def memory(kv, out):
     import keras
     import tensorflow as tf
 
-    from tfkv import optim
-    from tfkv.layers import ShardedEmbedding
+    from tfkv import checkpoint, export, optim
+    from tfkv.layers import ShardedEmbedding, serving_rows
     from tfkv.parallel import devices
     from tfkv.parallel.data_parallel import DataParallel
 
@@ -93,22 +97,37 @@ def memory(kv, out):
         e = ShardedEmbedding(rows, dim, batch * WIDTH, init="uniform", scale=0.05, seed=1, name="big")(inp)
         return keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(e)))
 
+    run_dir, resume = sys.argv[6], sys.argv[7:] == ["resume"]
+    ckpt = checkpoint.load(checkpoint.latest(run_dir)) if resume else None
     devs = devices.setup(["cpu:0"])
     keras.utils.set_random_seed(3)
     dp = DataParallel(build, devs, kv, optim.SGD(schedule=optim.Schedule(lr=0.1)), [batch],
-                      criterion=_mse())
-    rng = np.random.default_rng(kv.rank)
+                      criterion=_mse(), initial_weights=ckpt.weights if ckpt else None)
+    if ckpt:
+        dp.load_optimizer(ckpt.optimizer, run_dir)
+    rng = np.random.default_rng(kv.rank + 10 * resume)
     batches = []
     for _ in range(steps):  # ids over the whole table: Zipf ranks scattered by a fixed permutation
         ids = (np.minimum(rng.zipf(1.2, size=(batch, WIDTH)), rows) * 2654435761 % rows).astype(np.int64)
         batches.append((tf.constant(ids), tf.constant((ids[:, :1] % 2).astype(np.float32))))
+    some = np.unique(np.concatenate([[0, rows - 1], batches[0][0].numpy()[:4, 0]]))
+    before = kv.row_sparse_pull(dp.sparse.tables[0].key, row_ids=some).data
     losses = []
     for i, (x, y) in enumerate(batches):
         dp.step(x, y, batches[i + 1][0] if i + 1 < len(batches) else None)
         losses.append(dp.take_metrics()[0]["loss"])
+    after = kv.row_sparse_pull(dp.sparse.tables[0].key, row_ids=some).data
+    test_x, test_y = batches[0]
+    test_loss = dp.evaluate([(test_x, test_y)])["loss"]  # through the store: the batch's rows
+    saved = checkpoint.save(run_dir, 2 if resume else 1, dp.streamed_weights(), dp.weight_names(), dp.save_optimizer, [])
+    if resume:
+        with serving_rows():
+            model = build()
+        export.save_by_rows(model, checkpoint.load(saved).weights, run_dir)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     np.savez(out, peak_rss=np.int64(peak), table_bytes=np.int64(rows * dim * 4), losses=np.array(losses),
-             cache_rows=np.int64(dp.replicas[0].get_layer("big").embeddings.shape[0]))
+             cache_rows=np.int64(dp.replicas[0].get_layer("big").embeddings.shape[0]), ids=some, before=before,
+             after=after, test_x=test_x.numpy(), test_y=test_y.numpy(), test_loss=np.float64(test_loss))
 
 
 def _mse():

@@ -417,35 +417,69 @@ def _in_cgroup(group: Path, argv: list[str]) -> list[str]:
 
 
 @pytest.mark.slow
-def test_a_worker_trains_a_table_larger_than_the_memory_it_may_use(cluster, tmp_path):
+def test_a_worker_trains_checkpoints_resumes_and_exports_a_table_larger_than_the_memory_it_may_use(cluster, tmp_path):
+    """A worker in a memory group below the table's size trains it (the servers hold it),
+    checkpoints it (written by rows), and a job resumed from that checkpoint by another such
+    worker gets the table back (by rows), trains on, checkpoints and exports model.keras, which
+    plain Keras loads: its table's rows are the store's, its loss tfkv's."""
     table_bytes = BIG_ROWS * BIG_DIM * 4
     assert table_bytes > 1.5 * WORKER_LIMIT
     group = _memory_cgroup(f"tfkv-sparse-{os.getpid()}", WORKER_LIMIT)
     if group is None:
         pytest.skip("no cgroup v1 memory controller this process may make a group in (/sys/fs/cgroup/memory, as root)")
+    run_dir, outs, peaks = tmp_path / "run", [], []
     try:
         # The limit holds: a process of the group that makes the table itself is killed.
         alloc = subprocess.run(_in_cgroup(group, [sys.executable, "-c", f"import numpy as np; "
                                                   f"a = np.ones({table_bytes // 4}, np.float32); print(a.sum())"]),
                                capture_output=True, timeout=120)
         assert alloc.returncode in (-9, 137), (alloc.returncode, alloc.stderr[-500:])
-        c = cluster(num_servers=2, num_workers=1)
-        c.start_servers()
-        out = c.dir / "worker0.npz"
-        c.start("worker 0", "worker", _in_cgroup(group, [sys.executable, str(WORKER), "memory", str(out),
-                                                         str(BIG_ROWS), str(BIG_DIM), "30"]), TFKV_RANK_HINT="0")
-        _finished(c, 480)
-        peak = int((group / "memory.max_usage_in_bytes").read_text())
+        for phase in ([], ["resume"]):  # a job, then another (new servers) resumed from its checkpoint
+            c = cluster(num_servers=2, num_workers=1)
+            c.start_servers()
+            outs.append(c.dir / f"worker0{'-'.join(['', *phase])}.npz")
+            c.start("worker 0", "worker", _in_cgroup(group, [sys.executable, str(WORKER), "memory", str(outs[-1]),
+                                                             str(BIG_ROWS), str(BIG_DIM), "30", str(run_dir), *phase]),
+                    TFKV_RANK_HINT="0")
+            _finished(c, 600)
+            peaks.append(int((group / "memory.max_usage_in_bytes").read_text()))
     finally:
         try:
             group.rmdir()
         except OSError:  # a process still in it: the cluster fixture kills it, the group stays empty behind
             pass
-    with np.load(out) as f:
-        rss, losses, cache = int(f["peak_rss"]), f["losses"], int(f["cache_rows"])
-    assert cache == 256 * 3  # the worker's rows: one batch's
-    assert rss < WORKER_LIMIT and peak <= WORKER_LIMIT < table_bytes
-    assert losses[-5:].mean() < 0.8 * losses[:5].mean(), losses  # it learns
+    trained, resumed = (dict(np.load(out)) for out in outs)
+    for f in (trained, resumed):
+        assert int(f["cache_rows"]) == 256 * 3  # the worker's rows: one batch's
+        # RSS counts the pages of the checkpoint's memory map read so far (file pages, which the
+        # group drops under its limit): below the table; the group's limit held (no kill)
+        assert int(f["peak_rss"]) < table_bytes
+    assert max(peaks) <= WORKER_LIMIT < table_bytes
+    assert trained["losses"][-5:].mean() < 0.8 * trained["losses"][:5].mean(), trained["losses"]  # it learns
+    assert resumed["losses"].mean() < trained["losses"][:5].mean()  # it goes on from where it stopped
+    # the checkpoint holds the whole table; the resumed store began with its rows and trained them
+    with np.load(run_dir / "checkpoints" / "epoch-0001" / "weights.npz") as f:  # numpy's reader, whole
+        table = f["w0000"]
+    assert table.shape == (BIG_ROWS, BIG_DIM)
+    np.testing.assert_array_equal(table[trained["ids"]], trained["after"])
+    np.testing.assert_array_equal(table[resumed["ids"]], resumed["before"])
+    del table
+    assert not np.allclose(resumed["after"], resumed["before"])
+    # model.keras: plain Keras (no tfkv) loads a keras Embedding with the whole table, whose rows
+    # are the store's at the end, and gives tfkv's loss on a batch
+    code = ("import json, sys, numpy as np, keras\n"
+            "m = keras.models.load_model(sys.argv[1])\n"
+            "e, f = m.get_layer('big'), np.load(sys.argv[2])\n"
+            "loss = keras.losses.MeanSquaredError()(f['test_y'], m(f['test_x']))\n"
+            "same = bool(np.array_equal(e.embeddings.numpy()[f['ids']], f['after']))\n"
+            "print(json.dumps([type(e).__module__ + '.' + type(e).__name__, list(e.embeddings.shape), same, "
+            "float(loss)]))\n")
+    out = subprocess.run([sys.executable, "-c", code, str(run_dir / "model.keras"), str(outs[1])], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": ""}, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    cls, shape, same, loss = json.loads(out.stdout.strip().splitlines()[-1])
+    assert cls.endswith("Embedding") and cls.startswith("keras.") and shape == [BIG_ROWS, BIG_DIM] and same
+    assert loss == pytest.approx(float(resumed["test_loss"]), rel=1e-5)
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -95,18 +96,115 @@ def save(model: Any, run_dir: Path, saved_model: bool = False) -> Path:
     return target
 
 
-def write(cfg: Any, source: Any, weights: Sequence[np.ndarray], run_dir: Path) -> Path:
+def write(cfg: Any, source: Any, weights: Sequence[Any], run_dir: Path) -> Path:
     """Build the model `cfg.model` describes, give it `weights` (every variable, in `model.weights`
     order, as a checkpoint holds them) and save it into `run_dir`. Data and model parallelism both
-    end here: a layer-group builder's `build` chains the groups with the weights in this order."""
+    end here: a layer-group builder's `build` chains the groups with the weights in this order.
+    A ShardedEmbedding's table (a checkpoint's, memory-mapped) is written by rows, never whole
+    in memory, unless a SavedModel is asked for too (TensorFlow's export needs the variables)."""
     from tfkv import models
+    from tfkv.layers import ShardedEmbedding, serving_rows
 
-    model = models.build(cfg.model, input_shape=source.input_shape, input_spec=source.input_spec,
-                         num_classes=source.outputs)
+    def build() -> Any:
+        return models.build(cfg.model, input_shape=source.input_shape, input_spec=source.input_spec,
+                            num_classes=source.outputs)
+
+    if not cfg.export.saved_model:
+        with serving_rows():  # each ShardedEmbedding a cache of rows: its table is written by rows
+            model = build()
+        if any(isinstance(layer, ShardedEmbedding) for layer in model._flatten_layers()):
+            path = save_by_rows(model, list(weights), run_dir)
+            log.info("model saved: %s (its tables written by rows)", path)
+            return path
+    model = build()
     model.set_weights(list(weights))
     path = save(model, run_dir, bool(cfg.export.saved_model))
     log.info("model saved: %s%s", path, f" and {run_dir / SAVED_MODEL_DIR}" if cfg.export.saved_model else "")
     return path
+
+
+def save_by_rows(model: Any, weights: list[Any], run_dir: Path) -> Path:
+    """`run_dir`/model.keras of `model`, built under serving_rows, with `weights` (the model's
+    as built without a store, a table a memory map or an npz.Chunked); see `_save_by_rows`."""
+    target = Path(run_dir) / MODEL_FILE
+    written(lambda: _save_by_rows(model, weights, target), target)
+    return target
+
+
+def _save_by_rows(model: Any, weights: list[Any], target: Path) -> None:
+    """Each ShardedEmbedding saved as a keras Embedding of one marked row, then its input_dim set
+    in config.json and its weights written into model.weights.h5 by row pieces
+    (tfkv.store.npz.pieces), and the three files zipped under a temporary name: never whole."""
+    import h5py
+    import keras
+
+    from tfkv.layers import ShardedEmbedding
+    from tfkv.store import npz
+
+    tables: list[tuple[Any, int]] = []  # (the placeholder Embedding, the table's rows)
+
+    def clone(layer: Any) -> Any:
+        if not isinstance(layer, ShardedEmbedding):
+            return _keras_class(type(layer)).from_config(_keras_config(layer))
+        placeholder = keras.layers.Embedding.from_config({**layer.keras_config(), "input_dim": 1})
+        tables.append((placeholder, layer.input_dim))
+        return placeholder
+
+    copy = keras.models.clone_model(model, recursive=True, clone_function=clone)
+    if len(copy.weights) != len(weights):
+        raise ValueError(f"{len(weights)} weights for a model of {len(copy.weights)} variables")
+    where = {id(p.embeddings): j for j, (p, _) in enumerate(tables)}
+    marks, values = {}, []
+    for v, w in zip(copy.weights, weights):
+        j = where.get(id(v))
+        if j is None:
+            values.append(np.asarray(w))
+            continue
+        marks[j] = (w, np.full(tuple(v.shape), -1e30 * (j + 1), np.float32))  # found again in the h5 file
+        values.append(marks[j][1])
+    copy.set_weights(values)
+    work = target.parent / f".tmp-export-{os.getpid()}"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    try:
+        copy.save(work / MODEL_FILE)
+        with zipfile.ZipFile(work / MODEL_FILE) as z:
+            config, metadata = json.loads(z.read("config.json")), z.read("metadata.json")
+            z.extract("model.weights.h5", work)
+        for placeholder, rows in tables:
+            _set_input_dim(config, placeholder.name, rows)
+        with h5py.File(work / "model.weights.h5", "r+") as f:
+            found: list[Any] = []
+            f.visititems(lambda name, obj: found.append(obj) if isinstance(obj, h5py.Dataset) else None)
+            for j, (table, mark) in marks.items():
+                ds = next(d for d in found if d.shape == mark.shape and np.array_equal(d[()], mark))
+                parent, name = ds.parent, ds.name.rsplit("/", 1)[1]
+                del parent[name]
+                out = parent.create_dataset(name, shape=tuple(table.shape), dtype="float32")
+                start = 0
+                for piece in npz.pieces(table):
+                    out[start:start + len(piece)] = piece
+                    start += len(piece)
+        tmp = work / f"whole-{MODEL_FILE}"
+        with zipfile.ZipFile(tmp, "w", allowZip64=True) as z:
+            z.writestr("metadata.json", metadata)
+            z.writestr("config.json", json.dumps(config))
+            z.write(work / "model.weights.h5", "model.weights.h5")
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _set_input_dim(config: Any, name: str, rows: int) -> None:
+    """The Embedding layer `name`'s input_dim, wherever it is in a saved model's config."""
+    if isinstance(config, dict):
+        if config.get("class_name") == "Embedding" and config.get("config", {}).get("name") == name:
+            config["config"]["input_dim"] = rows
+        for value in config.values():
+            _set_input_dim(value, name, rows)
+    elif isinstance(config, list):
+        for value in config:
+            _set_input_dim(value, name, rows)
 
 
 def evaluate(cfg: Any, source: Any, parallel: Any, ckpt: Any, run_dir: Path) -> dict[str, Any]:
@@ -121,7 +219,7 @@ def evaluate(cfg: Any, source: Any, parallel: Any, ckpt: Any, run_dir: Path) -> 
     write_metrics(run_dir, metrics)
     log.info("eval_only: checkpoint %s (epoch %d) on the test split: %s", ckpt.path, ckpt.epoch,
              "  ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith("test_")))
-    write(cfg, source, parallel.get_weights(), run_dir)
+    write(cfg, source, ckpt.weights, run_dir)  # the weights evaluated: the checkpoint's, memory-mapped
     return metrics
 
 

@@ -2,7 +2,8 @@
 
 `checkpoints/epoch-NNNN/` is saved at the end of epoch NNNN; `checkpoints/epoch-NNNN-step-SSSSSS/`
 in the middle of epoch NNNN, after its step SSSSSS (`checkpoint.every_steps`/`every_minutes`).
-Each holds `weights.npz` (every variable of the model, in order), `optimizer.npz` (the optimizer
+Each holds `weights.npz` (every variable of the model, in order; a row-sparse table written by
+row pieces pulled from the store, never whole on worker 0, and read back memory-mapped), `optimizer.npz` (the optimizer
 state, wherever it ran: the parameter servers' too), `rng.npz` (the models' random-generator
 states: dropout's masks go on where they stopped), `state.json` (the position: completed epochs
 and steps into the next; the variable names, the metrics history, the resumes so far),
@@ -29,6 +30,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from tfkv.errors import ConfigError, OutputError, unwritable
+from tfkv.store import npz
 
 CHECKPOINTS = "checkpoints"
 SUMS = "SHA256SUMS"
@@ -125,7 +127,7 @@ def stage(run_dir: Path, epoch: int, weights: Sequence[np.ndarray], weight_names
         shutil.rmtree(stale, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
-        np.savez(tmp / "weights.npz", **{f"w{i:04d}": w for i, w in enumerate(weights)})
+        npz.save(tmp / "weights.npz", {f"w{i:04d}": w for i, w in enumerate(weights)})
         write_optimizer(str(tmp / "optimizer.npz"))
         np.savez(tmp / "rng.npz", **(rng or {}))
         (tmp / "config.yaml").write_text(config)
@@ -199,12 +201,12 @@ def _damaged(file: Path, what: str) -> Damaged:
 
 
 def _npz(file: Path) -> dict[str, np.ndarray]:
-    """Every array of an npz file, read in full (so a bad CRC anywhere shows here)."""
+    """Every array of an npz file, a large one memory-mapped (a table: never read whole here;
+    the checksums catch damage inside it)."""
     try:
         if file.stat().st_size == 0:
             raise _damaged(file, "is empty (0 bytes)")
-        with np.load(file, allow_pickle=False) as f:
-            return {k: f[k] for k in f.files}
+        return npz.load(file)
     except FileNotFoundError:
         raise _damaged(file, "is missing") from None
     except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as e:

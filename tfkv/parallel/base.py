@@ -152,6 +152,11 @@ class Parallel:
         for u in self._updaters:
             u.set_states(states)
 
+    def streamed_weights(self) -> list[Any]:
+        """`get_weights` as a checkpoint writes them (data parallelism gives a row-sparse table
+        as row pieces pulled from the store)."""
+        return self.get_weights()
+
     def save_optimizer(self, path: str) -> None:
         """The optimizer state into an .npz at `path`, from wherever it lives (store or workers)."""
         if self.update_on_kvstore:

@@ -36,7 +36,10 @@ dense ones). Its gradient leaves the compiled step as rows with their table ids 
 rows after it; the rows each batch reads are loaded into the copies before it computes, those
 of the next batch (`step`'s `upcoming`) requested while this one computes. Such a model always
 goes through the store (its tables live there) and needs `update_on_kvstore`. `get_weights`
-gives the tables whole, gathered from the store: the weights of the model built without one.
+gives the tables whole, gathered from the store: the weights of the model built without one;
+`streamed_weights` gives each table as row pieces pulled as they are written (checkpoints).
+With `evaluate_only` (eval_only) the tables of `initial_weights` (a checkpoint's, memory-mapped)
+stay where they are: each batch's rows are read from them, the store never holds them.
 
 Precision, clipping, XLA (docs/guides/precision-and-devices.md): with a `loss_scale`
 (mixed_float16) the loss is scaled before backprop and the gradients unscaled after; a step
@@ -66,6 +69,7 @@ from tfkv.parallel import sparse
 from tfkv.parallel.base import Parallel
 from tfkv.parallel.criterion import Criterion, regularization
 from tfkv.parallel.precision import LossScale, all_finite
+from tfkv.store import npz
 from tfkv.store.base import KVStore
 from tfkv.store.tf_updater import TFUpdater
 
@@ -85,10 +89,11 @@ class DataParallel(Parallel):
         clipnorm: float | None = None,
         jit_compile: bool = False,
         row_sparse: bool = False,
+        evaluate_only: bool = False,
     ):
         """`devices` are TensorFlow device names; `batch_sizes[i]` examples go to device i;
         `criterion`: the loss and metrics (default: sparse categorical crossentropy on logits,
-        accuracy); `loss_scale`, `clipnorm`, `jit_compile`, `row_sparse`: see the module docstring.
+        accuracy); `loss_scale`, `clipnorm`, `jit_compile`, `row_sparse`, `evaluate_only`: see the module docstring.
 
         As in MXNet, what is pushed is the gradient of the loss summed over the examples (an
         example's loss is the mean over its positions, e.g. tokens), plus the examples' count
@@ -138,7 +143,7 @@ class DataParallel(Parallel):
             for k in self.keys:
                 store.broadcast(k, self.params[0][k], out=[p[k] for p in self.params], priority=-k)
         if self.sparse is not None:
-            self.sparse.init({j: v for j, v in tables.items() if v is not None})
+            self.sparse.init({j: v for j, v in tables.items() if v is not None}, read_only=evaluate_only)
         self._sync_non_trainable(source=0)
 
         self.loss_scale = loss_scale
@@ -410,9 +415,15 @@ class DataParallel(Parallel):
     def get_weights(self) -> list[np.ndarray]:
         """All variables of the first copy, in `model.weights` order: those of the model as built
         without a store, so a row-sparse table is gathered whole from the store."""
+        return [np.concatenate(list(npz.pieces(w))) if isinstance(w, npz.Chunked) else w
+                for w in self.streamed_weights()]
+
+    def streamed_weights(self) -> list[Any]:
+        """`get_weights`, but each row-sparse table an `npz.Chunked`: its rows pulled from the
+        store piece by piece as they are written (what a checkpoint saves)."""
         if self.sparse is None:
             return [np.asarray(w) for w in self.replicas[0].get_weights()]
-        return [np.asarray(v.numpy()) if j is None else self.sparse.gather(self.sparse.tables[j])
+        return [np.asarray(v.numpy()) if j is None else self.sparse.rows_of(self.sparse.tables[j])
                 for v, j in self._portable()]
 
     def weight_names(self) -> list[str]:

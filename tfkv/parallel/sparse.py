@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import keras
 import numpy as np
@@ -30,14 +30,11 @@ import tensorflow as tf
 
 from tfkv.errors import ConfigError
 from tfkv.layers import ShardedEmbedding
+from tfkv.store import npz
 from tfkv.store.base import KVStore
 from tfkv.store.sparse import RowSparse, Table
 
 log = logging.getLogger("tfkv")
-
-# Rows per row_sparse_pull when a whole table is gathered (export, checkpoints): about 64 MiB.
-GATHER_BYTES = 64 << 20
-
 
 @dataclass
 class SparseTable:
@@ -99,6 +96,7 @@ class Tables:
         self.tables = tables
         self.store = store
         self._prefetch: Prefetch | None = None
+        self.fixed: dict[int, Any] = {}  # read-only tables (eval_only): rows read from them, not the store
         # A traceable store (local, device) pushes inside the compiled step and its rows are
         # pulled and loaded by one compiled call; others move numpy rows, loaded by one too.
         self.traced = bool(store.traceable)
@@ -124,19 +122,31 @@ class Tables:
         return any(v is t.variable(r) or (t.sharded and v is t.copies[r].row_ids)
                    for t in self.tables for r in range(len(t.copies)))
 
-    def init(self, tables: dict[int, np.ndarray]) -> None:
-        """Each table's key in the store: from `tables` (a checkpoint's, by table index), else a
-        ShardedEmbedding's Table (made by the store) or a Keras Embedding's first copy's weights."""
+    def init(self, tables: dict[int, Any], read_only: bool = False) -> None:
+        """Each table's key in the store: from `tables` (a checkpoint's, by table index: put back
+        by row pieces, a memory-mapped table never read whole), else a ShardedEmbedding's Table
+        (made by the store) or a Keras Embedding's first copy's weights. `read_only` (eval_only):
+        `tables`' rows are read from them per batch, and the store never holds them."""
+        if read_only:
+            self.fixed, self.traced = tables, False
         for j, t in enumerate(self.tables):
             layer = t.copies[0]
             if j in tables:
-                value = np.asarray(tables[j], np.float32)
-                if value.shape != t.shape:
-                    raise ValueError(f"table {t.name}: the checkpoint holds shape {value.shape}, the layer {t.shape}")
-                self.store.init(t.key, RowSparse(value, np.arange(t.shape[0], dtype=np.int64), t.shape))
-                if not t.sharded:
-                    for c in t.copies:
-                        c.embeddings.assign(value)
+                value = tables[j]
+                if tuple(value.shape) != t.shape:
+                    raise ValueError(f"table {t.name}: the checkpoint holds shape {tuple(value.shape)}, the layer {t.shape}")
+                if not read_only:
+                    self.store.init(t.key, Table(t.shape, init="zeros"))
+                start = 0
+                for piece in npz.pieces(value):
+                    ids = np.arange(start, start + len(piece), dtype=np.int64)
+                    if not read_only:
+                        self.store.set_rows(t.key, RowSparse(np.asarray(piece, np.float32), ids, t.shape))
+                    if not t.sharded:
+                        for c in t.copies:
+                            c.embeddings.value.scatter_update(tf.IndexedSlices(tf.constant(piece, tf.float32), ids))
+                    start += len(piece)
+                self.store.barrier()  # worker 0's rows are in the store before any worker pulls
             elif t.sharded:
                 self.store.init(t.key, Table(t.shape, init=layer.init, scale=layer.scale, seed=layer.seed))
             else:
@@ -156,7 +166,7 @@ class Tables:
         prefetch, self._prefetch = self._prefetch, None
         if prefetch is None or prefetch.x is not x:
             prefetch = self._request(x)
-        self._load([self.store.rows(p) for p in prefetch.pending])
+        self._load(self._taken(prefetch))
         if upcoming is not None and not self.store.sync:
             self._prefetch = self._request(upcoming)
 
@@ -187,17 +197,19 @@ class Tables:
         if self.traced:
             self._pull_and_assign(self._ids(x))
         else:
-            self._load([self.store.rows(p) for p in self._request(x).pending])
+            self._load(self._taken(self._request(x)))
 
-    def gather(self, t: SparseTable) -> np.ndarray:
-        """Table `t` whole, from the store, in pieces of about GATHER_BYTES."""
+    def rows_of(self, t: SparseTable) -> npz.Chunked:
+        """Table `t` from the store as row pieces of about npz.PIECE_BYTES, pulled as they are
+        read (a checkpoint writes them; the table is never whole here)."""
         rows, dim = t.shape
-        out = np.empty(t.shape, np.float32)
-        step = max(1, GATHER_BYTES // (4 * dim))
-        for start in range(0, rows, step):
-            got = self.store.row_sparse_pull(t.key, row_ids=np.arange(start, min(rows, start + step), dtype=np.int64))
-            out[np.asarray(got.indices)] = np.asarray(got.data)
-        return out
+
+        def pulled() -> Iterator[np.ndarray]:
+            for start, end in npz.spans(rows, dim):
+                got = self.store.row_sparse_pull(t.key, row_ids=np.arange(start, end, dtype=np.int64))
+                yield np.asarray(got.data, np.float32).reshape(end - start, dim)
+
+        return npz.Chunked(t.shape, pulled)
 
     # -- ids, requests, loading -----------------------------------------------------------------
 
@@ -230,8 +242,13 @@ class Tables:
         return ids
 
     def _request(self, x: Any) -> Prefetch:
-        return Prefetch(x, [self.store.row_sparse_pull_async(t.key, row_ids=wanted.numpy())
-                            for t, wanted in zip(self.tables, self._ids(x))])
+        """Batch `x`'s rows of each table asked of the store (or read, for a read-only table)."""
+        return Prefetch(x, [RowSparse(np.asarray(self.fixed[j][wanted.numpy()]), wanted.numpy(), t.shape)
+                            if j in self.fixed else self.store.row_sparse_pull_async(t.key, row_ids=wanted.numpy())
+                            for j, (t, wanted) in enumerate(zip(self.tables, self._ids(x)))])
+
+    def _taken(self, prefetch: Prefetch) -> list[RowSparse]:
+        return [p if j in self.fixed else self.store.rows(p) for j, p in enumerate(prefetch.pending)]
 
     def _load(self, rows: list[RowSparse]) -> None:
         """Pulled rows (numpy) into every copy, in one compiled call."""

@@ -173,6 +173,12 @@ class KVStore(ABC):
         the dist store sends the requests without waiting (safe from a TensorFlow op's thread)."""
         return self.row_sparse_pull(key, priority=priority, row_ids=row_ids)
 
+    def set_rows(self, key: Key, rows: Any) -> None:
+        """Replace rows of an initialised row-sparse key with `rows` (a RowSparse, ids unique):
+        a table put back by pieces (a checkpoint's). In a job worker 0's are kept; every worker
+        calls `barrier` before pulling them."""
+        raise NotImplementedError(f"kvstore={self.type} cannot set rows of key {key!r}")
+
     def rows(self, pending: Any) -> Any:
         """What `row_sparse_pull` would have returned for the request `pending` stands for."""
         return pending

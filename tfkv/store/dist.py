@@ -424,13 +424,24 @@ class DistStore(KVStore):
                                   "sharding": placement.sharding, **spec}}
                 self.servers.request(s, P.Message(P.Type.INIT, key=kid, meta=meta))
             if rows is not None:
-                rows = rows.merged()
-                data = np.ascontiguousarray(rows.data, np.float32).reshape(len(rows.indices), width)
-                for s, positions in enumerate(placement.split(rows.indices)):
-                    for chunk in row_chunks(len(positions), width, self.env.chunk_bytes):
-                        at = positions[chunk]
-                        self.servers.request(s, P.Message(P.Type.INIT, key=kid, rows=rows.indices[at],
-                                                          data=data[at].reshape(-1)))
+                self._send_rows(kid, rows.merged())
+
+    def set_rows(self, key: Key, rows: Any) -> None:
+        kid, table = self._table(key, "sparse_pull")
+        given = sparse.check_rows(key, RowSparse.of(rows, table.shape), table.shape, what="set_rows")
+        if self.rank == 0:  # worker 0's rows win, as with init; the caller's barrier waits for them
+            self._send_rows(kid, given)
+            self.servers.settle()
+
+    def _send_rows(self, kid: int, rows: RowSparse) -> None:
+        """Rows (ids unique) of table `kid` to their owners, in chunks of at most chunk_bytes."""
+        table = self._tables[kid]
+        data = np.ascontiguousarray(rows.data, np.float32).reshape(len(rows.indices), table.width)
+        for s, positions in enumerate(table.placement.split(rows.indices)):
+            for chunk in row_chunks(len(positions), table.width, self.env.chunk_bytes):
+                at = positions[chunk]
+                self.servers.request(s, P.Message(P.Type.INIT, key=kid, rows=rows.indices[at],
+                                                  data=data[at].reshape(-1)))
 
     def _push_rows(self, k: Key, values: list[Any]) -> None:
         """This machine's rows of `k` (one value per device) summed sparsely, then one PUSH to

@@ -4,10 +4,13 @@ Each worker's compression residuals and velocities are its own and not in it.
 
 A row-sparse key's state (per row, as the servers keep it) is asked for and sent by rows, each
 server's shard in requests of at most kvstore.chunk_bytes, and saved as the local store saves
-it: one (rows, *row_shape) array per state, and the key's update count."""
+it: one (rows, *row_shape) array per state, and the key's update count. Worker 0 never holds a
+table's state whole: the file is written by row pieces as they arrive (tfkv.store.npz), and read
+back memory-mapped."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Iterator
 
@@ -15,6 +18,7 @@ import numpy as np
 
 from tfkv.ps import protocol as P
 from tfkv.ps.parts import row_chunks
+from tfkv.store import npz
 
 
 def _shards(store: Any, table: Any, names: list[str]) -> Iterator[tuple[int, np.ndarray]]:
@@ -31,9 +35,8 @@ def save(store: Any, fname: str) -> None:
     state_names = list(store._optimizer.state_names)
     for k, kid in store._ids.items():
         table = store._tables.get(kid)
-        if table is not None:
-            tables.append((k, table, [(rows, store.servers.request(s, P.Message(P.Type.GET_STATE, key=kid, rows=rows)))
-                                      for s, rows in _shards(store, table, state_names)]))
+        if table is not None:  # after the dense keys: asked for by row pieces as the file is written
+            tables.append((k, kid, table))
             continue
         layout = store._layouts.get(kid)
         if layout is None:  # an id given to a key whose init was refused
@@ -41,7 +44,7 @@ def save(store: Any, fname: str) -> None:
         requests.append((k, layout, [store.servers.request(part.server, P.Message(P.Type.GET_STATE, key=part.skey))
                                      for part in layout.parts]))
     store.servers.settle()
-    out: dict[str, np.ndarray] = {}
+    out: dict[str, Any] = {}
     for k, layout, seqs in requests:
         replies = [store.servers.take(seq) for seq in seqs]
         names = replies[0].meta["names"]
@@ -51,22 +54,39 @@ def save(store: Any, fname: str) -> None:
                 full[part.start:part.end] = np.split(reply.data, len(names))[j]
             out[f"{k}/{name}"] = full.reshape(layout.shape)
         out[f"{k}/count"] = np.asarray(replies[0].meta["count"])
-    for k, table, chunks in tables:
-        full = [np.empty((table.shape[0], table.width), np.float32) for _ in state_names]
+    for k, kid, table in tables:
         count = 0
-        for rows, seq in chunks:
+        for s in range(store.servers.count):  # one row of each shard: its update count
+            if not table.placement.shard_rows(s):
+                continue
+            first = table.placement.global_ids(s, np.zeros(1, np.int64))
+            seq = store.servers.request(s, P.Message(P.Type.GET_STATE, key=kid, rows=first))
+            store.servers.wait([seq])
             reply = store.servers.take(seq)
             if reply.meta["names"] != state_names:
                 raise RuntimeError(f"optimizer state of key {k!r}: the servers run an optimizer with states "
                                    f"{reply.meta['names']}, this worker set one with {state_names}")
             # dist_async: a server counts the pushes that reached it (the most: the key's pushes)
             count = max(count, reply.meta["count"])
-            for j, state in enumerate(np.split(reply.data, len(state_names)) if state_names else []):
-                full[j][rows] = state.reshape(len(rows), table.width)
-        for name, state in zip(state_names, full):
-            out[f"{k}/{name}"] = state.reshape(table.shape)
+        for j, name in enumerate(state_names):
+            out[f"{k}/{name}"] = npz.Chunked(table.shape, functools.partial(_state_pieces, store, kid, table, j))
         out[f"{k}/count"] = np.asarray(count)
-    np.savez(fname, **out)
+    npz.save(fname, out)
+
+
+def _state_pieces(store: Any, kid: int, table: Any, j: int) -> Iterator[np.ndarray]:
+    """State `j` of a table in consecutive row pieces, each asked of the servers owning its rows
+    (at most kvstore.chunk_bytes a request): never whole on this worker."""
+    names = len(store._optimizer.state_names)
+    for piece in row_chunks(table.shape[0], table.width, store.env.chunk_bytes, names):
+        ids = np.arange(piece.start, piece.stop, dtype=np.int64)
+        out = np.empty((len(ids), table.width), np.float32)
+        asked = [(at, store.servers.request(s, P.Message(P.Type.GET_STATE, key=kid, rows=ids[at])))
+                 for s, at in enumerate(table.placement.split(ids)) if len(at)]
+        store.servers.wait([seq for _, seq in asked])
+        for at, seq in asked:
+            out[at] = np.split(store.servers.take(seq).data, names)[j].reshape(len(at), table.width)
+        yield out.reshape((len(ids), *table.shape[1:]))
 
 
 def load(store: Any, fname: str) -> None:
@@ -80,8 +100,7 @@ def load(store: Any, fname: str) -> None:
     # way) would otherwise close after the state was put back, and move it again.
     store.barrier()
     if store.rank == 0:
-        with np.load(fname, allow_pickle=False) as f:
-            states = {n: f[n] for n in f.files}
+        states = npz.load(fname)  # a table's states memory-mapped: sent by rows, never read whole
         for k, kid in store._ids.items():
             names = list(store._optimizer.state_names) if store._optimizer else []
             count = int(states.get(f"{k}/count", 0))

@@ -133,6 +133,12 @@ class LocalStore(KVStore):
             raise sparse.refused("sparse_pull", key)
         return var
 
+    def set_rows(self, key: Key, rows: Any) -> None:
+        var = self._sparse_var(key)
+        given = sparse.check_rows(key, RowSparse.of(rows, tuple(var.shape)), tuple(var.shape), what="set_rows")
+        with tf.device(self._home[key]):
+            var.scatter_update(tf.IndexedSlices(tf.constant(given.data), tf.constant(given.indices)))
+
     def _pull_rows(self, key: Key, row_ids: Any) -> RowSparse:
         """The rows, ids unique and sorted: numpy eagerly, tensors inside a tf.function."""
         var = self._sparse_var(key)

@@ -60,8 +60,7 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | No
             return final
         hooks = Hooks(chief_hooks.for_chief(run, preemption))
         final = loop.fit(run, hooks)
-        # The trained weights while the store is open: a row-sparse table is gathered from it.
-        weights = run.parallel.get_weights() if run.chief else None
+        weights = _trained_weights(run) if run.chief else None
     except BaseException as e:
         if run is not None:
             run.saver.close()  # what the run saved last still lands, when it can
@@ -80,6 +79,19 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | No
         raise
     hooks.close(None)
     return final
+
+
+def _trained_weights(run: Any) -> list[Any]:
+    """The trained weights, taken while the store is open. A model with row-sparse tables takes
+    them from the checkpoint of its last epoch (memory-mapped: its tables were written there by
+    rows), so that no table is ever whole on worker 0."""
+    from tfkv import checkpoint
+
+    run.saver.wait()
+    last = run.saver.last or (run.ckpt.path if run.ckpt else None)  # no epoch left to train: the resumed one
+    if getattr(run.parallel, "sparse", None) is None or last is None:
+        return run.parallel.get_weights()
+    return checkpoint.load(last).weights
 
 
 def objective(cfg: Any, final: dict[str, Any], run_dir: Path) -> float:

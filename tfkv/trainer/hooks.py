@@ -44,7 +44,7 @@ class Checkpoints(Hook):
 
     def save(self, epoch: int, step: int = 0, background: bool = True) -> None:
         run = self.run
-        run.saver.save(run.run_dir, epoch, run.parallel.get_weights(), run.parallel.weight_names(),
+        run.saver.save(run.run_dir, epoch, run.parallel.streamed_weights(), run.parallel.weight_names(),
                        run.parallel.save_optimizer, run.history, step=step, rng=rng.state(run.parallel),
                        config=run.config_yaml, resumes=run.resumes, keep_last=run.cfg.checkpoint.keep_last,
                        background=background)

@@ -172,7 +172,7 @@ def _data_parallel(cfg: Any, source: Any, tf_devices: list[str], sizes: list[int
         criterion=criterion,
         loss_scale=LossScale() if cfg.precision == "mixed_float16" else None,
         clipnorm=cfg.optimizer.clipnorm, jit_compile=cfg.jit_compile,
-        row_sparse=cfg.kvstore.row_sparse,
+        row_sparse=cfg.kvstore.row_sparse, evaluate_only=cfg.eval_only,
     )
 
 
