@@ -25,19 +25,7 @@ A key initialised with a float16 or bfloat16 value holds that dtype (tfkv.ps.dty
 machine's values are summed in it and travel at 2 bytes a value; a value of another dtype is
 refused naming both. Only float32 keys are fused into a PUSHPULL (it carries one dtype).
 
-A row-sparse key (initialised with a `tfkv.store.RowSparse` or a `Table`, tfkv.store.sparse) is
-a table sharded by rows over every server (`parts.RowPlacement`, kvstore.row_sharding: range or
-hash): a Table is made by the servers themselves, each its shard, from the seed (never on a
-worker), a RowSparse is sent as rows in chunks of at most kvstore.chunk_bytes. A push of rows (a
-RowSparse or tf.IndexedSlices, one per device) is summed here sparsely (duplicates merged) and
-goes only to the servers that own rows of it, as one PUSH each (rows frame and values), except
-that in a synchronous job every server gets one, with no rows if it owns none, so that each
-server's round closes. `row_sparse_pull` asks each owning server for its unique rows in chunks
-of at most kvstore.chunk_bytes; `row_sparse_pull_async` sends those requests without waiting
-(safe from a TensorFlow op's thread, under the link's lock) and `rows` takes them. In a
-synchronous job a row pull sent after this worker's push of a round is answered once that round
-closed, as a dense pull is. `push_bytes` and `pull_bytes` count the payload bytes sent and asked
-for (row ids included).
+A row-sparse key (a table sharded by rows over every server) is `tfkv.store.dist_rows`.
 
 Creating a store in a process whose role is `server` or `scheduler` runs that role and exits,
 as MXNet does, so one command can be started for every role of a job. A worker's store leaves
@@ -50,7 +38,7 @@ import atexit
 import logging
 import os
 import sys
-from typing import Any, Hashable, Iterator, NamedTuple, Sequence
+from typing import Any, Hashable, Iterator, Sequence
 
 import numpy as np
 
@@ -60,40 +48,15 @@ from tfkv.ps import compression, dtypes, memory, node, parts
 from tfkv.ps.feedback import Sender
 from tfkv.ps import protocol as P
 from tfkv.ps.cluster_env import ClusterEnv
-from tfkv.ps.parts import Layout, Pull, RowPlacement, row_chunks
+from tfkv.ps.parts import Layout, Pull, RowPlacement
 from tfkv.ps.scheduler_link import SchedulerLink
 from tfkv.ps.worker import ServerLink
 from tfkv.store import dist_state, sparse
 from tfkv.store.base import Key, KVStore, gpu_p2p, in_place, pairs
-from tfkv.store.sparse import RowSparse, Table
+from tfkv.store.dist_rows import RowSparseKeys, TableKey
 
 
-class TableKey(NamedTuple):
-    """A row-sparse key as a worker knows it: its dense shape and where its rows are."""
-
-    shape: tuple[int, ...]
-    width: int  # values per row
-    placement: RowPlacement
-
-
-class RowPull(NamedTuple):
-    """One key's row pull in flight: its unique ids, and each request with the positions (in
-    those ids) of the rows it asked for."""
-
-    key: Hashable
-    table: TableKey
-    ids: np.ndarray
-    requests: list[tuple[int, np.ndarray]]
-
-
-class RowPulls(NamedTuple):
-    """What row_sparse_pull_async returns and `rows` takes: the caller's key argument and its pulls."""
-
-    key: Any
-    pulls: list[RowPull]
-
-
-class DistStore(KVStore):
+class DistStore(RowSparseKeys, KVStore):
     type = "dist_sync"
     distributed = True
     async_pushpull = True
@@ -381,143 +344,6 @@ class DistStore(KVStore):
         pull.expect([self.servers.request(part.server, P.Message(P.Type.PULL, key=part.skey))
                      for part in layout.parts])
         return pull
-
-    # -- row-sparse keys -----------------------------------------------------------------------
-
-    def is_row_sparse(self, key: Key) -> bool:
-        kid = self._ids.get(key) if isinstance(key, (int, str, np.integer)) else None
-        return kid is not None and kid in self._tables
-
-    def _table(self, key: Key, what: str) -> tuple[int, TableKey]:
-        kid = self._ids.get(key) if isinstance(key, (int, str, np.integer)) else None
-        table = self._tables.get(kid)  # type: ignore[arg-type]
-        if table is None:
-            if kid is not None and kid in self._layouts:
-                raise sparse.refused(what, key)
-            self._check_key(key)
-            raise KeyError(f"key {key!r} was not initialised; call init({key!r}, value) first")
-        return kid, table  # type: ignore[return-value]
-
-    def _init_table(self, k: Key, value: Any) -> None:
-        """Make `k` a table on every server: each server makes its shard from the description
-        (a Table's init, or zeros), then a RowSparse's rows are sent in chunks to their owners."""
-        self._check_key(k)
-        if k in self._ids:
-            raise ValueError(f"key {k!r} is already initialised")
-        if isinstance(value, Table):
-            shape, rows, spec = value.shape, None, {"init": value.init, "scale": float(value.scale),
-                                                    "seed": int(value.seed) % (1 << 63)}
-        else:
-            given = RowSparse.of(value)
-            sparse.check_table_dtype(k, np.asarray(given.data).dtype)
-            rows = sparse.check_rows(k, given, given.shape, what="init")  # on every worker: the same refusals
-            shape, spec = given.shape, {"init": "zeros", "scale": 0.0, "seed": 0}
-        if len(shape) < 1 or shape[0] < 1:
-            raise ValueError(f"init of key {k!r}: a table of shape {shape}; give (rows, *row_shape)")
-        width = int(np.prod(shape[1:], dtype=np.int64))
-        placement = RowPlacement(shape[0], self.servers.count, self.env.row_sharding)
-        kid = self._id(k)  # once the value was found good: a refused init leaves no key behind
-        self._tables[kid] = TableKey(tuple(shape), width, placement)
-        if self.rank == 0:  # worker 0's value wins; the others wait at the barrier
-            for s in range(self.servers.count):
-                meta = {"table": {"rows": shape[0], "width": width, "shard": s, "shards": self.servers.count,
-                                  "sharding": placement.sharding, **spec}}
-                self.servers.request(s, P.Message(P.Type.INIT, key=kid, meta=meta))
-            if rows is not None:
-                self._send_rows(kid, rows.merged())
-
-    def set_rows(self, key: Key, rows: Any) -> None:
-        kid, table = self._table(key, "sparse_pull")
-        given = sparse.check_rows(key, RowSparse.of(rows, table.shape), table.shape, what="set_rows")
-        if self.rank == 0:  # worker 0's rows win, as with init; the caller's barrier waits for them
-            self._send_rows(kid, given)
-            self.servers.settle()
-
-    def _send_rows(self, kid: int, rows: RowSparse) -> None:
-        """Rows (ids unique) of table `kid` to their owners, in chunks of at most chunk_bytes."""
-        table = self._tables[kid]
-        data = np.ascontiguousarray(rows.data, np.float32).reshape(len(rows.indices), table.width)
-        for s, positions in enumerate(table.placement.split(rows.indices)):
-            for chunk in row_chunks(len(positions), table.width, self.env.chunk_bytes):
-                at = positions[chunk]
-                self.servers.request(s, P.Message(P.Type.INIT, key=kid, rows=rows.indices[at],
-                                                  data=data[at].reshape(-1)))
-
-    def _push_rows(self, k: Key, values: list[Any]) -> None:
-        """This machine's rows of `k` (one value per device) summed sparsely, then one PUSH to
-        each server owning some (every server, in a synchronous job)."""
-        kid, table = self._table(k, "sparse_push")
-        if self._sender is not None:
-            raise sparse.refused("compression", k)
-        if not values or not all(sparse.is_rows(v) for v in values):
-            raise sparse.refused("dense_push", k)
-        given = [sparse.check_rows(k, RowSparse.of(v, table.shape), table.shape) for v in values]
-        if len(given) == 1:
-            rows = given[0].merged()
-        else:
-            rows = RowSparse(np.concatenate([np.asarray(g.data) for g in given]),
-                             np.concatenate([g.indices for g in given]), table.shape).merged()
-        data = np.ascontiguousarray(rows.data, np.float32).reshape(len(rows.indices), table.width)
-        with self.servers.lock:  # one push's messages together, whichever thread pushes (a TensorFlow op's)
-            for s, positions in enumerate(table.placement.split(rows.indices)):
-                if not len(positions) and not self.sync:
-                    continue  # travels only to the servers that own rows of it
-                ids, part = rows.indices[positions], data[positions].reshape(-1)
-                self.push_bytes += ids.nbytes + part.nbytes
-                self.servers.push(s, P.Message(P.Type.PUSH, key=kid, rows=ids, data=part))
-
-    def row_sparse_pull(self, key: Key | Sequence[Key], out: Any = None, priority: int | Sequence[int] = 0,
-                        row_ids: Any = None) -> Any:
-        """MXNet's: every key's rows requested (from the servers that own them) before any is awaited."""
-        pending = self.row_sparse_pull_async(key, row_ids, priority)
-        return sparse.deliver(key, self._arrived_rows(pending), out)
-
-    def _pull_rows(self, key: Key, row_ids: Any) -> RowSparse:
-        return self._arrived_rows(self.row_sparse_pull_async(key, row_ids))[0]
-
-    def row_sparse_pull_async(self, key: Key | Sequence[Key], row_ids: Any, priority: int | Sequence[int] = 0) -> Any:
-        """Send each key's row requests now, without waiting (safe from a TensorFlow op's thread);
-        `rows` takes the answer. In a synchronous job, asked after this worker's push of a round,
-        the rows include that round's update."""
-        asked = sparse.requests(key, row_ids)
-        pulls = []
-        with self.servers.lock:
-            self.servers.fence()
-            for k, ids in self._ordered([(k, [ids]) for k, ids in asked], priority):
-                kid, table = self._table(k, "sparse_pull")
-                unique = np.unique(sparse.check_ids(k, ids[0], table.shape[0]))
-                requests = []
-                for s, positions in enumerate(table.placement.split(unique)):
-                    for chunk in row_chunks(len(positions), table.width, self.env.chunk_bytes):
-                        at = positions[chunk]
-                        self.pull_bytes += at.size * (8 + 4 * table.width)
-                        requests.append((self.servers.request(s, P.Message(P.Type.PULL, key=kid, rows=unique[at])),
-                                         at))
-                pulls.append(RowPull(k, table, unique, requests))
-            self.servers.flush()
-        if isinstance(key, (list, tuple)) and isinstance(priority, (list, tuple)):  # back in the caller's order
-            order = {k: i for i, k in enumerate(key)}
-            pulls.sort(key=lambda p: order[p.key])
-        return RowPulls(key, pulls)
-
-    def rows(self, pending: Any) -> Any:
-        """What row_sparse_pull would have returned for the request `pending` stands for."""
-        results = self._arrived_rows(pending)
-        return results if isinstance(pending.key, (list, tuple)) else results[0]
-
-    def _arrived_rows(self, pending: RowPulls) -> list[RowSparse]:
-        self.servers.wait([seq for pull in pending.pulls for seq, _ in pull.requests])
-        results = []
-        for pull in pending.pulls:
-            data = np.empty((len(pull.ids), pull.table.width), np.float32)
-            for seq, at in pull.requests:
-                reply = self.servers.take(seq)
-                if reply.data is None or reply.data.size != at.size * pull.table.width:
-                    raise RuntimeError(f"row_sparse_pull of key {pull.key!r}: a server answered "
-                                       f"{0 if reply.data is None else reply.data.size} values for {at.size} rows")
-                data[at] = reply.data.reshape(at.size, pull.table.width)
-            results.append(RowSparse(data.reshape((len(pull.ids), *pull.table.shape[1:])), pull.ids, pull.table.shape))
-        return results
 
     def set_gradient_compression(self, compression_params: Any) -> None:
         """MXNet's API, e.g. {"type": "2bit", "threshold": 0.5}, or tfkv's {"type":
