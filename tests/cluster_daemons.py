@@ -267,8 +267,16 @@ def sge(tmp_path_factory):
         else:
             _qconf(env, "-aq", "all.q", editor_sed=queue_sed, tmp=d)
         if not running(EXECD_PID):
-            subprocess.run(["/usr/sbin/sge_execd"], env={**env, "SGE_EXECD_PIDFILE": str(EXECD_PID)},
-                           check=True, timeout=60)
+            # An execd stopped just before (the previous test's) may still hold its port for a few
+            # seconds: it then exits 100, "can't bind socket". Tried again until the port is free.
+            for attempt in range(10):
+                execd = subprocess.run(["/usr/sbin/sge_execd"], env={**env, "SGE_EXECD_PIDFILE": str(EXECD_PID)},
+                                       capture_output=True, text=True, timeout=60)
+                if execd.returncode == 0 or "can't bind socket" not in execd.stderr + execd.stdout or attempt == 9:
+                    break
+                time.sleep(3)
+            if execd.returncode != 0:
+                raise RuntimeError(f"sge_execd exited {execd.returncode}: {(execd.stderr or execd.stdout)[-1000:]}")
             started.append(_read_pid(EXECD_PID))
 
         def queue_up() -> bool:
