@@ -75,14 +75,18 @@ def save(store: Any, fname: str) -> None:
 
 
 def _state_pieces(store: Any, kid: int, table: Any, j: int) -> Iterator[np.ndarray]:
-    """State `j` of a table in consecutive row pieces, each asked of the servers owning its rows
-    (at most kvstore.chunk_bytes a request): never whole on this worker."""
+    """State `j` of a table in consecutive row pieces of about npz.PIECE_BYTES (never whole on
+    this worker), each asked of the servers owning its rows in requests of at most
+    kvstore.chunk_bytes, all sent before any answer is awaited."""
     names = len(store._optimizer.state_names)
-    for piece in row_chunks(table.shape[0], table.width, store.env.chunk_bytes, names):
-        ids = np.arange(piece.start, piece.stop, dtype=np.int64)
+    for start, end in npz.spans(table.shape[0], table.width * names):
+        ids = np.arange(start, end, dtype=np.int64)
         out = np.empty((len(ids), table.width), np.float32)
-        asked = [(at, store.servers.request(s, P.Message(P.Type.GET_STATE, key=kid, rows=ids[at])))
-                 for s, at in enumerate(table.placement.split(ids)) if len(at)]
+        asked = []
+        for s, positions in enumerate(table.placement.split(ids)):
+            for chunk in row_chunks(len(positions), table.width, store.env.chunk_bytes, names):
+                at = positions[chunk]
+                asked.append((at, store.servers.request(s, P.Message(P.Type.GET_STATE, key=kid, rows=ids[at]))))
         store.servers.wait([seq for _, seq in asked])
         for at, seq in asked:
             out[at] = np.split(store.servers.take(seq).data, names)[j].reshape(len(at), table.width)
