@@ -158,9 +158,9 @@ def test_resume_after_a_crash_continues_as_if_never_stopped(tmp_path):
 
 
 def test_resume_from_an_explicit_run_directory(tmp_path):
-    tfkv_run("epochs=1", "kvstore.update_on_kvstore=false", "devices=[cpu:0,cpu:1]", cwd=tmp_path)
+    tfkv_run("epochs=1", "steps_per_epoch=4", "kvstore.update_on_kvstore=false", "devices=[cpu:0,cpu:1]", cwd=tmp_path)
     (first,) = _run_dirs(tmp_path)
-    out = tfkv_run("epochs=2", "kvstore.update_on_kvstore=false", "devices=[cpu:0,cpu:1]",
+    out = tfkv_run("epochs=2", "steps_per_epoch=4", "kvstore.update_on_kvstore=false", "devices=[cpu:0,cpu:1]",
                    f"resume={first}", cwd=tmp_path)
     assert f"resumed from {first / 'checkpoints' / 'epoch-0001'}" in out.stdout + out.stderr
     second = [r for r in _run_dirs(tmp_path) if r != first][0]

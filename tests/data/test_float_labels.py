@@ -70,6 +70,9 @@ def test_float_targets_stay_floats_and_class_ids_stay_integers(project: Path, nu
                 assert np.isin(ys, expected[split].astype(dtype)).all(), (factory, split, ys[:5])
 
 
+_KERAS_MAE: dict[str, float] = {}  # the oracle's test MAE: the same fit for every placement, fitted once
+
+
 @pytest.mark.parametrize("placement", [
     ["kvstore=local", "devices=[cpu:0]"],
     ["kvstore=device", "devices=[cpu:0,cpu:1]"],
@@ -79,7 +82,7 @@ def test_a_regression_on_float_arrays_reaches_what_keras_fit_reaches(project: Pa
 
     import labelpkg
 
-    epochs, lr, batch = 20, 0.05, 32
+    epochs, lr, batch = 8, 0.05, 32  # Keras reaches MAE ~0.02 by epoch 8 (0.01 by 20), well under 0.05
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3",
            "PYTHONPATH": os.pathsep.join(p for p in (str(project), os.environ.get("PYTHONPATH")) if p)}
     r = subprocess.run([sys.executable, "-m", "tfkv.cli", "hydra.run.dir=out", "progress=false", *placement,
@@ -95,10 +98,12 @@ def test_a_regression_on_float_arrays_reaches_what_keras_fit_reaches(project: Pa
     exported = keras.saving.load_model(project / "out" / "model.keras", compile=False)
     tfkv_mae = float(np.mean(np.abs(exported.predict(xt, verbose=0).ravel() - yt)))
 
-    oracle = labelpkg.regressor((4,))
-    oracle.compile(optimizer=keras.optimizers.Adam(lr), loss="mse")
-    oracle.fit(x, y, batch_size=batch, epochs=epochs, verbose=0, shuffle=True)
-    keras_mae = float(np.mean(np.abs(oracle.predict(xt, verbose=0).ravel() - yt)))
+    if "mae" not in _KERAS_MAE:
+        oracle = labelpkg.regressor((4,))
+        oracle.compile(optimizer=keras.optimizers.Adam(lr), loss="mse")
+        oracle.fit(x, y, batch_size=batch, epochs=epochs, verbose=0, shuffle=True)
+        _KERAS_MAE["mae"] = float(np.mean(np.abs(oracle.predict(xt, verbose=0).ravel() - yt)))
+    keras_mae = _KERAS_MAE["mae"]
 
     always_zero = float(np.mean(np.abs(yt)))  # what training on truncated labels learns
     assert keras_mae < 0.05 < always_zero, (keras_mae, always_zero)

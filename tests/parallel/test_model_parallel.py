@@ -299,8 +299,8 @@ def _metrics(root):
 
 
 def test_lstm_ptb_on_two_devices_reports_perplexity(tmp_path):
-    proc = tfkv_run("+experiment=lstm_ptb", "devices=[cpu:0,cpu:1]", "placement=auto", "epochs=1", *SMALL,
-                    cwd=tmp_path)
+    proc = tfkv_run("+experiment=lstm_ptb", "devices=[cpu:0,cpu:1]", "placement=auto", "epochs=1",
+                    "steps_per_epoch=8", *SMALL, cwd=tmp_path)  # the plan, the stages and the metrics: a few steps
     out = proc.stdout + proc.stderr
     assert "model-parallel plan (placement=auto, 4 micro-batches): 2 stage(s)" in out
     assert re.search(r"stage 1  cpu:1  .*decoder .*MFLOP \(\s*\d+\.\d%\)", out), out
