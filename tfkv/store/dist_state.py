@@ -5,8 +5,8 @@ Each worker's compression residuals and velocities are its own and not in it.
 A row-sparse key's state (per row, as the servers keep it) is asked for and sent by rows, each
 server's shard in requests of at most kvstore.chunk_bytes, and saved as the local store saves
 it: one (rows, *row_shape) array per state, and the key's update count. Worker 0 never holds a
-table's state whole: the file is written by row pieces as they arrive (tfkv.store.npz), and read
-back memory-mapped."""
+table's state whole: the file is written by row pieces as they arrive (tfkv.store.npz), read
+back memory-mapped, and sent back one piece (about 64 MiB) in flight at a time."""
 
 from __future__ import annotations
 
@@ -19,14 +19,6 @@ import numpy as np
 from tfkv.ps import protocol as P
 from tfkv.ps.parts import row_chunks
 from tfkv.store import npz
-
-
-def _shards(store: Any, table: Any, names: list[str]) -> Iterator[tuple[int, np.ndarray]]:
-    """(server, global rows) of every chunk of a table's state transfer."""
-    for s in range(store.servers.count):
-        rows = table.placement.global_ids(s, np.arange(table.placement.shard_rows(s)))
-        for chunk in row_chunks(len(rows), table.width, store.env.chunk_bytes, max(1, len(names))):
-            yield s, rows[chunk]
 
 
 def save(store: Any, fname: str) -> None:
@@ -111,10 +103,15 @@ def load(store: Any, fname: str) -> None:
             table = store._tables.get(kid)
             if table is not None:
                 full = [_entry(states, k, n, table.shape).reshape(table.shape[0], table.width) for n in names]
-                for s, rows in _shards(store, table, names):
-                    data = np.concatenate([f[rows].reshape(-1) for f in full]) if names else None
-                    store.servers.request(s, P.Message(P.Type.SET_STATE, key=kid, rows=rows, data=data,
-                                                       meta={"count": count, "names": names}))
+                for start, end in npz.spans(table.shape[0], table.width * max(1, len(names))):
+                    ids = np.arange(start, end, dtype=np.int64)
+                    for s, positions in enumerate(table.placement.split(ids)):
+                        for chunk in row_chunks(len(positions), table.width, store.env.chunk_bytes, max(1, len(names))):
+                            rows = ids[positions[chunk]]
+                            data = np.concatenate([f[rows].reshape(-1) for f in full]) if names else None
+                            store.servers.request(s, P.Message(P.Type.SET_STATE, key=kid, rows=rows, data=data,
+                                                               meta={"count": count, "names": names}))
+                    store.servers.settle()  # one piece in flight at a time: never the whole state queued here
                 continue
             layout = store._layouts.get(kid)
             if layout is None:
