@@ -269,10 +269,10 @@ def sge(tmp_path_factory):
         if not running(EXECD_PID):
             # An execd stopped just before (the previous test's) may still hold its port for a few
             # seconds: it then exits 100, "can't bind socket". Tried again until the port is free.
-            for attempt in range(10):
+            for attempt in range(30):
                 execd = subprocess.run(["/usr/sbin/sge_execd"], env={**env, "SGE_EXECD_PIDFILE": str(EXECD_PID)},
                                        capture_output=True, text=True, timeout=60)
-                if execd.returncode == 0 or "can't bind socket" not in execd.stderr + execd.stdout or attempt == 9:
+                if execd.returncode == 0 or "can't bind socket" not in execd.stderr + execd.stdout or attempt == 29:
                     break
                 time.sleep(3)
             if execd.returncode != 0:

@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -113,6 +114,11 @@ def test_ctrl_c_of_a_distributed_job_names_the_checkpoint_it_left(tmp_path):
     job = Launching(["kvstore=dist_sync", "cluster=local", "epochs=200", "progress=false", "hydra.run.dir=run"],
                     tmp_path, dict(os.environ), timeout=240, program="tfkv-run")
     job.wait_for("epoch 2/200")
+    # Epoch 1's checkpoint published first: epochs take 0.1 s here, and a checkpoint still being
+    # written when Ctrl-C comes is not left (the line then names none).
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "run" / "checkpoints" / "epoch-0001").is_dir() and time.monotonic() < deadline:
+        time.sleep(0.05)
     job.proc.send_signal(signal.SIGINT)
     code, out = job.end(timeout=120)
     assert code == 130, out[-3000:]
