@@ -14,7 +14,7 @@ from tfkv import keys as job_keys
 from tfkv.ps import handshake
 from tfkv.ps import protocol as P
 from tfkv.ps.cluster_env import ClusterEnv
-from tfkv.ps.rounds import Round
+from tfkv.ps.round_types import Round
 from tfkv.ps.server import Server
 from tfkv.ps.transport.server import SecureServerTransport, ServerTransport
 

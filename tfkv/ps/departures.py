@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from tfkv.ps import protocol as P
-from tfkv.ps.rounds import Fused, GroupRound, Reply, Round, Rounds
+from tfkv.ps.round_types import Fused, GroupRound, Reply, Round
+from tfkv.ps.rounds import Rounds
 
 
 class Departure(NamedTuple):

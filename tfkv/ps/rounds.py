@@ -40,83 +40,22 @@ lost-reply detection) is counted from what the rounds hold (`held`), never kept 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Sequence, Union
+from typing import Callable, Sequence
 
 import numpy as np
 
-from tfkv.errors import TfkvError
 from tfkv.ps import compression, dtypes
 from tfkv.ps import protocol as P
 from tfkv.ps.reduction import Reducer
+from tfkv.ps.group_rounds import GroupRounds
+from tfkv.ps.round_types import NOTHING, Fused, GroupRound, Held, Outcome, Reply, RequestError, Round
 from tfkv.ps.rows import Shard, merge
 from tfkv.ps.updater import NumpyUpdater
 
 _F32 = dtypes.FLOAT32
 
 
-class RequestError(TfkvError, ValueError):
-    """The request cannot be served; its text goes back to the sender."""
-
-
-class Fused:
-    """A PUSHPULL's pulls: answered in one reply, the keys' values end to end, once every key's
-    round has closed. Counted as len(keys) held requests until answered (the worker awaits one
-    pull per key)."""
-
-    __slots__ = ("identity", "request", "keys", "values", "answered")
-
-    def __init__(self, identity: bytes, request: P.Message, keys: list[int]):
-        self.identity, self.request, self.keys = identity, request, keys
-        self.values: dict[int, np.ndarray] = {}
-        self.answered = False  # replied to, or refused: no longer held
-
-
-class Held(NamedTuple):
-    """A request held for the next round of a key (a PUSH, a one-key PUSHPULL, or a fused PUSHPULL's
-    push of one key with the pull that waits for it), or released to be served again."""
-
-    identity: bytes
-    request: P.Message
-    pull: Fused | None = None
-
-
-Reply = tuple[bytes, P.Message]  # a reply to send, and the connection it goes to
-# What serving a request gives back, in order: replies to send, and held requests released (each
-# served, with what it gives back, before what follows it).
-Outcome = Sequence[Union[Reply, Held]]
-NOTHING: Outcome = ()
-
-
-@dataclass
-class Round:
-    """One synchronous round of a key: who has pushed and what is waiting."""
-
-    merged: np.ndarray | None = None
-    pushed: set[int] = field(default_factory=set)
-    pulls: list[tuple[bytes, P.Message | Fused]] = field(default_factory=list)
-    held: list[Held] = field(default_factory=list)  # for the next round
-    rows: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # a row-sparse key's: (local rows, values)
-
-
-@dataclass
-class GroupRound:
-    """One synchronous round of a fused key set that the workers push as the same PUSHPULL (the
-    same keys in the same order, as every worker of a data-parallel job stages them): summed as
-    one buffer, closed at once, each worker answered with one buffer; a small key costs a message,
-    a round, a slice and an add otherwise. It stands for the keys' own rounds opened and closed
-    together, so any request that would see them apart first turns it into them (`_dissolve`),
-    and those rounds (`Round`) remain the one definition of what a round does."""
-
-    keys: tuple[int, ...]
-    sizes: list[int]
-    merged: np.ndarray | None = None
-    pushed: set[int] = field(default_factory=set)
-    pulls: list[tuple[bytes, P.Message]] = field(default_factory=list)  # the PUSHPULLs to answer
-    held: list[Held] = field(default_factory=list)  # a sender's next one, for the next round
-
-
-class Rounds:
+class Rounds(GroupRounds):
     """The values of a server's keys, their optimizer, and their open rounds."""
 
     def __init__(self, workers: set[int], reducer: Reducer):
@@ -390,68 +329,6 @@ class Rounds:
         else:
             shard.value[...] = 0
             shard.value[rows] = summed
-
-    # -- group rounds --------------------------------------------------------------------------
-
-    def _as_group(self, identity: bytes, msg: P.Message, keys: list[int], sizes: list[int]) -> Outcome | None:
-        """Serve a fused PUSHPULL of a synchronous job as a GroupRound when its keys are in no
-        other round (or all in this set's own); None: to be served key by key. A group round of
-        some of its keys is taken apart first, and the request served again after what that
-        releases."""
-        group = self.grouped.get(keys[0])
-        if group is None or group.keys != tuple(keys):
-            for k in keys:
-                other = self.grouped.get(k)
-                if other is not None:
-                    return self._dissolve(other, Held(identity, msg))
-            if any(self.open[k].pushed for k in keys):
-                return None  # a key of it is in a round of its own: the keys' rounds serve it
-            group = GroupRound(tuple(keys), sizes)
-            for k in keys:
-                self.grouped[k] = group
-        if msg.sender in group.pushed:  # pushed again before the round closed: held whole for the next
-            group.held.append(Held(identity, msg))
-            return NOTHING
-        group.merged = self.reducer.accumulate(group.merged, msg.data)
-        group.pushed.add(msg.sender)
-        group.pulls.append((identity, msg))
-        return self._close_group(group) if len(group.pushed) == len(self.workers) else NOTHING
-
-    def ungroup(self, group: GroupRound) -> None:
-        for k in group.keys:
-            del self.grouped[k]
-
-    def _close_group(self, group: GroupRound) -> Outcome:
-        """Each key's value from the round's sum, as its own round's close would; every pull
-        answered with the keys' values end to end (without an optimizer, the sum's own buffer)."""
-        self.ungroup(group)
-        merged, offset, values = group.merged, 0, []
-        assert merged is not None
-        for k, n in zip(group.keys, group.sizes):
-            part = merged[offset:offset + n]
-            offset += n
-            self.closed[k] += 1
-            self.values[k] = part if self.updater is None else self.updater.update(k, self.values[k], part)
-            values.append(self.values[k])
-        data = merged if self.updater is None else np.concatenate(values)
-        out: list = [(identity, P.Message(P.Type.PUSHPULL, seq=request.seq, data=data, reply=True))
-                     for identity, request in group.pulls]
-        out.extend(group.held)  # each opens the next round
-        return out
-
-    def _dissolve(self, group: GroupRound, then: Held) -> Outcome:
-        """Turn an open GroupRound into its keys' own rounds (what they would be had each key been
-        served on its own: the same pushes summed, the same pulls waiting); its held requests are
-        released, then `then`, the request that saw the keys apart."""
-        self.ungroup(group)
-        pulls = [(identity, Fused(identity, request, list(group.keys))) for identity, request in group.pulls]
-        offset = 0
-        for k, n in zip(group.keys, group.sizes):
-            r = self.open[k]  # empty: a grouped key is in no round of its own
-            r.merged = None if group.merged is None else group.merged[offset:offset + n]
-            r.pushed, r.pulls = set(group.pushed), list(pulls)
-            offset += n
-        return [*group.held, then]
 
     # -- held requests -------------------------------------------------------------------------
 

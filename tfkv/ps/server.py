@@ -24,7 +24,8 @@ from tfkv.ps import compression, departures, memory
 from tfkv.ps import protocol as P
 from tfkv.ps.cluster_env import ClusterEnv
 from tfkv.ps.reduction import Reducer
-from tfkv.ps.rounds import Fused, Held, Outcome, RequestError, Rounds
+from tfkv.ps.round_types import Fused, Held, Outcome, RequestError
+from tfkv.ps.rounds import Rounds
 from tfkv.ps.rows import Shard
 from tfkv.ps.scheduler_link import SchedulerLink
 from tfkv.ps.strangers import Strangers
