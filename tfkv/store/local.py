@@ -93,9 +93,8 @@ class LocalStore(KVStore):
                 self._push_rows(k, var, values)
                 continue
             held = dtypes.of(var)
+            values = [tf_rows.densified(k, v, var.shape) if isinstance(v, RowSparse) else v for v in values]
             for v in values:
-                if isinstance(v, RowSparse):
-                    raise sparse.refused("sparse_push", k)
                 dtypes.check(k, held, v)
             merged = self._merge(k, values)
             with tf.device(self._home[k]):
@@ -180,12 +179,16 @@ class LocalStore(KVStore):
         new = tf.numpy_function(run, [merged, tf.convert_to_tensor(var)], var.dtype, stateful=True)
         var.assign(tf.ensure_shape(new, var.shape))
 
-    def pull(self, key: Key | Sequence[Key], out: Any = None, priority: int = 0) -> Any:
+    def pull(self, key: Key | Sequence[Key], out: Any = None, priority: int = 0, ignore_sparse: bool = True) -> Any:
+        """MXNet's: each key's whole value (a row-sparse key's too: this store holds it whole) into
+        `out`, or returned. A RowSparse out is left unchanged unless ignore_sparse=False, which
+        gives it every row (sparse.dense_outs)."""
         results = []
         for k, outs in pairs(key, out):
             var = self._var(k)
-            if k in self._sparse:
-                raise sparse.refused("pull", k)
+            outs, whole = sparse.dense_outs(k, outs, ignore_sparse)
+            for o in whole:
+                sparse.whole(o, var.numpy() if tf.executing_eagerly() else tf.identity(var))
             for o in outs:
                 if not isinstance(o, np.ndarray):
                     o.assign(var if o.dtype == var.dtype else tf.cast(var, o.dtype))  # cast: MXNet's CopyFromTo
@@ -194,7 +197,7 @@ class LocalStore(KVStore):
                 else:
                     raise TypeError(f"pull of key {k!r}: a numpy out can only be written eagerly; inside a "
                                     "tf.function give a tf.Variable")
-            if not outs:
+            if out is None:
                 results.append(tf.identity(var))
         if out is None:
             return results if isinstance(key, (list, tuple)) else results[0]
