@@ -100,6 +100,8 @@ def build(cfg: Any, run_dir: Path, kvstore: Any, tf_devices: list[str], override
     # names are not the API's (its 2bit is the API's 2bit_momentum: tfkv.ps.compression.KINDS).
     compressing = compression.from_config(cfg.kvstore.compression.type, cfg.kvstore.compression.threshold)
     kvstore.set_gradient_compression(compressing.params() if compressing else None)
+    if compressing and kvstore.rank == 0:
+        log.info("%s", compression.describe(compressing))
     source = data.Source(cfg.dataset, cfg.seed, cfg.batch_size, cfg.eval_batch_size, kvstore.num_workers,
                          kvstore.rank, cfg.steps_per_epoch)
     optimizer = optim.from_config(cfg.optimizer, source.steps, cfg.epochs)
