@@ -531,6 +531,23 @@ def test_a_row_sparse_push_to_a_dense_key_goes_through_the_optimizer(create, kv_
         kv.push(3, RowSparse(np.ones((1, 2), np.float32), np.array([4]), (4, 2)))
 
 
+@pytest.mark.parametrize("kv_type", STORES)
+def test_row_sparse_pull_pairs_each_out_with_its_row_ids(create, kv_type):
+    """Issue 40's case (int ids): out i gets rows r_i only, not the union; one array for every out."""
+    kv = create(kv_type)
+    kv.init('e', RowSparse(np.arange(8, dtype=np.float32).reshape(4, 2), np.arange(4), (4, 2)))
+    o1, o2 = RowSparse.zeros((4, 2)), RowSparse.zeros((4, 2))
+    kv.row_sparse_pull('e', out=[o1, o2], row_ids=[np.array([2, 0]), np.array([3, 3])])
+    assert (o1.indices.tolist(), o1.data.tolist()) == ([0, 2], [[0, 1], [4, 5]])
+    assert (o2.indices.tolist(), o2.data.tolist()) == ([3], [[6, 7]])
+    kv.row_sparse_pull('e', out=[o1, o2], row_ids=np.array([1]))
+    assert o1.indices.tolist() == o2.indices.tolist() == [1] and o1.data.tolist() == o2.data.tolist() == [[2, 3]]
+    one, two = kv.row_sparse_pull('e', row_ids=[[1], [2, 1]])  # without out: one RowSparse per array
+    assert (one.indices.tolist(), two.indices.tolist()) == ([1], [1, 2])
+    with pytest.raises(ValueError, match=r"^row_sparse_pull of key 'e': 2 arrays of row_ids for 3 outs"):
+        kv.row_sparse_pull('e', out=[o1, o2, RowSparse.zeros((4, 2))], row_ids=[[0], [1]])
+
+
 def test_lazy_update_is_taken_where_it_means_what_tfkv_does():
     assert optim.create("adam", learning_rate=0.1, lazy_update=True) == optim.create("adam", learning_rate=0.1)
     with pytest.raises(ValueError, match="optimizer sgd: lazy_update=False is not supported by tfkv; it always updates"):
