@@ -588,3 +588,26 @@ def test_row_sparse_conveniences_of_mxnet():
     zeros = RowSparse.zeros((5, 2, 3))
     assert zeros.data.shape == (0, 2, 3) and zeros.data.dtype == np.float32 and zeros.indices.dtype == np.int64
     assert np.array_equal(zeros.todense(), np.zeros((5, 2, 3), np.float32))
+
+
+@pytest.mark.parametrize("kv_type", STORES)
+def test_rows_into_a_dense_key_and_float_ids_trace_into_a_tf_function(create, kv_type):
+    """As the trainer traces the single-machine stores: a RowSparse pushed to a dense key is
+    scattered (repeats summed), whole float ids pull their rows, a fraction fails the step."""
+    import tensorflow as tf
+
+    kv = create(kv_type)
+    kv.init(1, np.zeros((4, 2), np.float32))
+    kv.init(2, RowSparse.from_dense(np.eye(4, dtype=np.float32)))
+
+    @tf.function
+    def step(ids, row_ids):
+        kv.push(1, RowSparse(tf.ones([tf.size(ids), 2]), ids, (4, 2)))
+        got = kv.row_sparse_pull(2, row_ids=row_ids)
+        return kv.pull(1), got.indices, got.data
+
+    dense, ids, rows = step(tf.constant([1, 3, 1], tf.int64), tf.constant([3.0, 1.0, 3.0]))
+    assert dense.numpy().tolist() == [[0, 0], [2, 2], [0, 0], [1, 1]]
+    assert ids.numpy().tolist() == [1, 3] and rows.numpy().tolist() == [[0, 1, 0, 0], [0, 0, 0, 1]]
+    with pytest.raises(tf.errors.InvalidArgumentError, match="row_sparse_pull of key 2: a row id is not a whole number"):
+        step(tf.constant([0], tf.int64), tf.constant([1.5]))

@@ -74,7 +74,7 @@ def densified(key: Hashable, value: RowSparse, shape: Sequence[int]) -> Any:
     if tf.executing_eagerly():
         return tf.constant(sparse.densify(key, value, shape))
     ids = checked_ids(key, value.indices, shape[0], "push")
-    return tf.scatter_nd(tf.reshape(ids, [-1, 1]), tf.convert_to_tensor(value.data), tf.constant(shape, tf.int64))
+    return tf.scatter_nd(tf.reshape(ids, [-1, 1]), tf.convert_to_tensor(value.data), tf.constant(list(shape), tf.int64))
 
 
 def checked_ids(key: Hashable, row_ids: Any, num_rows: int, what: str = "row_sparse_pull") -> tf.Tensor:
