@@ -203,7 +203,7 @@ class KVStore(ABC):
         raise ValueError(f"row_sparse_pull of key {key!r}: kvstore={self.type} holds no row-sparse keys")
 
     def _refuse_row_sparse(self, key: Key | Sequence[Key]) -> None:
-        """pushpull (and a dense pull) take dense keys only: one line naming a row-sparse key."""
+        """pushpull takes dense keys only: one line naming a row-sparse key."""
         for k in (key if isinstance(key, (list, tuple)) else [key]):
             if not isinstance(k, (list, tuple)) and self.is_row_sparse(k):
                 raise sparse.refused("pushpull", k)

@@ -25,7 +25,9 @@ A key initialised with a float16 or bfloat16 value holds that dtype (tfkv.ps.dty
 machine's values are summed in it and travel at 2 bytes a value; a value of another dtype is
 refused naming both. Only float32 keys are fused into a PUSHPULL (it carries one dtype).
 
-A row-sparse key (a table sharded by rows over every server) is `tfkv.store.dist_rows`.
+A row-sparse key (a table sharded by rows over every server) is `tfkv.store.dist_rows`. Rows (a
+RowSparse or tf.IndexedSlices) pushed to a dense key go as the dense value they stand for, as
+MXNet's; a RowSparse out of a dense `pull` is left as it is (MXNet's ignore_sparse=True).
 
 Creating a store in a process whose role is `server` or `scheduler` runs that role and exits,
 as MXNet does, so one command can be started for every role of a job. A worker's store leaves

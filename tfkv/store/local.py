@@ -22,8 +22,10 @@ RowSparse, a tf.IndexedSlices, or one per device) is summed without densifying a
 optimizer, updates only those rows and their state (MXNet's lazy update); without one the key
 becomes the pushed rows, zero elsewhere (MXNet's). `row_sparse_pull` and `pull_rows` gather rows.
 All of it works eagerly and inside a tf.function (rows then come back as tensors). A Python
-updater, and gradient compression, are refused for them in one line naming the key. A
-tf.IndexedSlices pushed to a dense key is densified, as TensorFlow does.
+updater, and gradient compression, are refused for them in one line naming the key. A dense
+`pull` of one gives the whole table, as MXNet's local store. A tf.IndexedSlices pushed to a dense
+key is densified, as TensorFlow does, and so is a RowSparse (scattered into the key's shape, rows
+summed), as MXNet's.
 """
 
 from __future__ import annotations
