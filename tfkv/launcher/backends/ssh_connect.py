@@ -7,6 +7,15 @@ Port, IdentityFile, ProxyJump...; a hosts-file `user@host:port` wins over it. Fa
 makes the connection; no password is ever asked for (keys or an agent only, as with ssh's
 BatchMode), and host keys are checked as OpenSSH checks them, where Fabric alone would accept any
 host. Every way of failing to connect becomes one line naming the host and the fix.
+
+Every step has a deadline, so that a host cut off from the network (or powered off) never holds
+the launcher: the TCP connect (ConnectTimeout), the server's banner and the login (paramiko's
+banner and auth timeouts), a channel's opening (its channel timeout: paramiko's default is an
+hour, and Fabric's own command timeout starts only once the channel is open and the command
+started), and a connection that stops answering: keepalives every ServerAliveInterval seconds,
+and the kernel drops a connection whose data has gone unacknowledged for ServerAliveInterval x
+ServerAliveCountMax seconds (TCP_USER_TIMEOUT), OpenSSH's rule for a dead server. Its transport
+then closes, which ends every wait on it: a command's start, its output, its exit status.
 """
 
 from __future__ import annotations
@@ -24,6 +33,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("tfkv")
 
 CONNECT_TIMEOUT = 10  # seconds, unless the ssh config sets ConnectTimeout
+BANNER_TIMEOUT = 15  # seconds for the server's banner once connected (paramiko's default)
+AUTH_TIMEOUT = 30  # seconds for the login (paramiko's default)
+CHANNEL_TIMEOUT = 10  # seconds to open a channel on a connection (paramiko's default: an hour)
+# OpenSSH's ServerAliveInterval and ServerAliveCountMax, unless the ssh config sets them: a
+# connection silent for 2 x 4 s is dead (a role's heartbeat timeout is 4 s: the job is stopped by then).
+ALIVE_INTERVAL = 2
+ALIVE_COUNT = 4
 
 
 def ssh_config_path(path: str | None) -> str | None:
@@ -50,11 +66,39 @@ def connect(host: Host, ssh_config: str | None = None) -> Connection:
     entry = config.base_ssh_config.lookup(host.name)
     only = entry.get("identitiesonly") == "yes" and "identityfile" in entry
     conn = Connection(host.name, user=host.user, port=host.port, config=config,
-                      connect_kwargs={"allow_agent": not only, "look_for_keys": not only})
+                      connect_kwargs={"allow_agent": not only, "look_for_keys": not only,
+                                      "banner_timeout": BANNER_TIMEOUT, "auth_timeout": AUTH_TIMEOUT,
+                                      "channel_timeout": CHANNEL_TIMEOUT})
     _check_host_keys(conn.client, entry)
     conn.open()
-    conn.transport.set_keepalive(10)  # notice a host that went away
+    _keep_alive(conn, entry)
     return conn
+
+
+def dead_after(entry: dict[str, Any]) -> tuple[int, int]:
+    """(ServerAliveInterval, seconds of silence after which the connection is dead), as the ssh
+    config `entry` sets them or ALIVE_INTERVAL, ALIVE_COUNT; never off (0): the launcher needs
+    every connection to end when its host is gone."""
+    interval = int(entry.get("serveraliveinterval", 0)) or ALIVE_INTERVAL
+    return interval, interval * max(1, int(entry.get("serveralivecountmax", ALIVE_COUNT)))
+
+
+def _keep_alive(conn: Connection, entry: dict[str, Any]) -> None:
+    """Keepalives on the connection (paramiko's, every ServerAliveInterval), and TCP_USER_TIMEOUT
+    on its socket: data unacknowledged that long and the kernel drops the connection, which closes
+    the transport (its thread sees the error). Also on a ProxyJump's own connection, whose channel
+    carries this one."""
+    import socket
+
+    from fabric import Connection
+
+    interval, dead = dead_after(entry)
+    conn.transport.set_keepalive(interval)
+    sock = conn.transport.sock
+    if isinstance(sock, socket.socket) and hasattr(socket, "TCP_USER_TIMEOUT"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, dead * 1000)
+    if isinstance(conn.gateway, Connection) and conn.gateway.is_connected:
+        _keep_alive(conn.gateway, entry)
 
 
 def _check_host_keys(client: Any, entry: dict[str, Any]) -> None:
