@@ -45,13 +45,16 @@ def test_tfkv_run_cluster_ssh_on_two_emulated_hosts(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_host_cut_off_mid_job_is_named_and_the_launcher_ends_within_the_heartbeat_timeout_and_15_s(tmp_path):
-    """Issue 40, point 12: node2's link is cut (its veth set down) while the job runs. The scheduler
-    names the silent roles within the heartbeat timeout and every role stops (node2's on their own:
-    they lose the scheduler), but `tfkv-launch` (ssh) printed no final line for up to an hour: the
+@pytest.mark.parametrize("cut_host", ["node2", "node1"])
+def test_a_host_cut_off_mid_job_is_named_and_the_launcher_ends_within_the_heartbeat_timeout_and_15_s(tmp_path,
+                                                                                                       cut_host):
+    """Issue 40, point 12: a host's link is cut (its veth set down) while the job runs: node2, with
+    a server and a worker, or node1, the scheduler's host. The roles that can still talk find the
+    silence within the heartbeat timeout and every role stops (the cut host's on their own: they
+    lose the scheduler, or are it), but `tfkv-launch` (ssh) printed no final line for up to an hour: the
     teardown of node2 opened a channel on its dead connection and waited paramiko's channel
     timeout (3600 s). Now every ssh step has a deadline and the hosts are torn down side by side:
-    the launcher exits 1 within heartbeat timeout + 15 s of the cut, naming node2, and leaves no
+    the launcher exits 1 within heartbeat timeout + 15 s of the cut, naming the host, and leaves no
     role running on either host."""
     need_root("an emulated cluster")
     from tfkv.emulate import net
@@ -78,13 +81,13 @@ def test_a_host_cut_off_mid_job_is_named_and_the_launcher_ends_within_the_heartb
                 assert launcher.poll() is None and time.monotonic() < deadline, "".join(output)[-5000:]
                 time.sleep(0.2)
             time.sleep(1.0)
-            veth = net.veth_name(cluster.record["k"], cluster.hosts.index(cluster.host("node2")))
+            veth = net.veth_name(cluster.record["k"], cluster.hosts.index(cluster.host(cut_host)))
             subprocess.run(["ip", "link", "set", veth, "down"], check=True)
             cut = time.monotonic()
             try:
                 launcher.wait(timeout=heartbeat_timeout + 60)
             except subprocess.TimeoutExpired:
-                pytest.fail(f"no final line {heartbeat_timeout + 60:.0f} s after node2 was cut off:\n"
+                pytest.fail(f"no final line {heartbeat_timeout + 60:.0f} s after {cut_host} was cut off:\n"
                             + "".join(output)[-5000:])
             took = time.monotonic() - cut
             reader.join(timeout=10)
@@ -92,7 +95,7 @@ def test_a_host_cut_off_mid_job_is_named_and_the_launcher_ends_within_the_heartb
             (line,) = [ln for ln in text.splitlines() if ln.startswith("tfkv-launch:")]
             assert launcher.returncode == 1, text[-5000:]
             assert took <= heartbeat_timeout + 15, f"{took:.1f} s after the cut:\n{text[-5000:]}"
-            assert "@node2" in line and "node2 did not answer over ssh" in line, line
+            assert f"@{cut_host}" in line and f"{cut_host} did not answer over ssh" in line, line
             assert not tagged_pids(tag[TAG], wait=10), "processes of the job left behind"
         finally:
             if launcher.poll() is None:

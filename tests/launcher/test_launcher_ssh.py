@@ -100,6 +100,17 @@ def test_remote_command_kills_its_group_when_the_channel_closes(tmp_path):
     assert not _no_leftovers(tag[TAG], 5)
 
 
+def test_a_connection_is_dead_after_ssh_configs_server_alive_settings_never_off():
+    """Issue 40, point 12: the silence after which an ssh connection counts as dead (and the
+    kernel drops it, TCP_USER_TIMEOUT) follows ServerAliveInterval x ServerAliveCountMax, as ssh
+    does; 0, ssh's "off", is not taken: a host cut off would then hold the launcher."""
+    from tfkv.launcher.backends.ssh_connect import ALIVE_COUNT, ALIVE_INTERVAL, dead_after
+
+    assert dead_after({}) == (ALIVE_INTERVAL, ALIVE_INTERVAL * ALIVE_COUNT)
+    assert dead_after({"serveraliveinterval": "5", "serveralivecountmax": "2"}) == (5, 10)
+    assert dead_after({"serveraliveinterval": "0"}) == (ALIVE_INTERVAL, ALIVE_INTERVAL * ALIVE_COUNT)
+
+
 # -- slow: real sshd ------------------------------------------------------------------------------
 
 @pytest.mark.slow

@@ -136,6 +136,7 @@ class RemoteRole:
 
 
 STOP_TIMEOUT = 15  # seconds for the teardown's command on a host, once its channel is open
+GONE = "its ssh connection is gone"
 
 
 def stop_groups(conn: Connection, running: list[int], every: list[int]) -> str | None:
@@ -147,7 +148,7 @@ def stop_groups(conn: Connection, running: list[int], every: list[int]) -> str |
     if not every:
         return None
     if not conn.is_connected:
-        return "its ssh connection is gone"
+        return GONE
     term = " ".join(f"-{g}" for g in running)
     script = (f"alive() {{ for g in {term}; do kill -0 $g 2>/dev/null && return 0; done; return 1; }}; "
               f"kill -HUP {term} 2>/dev/null; kill -CONT {term} 2>/dev/null; i=0; while [ $i -lt 30 ] && alive; do sleep 0.1; i=$((i+1)); done; "
@@ -156,5 +157,7 @@ def stop_groups(conn: Connection, running: list[int], every: list[int]) -> str |
     try:
         conn.run(script, hide=True, warn=True, in_stream=False, timeout=STOP_TIMEOUT)
     except Exception as e:  # noqa: BLE001 - an unreachable host: closing the channel makes its wrappers do it
+        if not conn.is_connected:  # it died while we waited (the kernel gave up on it: ssh_connect)
+            return GONE
         return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
     return None
