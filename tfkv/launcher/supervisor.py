@@ -75,15 +75,18 @@ def first_cause(failed: list[tuple[str, int]], running: Sequence[str] = (),
     the first failure that did not. When every failure did, the cause is whatever is still
     `running` (roles that had not ended when the launcher looked): a role that hangs (stopped,
     deadlocked) lives on while the others stop because it stopped answering. When none is
-    running either, it is the first of the roles that `finished` (exited 0): it left early."""
+    running either, it is the first worker that `finished` (exited 0): it left early. Unless the
+    scheduler finished too, which it does only once every worker has (then a role that missed
+    its SHUTDOWN is the one to name). Names as tfkv.launcher.plan.make_plan gives them."""
     causes = [f for f in failed if f[1] not in REACTIONS]
     if causes:
         return f"{causes[0][0]} {status_text(causes[0][1])}"
     if failed and running:
         return (f"{' and '.join(running)} stopped answering (still running when the others had stopped because "
                 "a peer failed)")
-    if failed and finished:
-        return f"{finished[0]} {LEFT_EARLY}"
+    leavers = [n for n in finished if n.startswith("worker ")]
+    if failed and leavers and not any(n.startswith("scheduler") for n in finished):
+        return f"{leavers[0]} {LEFT_EARLY}"
     return f"{failed[0][0]} {status_text(failed[0][1])}" if failed else None
 
 
