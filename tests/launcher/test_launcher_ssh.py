@@ -421,3 +421,31 @@ def test_the_same_variables_reach_the_roles_under_local_and_ssh(loopback_host, s
             assert role_env["DMLC_ROLE"] == "worker" and role_env["TFKV_RANK_HINT"] == str(rank), launcher
             assert not {k for k in NOT_FORWARDED if k != "TFKV_RANK_HINT"} & set(role_env), launcher
             assert role_env["DMLC_NUM_WORKER"] == "2" and role_env["TFKV_RUN_DIR"].endswith("run"), launcher
+
+
+@pytest.mark.slow
+def test_a_remote_command_has_one_deadline_for_its_start_and_end_and_the_connection_a_dead_time(
+        loopback_host, ssh_site):
+    """Issue 40, point 12: every ssh step the launcher takes has a deadline. A command (the
+    pre-flight's, the teardown's) that does not end in time is cut, its channel closed, and said
+    in one line (Fabric's own timeout starts only once the command started); the connection
+    carries the ssh config's ServerAlive settings down to the kernel (TCP_USER_TIMEOUT), which
+    drops it when the host stops answering."""
+    import socket
+
+    from tfkv.launcher.backends.ssh_connect import connect, dead_after, run
+    from tfkv.launcher.hosts import Host
+
+    conn = connect(Host(loopback_host.alias), str(ssh_site.config))
+    try:
+        assert run(conn, "echo out; echo err >&2; exit 3", 20) == (3, "out\n", "err\n")
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="no end within 1 s"):
+            run(conn, "sleep 8", 1)
+        assert time.monotonic() - t0 < 5
+        assert run(conn, "true", 20).exited == 0  # the connection serves on
+        _, dead = dead_after({})
+        sock = conn.transport.sock
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == dead * 1000
+    finally:
+        conn.close()

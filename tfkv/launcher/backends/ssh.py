@@ -61,7 +61,7 @@ from tfkv.launcher import signals, supervisor
 from tfkv.launcher.base import Backend, Job, Result
 from tfkv.launcher.hosts import Host
 from tfkv.launcher.plan import Process
-from tfkv.launcher.backends.ssh_connect import connect, connect_problem, ssh_config_path
+from tfkv.launcher.backends.ssh_connect import connect, connect_problem, run, ssh_config_path
 from tfkv.launcher.backends.ssh_remote import RemoteRole, remote_command, stop_groups
 from tfkv.launcher.backends.ssh_sync import copy_back, remote_spec, rsync
 
@@ -90,8 +90,7 @@ def check_host(host: Host, job: Job, rsync_lock: threading.Lock,
         cwd = job.sync_dst_dir or str(job.workdir)
         if job.sync_dst_dir:
             dst = shlex.quote(job.sync_dst_dir)
-            r = conn.run(f"mkdir -p {dst} && test -w {dst}", hide=True, warn=True, in_stream=False,
-                         timeout=CHECK_TIMEOUT)
+            r = run(conn, f"mkdir -p {dst} && test -w {dst}", CHECK_TIMEOUT)
             if r.exited != 0:
                 why = _last_line(r.stderr) or "no write permission"
                 return f"{host}: {job.sync_dst_dir} is not writable ({why}); pick another --sync-dst-dir"
@@ -103,8 +102,8 @@ def check_host(host: Host, job: Job, rsync_lock: threading.Lock,
                 return (f"{host}: rsync of {job.workdir} to {job.sync_dst_dir} failed ({problem}); check that "
                         f"`ssh {host}` works without a prompt and that rsync is installed there")
         python = shlex.quote(job.python)
-        r = conn.run(f"cd {shlex.quote(cwd)} 2>/dev/null || exit 97; exec {python} -m tfkv.launcher.record",
-                     hide=True, warn=True, in_stream=False, timeout=CHECK_TIMEOUT)
+        r = run(conn, f"cd {shlex.quote(cwd)} 2>/dev/null || exit 97; exec {python} -m tfkv.launcher.record",
+                CHECK_TIMEOUT)
         where = "after the rsync" if job.sync_dst_dir else f"in {cwd}"
         if r.exited == 97:
             return (f"{host}: {cwd} does not exist there; pass --sync-dst-dir to copy the working directory, "

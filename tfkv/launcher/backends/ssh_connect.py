@@ -12,7 +12,8 @@ Every step has a deadline, so that a host cut off from the network (or powered o
 the launcher: the TCP connect (ConnectTimeout), the server's banner and the login (paramiko's
 banner and auth timeouts), a channel's opening (its channel timeout: paramiko's default is an
 hour, and Fabric's own command timeout starts only once the channel is open and the command
-started), and a connection that stops answering: keepalives every ServerAliveInterval seconds,
+started), a command's start and end (`run`: paramiko's exec_command and exit status wait without
+one), and a connection that stops answering: keepalives every ServerAliveInterval seconds,
 and the kernel drops a connection whose data has gone unacknowledged for ServerAliveInterval x
 ServerAliveCountMax seconds (TCP_USER_TIMEOUT), OpenSSH's rule for a dead server. Its transport
 then closes, which ends every wait on it: a command's start, its output, its exit status.
@@ -20,14 +21,17 @@ then closes, which ends every wait on it: a command's start, its output, its exi
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
 
 from tfkv.errors import ConfigError
 from tfkv.launcher.hosts import Host
 
 if TYPE_CHECKING:
+    import paramiko
     from fabric import Connection
 
 log = logging.getLogger("tfkv")
@@ -99,6 +103,61 @@ def _keep_alive(conn: Connection, entry: dict[str, Any]) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, dead * 1000)
     if isinstance(conn.gateway, Connection) and conn.gateway.is_connected:
         _keep_alive(conn.gateway, entry)
+
+
+class Ran(NamedTuple):
+    """How a command ended (the fields Fabric's Result has)."""
+
+    exited: int
+    stdout: str
+    stderr: str
+
+
+def run(conn: Connection, command: str, timeout: float) -> Ran:
+    """Run `command` on the connection's host, no input, its output kept, every step within a
+    deadline: the channel opens within CHANNEL_TIMEOUT, the command starts and ends within
+    `timeout` seconds, or the channel is closed, which ends paramiko's waits (exec_command and
+    recv_exit_status have no timeout of their own; Fabric's run(timeout=) starts its clock only
+    once the command started). Raises TimeoutError past the deadline, paramiko's errors for a
+    connection that broke (an inactive one: SSHException, at once)."""
+    chan = conn.transport.open_session(timeout=CHANNEL_TIMEOUT)
+    try:
+        with deadline(chan, timeout):
+            chan.exec_command(command)
+            chan.shutdown_write()  # no input
+            # stdout, then stderr: paramiko buffers each apart; these commands say a few lines
+            out = chan.makefile("rb").read().decode(errors="replace")
+            err = chan.makefile_stderr("rb").read().decode(errors="replace")
+            status = chan.recv_exit_status()
+    finally:
+        chan.close()
+    return Ran(status, out, err)
+
+
+@contextlib.contextmanager
+def deadline(chan: paramiko.Channel, seconds: float) -> Iterator[None]:
+    """Close `chan` if the block is still in it after `seconds`, which ends any wait on the
+    channel in it (paramiko's exec_command, reads, exit status); the block then raises
+    TimeoutError, whatever the closed channel made it raise or return."""
+    late = threading.Event()
+
+    def expire() -> None:
+        late.set()
+        chan.close()
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    except Exception:
+        if late.is_set():
+            raise TimeoutError(f"no end within {seconds:.0f} s") from None
+        raise
+    finally:
+        timer.cancel()
+    if late.is_set():
+        raise TimeoutError(f"no end within {seconds:.0f} s")
 
 
 def _check_host_keys(client: Any, entry: dict[str, Any]) -> None:

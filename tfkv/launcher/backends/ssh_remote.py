@@ -22,7 +22,7 @@ from typing import IO, TYPE_CHECKING
 
 from tfkv.launcher.hosts import Host
 from tfkv.launcher.plan import Process, forwarded_env
-from tfkv.launcher.backends.ssh_connect import CHANNEL_TIMEOUT
+from tfkv.launcher.backends.ssh_connect import CHANNEL_TIMEOUT, deadline, run
 from tfkv.keys import SECRET_NAMES
 
 if TYPE_CHECKING:
@@ -108,7 +108,8 @@ class RemoteRole:
 
     def start(self, command: str, out: IO[str], lock: threading.Lock) -> None:
         self.channel = self.conn.transport.open_session(timeout=CHANNEL_TIMEOUT)
-        self.channel.exec_command(command)  # stdin stays open: its EOF tells the wrapper we are gone
+        with deadline(self.channel, CHANNEL_TIMEOUT):  # sshd answers once it started the command
+            self.channel.exec_command(command)  # stdin stays open: its EOF tells the wrapper we are gone
         secrets = secret_env(self.process)
         if secrets:
             self.channel.sendall(json.dumps(secrets).encode() + b"\n")
@@ -135,7 +136,7 @@ class RemoteRole:
         self.ended.set()
 
 
-STOP_TIMEOUT = 15  # seconds for the teardown's command on a host, once its channel is open
+STOP_TIMEOUT = 15  # seconds for the teardown's command on a host to start and end, once its channel is open
 GONE = "its ssh connection is gone"
 
 
@@ -155,7 +156,7 @@ def stop_groups(conn: Connection, running: list[int], every: list[int]) -> str |
               if running else "")
     script += f"kill -KILL {' '.join(f'-{g}' for g in every)} 2>/dev/null; true"
     try:
-        conn.run(script, hide=True, warn=True, in_stream=False, timeout=STOP_TIMEOUT)
+        run(conn, script, STOP_TIMEOUT)
     except Exception as e:  # noqa: BLE001 - an unreachable host: closing the channel makes its wrappers do it
         if not conn.is_connected:  # it died while we waited (the kernel gave up on it: ssh_connect)
             return GONE
