@@ -197,8 +197,8 @@ class SSHLauncher(Backend):
             failure = supervisor.supervise(ends, over, lambda: unreached.update(self._teardown(roles, first_conn)),
                                            start=start)
             if failure and unreached:
-                failure += "; " + "; ".join(f"{host} did not answer over ssh ({why}): is it down or cut off from the network?"
-                                            for host, why in unreached.items())
+                failure += "".join(f"; {host} did not answer over ssh ({why}): is it down or cut off from the "
+                                   "network?" for host, why in unreached.items())
             if failure is None:
                 with signals.shielded():
                     failure = copy_back(job, first_conn, ssh_config)

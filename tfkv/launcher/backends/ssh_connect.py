@@ -75,7 +75,7 @@ def connect(host: Host, ssh_config: str | None = None) -> Connection:
                                       "channel_timeout": CHANNEL_TIMEOUT})
     _check_host_keys(conn.client, entry)
     conn.open()
-    _keep_alive(conn, entry)
+    _keep_alive(conn)
     return conn
 
 
@@ -87,22 +87,22 @@ def dead_after(entry: dict[str, Any]) -> tuple[int, int]:
     return interval, interval * max(1, int(entry.get("serveralivecountmax", ALIVE_COUNT)))
 
 
-def _keep_alive(conn: Connection, entry: dict[str, Any]) -> None:
-    """Keepalives on the connection (paramiko's, every ServerAliveInterval), and TCP_USER_TIMEOUT
-    on its socket: data unacknowledged that long and the kernel drops the connection, which closes
-    the transport (its thread sees the error). Also on a ProxyJump's own connection, whose channel
-    carries this one."""
+def _keep_alive(conn: Connection) -> None:
+    """Keepalives on the connection (paramiko's, every ServerAliveInterval of its host's ssh config
+    entry), and TCP_USER_TIMEOUT on its socket: data unacknowledged that long and the kernel drops
+    the connection, which closes the transport (its thread sees the error). Also on a ProxyJump's
+    own connection, whose channel carries this one."""
     import socket
 
     from fabric import Connection
 
-    interval, dead = dead_after(entry)
+    interval, dead = dead_after(conn.ssh_config)
     conn.transport.set_keepalive(interval)
     sock = conn.transport.sock
     if isinstance(sock, socket.socket) and hasattr(socket, "TCP_USER_TIMEOUT"):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, dead * 1000)
     if isinstance(conn.gateway, Connection) and conn.gateway.is_connected:
-        _keep_alive(conn.gateway, entry)
+        _keep_alive(conn.gateway)
 
 
 class Ran(NamedTuple):
