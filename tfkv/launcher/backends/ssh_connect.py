@@ -39,7 +39,11 @@ log = logging.getLogger("tfkv")
 CONNECT_TIMEOUT = 10  # seconds, unless the ssh config sets ConnectTimeout
 BANNER_TIMEOUT = 15  # seconds for the server's banner once connected (paramiko's default)
 AUTH_TIMEOUT = 30  # seconds for the login (paramiko's default)
-CHANNEL_TIMEOUT = 10  # seconds to open a channel on a connection (paramiko's default: an hour)
+# Seconds to open a channel on a connection (paramiko's default: an hour): sshd answers at once
+# when it can; the teardown of a host that stopped answering ends after it (heartbeat timeout +
+# the supervisor's HANG_GRACE + this: within the heartbeat timeout and 15 s, whatever ServerAliveInterval says).
+CHANNEL_TIMEOUT = 5
+EXEC_TIMEOUT = 10  # seconds for sshd to start a command on an open channel (it forks: a busy host is slow)
 # OpenSSH's ServerAliveInterval and ServerAliveCountMax, unless the ssh config sets them: a
 # connection silent for 2 x 4 s is dead (a role's heartbeat timeout is 4 s: the job is stopped by then).
 ALIVE_INTERVAL = 2

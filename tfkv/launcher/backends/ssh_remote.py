@@ -22,7 +22,7 @@ from typing import IO, TYPE_CHECKING
 
 from tfkv.launcher.hosts import Host
 from tfkv.launcher.plan import Process, forwarded_env
-from tfkv.launcher.backends.ssh_connect import CHANNEL_TIMEOUT, deadline, run
+from tfkv.launcher.backends.ssh_connect import CHANNEL_TIMEOUT, EXEC_TIMEOUT, deadline, run
 from tfkv.keys import SECRET_NAMES
 
 if TYPE_CHECKING:
@@ -108,7 +108,7 @@ class RemoteRole:
 
     def start(self, command: str, out: IO[str], lock: threading.Lock) -> None:
         self.channel = self.conn.transport.open_session(timeout=CHANNEL_TIMEOUT)
-        with deadline(self.channel, CHANNEL_TIMEOUT):  # sshd answers once it started the command
+        with deadline(self.channel, EXEC_TIMEOUT):  # sshd answers once it started the command
             self.channel.exec_command(command)  # stdin stays open: its EOF tells the wrapper we are gone
         secrets = secret_env(self.process)
         if secrets:
