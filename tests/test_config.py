@@ -280,9 +280,9 @@ def test_knobs_are_config_keys_the_environment_overrides():
     assert (env["TFKV_CHUNK_BYTES"], env["PS_RESEND"], env["PS_VERBOSE"]) == ("1024", "1", "2")
     assert "TFKV_SSH_CONFIG" not in env  # a launcher's knob stays with the launcher
     assert knobs.get("TFKV_CHUNK_BYTES", env) == 1024 and knobs.get("kvstore.chunk_bytes", {}) == 16 << 20
-    with pytest.raises(ValueError, match="MXNET_KVSTORE_BIGARRAY_BOUND='x' is not a int"):
+    with pytest.raises(ValueError, match="MXNET_KVSTORE_BIGARRAY_BOUND='x' is not an int"):
         knobs.get("TFKV_BIGARRAY_BOUND", {"MXNET_KVSTORE_BIGARRAY_BOUND": "x"})
-    with pytest.raises(ValueError, match="TFKV_BIGARRAY_BOUND='x' is not a int"):  # the variable the user set
+    with pytest.raises(ValueError, match="TFKV_BIGARRAY_BOUND='x' is not an int"):  # the variable the user set
         knobs.get("kvstore.bigarray_bound", {"TFKV_BIGARRAY_BOUND": "x"})
 
 
@@ -398,7 +398,7 @@ def test_a_knob_variable_of_the_wrong_type_is_one_line_before_any_process_starts
     proc = tfkv_run("kvstore=dist_sync", "cluster=local", cwd=tmp_path, env={"TFKV_BIGARRAY_BOUND": "x"}, check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [
-        "tfkv-run: TFKV_BIGARRAY_BOUND='x' is not a int; set it to one or unset it (kvstore.bigarray_bound in the config)"]
+        "tfkv-run: TFKV_BIGARRAY_BOUND='x' is not an int; set it to one or unset it (kvstore.bigarray_bound in the config)"]
 
 
 # Keras metrics that need arguments to be built, with some.
