@@ -306,6 +306,17 @@ class Tables:
                     c.fetch = _Fetcher(self.store, t)
 
 
+def compression_refused(tables: Sequence[SparseTable], kind: str) -> ConfigError:
+    """The one line refusing kvstore.compression for a model with row-sparse tables (the store
+    pushes a table's rows uncompressed), naming the layers: tfkv-run's before a dist_* job's
+    launch (tfkv.check.tables), the trainer's before the first step of a run in this process."""
+    names = ", ".join(t.name for t in tables)
+    which = f"layer {names} is a row-sparse table" if len(tables) == 1 else f"layers {names} are row-sparse tables"
+    return ConfigError(f"kvstore.compression.type={kind} compresses dense gradients, but this model's {which} "
+                       "(tfkv.layers.ShardedEmbedding), whose rows are pushed uncompressed: set "
+                       "kvstore.compression.type=none, or use keras.layers.Embedding with kvstore.row_sparse=false")
+
+
 def _described(t: SparseTable) -> str:
     where = (f"a batch's rows on the worker, at most {t.copies[0].rows_per_batch}" if t.sharded
              else "whole on the worker")
