@@ -148,3 +148,14 @@ def test_compression_with_sharded_tables_is_refused_before_the_first_step(tmp_pa
     line = _refusal(tfkv_run(*SHARDED_COMPRESSED, "kvstore=device", cwd=tmp_path, check=False))
     assert line == SHARDED_REFUSAL
     assert not list((tmp_path / "run").glob("checkpoints/*")) and not (tmp_path / "run" / "metrics.json").exists()
+
+
+def test_a_sharded_table_larger_than_memory_is_one_line_naming_its_layer(tmp_path):
+    """kvstore=local: the table is drawn whole in this process; one larger than the memory
+    available is refused before it is drawn (was: TensorFlow's OOM traceback after seconds),
+    naming the layer, not the store's key number."""
+    line = _refusal(tfkv_run("+experiment=ctr_dlrm", "model.vocab_sizes=[100000000000,1000,1000,1000]", "epochs=1",
+                             "steps_per_epoch=2", "progress=false", "hydra.run.dir=run", cwd=tmp_path, check=False))
+    assert line.startswith("tfkv-run: layer embedding0 (tfkv.layers.ShardedEmbedding): a table of 100000000000 rows "
+                           "of 16 values (5960.5 GiB) is made whole in this process"), line
+    assert "spread it over parameter servers" in line and "key 10" not in line

@@ -32,7 +32,7 @@ from tfkv.errors import ConfigError
 from tfkv.layers import ShardedEmbedding
 from tfkv.store import npz
 from tfkv.store.base import KVStore
-from tfkv.store.sparse import RowSparse, Table
+from tfkv.store.sparse import RowSparse, Table, TableTooLarge
 
 log = logging.getLogger("tfkv")
 
@@ -136,7 +136,7 @@ class Tables:
                 if tuple(value.shape) != t.shape:
                     raise ValueError(f"table {t.name}: the checkpoint holds shape {tuple(value.shape)}, the layer {t.shape}")
                 if not read_only:
-                    self.store.init(t.key, Table(t.shape, init="zeros"))
+                    self._init_table(t, Table(t.shape, init="zeros"))
                 start = 0
                 for piece in npz.pieces(value):
                     ids = np.arange(start, start + len(piece), dtype=np.int64)
@@ -148,12 +148,19 @@ class Tables:
                     start += len(piece)
                 self.store.barrier()  # worker 0's rows are in the store before any worker pulls
             elif t.sharded:
-                self.store.init(t.key, Table(t.shape, init=layer.init, scale=layer.scale, seed=layer.seed))
+                self._init_table(t, Table(t.shape, init=layer.init, scale=layer.scale, seed=layer.seed))
             else:
                 value = np.asarray(layer.embeddings.numpy(), np.float32)
                 self.store.init(t.key, RowSparse(value, np.arange(t.shape[0], dtype=np.int64), t.shape))
                 for c in t.copies[1:]:
                     c.embeddings.assign(value)
+
+    def _init_table(self, t: SparseTable, table: Table) -> None:
+        """The store makes the table; one it cannot hold is refused naming the layer, not its key."""
+        try:
+            self.store.init(t.key, table)
+        except TableTooLarge as e:
+            raise ConfigError(f"layer {t.name} (tfkv.layers.ShardedEmbedding): {e.reason}") from None
 
     def before(self, x: Any, upcoming: Any) -> None:
         """Before batch `x` computes: its rows in every copy (prefetched, or pulled now); an
