@@ -29,7 +29,10 @@ def _state_dir(path: Path) -> Path:
     """`path` made absolute; Refused (one line) where it, or the nearest part of it that exists,
     is not a directory (`--dir` naming a file), before anything is made or read."""
     path = Path(path).absolute()
-    there = next((p for p in (path, *path.parents) if p.exists()), None)
+    try:
+        there = next((p for p in (path, *path.parents) if p.exists()), None)
+    except PermissionError:  # not ours to look into: spec.check's refusal (root) comes first
+        return path
     if there is not None and not there.is_dir():
         where = f"--dir {path}" if there == path else f"--dir {path}: {there}"
         raise Refused(f"{where} is a file, not a directory; name a directory for the cluster's state "
