@@ -3,7 +3,8 @@ sweep's pre-check), before TensorFlow is imported. What the config alone shows i
 tfkv.check.rules'; what needs the layers below is asked here of their registries: known
 optimizer, model, data, logger, KVStore and launcher names, the store type's declared
 capabilities, gradient compression, the objective, a placement against the model's layer groups,
-the settings an option takes. Nothing inside re-rules.
+the settings an option takes. Nothing inside re-rules. One check needs the built model, and so
+TensorFlow: `tables`, which tfkv-run calls before a dist_* job's launch where compression is set.
 
 This package belongs to the cli layer: it may import every layer; tfkv.config imports none.
 """
