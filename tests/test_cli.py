@@ -80,6 +80,11 @@ def fine(input_shape, num_classes, units=4):
     (["model=mlp", "+model.width=8"], ["model.width is not an argument of tfkv.models.mlp.build", "dropout, hidden"]),
     (["cluster.num_servers=4"], ["cluster.num_servers", "cluster none has the settings: launcher"]),
     (["+cluster.num_servers=4"], ["cluster.num_servers is not a setting of cluster=none; its settings: launcher"]),
+    # a typo in a setting of a setting: the nearest key of that node, and its keys
+    (["kvstore.compression.typ=2bit"], ["kvstore.compression.typ", "did you mean kvstore.compression.type?",
+                                        "kvstore.compression has the settings: type, threshold"]),
+    (["optimizer.schedule.nam=cosine"], ["did you mean optimizer.schedule.name?", "name, factor, milestones"]),
+    (["+kvstore.compression.typ=2bit"], ["did you mean kvstore.compression.type?"]),
     # a _target_ that cannot be imported, an unknown argument of one, a factory returning the wrong type
     (["model._target_=nopkg_tfkv_test.nets.build"], ["model._target_='nopkg_tfkv_test.nets.build'", "cannot import"]),
     (["model._target_=userpkg_cli.fine", "~model.hidden", "~model.dropout", "+model.unit=3"],

@@ -91,6 +91,24 @@ def test_the_cli_refuses_in_one_line_with_status_2_and_makes_nothing(tmp_path, a
     assert not (tmp_path / "cl").exists() and _machine() == before
 
 
+@pytest.mark.parametrize("command", ["up", "down"])
+@pytest.mark.parametrize("under", ["", "sub"])
+def test_a_dir_that_is_a_file_is_refused_in_one_line_with_status_2(tmp_path, command, under):
+    """--dir naming an existing file (or a path inside one): what, where and how, not `[Errno 17]`."""
+    afile = tmp_path / "notes.txt"
+    afile.write_text("mine")
+    before = _machine()
+    target = afile / under if under else afile
+    args = ["--hosts", "1"] if command == "up" else []
+    proc = subprocess.run([*EMULATE, command, *args, "--dir", str(target)], capture_output=True, text=True,
+                          env=ENV, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    where = f"--dir {target}" if not under else f"--dir {target}: {afile}"
+    assert proc.stderr == (f"tfkv-emulate: {where} is a file, not a directory; name a directory for the cluster's "
+                           "state (keys, ssh config, hosts file; `up` makes it where it does not exist)\n")
+    assert afile.read_text() == "mine" and _machine() == before
+
+
 def test_the_cli_refuses_a_user_who_is_not_root(tmp_path):
     need_root("running tfkv-emulate as another user (setpriv)")
     tmp_path.chmod(0o777)

@@ -81,6 +81,15 @@ def refusals(kv, out):
     json.dump(seen, out)
 
 
+def too_big(kv, out):
+    """A table larger than the server's memory: the server refuses its shard naming the key's
+    id; the worker's error names the key as its caller did."""
+    kv.init("small", Table((10, 3)))
+    seen = {"too_big": _raises(lambda: (kv.init("big", Table((10**11, 64))), kv.servers.settle()))}  # its answer
+    seen["after"] = kv.row_sparse_pull("small", row_ids=np.array([1])).data.shape[0]
+    json.dump(seen, out)
+
+
 def wire(kv, out):
     """Bytes counted per push and per pull of the same batch (500 unique rows of 16, repeats in the
     batch) into a table of N rows (argv[3])."""
@@ -108,7 +117,7 @@ def contract(kv, out):
         json.dump(sparse_contract.run(kv, int(os.environ.get("TEST_DEVICES", "2")), d), out)
 
 
-SCENARIOS = {f.__name__: f for f in (sgd, refusals, wire, contract)}
+SCENARIOS = {f.__name__: f for f in (sgd, refusals, too_big, wire, contract)}
 
 if __name__ == "__main__":
     scenario, path = sys.argv[1], sys.argv[2]

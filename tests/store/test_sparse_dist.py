@@ -113,6 +113,17 @@ def test_bad_calls_are_refused_in_one_line_naming_the_key_and_the_job_goes_on(cl
 
 
 @pytest.mark.slow
+def test_a_server_s_refusal_names_the_key_not_its_id(cluster):
+    """Issue 40, point 16: a server knows key ids only ('big' is 2**40 + 1 there); the worker's
+    line names the key as its caller did, and the store serves on."""
+    seen = _job(cluster, "too_big", num_servers=1, num_workers=1)[0]
+    line = seen["too_big"]
+    assert line.startswith("DistError: server 0: key 'big': a shard of 100000000000 rows of 64 values") and \
+        "\n" not in line, line
+    assert str((1 << 40) + 1) not in line and seen["after"] == 1
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dist_sync", "dist_async"])
 def test_bytes_per_push_and_pull_grow_with_unique_rows_not_the_table(cluster, kind):
     small = _job(cluster, "wire", "10000", kind=kind)

@@ -36,10 +36,14 @@ import numpy as np
 import tensorflow as tf
 
 from tfkv.store import sparse, tf_compression, tf_rows
-from tfkv.ps import compression, dtypes
+from tfkv.ps import compression, dtypes, memory
 from tfkv.store.base import Key, KVStore, Updater, gpu_p2p, pairs
 from tfkv.store.sparse import RowSparse
 from tfkv.store.tf_updater import TFUpdater
+
+
+# A Table's copies while it is made: its draw, and the variable the draw is copied into.
+TABLE_COPIES = 2
 
 
 class LocalStore(KVStore):
@@ -74,6 +78,8 @@ class LocalStore(KVStore):
             if k in self._values:
                 raise ValueError(f"key {k!r} is already initialised")
             value = values[0]
+            if isinstance(value, sparse.Table):  # refused before TensorFlow runs out of memory drawing it
+                sparse.check_room(k, value, TABLE_COPIES, memory.available())
             if sparse.is_sparse_init(value):
                 value = tf_rows.initial(k, value)
                 self._sparse.add(k)

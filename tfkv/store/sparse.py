@@ -20,6 +20,8 @@ from typing import Any, Hashable, NamedTuple, Sequence
 
 import numpy as np
 
+from tfkv.errors import ConfigError
+
 FLOAT32 = np.dtype(np.float32)
 INITS = ("uniform", "normal", "zeros")
 
@@ -256,6 +258,31 @@ def densify(key: Hashable, value: Any, shape: Sequence[int]) -> np.ndarray:
     return check_rows(key, rows, shape, np.asarray(rows.data).dtype).dense()
 
 
+class TableTooLarge(ConfigError, MemoryError):
+    """A Table the store cannot hold in the memory it has: refused before any of it is made.
+    `reason` says it without naming the key (the trainer names the layer instead)."""
+
+    def __init__(self, key: Hashable, reason: str) -> None:
+        super().__init__(f"init of key {key!r}: {reason}")
+        self.reason = reason
+
+
+def check_room(key: Hashable, table: Table, copies: int, available: int) -> None:
+    """TableTooLarge unless `copies` whole copies of `table` (a local store's draw and its
+    variable) fit in `available` bytes; the dist_* stores' servers each hold a part of one."""
+    nbytes = 4 * math.prod(table.shape)
+    if copies * nbytes > available:
+        raise TableTooLarge(key, f"a table of {table.shape[0]} rows of {math.prod(table.shape[1:])} values "
+                                 f"({_size(nbytes)}) is made whole in this process, {copies} copies while it is "
+                                 f"drawn ({_size(copies * nbytes)}), more than the {_size(available)} of memory "
+                                 "available: spread it over parameter servers (kvstore=dist_sync cluster=local "
+                                 "cluster.num_servers=N) or make it smaller")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / (1 << 30):.1f} GiB" if nbytes >= 1 << 30 else f"{nbytes / (1 << 20):.1f} MiB"
+
+
 def refused(what: str, key: Hashable) -> ValueError:
     """The one-line ValueError refusing operation `what` (a REFUSALS name) on `key`."""
     return ValueError(REFUSALS[what].format(key=key))
@@ -336,5 +363,4 @@ def deliver(key: Any, asked: list[Asked], results: list[RowSparse], out: Any) ->
     return None
 
 
-__all__ = ["Asked", "RowSparse", "Table", "check_ids", "check_rows", "check_table_dtype", "deliver", "dense_outs", "densify", "flat", "is_rows",
-           "is_sparse_init", "refused", "requests", "whole"]
+__all__ = ["Asked", "RowSparse", "Table", "TableTooLarge", "check_ids", "check_room", "check_rows", "check_table_dtype", "deliver", "dense_outs", "densify", "flat", "is_rows", "is_sparse_init", "refused", "requests", "whole"]
