@@ -13,8 +13,8 @@ a block's fence changes what is checked (docs/development/docs.md):
 
     <!-- check: run -->            also run each tfkv-run command, in a temporary directory
     <!-- check: needs data -->     compose and validate only, not the data's files
-    <!-- check: needs cluster -->  ... not the hosts file and the launcher's programs
-    <!-- check: needs gpu -->      ... not that the GPUs it names are here
+    <!-- check: needs cluster -->  ... not the hosts file; required for cluster=ssh/mpi/slurm/sge/yarn
+    <!-- check: needs gpu -->      required for devices that name a GPU
     <!-- check: skip -->           not checked (output shown as bash, a sketch)
 
 Several combine, separated by commas: `<!-- check: needs data, needs gpu -->`.
