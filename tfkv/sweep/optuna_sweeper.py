@@ -197,6 +197,8 @@ class TfkvOptunaSweeper(Sweeper):
             grid = {name: _grid(name, d) for name, d in distributions.items()}
             sampler = sampler(grid)
             n_trials = min(n_trials, math.prod(len(v) for v in grid.values()))
+        elif warning := too_many_trials(n_trials, distributions):  # Optuna's samplers repeat a finite space's points
+            log.warning("%s", warning)
 
         self.sweep_dir.mkdir(parents=True, exist_ok=True)  # the study file's directory
         storage = pruning.open_storage(self.storage_url)
@@ -316,6 +318,20 @@ def search_space(overrides: List[str]) -> tuple[dict[str, Any], dict[str, str]]:
         else:  # choice(...), a,b,c, a shuffled range, glob(...): their values, as Hydra writes them
             distributions[key] = CategoricalDistribution(list(o.sweep_iterator(transformer=Transformer.encode)))
     return distributions, fixed
+
+
+def too_many_trials(n_trials: int, distributions: dict[str, Any]) -> str | None:
+    """The warning for more trials than a finite search space has points (every key a choice or a
+    stepped range), or None: a sampler other than the grid's would run some points again."""
+    try:
+        points = math.prod(len(_grid(name, d)) for name, d in distributions.items())
+    except ConfigError:  # a continuous key: the space has no end
+        return None
+    if n_trials <= points:
+        return None
+    return (f"hydra.sweeper.n_trials={n_trials} but the search space has only {points} point(s): trials beyond "
+            f"the first {points} run points again; ask for hydra.sweeper.n_trials={points}, add a continuous key "
+            "(interval(...)), or use hydra/sweeper/sampler=grid to run each point once")
 
 
 def _grid(name: str, distribution: Any) -> list[Any]:
