@@ -363,4 +363,5 @@ def deliver(key: Any, asked: list[Asked], results: list[RowSparse], out: Any) ->
     return None
 
 
-__all__ = ["Asked", "RowSparse", "Table", "TableTooLarge", "check_ids", "check_room", "check_rows", "check_table_dtype", "deliver", "dense_outs", "densify", "flat", "is_rows", "is_sparse_init", "refused", "requests", "whole"]
+__all__ = ["Asked", "RowSparse", "Table", "TableTooLarge", "check_ids", "check_room", "check_rows", "check_table_dtype", "deliver",
+           "dense_outs", "densify", "flat", "is_rows", "is_sparse_init", "refused", "requests", "whole"]
