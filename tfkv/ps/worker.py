@@ -63,7 +63,7 @@ class ServerLink:
 
     def __init__(self, env: ClusterEnv, link: SchedulerLink, key_name: Callable[[int], Hashable] = lambda kid: kid):
         self.env, self.id = env, link.id
-        self.transport = transport.connect(env, link.servers)
+        self.transport = transport.connect(env, link.servers, link.id)
         self.tracker = Tracker(env, link.servers, key_name)
         self.lock = self.transport.lock  # hold it to make several calls one (the sockets are not thread-safe)
         # Small keys' push+pull pairs staged per server, sent as one PUSHPULL (`pushpull`): one

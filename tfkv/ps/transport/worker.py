@@ -62,9 +62,10 @@ class Landing(NamedTuple):
     itemsize: int
 
 
-def connect(env: ClusterEnv, servers: list[dict]) -> WorkerTransport:
-    """The transport to `servers` (the scheduler's list): sealed in a job with keys, plain otherwise."""
-    return (WorkerTransport if env.keys is None else SecureWorkerTransport)(env, servers)
+def connect(env: ClusterEnv, servers: list[dict], sender: int) -> WorkerTransport:
+    """The transport of worker `sender` to `servers` (the scheduler's list): sealed in a job with
+    keys, plain otherwise."""
+    return (WorkerTransport if env.keys is None else SecureWorkerTransport)(env, servers, sender)
 
 
 class WorkerTransport:
@@ -72,8 +73,8 @@ class WorkerTransport:
 
     sessions: list[channel.Session] | None = None  # a secure job's, one per server
 
-    def __init__(self, env: ClusterEnv, servers: list[dict]):
-        self.env, self.servers = env, servers
+    def __init__(self, env: ClusterEnv, servers: list[dict], sender: int):
+        self.env, self.servers, self.sender = env, servers, sender
         ctx = zmq.Context.instance()
         self.socks = []
         self._poller = zmq.Poller()
@@ -176,42 +177,40 @@ class WorkerTransport:
 class SecureWorkerTransport(WorkerTransport):
     """Every message sealed for its server's session (tfkv.ps.channel), opened by the HELLO handshake."""
 
-    def __init__(self, env: ClusterEnv, servers: list[dict]):
-        super().__init__(env, servers)
+    def __init__(self, env: ClusterEnv, servers: list[dict], sender: int):
+        super().__init__(env, servers, sender)
         # Secure job: where a PULL reply's payload is opened (its pull's destination, `land`).
         self._landing: dict[int, Landing] = {}  # seq -> where
         self.sessions = self._handshake()
 
     def _handshake(self) -> list[channel.Session]:
-        """Open a session with every server (HELLO, resent until WELCOME: a lossy network may drop
-        either); a server that does not answer in time is not of this job, or not there."""
+        """Open a session with every server (tfkv.ps.handshake.Initiator: a fresh HELLO while
+        unanswered, the session the server answers a PING on); a server that does not answer in
+        time is not of this job, or not there."""
         psk = handshake.psk(self.env.keys.secret)
-        hellos = [handshake.Hello(psk) for _ in self.socks]
-        sessions: list[channel.Session | None] = [None] * len(self.socks)
+        sides = [handshake.Initiator(psk, self.sender) for _ in self.socks]
         wait = max(30.0, 5 * self.env.heartbeat_timeout)
-        deadline, resend = time.monotonic() + wait, 0.0
-        while None in sessions:
+        deadline = time.monotonic() + wait
+        while (server := next((i for i, side in enumerate(sides) if side.session is None), None)) is not None:
             now = time.monotonic()
             if now > deadline:
-                server = sessions.index(None)
                 raise DistError(f"{server_name(self.servers, server)} did not complete the data plane's handshake "
                                 f"in {wait:.0f} s: it is not of this job (other keys), not reachable, or its clock "
                                 f"is more than {handshake.FRESH:.0f} s from this host's (its log says which)")
-            if now >= resend:
-                for i, sock in enumerate(self.socks):
-                    if sessions[i] is None:
-                        if hellos[i].stale():
-                            hellos[i] = handshake.Hello(psk)
-                        sock.send_multipart(hellos[i].message)
-                resend = now + 1.0
+            for sock, side in zip(self.socks, sides):
+                if (hello := side.due(now)) is not None:
+                    sock.send_multipart(hello)
             for i in self.ready(100):
                 frames = self.socks[i].recv_multipart()
-                if sessions[i] is None:
-                    try:
-                        sessions[i] = hellos[i].welcome(frames)
-                    except channel.Refused as e:
-                        self.refused += 1
-                        log.warning("refused a handshake answer from %s: %s", server_name(self.servers, i), e)
+                if sides[i].session is not None:
+                    continue  # the WELCOME to a HELLO sent before, or its PING's answer: done without it
+                try:
+                    for piece in sides[i].answer(frames):
+                        self.socks[i].send_multipart(piece)
+                except channel.Refused as e:
+                    self.refused += 1
+                    log.warning("refused a handshake answer from %s: %s", server_name(self.servers, i), e)
+        sessions = [side.session for side in sides]
         _log_ciphers(sessions)  # type: ignore[arg-type]
         return sessions  # type: ignore[return-value]
 
