@@ -158,7 +158,8 @@ def _first(candidates: list[Session], frames: Sequence[Any], into: Into | None =
 class Initiator:
     """A worker's side of the handshake with one server, across reconnects: a fresh HELLO whenever
     the last one is RETRY seconds unanswered (`due`), each WELCOME to one of them answered with a
-    sealed PING, and the session whose PING the server answers this connection's (`answer`).
+    sealed PING (sent again with the HELLO), and the session whose PING the server answers this
+    connection's (`answer`).
 
     Why the PING: ZeroMQ reconnects a dropped connection under a new identity, for which the
     server holds no session. A WELCOME lost with its connection leaves the worker without one; a
@@ -173,14 +174,19 @@ class Initiator:
         self.session: Session | None = None  # the connection's, once the server answered its PING
         self._due, self._wait = 0.0, RETRY
 
-    def due(self, now: float) -> list[bytes] | None:
-        """A fresh HELLO to send: the first, or the last is unanswered for its wait."""
+    def due(self, now: float) -> list[list[Any]]:
+        """The messages to send now: none while the last HELLO is not RETRY (doubling) seconds
+        unanswered; else a PING again under each session welcomed (the server may hold it and
+        only the PING's answer was lost), and a fresh HELLO (the connection may be new)."""
         if self.session is not None or now < self._due:
-            return None
+            return []
         hello = Hello(self._psk)
         self._hellos = [*self._hellos[1 - MAX_HELLOS:], hello]
         self._due, self._wait = now + self._wait, min(2 * self._wait, RETRY_MAX)
-        return hello.message
+        return [piece for session in self._welcomed for piece in self._ping(session)] + [hello.message]
+
+    def _ping(self, session: Session) -> list[list[Any]]:
+        return list(session.seal(P.encode(P.Message(P.Type.PING, sender=self._sender, seq=CONFIRM_SEQ))))
 
     def answer(self, frames: Sequence[Any]) -> list[list[Any]]:
         """Take a message from the server: a WELCOME to one of this side's HELLOs gives the
@@ -190,7 +196,7 @@ class Initiator:
         if kind == WELCOME:
             session = self._welcome(frames)
             self._welcomed = [*self._welcomed[1 - MAX_HELLOS:], session]
-            return list(session.seal(P.encode(P.Message(P.Type.PING, sender=self._sender, seq=CONFIRM_SEQ))))
+            return self._ping(session)
         if kind != DATA or not self._welcomed:
             raise Refused("malformed", "a HELLO sent to a worker" if kind == HELLO else "a sealed message before any WELCOME")
         session, got = _first(self._welcomed, frames)

@@ -198,8 +198,8 @@ class SecureWorkerTransport(WorkerTransport):
                                 f"in {wait:.0f} s: it is not of this job (other keys), not reachable, or its clock "
                                 f"is more than {handshake.FRESH:.0f} s from this host's (its log says which)")
             for sock, side in zip(self.socks, sides):
-                if (hello := side.due(now)) is not None:
-                    sock.send_multipart(hello)
+                for message in side.due(now):
+                    sock.send_multipart(message)
             for i in self.ready(100):
                 frames = self.socks[i].recv_multipart()
                 if sides[i].session is not None:
