@@ -105,19 +105,18 @@ class LossyProxy(Proxy):
 class CuttingTcpProxy:
     """A TCP proxy (bytes, not ZeroMQ messages) between the workers and one server at `server` (an
     address "host:port", or a callable giving (host, port) once the cluster formed), listening on
-    127.0.0.1:`port`, that cuts its first connection once, where a network failure would: `cut`
-    "before" the server's first message (a data-plane WELCOME) is passed on to the worker, or
-    "after" it was passed on whole. Both ends see the connection close; ZeroMQ reconnects (the
-    server sees a new connection) and from then on every byte is passed on.
+    127.0.0.1:`port`, that cuts its first connection once, where a network failure would: after
+    passing on `passed` whole messages from the server (0: before the first, a data-plane
+    WELCOME, reaches the worker; 1: just after it). Both ends see the connection close; ZeroMQ
+    reconnects (the server sees a new connection) and from then on every byte is passed on.
 
     It reads ZMTP 3 framing from the server (a 64-byte greeting, then frames: a flags byte, a size
     of 1 byte or, with the LONG flag, 8, and the body) to know where a message ends."""
 
     _MORE, _LONG, _COMMAND = 1, 2, 4
 
-    def __init__(self, port: int, server, cut: str):
-        assert cut in ("before", "after")
-        self.server, self.cut = server, cut
+    def __init__(self, port: int, server, passed: int):
+        self.server, self.passed = server, passed
         self.cut_at: float | None = None  # time.monotonic() of the cut
         self.connections = 0
         self._listener = socket.create_server(("127.0.0.1", port))
@@ -189,12 +188,12 @@ class CuttingTcpProxy:
                     if len(buf) < head + size:
                         break
                     message = not flags & self._COMMAND
-                    if message and self.cut == "before":
+                    if message and not self.passed:
                         return self._cut(server, worker)
                     worker.sendall(buf[:head + size])
                     buf = buf[head + size:]
                     if message and not flags & self._MORE:  # the message's last frame is through
-                        return self._cut(server, worker)
+                        self.passed -= 1
             worker.sendall(buf)
             self._pump(server, worker)
         except OSError:

@@ -1,8 +1,9 @@
 """A worker's transport: one DEALER socket per server, and what travels through them.
 
 `connect` makes a `WorkerTransport` (plain) or a `SecureWorkerTransport` (a job with keys: each
-server's session opened by the HELLO handshake, every message sealed and opened, a PULL reply's
-payload opened straight into where its pull puts it: `land`), chosen once. Either batches the
+server's session opened by the HELLO handshake, made again when ZeroMQ makes a lost connection
+again, every message sealed and opened, a PULL reply's payload opened straight into where its pull
+puts it: `land`), chosen once. Either batches the
 requests queued for a server into one ZeroMQ message (`send`, `flush`), and under PS_RESEND
 keeps each awaited request until `answered`, sending it again while it is overdue
 (`resend_overdue`), as ps-lite's Van does with its Resender. Request numbers, tracking and
@@ -181,38 +182,76 @@ class SecureWorkerTransport(WorkerTransport):
         super().__init__(env, servers, sender)
         # Secure job: where a PULL reply's payload is opened (its pull's destination, `land`).
         self._landing: dict[int, Landing] = {}  # seq -> where
-        self.sessions = self._handshake()
+        self.sessions = self._handshake(list(range(self.count)))
+        # A connection that drops mid-job is made again by ZeroMQ, a new one to its server, which
+        # holds this worker's session for the old one only: each socket is watched for a new
+        # connection, which gets a new handshake (`ready`).
+        self._monitors: dict[zmq.Socket, int] = {}
+        self._reconnected: set[int] = set()  # servers whose connection is new, not yet handshaken
+        for server, sock in enumerate(self.socks):
+            monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            self._monitors[monitor] = server
+            self._poller.register(monitor, zmq.POLLIN)
 
-    def _handshake(self) -> list[channel.Session]:
-        """Open a session with every server (tfkv.ps.handshake.Initiator: a fresh HELLO while
+    def close(self) -> None:
+        for sock, monitor in zip(self.socks, self._monitors):
+            sock.disable_monitor()
+            monitor.close()
+        super().close()
+
+    def _handshake(self, servers: list[int]) -> list[channel.Session]:
+        """Open a session with each of `servers` (tfkv.ps.handshake.Initiator: a fresh HELLO while
         unanswered, the session the server answers a PING on); a server that does not answer in
         time is not of this job, or not there."""
         psk = handshake.psk(self.env.keys.secret)
-        sides = [handshake.Initiator(psk, self.sender) for _ in self.socks]
+        sides = {server: handshake.Initiator(psk, self.sender) for server in servers}
+        poller = zmq.Poller()
+        for server in servers:
+            poller.register(self.socks[server], zmq.POLLIN)
         wait = max(30.0, 5 * self.env.heartbeat_timeout)
         deadline = time.monotonic() + wait
-        while (server := next((i for i, side in enumerate(sides) if side.session is None), None)) is not None:
+        while (server := next((i for i, side in sides.items() if side.session is None), None)) is not None:
             now = time.monotonic()
             if now > deadline:
                 raise DistError(f"{server_name(self.servers, server)} did not complete the data plane's handshake "
                                 f"in {wait:.0f} s: it is not of this job (other keys), not reachable, or its clock "
                                 f"is more than {handshake.FRESH:.0f} s from this host's (its log says which)")
-            for sock, side in zip(self.socks, sides):
+            for i, side in sides.items():
                 for message in side.due(now):
-                    sock.send_multipart(message)
-            for i in self.ready(100):
-                frames = self.socks[i].recv_multipart()
+                    self.socks[i].send_multipart(message)
+            for sock, _ in poller.poll(100):
+                i = self._index[sock]
+                frames = sock.recv_multipart()
                 if sides[i].session is not None:
                     continue  # the WELCOME to a HELLO sent before, or its PING's answer: done without it
                 try:
                     for piece in sides[i].answer(frames):
-                        self.socks[i].send_multipart(piece)
+                        sock.send_multipart(piece)
                 except channel.Refused as e:
                     self.refused += 1
                     log.warning("refused a handshake answer from %s: %s", server_name(self.servers, i), e)
-        sessions = [side.session for side in sides]
+        sessions = [side.session for side in sides.values()]
         _log_ciphers(sessions)  # type: ignore[arg-type]
         return sessions  # type: ignore[return-value]
+
+    def ready(self, timeout_ms: float) -> list[int]:
+        """The servers with something to take; a server whose connection was made again gets a
+        new handshake first, once what came on the old connection has been taken."""
+        ready = []
+        for sock, _ in self._poller.poll(timeout_ms):
+            server = self._index.get(sock)
+            if server is not None:
+                ready.append(server)
+                continue
+            while sock.poll(0):  # the monitor's events: a reconnect, or several
+                sock.recv_multipart()
+            self._reconnected.add(self._monitors[sock])
+        for server in [s for s in self._reconnected if s not in ready]:
+            self._reconnected.discard(server)
+            log.warning("the connection to %s was lost and made again: a new handshake (what was in flight on the "
+                        "old one is sent again under PS_RESEND, else named if awaited)", server_name(self.servers, server))
+            (self.sessions[server],) = self._handshake([server])
+        return ready
 
     def put(self, server: int, frames: list[Any]) -> None:
         """Send a request's frames sealed for its server (piece by piece)."""
