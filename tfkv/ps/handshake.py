@@ -139,7 +139,8 @@ class Hello:
         return Session(cipher, w_key, w_salt, s_key, s_salt)
 
 
-def _first(candidates: list[Session], frames: Sequence[Any], into: Into | None = None) -> tuple[Session, list[np.ndarray] | None]:
+def _first(candidates: list[Session], frames: Sequence[Any],
+           into: Into | None = None) -> tuple[Session, list[np.ndarray] | None]:
     """A connection's first sealed message (or piece of one) opened by whichever of `candidates`
     (newest first) sealed it: that session, and what it opened. Refused (the newest's reason) if
     none did."""
@@ -198,7 +199,8 @@ class Initiator:
             self._welcomed = [*self._welcomed[1 - MAX_HELLOS:], session]
             return self._ping(session)
         if kind != DATA or not self._welcomed:
-            raise Refused("malformed", "a HELLO sent to a worker" if kind == HELLO else "a sealed message before any WELCOME")
+            raise Refused("malformed", "a HELLO sent to a worker" if kind == HELLO
+                          else "a sealed message before any WELCOME")
         session, got = _first(self._welcomed, frames)
         self._welcomed = [session]  # its further pieces, if any
         if got is not None:
@@ -234,7 +236,8 @@ class Acceptor:
 
     def __init__(self, psk_: bytes):
         self._psk = psk_
-        self.sessions: dict[bytes, Session] = {}  # per connection: its session (before its first message, its newest HELLO's)
+        # Per connection: its session (before its first message: its newest HELLO's).
+        self.sessions: dict[bytes, Session] = {}
         self._pending: OrderedDict[bytes, list[Session]] = OrderedDict()  # a session per HELLO welcomed, newest last
         self._seen: OrderedDict[bytes, int] = OrderedDict()  # X25519 key -> time, of HELLOs welcomed
         self._floor = 0  # no HELLO made at or before this time is taken (the cache forgot one so fresh)
