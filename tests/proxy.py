@@ -4,10 +4,12 @@ someone on its path, does to the messages.
 `Proxy` passes every message on as it is (a ROUTER for the workers, a DEALER to the server per
 worker connection), each through `deliveries`, which its subclasses change: `LossyProxy` drops,
 duplicates and delays (a bad network), tests/ps/test_protocol_attacks.py forges handshake answers.
-It needs no keys: the data plane's messages are sealed end to end (tfkv.ps.channel)."""
+It needs no keys: the data plane's messages are sealed end to end (tfkv.ps.channel).
+`CuttingTcpProxy` passes TCP bytes on and cuts a connection once, as a failing network does."""
 
 import heapq
 import random
+import socket
 import threading
 import time
 
@@ -98,3 +100,105 @@ class LossyProxy(Proxy):
             out = [(0.0, frames)]
         self.stats["forwarded"] += len(out)
         return out
+
+
+class CuttingTcpProxy:
+    """A TCP proxy (bytes, not ZeroMQ messages) between the workers and one server at `server` (an
+    address "host:port", or a callable giving (host, port) once the cluster formed), listening on
+    127.0.0.1:`port`, that cuts its first connection once, where a network failure would: after
+    passing on `passed` whole messages from the server (0: before the first, a data-plane
+    WELCOME, reaches the worker; 1: just after it). Both ends see the connection close; ZeroMQ
+    reconnects (the server sees a new connection) and from then on every byte is passed on.
+
+    It reads ZMTP 3 framing from the server (a 64-byte greeting, then frames: a flags byte, a size
+    of 1 byte or, with the LONG flag, 8, and the body) to know where a message ends."""
+
+    _MORE, _LONG, _COMMAND = 1, 2, 4
+
+    def __init__(self, port: int, server, passed: int):
+        self.server, self.passed = server, passed
+        self.cut_at: float | None = None  # time.monotonic() of the cut
+        self.connections = 0
+        self._listener = socket.create_server(("127.0.0.1", port))
+        self._listener.settimeout(0.2)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while not self.stop.is_set():
+            try:
+                worker, _ = self._listener.accept()
+            except socket.timeout:
+                continue
+            if callable(self.server):
+                self.server = "%s:%d" % self.server()
+            host, port = self.server.rsplit(":", 1)
+            upstream = socket.create_connection((host, int(port)))
+            self.connections += 1
+            cutting = self.connections == 1
+            threading.Thread(target=self._pump, args=(worker, upstream), daemon=True).start()
+            threading.Thread(target=self._from_server, args=(upstream, worker, cutting), daemon=True).start()
+
+    @staticmethod
+    def _shut(*socks: socket.socket) -> None:
+        for s in socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        self._shut(src, dst)
+
+    def _from_server(self, server: socket.socket, worker: socket.socket, cutting: bool) -> None:
+        """Pass the server's bytes on; on the connection to cut, frame by frame up to the cut."""
+        buf, greeting = b"", 64  # greeting bytes still to pass on (at once: each end waits for the other's)
+        try:
+            while cutting:
+                data = server.recv(1 << 16)
+                if not data:
+                    break
+                buf += data
+                while True:  # pass on each whole unit: the greeting, then frames
+                    if greeting:
+                        worker.sendall(buf[:greeting])
+                        buf, greeting = buf[greeting:], max(0, greeting - len(buf))
+                        if greeting:
+                            break
+                        continue
+                    if len(buf) < 2:
+                        break
+                    flags = buf[0]
+                    head = 9 if flags & self._LONG else 2
+                    if len(buf) < head:
+                        break
+                    size = int.from_bytes(buf[1:head], "big")
+                    if len(buf) < head + size:
+                        break
+                    message = not flags & self._COMMAND
+                    if message and not self.passed:
+                        return self._cut(server, worker)
+                    worker.sendall(buf[:head + size])
+                    buf = buf[head + size:]
+                    if message and not flags & self._MORE:  # the message's last frame is through
+                        self.passed -= 1
+            worker.sendall(buf)
+            self._pump(server, worker)
+        except OSError:
+            self._shut(server, worker)
+
+    def _cut(self, *socks: socket.socket) -> None:
+        self.cut_at = time.monotonic()
+        self._shut(*socks)

@@ -246,18 +246,140 @@ def test_into_is_asked_for_payloads_only_with_their_own_headers_whatever_a_paylo
 
 
 def test_a_hello_seen_before_gets_no_welcome_on_another_connection_and_no_session():
-    """A HELLO replayed on fresh connections (by one who saw it and holds no key) is refused and
-    keeps nothing; resent on its own connection (its WELCOME lost) it gets the same WELCOME."""
+    """A HELLO replayed on fresh connections (by one who saw it and holds no key), or on its own,
+    is refused and keeps nothing (a worker whose WELCOME was lost sends a fresh HELLO)."""
     psk = handshake.psk(job_keys.new_keys().secret)
     doors, hello = handshake.Acceptor(psk), handshake.Hello(psk)
     answer = doors.hello(b"worker", hello.message)
-    assert doors.hello(b"worker", hello.message) == answer  # resent: the same WELCOME
+    with pytest.raises(channel.Refused, match="replay"):
+        doors.hello(b"worker", hello.message)
     for i in range(100):
         with pytest.raises(channel.Refused, match="replay"):
             doors.hello(b"replayer %d" % i, hello.message)
     assert list(doors.sessions) == [b"worker"]
     worker = hello.welcome(answer)
     assert P.decode(doors.open(b"worker", next(worker.seal(_msg())))).seq == 1
+
+
+def _handshake(doors, side, identity=b"worker", now=0.0):
+    """Carry one Initiator's messages to `doors` on connection `identity` (and the answers back),
+    from time `now` on, until it has a session; how many HELLOs it took."""
+    hellos = 0
+    while side.session is None:
+        *pings, hello = side.due(now)
+        now += handshake.RETRY_MAX
+        assert hellos < 3
+        hellos += 1
+        for sealed in side.answer(doors.hello(identity, hello)):
+            got = doors.open(identity, sealed)
+            for reply in doors.sessions[identity].seal(P.encode(P.Message(P.Type.PING, seq=P.decode(got).seq,
+                                                                          reply=True, meta={"held": 0}))):
+                side.answer(reply)
+    return hellos
+
+
+def test_a_worker_confirms_its_session_with_a_ping_and_then_sends_nothing_more_of_the_handshake():
+    psk = handshake.psk(job_keys.new_keys().secret)
+    doors, side = handshake.Acceptor(psk), handshake.Initiator(psk, sender=9)
+    assert _handshake(doors, side) == 1 and doors.sessions[b"worker"].established
+    assert side.due(10**6) == []  # done: no HELLO again, whatever the time
+    reply = P.decode(side.session.open(next(doors.sessions[b"worker"].seal(_msg()))))
+    assert reply.seq == 1 and P.decode(doors.open(b"worker", next(side.session.seal(_msg(seq=2))))).seq == 2
+
+
+def test_a_welcome_lost_with_its_connection_is_followed_by_a_fresh_hello_on_the_new_one():
+    """Issue 40 (11): a connection dropped before its WELCOME arrived. ZeroMQ reconnects under a new
+    identity; the HELLO sent again there used to be refused as a replay, and the worker gave up
+    after 30 s. Now a fresh HELLO (another X25519 key) goes once the first is RETRY s unanswered;
+    the first HELLO replayed is still refused."""
+    psk = handshake.psk(job_keys.new_keys().secret)
+    doors, side = handshake.Acceptor(psk), handshake.Initiator(psk, sender=9)
+    (first,) = side.due(0.0)
+    doors.hello(b"lost", first)  # its WELCOME is lost with the connection
+    assert side.due(handshake.RETRY / 2) == []  # not yet overdue
+    (again,) = side.due(handshake.RETRY)  # no session welcomed: a HELLO alone
+    assert again[1][:32] != first[1][:32]  # a fresh X25519 key
+    for sealed in side.answer(doors.hello(b"new", again)):
+        got = P.decode(doors.open(b"new", sealed))
+        assert got.type == P.Type.PING and got.seq == handshake.CONFIRM_SEQ and got.sender == 9
+        side.answer(next(doors.sessions[b"new"].seal(P.encode(P.Message(P.Type.PING, seq=0, reply=True,
+                                                                          meta={"held": 0})))))
+    assert side.session is not None
+    assert P.decode(doors.open(b"new", next(side.session.seal(_msg())))).seq == 1
+    with pytest.raises(channel.Refused, match="replay"):
+        doors.hello(b"replayer", first)
+
+
+def test_a_connection_dropped_just_after_its_welcome_gets_a_new_handshake():
+    """Issue 40 (11): the WELCOME arrived, then the connection dropped: the worker's PING, on the
+    new connection, finds no session there (it used to send its requests so and fail after 64 s).
+    Unanswered, it is followed by a fresh HELLO on the new connection, whose session then serves."""
+    psk = handshake.psk(job_keys.new_keys().secret)
+    doors, side = handshake.Acceptor(psk), handshake.Initiator(psk, sender=9)
+    (ping,) = side.answer(doors.hello(b"old", *side.due(0.0)))
+    with pytest.raises(channel.Refused, match="no session"):
+        doors.open(b"new", ping)  # the PING went on the new connection
+    assert side.session is None
+    assert side.due(handshake.RETRY / 2) == []  # the PING is not overdue yet
+    assert _handshake(doors, side, b"new", now=handshake.RETRY) == 1 and doors.sessions[b"new"].established
+    assert P.decode(doors.open(b"new", next(side.session.seal(_msg())))).seq == 1
+    with pytest.raises(channel.Refused, match="no session"):  # what the old session seals opens nowhere else
+        doors.open(b"other", next(doors.sessions[b"old"].seal(_msg())))
+
+
+def _answer_ping(doors, identity, sealed):
+    """The server's answer to a PING sealed on connection `identity`, sealed back."""
+    got = P.decode(doors.open(identity, sealed))
+    assert got.type == P.Type.PING
+    return next(doors.sessions[identity].seal(P.encode(P.Message(P.Type.PING, seq=got.seq, reply=True,
+                                                                 meta={"held": 0}))))
+
+
+def test_a_lost_answer_to_the_ping_is_asked_again_under_the_same_session():
+    """A lossy link (a proxy) drops the PING's answer: the server holds the session, established,
+    and refuses a HELLO on that connection. The worker's retry PINGs again under the session
+    (a new counter: no replay) and takes the answer."""
+    psk = handshake.psk(job_keys.new_keys().secret)
+    doors, side = handshake.Acceptor(psk), handshake.Initiator(psk, sender=9)
+    (ping,) = side.answer(doors.hello(b"w", *side.due(0.0)))
+    _answer_ping(doors, b"w", ping)  # lost on the way
+    again, hello = side.due(handshake.RETRY)
+    side.answer(_answer_ping(doors, b"w", again))
+    with pytest.raises(channel.Refused, match="already in use"):
+        doors.hello(b"w", hello)
+    assert side.session is not None
+    assert P.decode(doors.open(b"w", next(side.session.seal(_msg())))).seq == 1
+
+
+def test_two_hellos_welcomed_on_one_connection_keep_a_session_each_until_the_first_message():
+    """A server slow to answer: the worker's fresh HELLO went on the same connection, and both got
+    a WELCOME. Whichever session the worker's first message is sealed with is the connection's
+    (the later HELLO used to replace the earlier one's session); the other opens nothing there."""
+    psk = handshake.psk(job_keys.new_keys().secret)
+    for took in (0, 1):
+        doors, side = handshake.Acceptor(psk), handshake.Initiator(psk, sender=9)
+        welcomes = [doors.hello(b"w", side.due(t)[-1]) for t in (0.0, handshake.RETRY)]
+        pings = [side.answer(w)[0] for w in welcomes]
+        got = P.decode(doors.open(b"w", pings[took]))
+        assert got.type == P.Type.PING and doors.sessions[b"w"].established
+        with pytest.raises(channel.Refused):  # the other session's: refused (replay: its counter was taken)
+            doors.open(b"w", pings[1 - took])
+        side.answer(next(doors.sessions[b"w"].seal(P.encode(P.Message(P.Type.PING, seq=0, reply=True,
+                                                                        meta={"held": 0})))))
+        assert P.decode(doors.open(b"w", next(side.session.seal(_msg())))).seq == 1
+
+
+def test_a_worker_refuses_what_is_no_answer_to_its_handshake():
+    psk = handshake.psk(job_keys.new_keys().secret)
+    side = handshake.Initiator(psk, sender=9)
+    other = handshake.Hello(psk)  # a WELCOME made for another HELLO
+    assert len(side.due(0.0)) == 1
+    with pytest.raises(channel.Refused, match="for this HELLO"):
+        side.answer(handshake.Acceptor(psk).hello(b"w", other.message))
+    worker, server = _pair()
+    with pytest.raises(channel.Refused, match="before any WELCOME"):  # sealed, but under no session of ours
+        side.answer(next(server.seal(_msg())))
+    assert side.session is None
 
 
 def test_a_hello_too_old_or_from_the_future_is_refused_naming_the_clock():

@@ -13,8 +13,10 @@ import time
 import numpy as np
 import pytest
 import zmq
-from conftest import REPO, TAG, Launching, role_pid, tagged_pids
+from conftest import REPO, TAG, Launching, expected, role_pid, tagged_pids
+from proxy import CuttingTcpProxy
 
+from tfkv.launcher.ports import free_port
 from tfkv.ps import protocol as P
 from tfkv.ps import handshake, security, strangers
 
@@ -138,6 +140,59 @@ def test_live_server_and_scheduler_survive_fuzzing(cluster):
     result = json.loads(out.read_text())
     # SGD lr=0.01 on a gradient of 1 per step: nothing from the strangers was applied.
     assert result["value"] == pytest.approx(-0.01 * (result["steps"] + 0), rel=1e-4)
+
+
+# -- a connection lost during the data plane's handshake ------------------------------------------
+
+
+def _cut_job(cluster, passed: int, steps: int, **env: str) -> float:
+    """int_sgd (2 workers, 1 server) through a TCP proxy that cuts the first worker connection to
+    the server after `passed` of the server's messages: every role ends well, with the exact
+    values; how many seconds after the cut the job ended."""
+    nkeys, workers = 3, 2
+    proxy_port = free_port()
+    c = cluster(num_servers=1, num_workers=workers, **env)
+    c.start("scheduler", "scheduler", [sys.executable, "-m", "tfkv.ps.node"])
+    # The server registers the proxy's address: every worker's connection to it crosses the proxy.
+    c.start("server 0", "server", [sys.executable, "-m", "tfkv.ps.node"], TFKV_RANK_HINT="0",
+            TFKV_ADVERTISE_ADDRESS=f"127.0.0.1:{proxy_port}")
+    proxy = CuttingTcpProxy(proxy_port, lambda: c.listening("server 0"), passed)
+    try:
+        outs = c.start_workers("int_sgd", str(steps), str(nkeys), "32")
+        codes = c.wait(120)
+        ended = time.monotonic()
+    finally:
+        proxy.close()
+    assert all(v == 0 for v in codes.values()), c.outputs()
+    assert proxy.cut_at is not None and proxy.connections == workers + 1, (proxy.cut_at, proxy.connections)
+    for out in outs:
+        assert json.loads(out.read_text())["final"] == expected(steps, nkeys, workers)
+    return ended - proxy.cut_at
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("passed", [0, 1], ids=["before", "after"])
+def test_a_connection_cut_around_its_welcome_costs_the_job_seconds_not_its_end(cluster, passed):
+    """Issue 40 (11): a TCP proxy between the workers and the server cuts the first worker's
+    connection before the server's WELCOME reaches it, or just after. ZeroMQ reconnects under a
+    new identity: the HELLO sent again there was refused as a replay (the worker gave up after
+    30 s), or the server held the session for the old connection only (the worker failed after
+    64 s). Now a fresh HELLO follows on the new connection: the job ends with int_sgd's exact
+    values, seconds after the cut."""
+    took = _cut_job(cluster, passed, steps=20)
+    print(f"cut {['before', 'after'][passed]} the WELCOME: the job ended {took:.1f} s after the cut")
+    assert took < 15, f"the job ended {took:.1f} s after the cut"
+
+
+@pytest.mark.slow
+def test_a_connection_cut_mid_job_gets_a_new_handshake_and_resend_ends_exact(cluster):
+    """The same cut mid-job (after 40 of the server's messages), under PS_RESEND: the worker sees
+    its socket connect again, makes a new handshake on the new connection (its session was the
+    old one's), and what was lost in the cut is sent again under the new session: exact values.
+    (Before, every later message was refused, 'no session', and the worker failed after 64 s.)"""
+    took = _cut_job(cluster, 40, steps=60, PS_RESEND="1", PS_RESEND_TIMEOUT="500")
+    print(f"cut mid-job: the job ended {took:.1f} s after the cut")
+    assert took < 20, f"the job ended {took:.1f} s after the cut"
 
 
 # -- how a worker leaves, and who is blamed -------------------------------------------------------

@@ -402,3 +402,24 @@ def test_a_peer_gone_before_its_answer_leaves_the_server_serving(caplog):
         sock.close()
     assert "a WELCOME not sent" in caplog.text
     assert "ACK reply (request 5) not sent" in caplog.text and "ACK reply (request 6) not sent" in caplog.text
+
+
+def test_a_worker_on_a_new_connection_leaves_nothing_kept_for_its_old_one():
+    """ZeroMQ made a worker's lost connection again (a new identity) and the worker made a new
+    handshake on it: its first request there makes the server forget the old connection's session
+    (each lost connection used to keep one, with its replay window, for the rest of the job). Another
+    worker's connection is kept."""
+    psk = handshake.psk(job_keys.new_keys().secret)
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.linger = 0
+    srv = _server(2)
+    srv.transport = secure = SecureServerTransport(sock, 1 << 20, handshake.Acceptor(psk))
+    try:
+        for sender, identity in ((9, b"old"), (10, b"other"), (9, b"new")):
+            hello = handshake.Hello(psk)
+            session = hello.welcome(secure.acceptor.hello(identity, hello.message))
+            ping = next(session.seal(P.encode(P.Message(P.Type.PING, sender=sender, seq=1))))
+            assert srv.handle(identity, secure.acceptor.open(identity, ping))
+    finally:
+        sock.close()
+    assert sorted(secure.acceptor.sessions) == [b"new", b"other"]

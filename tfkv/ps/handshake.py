@@ -15,6 +15,14 @@ and would get other keys): one key and one nonce salt per direction. Who lacks t
 cannot make a HELLO a server accepts, nor read a WELCOME; recorded traffic stays unreadable if
 the job's key leaks later (ephemeral X25519). An X25519 key of small order (whose shared secret
 is all zeros) is a refused handshake, as a bad HMAC is.
+
+Reconnects. A session belongs to the connection (the server's ROUTER identity) its HELLO came on,
+and ZeroMQ reconnects a dropped TCP connection under a new identity. So a worker's handshake
+(`Initiator`) ends only once the server answered a first sealed message (a PING) on it, and a
+HELLO unanswered for RETRY seconds (its WELCOME, or the PING's answer, lost with its connection)
+is followed by a fresh one: a new X25519 key and time, which the replay cache takes, as it takes
+no HELLO twice. A server keeps a session per HELLO welcomed on a connection until the first
+sealed message on it says which one the worker took.
 """
 
 from __future__ import annotations
@@ -33,8 +41,9 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from tfkv.ps import aead
+from tfkv.ps import protocol as P
 from tfkv.ps.aead import Cipher
-from tfkv.ps.channel import ENVELOPE, HELLO, MAGIC, VERSION, WELCOME, Into, Refused, Session, envelope, log
+from tfkv.ps.channel import DATA, ENVELOPE, HELLO, MAGIC, VERSION, WELCOME, Into, Refused, Session, envelope, log
 
 _PUBLIC = 32
 _MAC = 32
@@ -48,6 +57,13 @@ FRESH = 120.0
 # this many, so no sender of HELLOs, even one holding the key, grows a server without bound.
 MAX_PENDING = 4096
 MAX_SEEN = 1 << 16  # HELLOs the replay cache remembers (32 bytes each): beyond, its floor rises
+# A worker sends a fresh HELLO when the last one is this many seconds unanswered (no WELCOME, or
+# no answer to the PING that follows it): a connection that dropped took its WELCOME or its PING
+# along. The wait doubles up to RETRY_MAX, so a server slow to answer is not asked ever faster.
+# A handshake takes milliseconds on an idle server; 2 s leaves a loaded one (CI) time.
+RETRY, RETRY_MAX = 2.0, 8.0
+MAX_HELLOS = 8  # HELLOs of one handshake (or welcomed on one connection) whose answers are still taken
+CONFIRM_SEQ = 0  # the handshake's own PING (a link's requests are numbered from 1: tracker.seqs)
 
 
 def psk(secret: bytes) -> bytes:
@@ -97,22 +113,16 @@ def _signed(frames: Sequence[Any], kind: int, size: int, what: str) -> tuple[byt
 
 
 class Hello:
-    """A worker's side of the handshake for one connection (resend `message` until welcomed; a
-    new Hello once this one is `stale`)."""
+    """One HELLO of a worker (sent once: a server takes no HELLO twice) and the session its WELCOME opens."""
 
     def __init__(self, psk_: bytes):
         self._psk = psk_
         self._private = X25519PrivateKey.generate()
         self.public = self._private.public_key().public_bytes_raw()
         self._ciphers = aead.available()
-        self.made = time.monotonic()
         head = ENVELOPE.pack(MAGIC, VERSION, HELLO, 1, 0, 0, 0, 0, 0)
         signed = self.public + _STAMP.pack(time.time_ns()) + bytes([_offer(self._ciphers)])
         self.message = [head, signed + _mac(psk_, b"hello", head, signed)]
-
-    def stale(self) -> bool:
-        """Whether a server may soon find this HELLO too old (FRESH): send a new one instead."""
-        return time.monotonic() - self.made > FRESH / 2
 
     def welcome(self, frames: Sequence[Any]) -> Session:
         """The session a WELCOME opens; Refused if it is not the answer to this HELLO."""
@@ -129,6 +139,87 @@ class Hello:
         return Session(cipher, w_key, w_salt, s_key, s_salt)
 
 
+def _first(candidates: list[Session], frames: Sequence[Any],
+           into: Into | None = None) -> tuple[Session, list[np.ndarray] | None]:
+    """A connection's first sealed message (or piece of one) opened by whichever of `candidates`
+    (newest first) sealed it: that session, and what it opened. Refused (the newest's reason) if
+    none did."""
+    if len(candidates) > 1:  # a failed try clears what it opened in place: each tries a copy
+        frames = [bytes(memoryview(f)) for f in frames]
+    refused = None
+    for session in reversed(candidates):
+        try:
+            return session, session.open(frames, into)
+        except Refused as e:
+            refused = refused or e
+    assert refused is not None
+    raise refused
+
+
+class Initiator:
+    """A worker's side of the handshake with one server, across reconnects: a fresh HELLO whenever
+    the last one is RETRY seconds unanswered (`due`), each WELCOME to one of them answered with a
+    sealed PING (sent again with the HELLO), and the session whose PING the server answers this
+    connection's (`answer`).
+
+    Why the PING: ZeroMQ reconnects a dropped connection under a new identity, for which the
+    server holds no session. A WELCOME lost with its connection leaves the worker without one; a
+    connection dropped just after its WELCOME leaves the worker one that the server holds for the
+    old connection only. Either way nothing answers, and a fresh HELLO goes on the new connection.
+    Nothing but the PING is sealed before the server answered it, so no request is lost."""
+
+    def __init__(self, psk_: bytes, sender: int):
+        self._psk, self._sender = psk_, sender
+        self._hellos: list[Hello] = []  # sent, newest last
+        self._welcomed: list[Session] = []  # their sessions whose PING is unanswered, newest last
+        self.session: Session | None = None  # the connection's, once the server answered its PING
+        self._due, self._wait = 0.0, RETRY
+
+    def due(self, now: float) -> list[list[Any]]:
+        """The messages to send now: none while the last HELLO is not RETRY (doubling) seconds
+        unanswered; else a PING again under each session welcomed (the server may hold it and
+        only the PING's answer was lost), and a fresh HELLO (the connection may be new)."""
+        if self.session is not None or now < self._due:
+            return []
+        hello = Hello(self._psk)
+        self._hellos = [*self._hellos[1 - MAX_HELLOS:], hello]
+        self._due, self._wait = now + self._wait, min(2 * self._wait, RETRY_MAX)
+        return [piece for session in self._welcomed for piece in self._ping(session)] + [hello.message]
+
+    def _ping(self, session: Session) -> list[list[Any]]:
+        return list(session.seal(P.encode(P.Message(P.Type.PING, sender=self._sender, seq=CONFIRM_SEQ))))
+
+    def answer(self, frames: Sequence[Any]) -> list[list[Any]]:
+        """Take a message from the server: a WELCOME to one of this side's HELLOs gives the
+        messages to send (the PING sealed under its session); the answer to such a PING ends the
+        handshake (`session`). Refused if it is neither."""
+        kind = envelope(frames)[0]
+        if kind == WELCOME:
+            session = self._welcome(frames)
+            self._welcomed = [*self._welcomed[1 - MAX_HELLOS:], session]
+            return self._ping(session)
+        if kind != DATA or not self._welcomed:
+            raise Refused("malformed", "a HELLO sent to a worker" if kind == HELLO
+                          else "a sealed message before any WELCOME")
+        session, got = _first(self._welcomed, frames)
+        self._welcomed = [session]  # its further pieces, if any
+        if got is not None:
+            self.session = session
+        return []
+
+    def _welcome(self, frames: Sequence[Any]) -> Session:
+        """The session a WELCOME opens for one of this side's HELLOs (the newest first); Refused
+        with the reason of the HELLO it was made for (its HMAC matched), else as not made for any."""
+        refused = None
+        for hello in reversed(self._hellos):
+            try:
+                return hello.welcome(frames)
+            except Refused as e:
+                if refused is None or "for this HELLO" in str(refused):
+                    refused = e
+        raise refused or Refused("bad handshake", "a WELCOME before any HELLO")
+
+
 class Acceptor:
     """A server's side of the handshakes on its socket: which HELLOs get a WELCOME, and each
     connection's (ROUTER identity's) session.
@@ -137,14 +228,17 @@ class Acceptor:
     server's clock, and never welcomed before (on any connection): its X25519 key is remembered
     while its time is fresh (at most MAX_SEEN of them; past that the oldest is forgotten and no
     HELLO made before it is taken). So a HELLO seen on the network and sent again gets nothing
-    and costs no session, as WireGuard's initiation timestamps do. A HELLO sent again on its own
-    connection (its WELCOME was lost) gets the same WELCOME again. At most MAX_PENDING
-    connections are welcomed and not yet established; past that the oldest is forgotten."""
+    and costs no session, as WireGuard's initiation timestamps do; a worker whose WELCOME was
+    lost sends a fresh HELLO (`Initiator`). Each HELLO welcomed on a connection that has carried
+    no message yet keeps its session (up to MAX_HELLOS): the first message says which one the
+    worker took, and that one is the connection's. At most MAX_PENDING connections are welcomed
+    and not yet established; past that the oldest is forgotten."""
 
     def __init__(self, psk_: bytes):
         self._psk = psk_
+        # Per connection: its session (before its first message: its newest HELLO's).
         self.sessions: dict[bytes, Session] = {}
-        self._pending: OrderedDict[bytes, tuple[bytes, list[bytes]]] = OrderedDict()  # its HELLO, our WELCOME
+        self._pending: OrderedDict[bytes, list[Session]] = OrderedDict()  # a session per HELLO welcomed, newest last
         self._seen: OrderedDict[bytes, int] = OrderedDict()  # X25519 key -> time, of HELLOs welcomed
         self._floor = 0  # no HELLO made at or before this time is taken (the cache forgot one so fresh)
         self._full = False  # MAX_PENDING was passed (logged once)
@@ -152,9 +246,6 @@ class Acceptor:
     def hello(self, identity: bytes, frames: Sequence[Any]) -> list[bytes]:
         """The WELCOME to send for a HELLO; Refused (and nothing kept) if it gets none."""
         head, body = _signed(frames, HELLO, _HELLO_SIGNED, "HELLO")
-        pending = self._pending.get(identity)
-        if pending is not None and pending[0] == body:  # resent: our WELCOME was lost
-            return pending[1]
         session = self.sessions.get(identity)
         if session is not None and session.established:
             raise Refused("malformed", "a HELLO on a connection already in use")
@@ -174,9 +265,9 @@ class Acceptor:
         answer = [answer_head, answer_signed + _mac(self._psk, b"welcome", transcript)]
         w_key, w_salt, s_key, s_salt = _derive(cipher, self._psk, shared, transcript)
         self._remember(public, stamp)
-        self.sessions[identity] = Session(cipher, s_key, s_salt, w_key, w_salt)
-        self._pending[identity] = (body, answer)
-        self._pending.move_to_end(identity)
+        session = self.sessions[identity] = Session(cipher, s_key, s_salt, w_key, w_salt)
+        welcomed = self._pending.pop(identity, [])
+        self._pending[identity] = [*welcomed[1 - MAX_HELLOS:], session]
         if len(self._pending) > MAX_PENDING:
             self.forget(next(iter(self._pending)))
             if not self._full:
@@ -191,13 +282,20 @@ class Acceptor:
         self._pending.pop(identity, None)
 
     def open(self, identity: bytes, frames: Sequence[Any], into: Into | None = None) -> list[np.ndarray] | None:
-        """Session.open on this connection's session; Refused if it has none."""
-        session = self.sessions.get(identity)
-        if session is None:
-            raise Refused("no session", "a message before any handshake")
-        got = session.open(frames, into)
-        if got is not None and self._pending:
-            self._pending.pop(identity, None)  # established
+        """Session.open on this connection's session (its first message: on the session of the
+        HELLO that sealed it, which is the connection's from then on); Refused if it has none."""
+        welcomed = self._pending.get(identity) if self._pending else None
+        if welcomed is None:
+            session = self.sessions.get(identity)
+            if session is None:
+                raise Refused("no session", "a message before any handshake")
+            return session.open(frames, into)
+        session, got = _first(welcomed, frames, into)
+        self.sessions[identity] = session
+        if got is None:
+            welcomed[:] = [session]  # its further pieces
+        else:
+            del self._pending[identity]  # established
         return got
 
     def _fresh(self, public: bytes, stamp: int) -> None:

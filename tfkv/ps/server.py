@@ -63,6 +63,7 @@ class Server:
         # Connections a worker of the job sent a well-formed request on: answered whatever they
         # send. Any other gets a few errors, then nothing (its replies would queue unread).
         self._members: set[bytes] = set()
+        self._connection: dict[int, bytes] = {}  # worker id -> its connection (one socket per server)
         self._strangers = Strangers(self.link.name)
         rounds = self.rounds
         self._handlers: dict[P.Type, Callable[[bytes, P.Message], Outcome]] = {
@@ -104,7 +105,8 @@ class Server:
         if msg.sender not in self.workers:
             self._refuse(identity, P.error(msg, f"sender {msg.sender} is not a worker of this job"), "a stranger")
             return False
-        self._members.add(identity)
+        if identity not in self._members:
+            self._joined(msg.sender, identity)
         if msg.reply:
             self.transport.reply(identity, P.error(msg, f"a {msg.type.name} reply sent to a server, which serves requests"))
         elif msg.type in _CHANGES and self._duplicate(msg):
@@ -148,6 +150,17 @@ class Server:
         if identity in self._members or self._strangers.may_answer(identity):
             log.warning("%s: refused %s", self.link.name, what)
             self.transport.reply(identity, error)
+
+    def _joined(self, worker: int, identity: bytes) -> None:
+        """A worker's first request on a connection. A worker has one connection to a server:
+        one it had before was lost, and ZeroMQ made this one in its place; what the transport
+        keeps for the old one (a secure job's session) goes, so lost connections add nothing up."""
+        self._members.add(identity)
+        old = self._connection.get(worker)
+        self._connection[worker] = identity
+        if old is not None:
+            self._members.discard(old)
+            self.transport.forget(old)
 
     def _duplicate(self, msg: P.Message) -> bool:
         seen = self._seen[msg.sender]

@@ -35,7 +35,7 @@ log = logging.getLogger("tfkv.ps")
 
 FUSED_KEY_BYTES = 64 << 10  # a key part up to this size may be pushed and pulled in a PUSHPULL
 MAX_FUSED = 1024  # keys in one PUSHPULL (protocol.schema admits MAX_FUSED_KEYS)
-TICK = 0.05  # seconds between two looks for silent servers and overdue resends (`_tick`)
+TICK = 0.05  # seconds between two looks for connections made again, silent servers and overdue resends (`_tick`)
 
 
 class Member:
@@ -63,7 +63,7 @@ class ServerLink:
 
     def __init__(self, env: ClusterEnv, link: SchedulerLink, key_name: Callable[[int], Hashable] = lambda kid: kid):
         self.env, self.id = env, link.id
-        self.transport = transport.connect(env, link.servers)
+        self.transport = transport.connect(env, link.servers, link.id)
         self.tracker = Tracker(env, link.servers, key_name)
         self.lock = self.transport.lock  # hold it to make several calls one (the sockets are not thread-safe)
         # Small keys' push+pull pairs staged per server, sent as one PUSHPULL (`pushpull`): one
@@ -309,14 +309,15 @@ class ServerLink:
         return None
 
     def _tick(self) -> None:
-        """What a wait does between polls: resend (PS_RESEND), ask silent servers. At most every
-        TICK seconds: both look for silence of a second or more, and a wait of many quick replies
-        calls this after each."""
+        """What a wait does between polls: a new handshake on a connection made again, resend
+        (PS_RESEND), ask silent servers. At most every TICK seconds: they look for events of a
+        second or more, and a wait of many quick replies calls this after each."""
         now = time.monotonic()
         if now < self._next_tick:
             return
         self._next_tick = now + min(TICK, self.env.resend_timeout / 2)
         with self.lock:
+            self.transport.watch()
             self.transport.resend_overdue()
             for server in self.tracker.watch():
                 self.tracker.probe(server, self.request(server, P.Message(P.Type.PING)), now)

@@ -102,6 +102,9 @@ class ServerTransport:
             return False
         return True
 
+    def forget(self, identity: bytes) -> None:
+        """Keep nothing for a connection its worker no longer uses (made again in its place)."""
+
     def report(self) -> None:
         """The closing lines of the server's log about its connections."""
 
@@ -128,6 +131,9 @@ class SecureServerTransport(ServerTransport):
         except channel.Refused as e:
             self._refusal(identity, frames, e)
             return None
+
+    def forget(self, identity: bytes) -> None:
+        self.acceptor.forget(identity)
 
     def _refusal(self, identity: bytes, frames: list[Any], e: channel.Refused) -> None:
         """Count a refused message; one line per refusal, naming the peer, for the first few of
