@@ -46,7 +46,7 @@ def evaluation_dir(cfg: Any, run_dir: Path, search_root: Path, overrides: list[s
     if found is None:  # resume=true or auto that found none (find_resume said so)
         raise ConfigError(f"eval_only=true: resume={cfg.resume} found no checkpoint to evaluate; give "
                           "resume=<run directory or checkpoint directory>")
-    cfg.resume = str(found)
+    cfg.resume = os.path.abspath(found)
     if not holds_results(run_dir):
         return Path(run_dir)
     record = Path(run_dir) / EVALUATIONS / Path(found).name
