@@ -121,8 +121,8 @@ def test_eval_only_into_the_runs_own_directory_keeps_its_results_and_records_bes
     run = tmp_path / "R"
     args = ["epochs=3", "steps_per_epoch=3", "progress=false"]
     tfkv_run(*args, f"hydra.run.dir={run}", cwd=tmp_path)
-    kept = {name: body for name, (body, _) in _files(run).items() if name != "tfkv.log" and "/" not in name
-            or name.startswith(".hydra/")}
+    kept = {name: body for name, (body, _) in _files(run).items()  # (the log and the lock are each job's)
+            if name not in ("tfkv.log", ".tfkv.lock") and "/" not in name or name.startswith(".hydra/")}
     assert {"model.keras", "metrics.json", "config_resolved.yaml", ".hydra/overrides.yaml"} <= set(kept)
     ckpt = run / "checkpoints" / "epoch-0001"
     proc = tfkv_run(*args, f"hydra.run.dir={run}", f"resume={ckpt}", "eval_only=true", cwd=tmp_path)
