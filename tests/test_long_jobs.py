@@ -352,6 +352,60 @@ def test_sigterm_to_a_single_run_checkpoints_exits_75_and_the_same_command_conti
     assert [h["epoch"] for h in metrics["history"]] == [1, 2] and len(metrics["resumes"]) == 1
 
 
+# -- Ctrl-C while a checkpoint is being written ----------------------------------------------------
+
+# A model of 4.3 M weights (17 MB, and as much SGD momentum): its checkpoint's files take tens of
+# milliseconds to write, long enough to be caught in the middle, at every second step.
+BIG = ["progress=false", "model.hidden=[2048,2048]", "checkpoint.every_steps=2", "checkpoint.keep_last=2",
+       "resume=auto", "hydra.run.dir=run"]
+
+
+def _stopped_while_writing(job: subprocess.Popen, run: Path) -> str:
+    """The name of a checkpoint whose files `job` was writing when it was stopped (SIGSTOP); its
+    temporary directory has not got its last file, state.json, yet."""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and job.poll() is None:
+        staged = [p for p in (run / "checkpoints").glob(".epoch-*.tmp")] if (run / "checkpoints").is_dir() else []
+        if staged:
+            job.send_signal(signal.SIGSTOP)
+            if staged[0].is_dir() and not (staged[0] / "state.json").exists():
+                return staged[0].name[1:-len(".tmp")]
+            job.send_signal(signal.SIGCONT)  # caught too late: the next one
+            while staged[0].exists() and job.poll() is None:
+                time.sleep(0.001)
+        time.sleep(0.001)
+    raise AssertionError("no checkpoint was caught being written")
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_a_checkpoint_is_written_publishes_it_exits_130_and_the_run_resumes_from_it(tmp_path):
+    job = subprocess.Popen(["tfkv-run", "epochs=3", *BIG], cwd=tmp_path, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        name = _stopped_while_writing(job, tmp_path / "run")
+        job.send_signal(signal.SIGINT)  # Ctrl-C, in the middle of the checkpoint's files
+        job.send_signal(signal.SIGCONT)
+        out, err = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    assert job.returncode == 130, err[-3000:]
+    written = tmp_path / "run" / "checkpoints" / name
+    assert written.is_dir(), f"{name} was dropped: {sorted(p.name for p in written.parent.iterdir())}"
+    ckpt = checkpoint.load(written)  # complete: every file there and matching its checksum
+    assert (ckpt.epoch, ckpt.step) == checkpoint.position(written) and len(ckpt.weights) == 6
+    assert not list((tmp_path / "run" / "checkpoints").glob(".*"))
+    assert "finishing the checkpoint being written first" in out, out[-3000:]
+    (line,) = [ln for ln in err.splitlines() if ln.strip()]
+    assert line.startswith("tfkv-run: interrupted") and f"checkpoint {name} is in" in line, line
+    # the same command again goes on from it, to the end of its epoch
+    epoch = ckpt.epoch + 1
+    again = tfkv_run(f"epochs={epoch}", *BIG, cwd=tmp_path, timeout=300)
+    at = f", step {ckpt.step} of epoch {epoch}" if ckpt.step else ""  # (an epoch's end: at the epoch alone)
+    assert f"resumed from {written} at epoch {ckpt.epoch}{at} (resume" in again.stdout, again.stdout[-3000:]
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert [h["epoch"] for h in metrics["history"]] == list(range(1, epoch + 1))
+
+
 # -- a Slurm batch job preempted (SIGUSR1 ahead of it), requeued, and continued -------------------
 
 def _slurm_job(job_id: str, env: dict[str, str], done, timeout: float = 120) -> dict[str, str]:

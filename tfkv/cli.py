@@ -66,7 +66,7 @@ def _job(cfg: Any) -> float:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
-    from tfkv import check, checkpoint, knobs, store
+    from tfkv import check, checkpoint, knobs, rundir, store
     from tfkv.checkpoint import lock
     from tfkv.ps import node
 
@@ -78,9 +78,12 @@ def _job(cfg: Any) -> float:
         logging.getLogger("tfkv").warning(
             "resume=auto looks for checkpoints in the run's own directory, but %s is named after the time it "
             "started: a rerun gets another one and never resumes; fix it with hydra.run.dir=runs/<name>", run_dir)
-    # the run directory is this job's alone; a role of a launched job runs inside its launcher's hold
+    # the run directory is this job's alone (held from before Hydra wrote into it: tfkv.rundir);
+    # a role of a launched job runs inside its launcher's hold
     with contextlib.nullcontext() if in_job else lock.hold(run_dir):
         if not in_job:
+            if cfg.eval_only:  # its record never over a run's results: eval/<checkpoint>/ beside them
+                run_dir = rundir.evaluation_dir(cfg, run_dir, Path(hc.runtime.cwd), list(hc.overrides.task))
             (run_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
             if store.capabilities(cfg.kvstore.type).distributed and not cfg.eval_only:  # eval_only: here, alone
                 check.tables(cfg)  # what only the model shows, before any role starts

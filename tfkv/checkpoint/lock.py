@@ -11,6 +11,12 @@ fcntl locks there alike), Lustre mounted with `flock`, GPFS, BeeGFS. A file syst
 per client only (a Lustre mount with `localflock`, some FUSE file systems) stops a second job on
 the same host only. The holder's pid, host and start time are written into the file for the
 refusal's line; they are a description, the lock is what decides.
+
+`tfkv-run` takes the lock before Hydra writes anything into the directory (tfkv.rundir, a Hydra
+callback), so that a refused second job leaves every file of the running one as it was; the
+job's own `hold` inside it then finds the lock already this process's. A POSIX lock belongs to
+the process, and closing any descriptor of the file ends it: so the file is opened once per
+process, and a nested `hold` of the same directory takes nothing and gives nothing back.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from tfkv.errors import ConfigError
 
 NAME = ".tfkv.lock"
 
+_held: set[str] = set()  # the lock files this process holds, by real path
+
 
 def _holder(path: Path) -> str:
     """The holder as its file describes it: `pid 123 on node1 since 2026-11-27 15:02:11`."""
@@ -43,6 +51,10 @@ def _holder(path: Path) -> str:
 def hold(run_dir: Path) -> Iterator[None]:
     """Hold `run_dir`'s lock while the block runs; a ConfigError when another job holds it."""
     path = Path(run_dir) / NAME
+    key = os.path.realpath(path)
+    if key in _held:  # the caller's own, taken further out (before Hydra wrote the directory)
+        yield
+        return
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
@@ -55,6 +67,10 @@ def hold(run_dir: Path) -> Iterator[None]:
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                                  "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
-        yield
+        _held.add(key)
+        try:
+            yield
+        finally:
+            _held.discard(key)
     finally:
         os.close(fd)  # closing ends the lock (and so does this process's end, however it ends)
