@@ -70,3 +70,19 @@ def test_mxnet_dist_sync_row_sparse_checks_pass_in_float16_and_float32(cluster, 
     results = _job(cluster, "mxnet", dtype, "3", num_servers=2, num_workers=2)
     for res in results:
         assert res["dtype"] == dtype and len(res["checked"]) == 3
+
+
+@pytest.mark.parametrize("kind", ["local", "device"])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_mxnet_row_sparse_checks_pass_in_the_local_stores_in_float16_and_float32(kind, dtype):
+    """The same three MXNet checks in one process (one worker): a float16 key stays float16 through
+    init, push, the update and the pull, in TensorFlow's ops."""
+    import io
+
+    from rows_sync_worker import mxnet
+
+    from tfkv import store
+
+    out = io.StringIO()
+    mxnet(store.create(kind), out, dtype, "3")
+    assert json.loads(out.getvalue())["dtype"] == dtype

@@ -27,7 +27,8 @@ weights and state (MXNet's float16 update); with it the updater keeps a float32 
 to float32 with the threshold a worker announced (SET_COMPRESSION) before they are summed.
 
 A row-sparse key (tfkv.ps.rows: this server's shard of a table's rows) takes pushes and pulls
-that name rows (the protocol's rows frame) and nothing else. Its synchronous round closes as a
+that name rows (the protocol's rows frame) and nothing else; a float16 key's rows are summed in
+float32 and updated as a dense half key's. Its synchronous round closes as a
 dense key's: when every worker has pushed once (a worker whose batch named none of this shard's
 rows pushes no rows, so that the round closes); the rows pushed are then summed per unique row
 and the optimizer updates those rows only (NumpyUpdater.update_rows, MXNet's lazy update), or,
@@ -335,12 +336,13 @@ class Rounds(GroupRounds):
     def _close_rows(self, key: int, shard: Shard, r: Round) -> None:
         """A row-sparse round's rows summed per row, then applied (lazily) or made the shard."""
         local = np.concatenate([ids for ids, _ in r.rows])
-        rows, summed = merge(local, np.concatenate([values for _, values in r.rows]))
+        values = np.concatenate([values for _, values in r.rows])
+        rows, summed = merge(local, values if values.dtype == _F32 else values.astype(_F32))
         if self.updater is not None:
             self.updater.update_rows(key, shard.value, rows, summed)
         else:
             shard.value[...] = 0
-            shard.value[rows] = summed
+            shard.value[rows] = summed  # a float16 key's sum rounded once, here
 
     # -- held requests -------------------------------------------------------------------------
 
