@@ -6,10 +6,11 @@ rounds N: issue 40's reproduction of a row pull one round old. One row-sparse ke
   each round this worker pushes row rank % 2 (value rank + 1), then pulls 2 random row ids (so
   some pulls skip the server of the other row); optimizer w += 2 * g. OUT: each round's pulled ids
   and rows.
-mxnet DTYPE NREPEAT: MXNet v1.9.1's dist_sync check_row_sparse_keys, check_row_sparse_keys_with_zeros
-  and check_big_row_sparse_keys (tests/nightly/dist_sync_kvstore.py) in DTYPE, with its `test`
-  optimizer (w += rescale_grad * g, rescale_grad 2); each check's own assertion is made here, as
-  MXNet's (exact equality, in DTYPE), and OUT says which checks ran.
+mxnet DTYPE NREPEAT [MULTI_PRECISION]: MXNet v1.9.1's dist_sync check_row_sparse_keys,
+  check_row_sparse_keys_with_zeros and check_big_row_sparse_keys (tests/nightly/dist_sync_kvstore.py)
+  in DTYPE, with its `test` optimizer (w += rescale_grad * g, rescale_grad 2; multi_precision
+  "1", MXNet's default there, or "0", its --no-multiprecision); each check's own assertion is made
+  here, as MXNet's (exact equality, in DTYPE), and OUT says which checks ran.
 """
 
 import json
@@ -60,12 +61,13 @@ def _rsp(dense):
     return RowSparse(dense[ids], ids, dense.shape)
 
 
-def mxnet(kv, out, dtype, nrepeat):
+def mxnet(kv, out, dtype, nrepeat, multi_precision="1"):
     dtype, nrepeat = np.dtype(dtype), int(nrepeat)
     rank, nworker = kv.rank, kv.num_workers
     ones, big_ones = np.ones(SHAPE, dtype), np.ones(BIG_SHAPE, dtype)
     kv.init(["rsp", "rsp1", "rsp_big"], [_rsp(ones), _rsp(ones), _rsp(big_ones)])
-    kv.set_optimizer(optim.SGD(schedule=optim.Schedule(lr=-1.0), rescale_grad=RATE))  # MXNet's `test`: w += 2 * g
+    kv.set_optimizer(optim.SGD(schedule=optim.Schedule(lr=-1.0), rescale_grad=RATE,  # MXNet's `test`: w += 2 * g
+                               multi_precision=multi_precision == "1"))
 
     # check_row_sparse_keys
     v = np.zeros(SHAPE, dtype)
@@ -118,7 +120,8 @@ def mxnet(kv, out, dtype, nrepeat):
         assert np.asarray(val.data).dtype == dtype
         check_diff(_dense(val, BIG_SHAPE, dtype), expected, rank)
     json.dump({"rank": rank, "checked": ["check_row_sparse_keys", "check_row_sparse_keys_with_zeros",
-                                         "check_big_row_sparse_keys"], "dtype": dtype.name}, out)
+                                         "check_big_row_sparse_keys"], "dtype": dtype.name,
+               "multi_precision": multi_precision == "1"}, out)
 
 
 if __name__ == "__main__":
