@@ -23,7 +23,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tfkv.store  # noqa: E402
 from tfkv import optim  # noqa: E402
-from tfkv.store import RowSparse  # noqa: E402
+from tfkv.store import RowSparse, Table  # noqa: E402
 
 
 def rounds(kv, out, n):
@@ -119,6 +119,10 @@ def mxnet(kv, out, dtype, nrepeat, multi_precision="1"):
         expected[row_ids_np] = updated_val[row_ids_np]
         assert np.asarray(val.data).dtype == dtype
         check_diff(_dense(val, BIG_SHAPE, dtype), expected, rank)
+    # beyond MXNet: a Table of DTYPE, drawn by the servers, comes back in DTYPE within its scale
+    kv.init("drawn", Table((50, 4), dtype=dtype.name, init="uniform", scale=0.5, seed=3))
+    drawn = np.asarray(kv.row_sparse_pull("drawn", row_ids=np.arange(50)).data)
+    assert drawn.dtype == dtype and np.abs(drawn).max() <= 0.5 and np.std(drawn) > 0.1, drawn
     json.dump({"rank": rank, "checked": ["check_row_sparse_keys", "check_row_sparse_keys_with_zeros",
                                          "check_big_row_sparse_keys"], "dtype": dtype.name,
                "multi_precision": multi_precision == "1"}, out)
