@@ -146,6 +146,7 @@ def test_a_stale_temporary_checkpoint_is_removed_by_the_next_save(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["epoch-0001"]
 
 
+@pytest.mark.slow  # strace is no pip package: the slow suite, which .ci/run installs it for
 def test_checkpoint_files_are_fsynced_before_the_rename(tmp_path):
     """strace shows every file's and the directory's fsync come before the rename that publishes them."""
     if not shutil.which("strace"):  # the order of system calls cannot be seen without it

@@ -80,6 +80,11 @@ def fine(input_shape, num_classes, units=4):
     (["model=mlp", "+model.width=8"], ["model.width is not an argument of tfkv.models.mlp.build", "dropout, hidden"]),
     (["cluster.num_servers=4"], ["cluster.num_servers", "cluster none has the settings: launcher"]),
     (["+cluster.num_servers=4"], ["cluster.num_servers is not a setting of cluster=none; its settings: launcher"]),
+    # a typo in a setting of a setting: the nearest key of that node, and its keys
+    (["kvstore.compression.typ=2bit"], ["kvstore.compression.typ", "did you mean kvstore.compression.type?",
+                                        "kvstore.compression has the settings: type, threshold"]),
+    (["optimizer.schedule.nam=cosine"], ["did you mean optimizer.schedule.name?", "name, factor, milestones"]),
+    (["+kvstore.compression.typ=2bit"], ["did you mean kvstore.compression.type?"]),
     # a _target_ that cannot be imported, an unknown argument of one, a factory returning the wrong type
     (["model._target_=nopkg_tfkv_test.nets.build"], ["model._target_='nopkg_tfkv_test.nets.build'", "cannot import"]),
     (["model._target_=userpkg_cli.fine", "~model.hidden", "~model.dropout", "+model.unit=3"],
@@ -288,3 +293,15 @@ def test_one_handler_gives_any_family_error_its_line_and_status(tmp_path):
     assert (runs["security"].returncode, runs["security"].stderr) == (2, "tfkv-run: keys are exposed\n")
     assert (runs["custom"].returncode, runs["custom"].stderr) == (7, "tfkv-run: own status\n")
     assert runs["bug"].returncode == 1 and "Traceback" in runs["bug"].stderr
+
+
+@pytest.mark.slow
+def test_the_log_of_a_run_names_its_compression_scheme_and_the_other(tmp_path):
+    """A config's 2bit_mxnet is the API's "2bit" (MXNet's scheme); the log says which runs and
+    how to get the other in a config and in the API (a port tripped on the names)."""
+    tfkv_run("epochs=1", "steps_per_epoch=2", "kvstore=device", "devices=[cpu:0,cpu:1]", "progress=false",
+             "kvstore.compression.type=2bit_mxnet", "kvstore.compression.threshold=0.25", cwd=tmp_path)
+    (run,) = _run_dirs(tmp_path)
+    assert ("gradient compression: MXNet's exact 2-bit, threshold 0.25 (kvstore.compression.type=2bit_mxnet; "
+            "set_gradient_compression type '2bit'); for 2-bit with SGD's momentum applied by each sender (momentum "
+            "correction): kvstore.compression.type=2bit (type '2bit_momentum')") in (run / "tfkv.log").read_text()

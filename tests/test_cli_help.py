@@ -25,6 +25,9 @@ def test_tfkv_run_help_opens_with_tfkvs_usage_before_hydras(tmp_path):
                    "kvstore.type", "cluster=local", "cluster.num_workers=", "optimizer.lr=", "docs/",
                    "docs/reference/config.md"):
         assert needed in ours, needed
+    # the config's compression kinds, each with its name in the API, whose 2bit is the config's 2bit_mxnet
+    assert "kvstore.compression.type=2bit          2-bit, SGD's momentum on the senders (the API's 2bit_momentum)" in ours
+    assert "kvstore.compression.type=2bit_mxnet    MXNet's exact 2-bit (the API's set_gradient_compression 2bit)" in ours
     # then Hydra's: every group with its options from conf/, the composed config, the footer
     groups = text[text.index("== Config groups"):text.index("== The composed config")]
     options = sorted(p.stem for p in (Path(tfkv.conf_dir()) / "model").glob("*.yaml"))

@@ -104,6 +104,19 @@ def test_schema_rejects_typos_and_wrong_types():
      "kvstore.update_on_kvstore=false updates on the devices: set kvstore.update_on_kvstore=true, or "
      "kvstore.compression.type=2bit_mxnet"),
     (["kvstore.compression.type=2bit_mxnet"], "kvstore=local sends neither"),
+    # refused at the edge, whatever the store type, not once a job has formed or at step 1
+    (["kvstore.row_sharding=modulo"], "kvstore.row_sharding='modulo' is not a row sharding tfkv knows; choose one "
+                                      "of range, hash"),
+    (["kvstore=device", "kvstore.row_sharding=modulo"], "kvstore.row_sharding='modulo' is not a row sharding"),
+    (["kvstore=dist_sync", "cluster=local", "kvstore.row_sharding=Hash"], "kvstore.row_sharding='Hash' is not"),
+    (["kvstore=device", "kvstore.row_sparse=true", "kvstore.compression.type=2bit_mxnet"],
+     "kvstore.compression.type=2bit_mxnet compresses dense gradients, but kvstore.row_sparse=true makes every "
+     "Embedding a row-sparse key, whose rows are pushed uncompressed"),
+    (["kvstore=dist_sync", "cluster=local", "kvstore.row_sparse=true", "kvstore.compression.type=2bit",
+      "optimizer=sgd"], "kvstore.row_sparse=true makes every Embedding a row-sparse key"),
+    (["model=lstm_lm", "dataset=ptb", "devices=[cpu:0,cpu:1]", "placement=auto", "kvstore.row_sparse=true"],
+     "kvstore.row_sparse=true trains with data parallelism; with placement (model parallelism) the embeddings "
+     "train dense"),
     (["kvstore.compression.type=2bit"], "kvstore=local sends neither: use kvstore=device or kvstore=dist_sync"),
     (["kvstore.type=dist"], "kvstore.type='dist' is MXNet's name for dist_sync; write kvstore=dist_sync"),
     (["kvstore.type=nccl"], "kvstore.type='nccl': KVStore type 'nccl' is MXNet's, not tfkv's; use device"),
@@ -130,6 +143,12 @@ def test_validation_gives_one_line(overrides, message):
     with pytest.raises(ConfigError) as e:
         check.validate(_compose(*overrides))
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_row_sharding_from_the_environment_is_refused_naming_the_variable(monkeypatch):
+    monkeypatch.setenv("TFKV_ROW_SHARDING", "modulo")  # the environment wins over the config: checked too
+    with pytest.raises(ConfigError, match="^TFKV_ROW_SHARDING='modulo' is not a row sharding tfkv knows"):
+        check.validate(_compose())
 
 
 def test_options_are_typed_with_their_own_defaults():
@@ -280,9 +299,9 @@ def test_knobs_are_config_keys_the_environment_overrides():
     assert (env["TFKV_CHUNK_BYTES"], env["PS_RESEND"], env["PS_VERBOSE"]) == ("1024", "1", "2")
     assert "TFKV_SSH_CONFIG" not in env  # a launcher's knob stays with the launcher
     assert knobs.get("TFKV_CHUNK_BYTES", env) == 1024 and knobs.get("kvstore.chunk_bytes", {}) == 16 << 20
-    with pytest.raises(ValueError, match="MXNET_KVSTORE_BIGARRAY_BOUND='x' is not a int"):
+    with pytest.raises(ValueError, match="MXNET_KVSTORE_BIGARRAY_BOUND='x' is not an int"):
         knobs.get("TFKV_BIGARRAY_BOUND", {"MXNET_KVSTORE_BIGARRAY_BOUND": "x"})
-    with pytest.raises(ValueError, match="TFKV_BIGARRAY_BOUND='x' is not a int"):  # the variable the user set
+    with pytest.raises(ValueError, match="TFKV_BIGARRAY_BOUND='x' is not an int"):  # the variable the user set
         knobs.get("kvstore.bigarray_bound", {"TFKV_BIGARRAY_BOUND": "x"})
 
 
@@ -398,7 +417,7 @@ def test_a_knob_variable_of_the_wrong_type_is_one_line_before_any_process_starts
     proc = tfkv_run("kvstore=dist_sync", "cluster=local", cwd=tmp_path, env={"TFKV_BIGARRAY_BOUND": "x"}, check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [
-        "tfkv-run: TFKV_BIGARRAY_BOUND='x' is not a int; set it to one or unset it (kvstore.bigarray_bound in the config)"]
+        "tfkv-run: TFKV_BIGARRAY_BOUND='x' is not an int; set it to one or unset it (kvstore.bigarray_bound in the config)"]
 
 
 # Keras metrics that need arguments to be built, with some.

@@ -86,8 +86,8 @@ def test_mxnet_names_and_arguments_create_the_optimizer():
     assert (adam.name, adam.schedule.lr, adam.beta1, adam.epsilon) == ("adam", 0.001, 0.8, 1e-6)
     with pytest.raises(ValueError, match="optimizer 'nag' is not in tfkv; choose one of adam, sgd"):
         optim.create("nag")
-    with pytest.raises(ValueError, match="argument\\(s\\) lazy_update not supported by tfkv; it takes"):
-        optim.create("sgd", lazy_update=False)
+    with pytest.raises(ValueError, match="argument\\(s\\) lr_scheduler not supported by tfkv; it takes"):
+        optim.create("sgd", lr_scheduler=None)
 
 
 def test_any_finite_learning_rate_as_in_mxnet():

@@ -124,3 +124,38 @@ def test_ctrl_c_of_a_distributed_job_names_the_checkpoint_it_left(tmp_path):
     assert code == 130, out[-3000:]
     line = [ln for ln in out.splitlines() if ln.startswith("tfkv-run:")][-1]
     assert re.search(r"checkpoint epoch-\d{4}\S* is in \S+/run \(resume=true continues from it\)", line), line
+
+
+SHARDED_COMPRESSED = ["+experiment=ctr_dlrm", "kvstore.compression.type=2bit_mxnet", "optimizer=sgd", "epochs=1",
+                      "steps_per_epoch=2", "progress=false", "hydra.run.dir=run"]
+SHARDED_REFUSAL = ("tfkv-run: kvstore.compression.type=2bit_mxnet compresses dense gradients, but this model's layers "
+                   "embedding0, embedding1, embedding2, embedding3 are row-sparse tables (tfkv.layers.ShardedEmbedding), "
+                   "whose rows are pushed uncompressed: set kvstore.compression.type=none, or use keras.layers.Embedding "
+                   "with kvstore.row_sparse=false")
+
+
+def test_compression_with_sharded_tables_is_refused_before_a_dist_job_starts(tmp_path):
+    """Issue 40, point 16: the model's ShardedEmbedding tables are known once it is built; tfkv-run
+    builds it before the launch, so no role starts (no launch record) and no worker's traceback."""
+    line = _refusal(tfkv_run(*SHARDED_COMPRESSED, "kvstore=dist_sync", "cluster=local", cwd=tmp_path, check=False))
+    assert line == SHARDED_REFUSAL
+    assert not (tmp_path / "run" / "launch").exists() and not (tmp_path / "run" / "metrics.json").exists()
+
+
+def test_compression_with_sharded_tables_is_refused_before_the_first_step(tmp_path):
+    """kvstore=device in this process: refused once the model is built, before any step (not
+    `push of key 10` from inside the compiled step)."""
+    line = _refusal(tfkv_run(*SHARDED_COMPRESSED, "kvstore=device", cwd=tmp_path, check=False))
+    assert line == SHARDED_REFUSAL
+    assert not list((tmp_path / "run").glob("checkpoints/*")) and not (tmp_path / "run" / "metrics.json").exists()
+
+
+def test_a_sharded_table_larger_than_memory_is_one_line_naming_its_layer(tmp_path):
+    """kvstore=local: the table is drawn whole in this process; one larger than the memory
+    available is refused before it is drawn (was: TensorFlow's OOM traceback after seconds),
+    naming the layer, not the store's key number."""
+    line = _refusal(tfkv_run("+experiment=ctr_dlrm", "model.vocab_sizes=[100000000000,1000,1000,1000]", "epochs=1",
+                             "steps_per_epoch=2", "progress=false", "hydra.run.dir=run", cwd=tmp_path, check=False))
+    assert line.startswith("tfkv-run: layer embedding0 (tfkv.layers.ShardedEmbedding): a table of 100000000000 rows "
+                           "of 16 values (5960.5 GiB) is made whole in this process"), line
+    assert "spread it over parameter servers" in line and "key 10" not in line

@@ -83,6 +83,7 @@ def _job(cfg: Any) -> float:
         if not in_job:
             (run_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
             if store.capabilities(cfg.kvstore.type).distributed and not cfg.eval_only:  # eval_only: here, alone
+                check.tables(cfg)  # what only the model shows, before any role starts
                 # its launcher resolves the knobs, records them (knobs.json) and hands them to every role
                 return _launch(cfg, run_dir, list(hc.overrides.task), Path(hc.runtime.cwd))
         values = knobs.resolve(knobs.settings(cfg), os.environ)  # the environment wins over the config

@@ -70,6 +70,11 @@ class TrialPruned(TfkvError):
     result of the sweep, not a failure."""
 
 
+def with_article(word: str) -> str:
+    """`word` with its indefinite article, as a message names a type: "an int", "a float"."""
+    return f"{'an' if word[:1].lower() in 'aeiou' else 'a'} {word}"
+
+
 def reacting(e: TfkvError) -> TfkvError:
     """`e`, raised because a peer left the job (a round or barrier it never joins), exits as a
     peer's reaction (EXIT_PEER_FAILED): launchers then blame that peer's own failure, if it had

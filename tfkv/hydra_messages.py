@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import re
 import sys
+from typing import Any
 
 
 def one_line(exc: BaseException) -> str:
@@ -119,8 +120,11 @@ def _option_keys(message: str) -> str | None:
         args = [a for a in sys.argv[1:] if "=" in a and not a.startswith("-")
                 and not a.lstrip("+~").startswith(f"{group}.")]
         dirs = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--config-dir=")]
-        option, keys = check.option_settings(group, tree.compose(args, dirs)[group])
-        key = m.group(2).split(".")[0]
+        node = tree.compose(args, dirs)[group]
+        option, keys = check.option_settings(group, node)
+        key, *inner = m.group(2).split(".")
+        if inner and key in keys:  # kvstore.compression.typ: a setting of the option's setting
+            return _inner_keys(f"{group}.{key}", node[key], inner)
         owner = tree.option_with(group, key)
     except Exception:  # noqa: BLE001 - only a better message; the plain one stands without it
         return None
@@ -130,3 +134,20 @@ def _option_keys(message: str) -> str | None:
     else:
         mean = f"did you mean {group}.{close[0]}? " if close else ""
     return f"{mean}{group} {option} has the settings: {', '.join(keys)}"
+
+
+def _inner_keys(where: str, node: Any, path: list[str]) -> str | None:
+    """For `G.K.x.y` where G.K is a node of the option (kvstore.compression): the nearest key of
+    the node that holds `y`, and that node's keys (not the option's, where no name is near)."""
+    from omegaconf import DictConfig
+
+    for part in path[:-1]:
+        if not isinstance(node, DictConfig) or part not in node:
+            return None
+        node, where = node[part], f"{where}.{part}"
+    if not isinstance(node, DictConfig):
+        return None
+    keys = [str(k) for k in node.keys()]
+    close = difflib.get_close_matches(path[-1], keys, n=1)
+    mean = f"did you mean {where}.{close[0]}? " if close else ""
+    return f"{mean}{where} has the settings: {', '.join(keys)}"

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Collection, Iterator, Mapping, MutableMapping, Optional
 
-from tfkv.errors import ConfigError
+from tfkv.errors import ConfigError, with_article
 
 
 # Who reads a knob: the parameter-server runtime of every role (an attribute of its ClusterEnv),
@@ -132,7 +132,7 @@ def knob(name: str) -> Knob:
 
 
 def parse(k: Knob, text: str, name: str | None = None) -> Any:
-    """A variable's text as the knob's type; KnobError `NAME='x' is not a int; ...` otherwise."""
+    """A variable's text as the knob's type; KnobError `NAME='x' is not an int; ...` otherwise."""
     if k.type is bool:
         return text.strip().lower() not in ("0", "false", "no", "off", "")
     if k.type is str:
@@ -140,7 +140,7 @@ def parse(k: Knob, text: str, name: str | None = None) -> Any:
     try:
         return k.type(text)
     except (TypeError, ValueError):
-        raise KnobError(f"{name or k.env}={text!r} is not a {k.type.__name__}; set it to one or unset it "
+        raise KnobError(f"{name or k.env}={text!r} is not {with_article(k.type.__name__)}; set it to one or unset it "
                         f"({k.key} in the config)") from None
 
 

@@ -291,10 +291,17 @@ _MXNET_LR = {"sgd": 0.01, "adam": 0.001}  # MXNet's default learning rates
 def create(name: str, **kwargs: Any) -> Optimizer:
     """MXNet's `mx.optimizer.create("sgd", learning_rate=0.1, momentum=0.9, wd=1e-4,
     rescale_grad=1/128, clip_gradient=5)`: the name in any case, MXNet's argument names, defaults
-    and meaning. An argument tfkv has no equivalent for is refused, named."""
+    and meaning. An argument tfkv has no equivalent for is refused, named. `lazy_update=True`
+    (MXNet's default) is what tfkv always does: a row-sparse key's update touches only the rows
+    pushed (their state too), a dense key's every row; False is refused."""
     kind = str(name).lower()
     if kind not in _MXNET_ARGS:
         raise ValueError(f"optimizer {name!r} is not in tfkv; choose one of {', '.join(names())}")
+    lazy = kwargs.pop("lazy_update", True)
+    if not isinstance(lazy, (bool, np.bool_)) or not lazy:
+        raise ValueError(f"optimizer {kind}: lazy_update={lazy!r} is not supported by tfkv; it always updates a "
+                         "row-sparse key lazily (only the rows pushed, MXNet's default lazy_update=True): drop the "
+                         "argument")
     unknown = sorted(set(kwargs) - set(_MXNET_ARGS[kind]))
     if unknown:
         raise ValueError(f"optimizer {kind}: argument(s) {', '.join(unknown)} not supported by tfkv; "

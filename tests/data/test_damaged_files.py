@@ -113,7 +113,7 @@ def _csvs(tmp_path: Path) -> list[Path]:
 @pytest.mark.parametrize("row,words", [
     ("17,x,1", "row 9 of {path} has 'x' in column 'b', not a float32 number"),
     ("17,8.5", "row 9 of {path} has 2 fields, not 3 (a, b, y)"),
-    ("17,8.5,", "row 9 of {path} has '' in column 'y', not a int64 number"),
+    ("17,8.5,", "row 9 of {path} has '' in column 'y', not an int64 number"),
 ])
 def test_a_csv_row_that_does_not_read_is_one_line_naming_the_file_and_the_row(tmp_path: Path, row: str,
                                                                              words: str) -> None:

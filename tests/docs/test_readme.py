@@ -1,11 +1,19 @@
 """README.md is the front door (at most 250 lines, the two set-up commands first) and its code
 comes from files that tests run: each of its `bash` blocks after the set-up commands is, byte for
 byte, a file of docs/snippets/, which the pages include and tests/docs/test_commands.py composes
-or runs. CHANGELOG.md has a section for the version pyproject.toml declares."""
+or runs. CHANGELOG.md has a section for the version pyproject.toml declares. CI runs the README's
+test command with the cluster programs hidden (.ci/bare), as on a machine with only what it installs."""
 
+import os
 import re
+import shutil
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
+
+import pytest
+from conftest import need_root
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
@@ -50,3 +58,31 @@ def test_every_link_of_the_readme_leads_to_a_file_of_the_repository():
     local = [link for link in links if "://" not in link]
     assert local, "the README links to no page"
     assert not [link for link in local if not (REPO / link).is_file()], "README links to files that are not there"
+
+
+# The README's test command passes on a machine with only what the README installs; CI's machine has
+# every cluster program (.ci/run installs them for the slow suite), so CI runs it with those hidden.
+BARE = REPO / ".ci" / "bare"
+CLUSTER_PROGRAMS = ("mpirun", "srun", "sbatch", "qsub", "sshd", "ssh", "rsync", "ip", "tc", "strace")
+
+
+def test_ci_runs_the_readmes_test_command_as_on_a_bare_machine():
+    run = (REPO / ".ci" / "run").read_text()
+    command = SETUP.splitlines()[1].split("&& ", 1)[1]  # pytest -n 2
+    assert re.search(rf"^\.ci/bare {re.escape(command)}\b", run, flags=re.M), \
+        f".ci/run does not run `{command}` under .ci/bare"
+    hidden = re.search(r"^PROGRAMS=\((.*?)\)", BARE.read_text(), flags=re.M | re.S).group(1).split()
+    assert set(CLUSTER_PROGRAMS) <= set(hidden), set(CLUSTER_PROGRAMS) - set(hidden)
+
+
+@pytest.mark.slow
+def test_ci_bare_hides_the_cluster_programs_from_its_command_only():
+    need_root(".ci/bare (a mount namespace)")
+    here = [p for p in CLUSTER_PROGRAMS if shutil.which(p, path=os.environ["PATH"] + ":/usr/sbin:/sbin")]
+    assert here, "no cluster program is installed here: run .ci/run first"
+    probe = f"import shutil; print([p for p in {here!r} if shutil.which(p, path=shutil.os.environ['PATH'] + ':/usr/sbin:/sbin')])"
+    inside = subprocess.run([str(BARE), sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert inside.returncode == 0 and inside.stdout.strip() == "[]", inside.stdout + inside.stderr
+    failed = subprocess.run([str(BARE), here[0], "--version"], capture_output=True, text=True, timeout=60)
+    assert failed.returncode == 126, failed  # found by name but not runnable: exec is refused
+    assert all(shutil.which(p, path=os.environ["PATH"] + ":/usr/sbin:/sbin") for p in here)  # back outside

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,13 +25,14 @@ from tfkv.emulate.spec import CGROUP_CPU, check
 HERE = Path(__file__).parent
 EMULATE = [sys.executable, "-m", "tfkv.emulate.cli"]  # the tfkv-emulate console script's main()
 ENV = {**os.environ, "PYTHONPATH": str(HERE.parents[1])}  # child Pythons import this tree's tfkv
+NETNS_DIR = Path("/run/netns")  # where `ip netns add` names a namespace
 
 
-def _machine() -> tuple[str, str, list[str]]:
-    """Links, namespaces and cpu cgroups here: to show a refusal made nothing."""
-    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
-    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return links, netns, sorted(os.listdir(CGROUP_CPU)) if CGROUP_CPU.is_dir() else []
+def _machine() -> tuple[list, list[str], list[str]]:
+    """Links, namespaces and cpu cgroups here: to show a refusal made nothing. Read without `ip`
+    (iproute2 is no pip package: the refusals run in the fast suite, on a machine without it)."""
+    netns = sorted(os.listdir(NETNS_DIR)) if NETNS_DIR.is_dir() else []  # what `ip netns list` reads
+    return sorted(socket.if_nameindex()), netns, sorted(os.listdir(CGROUP_CPU)) if CGROUP_CPU.is_dir() else []
 
 
 def _leftovers(record: dict) -> list[str]:
@@ -77,18 +79,39 @@ def test_what_this_machine_cannot_hold_is_refused_in_one_line(specs, kw, said):
 
 
 @pytest.mark.parametrize("args,said", [
-    (["--hosts", "3", "--cpus", "1"], f"the hosts' cpus add up to 3 cores and this machine has {os.cpu_count()}"),
+    # one core more than this machine has, whatever it has
+    (["--hosts", "2", "--cpus", f"{(os.cpu_count() + 1) / 2:g}"],
+     f"the hosts' cpus add up to {os.cpu_count() + 1} cores and this machine has {os.cpu_count()}"),
     (["--hosts", "2", "--cpus", "0"], "host node1: cpus=0.0 is not a CPU budget"),
     (["--hosts", "2", "--link", "1gigabit"], "host node1: link_in='1gigabit' is not a rate tc reads"),
     (["--hosts", "2", "--cpus-each", "0.2"], "--cpus-each names 1 budgets for 2 hosts"),
 ])
 def test_the_cli_refuses_in_one_line_with_status_2_and_makes_nothing(tmp_path, args, said):
+    need_root("tfkv-emulate's refusals after its first, that it needs root")
     before = _machine()
     proc = subprocess.run([*EMULATE, "up", *args, "--dir", str(tmp_path / "cl")], capture_output=True, text=True,
                           env=ENV, timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith(f"tfkv-emulate: {said}") and proc.stderr.count("\n") == 1, proc.stderr
     assert not (tmp_path / "cl").exists() and _machine() == before
+
+
+@pytest.mark.parametrize("command", ["up", "down"])
+@pytest.mark.parametrize("under", ["", "sub"])
+def test_a_dir_that_is_a_file_is_refused_in_one_line_with_status_2(tmp_path, command, under):
+    """--dir naming an existing file (or a path inside one): what, where and how, not `[Errno 17]`."""
+    afile = tmp_path / "notes.txt"
+    afile.write_text("mine")
+    before = _machine()
+    target = afile / under if under else afile
+    args = ["--hosts", "1"] if command == "up" else []
+    proc = subprocess.run([*EMULATE, command, *args, "--dir", str(target)], capture_output=True, text=True,
+                          env=ENV, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    where = f"--dir {target}" if not under else f"--dir {target}: {afile}"
+    assert proc.stderr == (f"tfkv-emulate: {where} is a file, not a directory; name a directory for the cluster's "
+                           "state (keys, ssh config, hosts file; `up` makes it where it does not exist)\n")
+    assert afile.read_text() == "mine" and _machine() == before
 
 
 def test_the_cli_refuses_a_user_who_is_not_root(tmp_path):

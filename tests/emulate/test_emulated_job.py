@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 from conftest import TAG, need_root, tagged_pids, tfkv_run
@@ -38,3 +42,62 @@ def test_tfkv_run_cluster_ssh_on_two_emulated_hosts(tmp_path):
         versions = json.loads((metrics.parent / "launch" / "versions.json").read_text())
         assert set(versions) >= {"node1", "node2"}, versions
         assert not tagged_pids(tag[TAG], wait=10), "processes of the job left behind"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cut_host", ["node2", "node1"])
+def test_a_host_cut_off_mid_job_is_named_and_the_launcher_ends_within_the_heartbeat_timeout_and_15_s(tmp_path,
+                                                                                                       cut_host):
+    """Issue 40, point 12: a host's link is cut (its veth set down) while the job runs: node2, with
+    a server and a worker, or node1, the scheduler's host. The roles that can still talk find the
+    silence within the heartbeat timeout and every role stops (the cut host's on their own: they
+    lose the scheduler, or are it), but `tfkv-launch` (ssh) printed no final line for up to an hour: the
+    teardown of node2 opened a channel on its dead connection and waited paramiko's channel
+    timeout (3600 s). Now every ssh step has a deadline and the hosts are torn down side by side:
+    the launcher exits 1 within heartbeat timeout + 15 s of the cut, naming the host, and leaves no
+    role running on either host."""
+    need_root("an emulated cluster")
+    from tfkv.emulate import net
+
+    work = tmp_path / "work"
+    work.mkdir()
+    tag = {TAG: f"cut-{tmp_path.name}-{os.getpid()}"}
+    heartbeat_timeout = 4.0
+    worker = Path(__file__).parents[1] / "fault_worker.py"
+    with Cluster.up([HostSpec("node1"), HostSpec("node2")], tmp_path / "cl") as cluster:
+        hosts = cluster.write_hosts(cluster.state_dir / "hosts")
+        launcher = subprocess.Popen(
+            ["tfkv-launch", "-n", "2", "-s", "2", "-H", str(hosts), "--launcher", "ssh", "--python", sys.executable,
+             "--heartbeat-timeout", str(heartbeat_timeout), "--run-dir", "rec", "--",
+             sys.executable, str(worker), "out{rank}.json", "600"],
+            cwd=work, env={**os.environ, **cluster.env(), **tag}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True)
+        output: list[str] = []
+        reader = threading.Thread(target=lambda: output.extend(launcher.stdout), daemon=True)
+        reader.start()
+        try:
+            deadline = time.monotonic() + 180
+            while not all((work / f"out{r}.json").exists() for r in (0, 1)):  # both workers push and pull
+                assert launcher.poll() is None and time.monotonic() < deadline, "".join(output)[-5000:]
+                time.sleep(0.2)
+            time.sleep(1.0)
+            veth = net.veth_name(cluster.record["k"], cluster.hosts.index(cluster.host(cut_host)))
+            subprocess.run(["ip", "link", "set", veth, "down"], check=True)
+            cut = time.monotonic()
+            try:
+                launcher.wait(timeout=heartbeat_timeout + 60)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"no final line {heartbeat_timeout + 60:.0f} s after {cut_host} was cut off:\n"
+                            + "".join(output)[-5000:])
+            took = time.monotonic() - cut
+            reader.join(timeout=10)
+            text = "".join(output)
+            (line,) = [ln for ln in text.splitlines() if ln.startswith("tfkv-launch:")]
+            assert launcher.returncode == 1, text[-5000:]
+            assert took <= heartbeat_timeout + 15, f"{took:.1f} s after the cut:\n{text[-5000:]}"
+            assert f"@{cut_host}" in line and f"{cut_host} did not answer over ssh" in line, line
+            assert not tagged_pids(tag[TAG], wait=10), "processes of the job left behind"
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+                launcher.wait()

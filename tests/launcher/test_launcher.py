@@ -227,6 +227,30 @@ def test_the_supervisor_blames_the_first_failure_that_is_not_a_peers_reaction():
     assert time.monotonic() - t0 < supervisor.GRACE + 3
 
 
+def test_the_supervisor_blames_a_worker_that_exited_0_while_the_others_stopped_as_its_peers():
+    """Issue 40, point 13: worker 0 exits 0 (its script ended, its store closed) and every other
+    role then stops as a peer's reaction (status 3): worker 0 left the job early and is named,
+    as a failure a restart meets again. A role still running (hung) is blamed before it."""
+    from tfkv.errors import EXIT_PEER_FAILED, EXIT_PEER_SILENT
+    from tfkv.launcher import supervisor
+    from tfkv.launcher.process import repeats
+
+    def start(script: str) -> subprocess.Popen:
+        return subprocess.Popen(["sh", "-c", script], start_new_session=True)
+
+    children = {"scheduler": start(f"sleep 0.4; exit {EXIT_PEER_FAILED}"), "worker 0": start("exit 0"),
+                "worker 1": start(f"sleep 0.3; exit {EXIT_PEER_FAILED}")}
+    ends = supervisor.Ends(list(children))
+    failure = supervisor.supervise(ends, supervisor.poll(children, ends),
+                                   lambda: supervisor.stop_groups(list(children.values())))
+    assert failure == f"worker 0 {supervisor.LEFT_EARLY}" and repeats(failure)
+    assert supervisor.first_cause([("worker 1", EXIT_PEER_FAILED)], ["server 0"], ["worker 0"]).startswith(
+        "server 0 stopped answering")
+    # every worker finished, and the scheduler: a server that missed its SHUTDOWN is no early leaving
+    assert supervisor.first_cause([("server 0", EXIT_PEER_SILENT)], [], ["worker 0", "scheduler"]) == \
+        "server 0 exited with status 4"
+
+
 def test_a_hung_role_that_a_peer_saw_go_silent_is_blamed_once_it_alone_runs_and_torn_down_at_once():
     """Issue 28: a SIGSTOPped role took 13 s to bring its job down: every other role exited as a
     peer's reaction, so the launcher waited HANG_GRACE (for a role only slow to exit), then the

@@ -100,6 +100,17 @@ def test_remote_command_kills_its_group_when_the_channel_closes(tmp_path):
     assert not _no_leftovers(tag[TAG], 5)
 
 
+def test_a_connection_is_dead_after_ssh_configs_server_alive_settings_never_off():
+    """Issue 40, point 12: the silence after which an ssh connection counts as dead (and the
+    kernel drops it, TCP_USER_TIMEOUT) follows ServerAliveInterval x ServerAliveCountMax, as ssh
+    does; 0, ssh's "off", is not taken: a host cut off would then hold the launcher."""
+    from tfkv.launcher.backends.ssh_connect import ALIVE_COUNT, ALIVE_INTERVAL, dead_after
+
+    assert dead_after({}) == (ALIVE_INTERVAL, ALIVE_INTERVAL * ALIVE_COUNT)
+    assert dead_after({"serveraliveinterval": "5", "serveralivecountmax": "2"}) == (5, 10)
+    assert dead_after({"serveraliveinterval": "0"}) == (ALIVE_INTERVAL, ALIVE_INTERVAL * ALIVE_COUNT)
+
+
 # -- slow: real sshd ------------------------------------------------------------------------------
 
 @pytest.mark.slow
@@ -410,3 +421,31 @@ def test_the_same_variables_reach_the_roles_under_local_and_ssh(loopback_host, s
             assert role_env["DMLC_ROLE"] == "worker" and role_env["TFKV_RANK_HINT"] == str(rank), launcher
             assert not {k for k in NOT_FORWARDED if k != "TFKV_RANK_HINT"} & set(role_env), launcher
             assert role_env["DMLC_NUM_WORKER"] == "2" and role_env["TFKV_RUN_DIR"].endswith("run"), launcher
+
+
+@pytest.mark.slow
+def test_a_remote_command_has_one_deadline_for_its_start_and_end_and_the_connection_a_dead_time(
+        loopback_host, ssh_site):
+    """Issue 40, point 12: every ssh step the launcher takes has a deadline. A command (the
+    pre-flight's, the teardown's) that does not end in time is cut, its channel closed, and said
+    in one line (Fabric's own timeout starts only once the command started); the connection
+    carries the ssh config's ServerAlive settings down to the kernel (TCP_USER_TIMEOUT), which
+    drops it when the host stops answering."""
+    import socket
+
+    from tfkv.launcher.backends.ssh_connect import connect, dead_after, run
+    from tfkv.launcher.hosts import Host
+
+    conn = connect(Host(loopback_host.alias), str(ssh_site.config))
+    try:
+        assert run(conn, "echo out; echo err >&2; exit 3", 20) == (3, "out\n", "err\n")
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="no end within 1 s"):
+            run(conn, "sleep 8", 1)
+        assert time.monotonic() - t0 < 5
+        assert run(conn, "true", 20).exited == 0  # the connection serves on
+        _, dead = dead_after({})
+        sock = conn.transport.sock
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == dead * 1000
+    finally:
+        conn.close()

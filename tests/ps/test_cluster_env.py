@@ -41,7 +41,7 @@ def test_a_role_reads_each_knob_from_its_variables():
         "server", 2, 0, True, 0.25, 1, 4, 9.0, "lo", 2)  # milliseconds -> seconds; the least taken
     plain = ClusterEnv.from_env(WIRING)
     assert (plain.bigarray_bound, plain.request_timeout, plain.interface) == (1_000_000, 60.0, None)
-    with pytest.raises(ClusterEnvError, match="TFKV_CHUNK_BYTES='big' is not a int"):
+    with pytest.raises(ClusterEnvError, match="TFKV_CHUNK_BYTES='big' is not an int"):
         ClusterEnv.from_env({**WIRING, "TFKV_CHUNK_BYTES": "big"})
     # positional wiring, keyword knobs: as the server's tests build one
     assert ClusterEnv("server", "127.0.0.1", 1, 1, 3, bigarray_bound=5).bigarray_bound == 5

@@ -63,3 +63,15 @@ def test_request_numbers_wrap_and_order_across_the_wrap():
     numbers = seqs(P.SEQ_MASK - 1)
     assert [next(numbers) for _ in range(3)] == [P.SEQ_MASK - 1, P.SEQ_MASK, 1]
     assert before(P.SEQ_MASK, 1) and not before(1, P.SEQ_MASK)
+
+
+def test_a_server_s_text_names_keys_as_the_caller_did():
+    """A server's error names key ids (a part's id is the key's + (j << 48)); the worker's line
+    names the key as its caller did, and leaves other numbers and unknown ids alone."""
+    from tfkv.ps.parts import CHUNK_SHIFT
+
+    t = _tracker()
+    assert t.named("key 7: row id 3 is not a row of shard 0") == "key 'w': row id 3 is not a row of shard 0"
+    assert t.named(f"key {7 + (2 << CHUNK_SHIFT)}: 12 values pushed, the key holds 8") == \
+        "key 'w': 12 values pushed, the key holds 8"
+    assert t.named("key 9 is not initialised on this server; round 7") == "key 9 is not initialised on this server; round 7"

@@ -191,12 +191,16 @@ def run(kv: Any, devices: int, state_dir: str) -> dict[str, Any]:
     seen["out"] = _rs(out)
     seen["outs"] = [_rs(o) for o in outs]
 
-    # without an optimizer the key becomes the merged push: rows not pushed are zero (MXNet's)
+    # without an optimizer the key becomes the merged push: rows not pushed are zero (MXNet's); rows
+    # pushed to a dense key too, as the dense value they stand for
     kv.init(REPLACED, RowSparse(np.ones(SHAPE, f32), np.arange(ROWS), SHAPE))
 
     def replace() -> None:
         _push_round(kv, REPLACED, "none", 0, devices)
         seen["replaced"] = _all_rows(kv, REPLACED)
+        kv.push(DENSE, [RowSparse(np.array([1, 2, 3], f32) * (d + 1), np.array([1, 3, 1]), (4,))
+                        for d in range(devices)])
+        seen["rows_into_dense"] = _arr(kv.pull(DENSE))
 
     seen["without_optimizer"] = _raises(replace)
 
@@ -240,10 +244,9 @@ def refusals(kv: Any) -> dict[str, str | None]:
 
     one = np.ones((1, WIDTH), f32)
     calls = {
-        "dense_pull": lambda: kv.pull(GIVEN),
         "pushpull": lambda: kv.pushpull(GIVEN, rows(one, [0])),
         "sparse_pull_of_dense": lambda: kv.row_sparse_pull(DENSE, row_ids=[0]),
-        "rows_to_dense": lambda: kv.push(DENSE, rows(np.ones((1, 4), f32), [0], (1, 4))),
+        "rows_to_dense": lambda: kv.push(DENSE, rows(np.ones(1, f32), [4], (4,))),
         "dense_to_rows": lambda: kv.push(GIVEN, np.ones(SHAPE, f32)),
         "pull_id_too_big": lambda: kv.row_sparse_pull(GIVEN, row_ids=np.array([3, ROWS])),
         "pull_id_negative": lambda: kv.row_sparse_pull(GIVEN, row_ids=np.array([-1])),
@@ -263,8 +266,8 @@ def refusals(kv: Any) -> dict[str, str | None]:
 
 # name -> (the key the line names, words it holds)
 REFUSED = {
-    "dense_pull": (GIVEN, "row_sparse_pull"), "pushpull": (GIVEN, "pushpull"),
-    "sparse_pull_of_dense": (DENSE, "dense key"), "rows_to_dense": (DENSE, "dense key"),
+    "pushpull": (GIVEN, "pushpull"),
+    "sparse_pull_of_dense": (DENSE, "dense key"), "rows_to_dense": (DENSE, "out of range"),
     "dense_to_rows": (GIVEN, "row-sparse"), "pull_id_too_big": (GIVEN, "out of range"),
     "pull_id_negative": (GIVEN, "out of range"), "pull_rows_id_too_big": (GIVEN, "out of range"),
     "push_id_too_big": (GIVEN, "out of range"), "data_indices_disagree": (GIVEN, "disagree"),
@@ -296,7 +299,9 @@ def expected(sync: bool, devices: int, num_workers: int = 1, rank: int = 0) -> d
         replaced = np.zeros(SHAPE)
         for i, row in merged_round("none", 0, devices, workers).items():
             replaced[i] = row
-        want.update(without_optimizer=None, replaced=_arr(replaced), sgd=_arr(sgd), sgd_momentum=_arr(momentum),
+        rows_into_dense = np.array([0.0, 4.0, 0.0, 2.0]) * devices * (devices + 1) / 2 * num_workers
+        want.update(without_optimizer=None, replaced=_arr(replaced), rows_into_dense=_arr(rows_into_dense),
+                    sgd=_arr(sgd), sgd_momentum=_arr(momentum),
                     sgd_count=len(ROUNDS["sgd"]), state_restored=True)
     if sync or num_workers == 1:  # Adam's count is the key's: with several async workers, timing's
         want.update(adam=_arr(adam), adam_own=[_arr(adam[own])])

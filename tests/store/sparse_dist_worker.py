@@ -63,7 +63,8 @@ def refusals(kv, out):
     seen = {
         "dense_pull": _raises(lambda: kv.pull("emb")),
         "pushpull": _raises(lambda: kv.pushpull("emb", ok)),
-        "rows_to_dense": _raises(lambda: kv.push("dense", RowSparse(np.ones((1, 3), np.float32), np.array([0]), (1, 3)))),
+        "rows_to_dense": _raises(lambda: kv.push("dense", RowSparse(np.ones(1, np.float32), np.array([3]), (3,)))),
+        "ignore_sparse": _raises(lambda: kv.pull("dense", out=RowSparse.zeros((3,)), ignore_sparse=False)),
         "dense_to_rows": _raises(lambda: kv.push("emb", np.ones((10, 3), np.float32))),
         "out_of_range": _raises(lambda: kv.push("emb", RowSparse(np.ones((1, 3), np.float32), np.array([10]), (10, 3)))),
         "pull_out_of_range": _raises(lambda: kv.row_sparse_pull("emb", row_ids=np.array([-1]))),
@@ -74,6 +75,18 @@ def refusals(kv, out):
     }
     kv.push("emb", ok)
     seen["after"] = kv.row_sparse_pull("emb", row_ids=np.array([1])).data.shape[0]
+    skipped = RowSparse.from_dense(np.full(3, 2, np.float32))
+    kv.pull("dense", out=skipped)  # MXNet's ignore_sparse=True: left as it is
+    seen["skipped"] = skipped.dense().tolist()
+    json.dump(seen, out)
+
+
+def too_big(kv, out):
+    """A table larger than the server's memory: the server refuses its shard naming the key's
+    id; the worker's error names the key as its caller did."""
+    kv.init("small", Table((10, 3)))
+    seen = {"too_big": _raises(lambda: (kv.init("big", Table((10**11, 64))), kv.servers.settle()))}  # its answer
+    seen["after"] = kv.row_sparse_pull("small", row_ids=np.array([1])).data.shape[0]
     json.dump(seen, out)
 
 
@@ -104,7 +117,7 @@ def contract(kv, out):
         json.dump(sparse_contract.run(kv, int(os.environ.get("TEST_DEVICES", "2")), d), out)
 
 
-SCENARIOS = {f.__name__: f for f in (sgd, refusals, wire, contract)}
+SCENARIOS = {f.__name__: f for f in (sgd, refusals, too_big, wire, contract)}
 
 if __name__ == "__main__":
     scenario, path = sys.argv[1], sys.argv[2]

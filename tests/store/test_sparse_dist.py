@@ -24,13 +24,14 @@ HERE = Path(__file__).parent
 WORKER = str(HERE / "sparse_dist_worker.py")
 
 
-def _job(cluster, scenario, *args, num_servers=2, num_workers=2, kind="dist_sync", **env):
+def _job(cluster, scenario, *args, num_servers=2, num_workers=2, kind="dist_sync", worker=WORKER, **env):
+    """Every worker's JSON report of `scenario`, run by the `worker` script in a real job."""
     c = cluster(num_servers=num_servers, num_workers=num_workers, **env)
     c.start_servers()
     outs = []
     for i in range(num_workers):
         out = c.dir / f"worker{i}.json"
-        c.start(f"worker {i}", "worker", [sys.executable, WORKER, scenario, str(out), *args], TFKV_RANK_HINT=str(i),
+        c.start(f"worker {i}", "worker", [sys.executable, worker, scenario, str(out), *args], TFKV_RANK_HINT=str(i),
                 TEST_KVSTORE=kind)
         outs.append(out)
     codes = c.wait(180)
@@ -95,8 +96,11 @@ def test_a_drawn_table_is_the_same_by_range_and_by_hash(cluster):
 @pytest.mark.slow
 def test_bad_calls_are_refused_in_one_line_naming_the_key_and_the_job_goes_on(cluster):
     seen = _job(cluster, "refusals", num_workers=1)[0]
-    want = {"dense_pull": "key 'emb' is row-sparse: pull its rows with row_sparse_pull('emb', row_ids=...)",
-            "pushpull": "key 'emb' is row-sparse", "rows_to_dense": "push of key 'dense': row-sparse rows",
+    want = {"dense_pull": "key 'emb' is row-sparse: a dist_* store pulls its rows with row_sparse_pull('emb', "
+                          "row_ids=...), never the whole table",
+            "pushpull": "key 'emb' is row-sparse", "rows_to_dense": "push of key 'dense': row id 3 is out of range",
+            "ignore_sparse": "pull of key 'dense': ignore_sparse=False (the whole value into RowSparse outs) is not "
+                             "for dist_* stores",
             "dense_to_rows": "push of key 'emb': a dense value", "out_of_range": "key 'emb': row id 10 is out of range",
             "pull_out_of_range": "key 'emb': row id -1 is out of range",
             "disagree": "key 'emb': data and indices disagree", "dtype": "key 'emb': float64 rows",
@@ -105,6 +109,18 @@ def test_bad_calls_are_refused_in_one_line_naming_the_key_and_the_job_goes_on(cl
         line = seen[name]
         assert line and line.startswith("ValueError: ") and "\n" not in line and words in line, (name, line)
     assert seen["after"] == 1
+    assert seen["skipped"] == [2, 2, 2]
+
+
+@pytest.mark.slow
+def test_a_server_s_refusal_names_the_key_not_its_id(cluster):
+    """Issue 40, point 16: a server knows key ids only ('big' is 2**40 + 1 there); the worker's
+    line names the key as its caller did, and the store serves on."""
+    seen = _job(cluster, "too_big", num_servers=1, num_workers=1)[0]
+    line = seen["too_big"]
+    assert line.startswith("DistError: server 0: key 'big': a shard of 100000000000 rows of 64 values") and \
+        "\n" not in line, line
+    assert str((1 << 40) + 1) not in line and seen["after"] == 1
 
 
 @pytest.mark.slow

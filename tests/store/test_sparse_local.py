@@ -125,3 +125,34 @@ def test_row_sparse_pull_argument_forms():
         kv.row_sparse_pull([1, 2], row_ids=[np.array([0])])
     with pytest.raises(TypeError, match="row_sparse_pull of key 1: out must be a tfkv.store.RowSparse"):
         kv.row_sparse_pull(1, out=np.zeros((4, 1), np.float32), row_ids=[0])
+
+
+@pytest.mark.parametrize("kind", ["local", "device"])
+def test_a_table_larger_than_the_memory_available_is_refused_before_it_is_drawn(kind, tf_devices):
+    """Issue 40, point 16: TensorFlow's out-of-memory error after seconds of drawing was what a
+    Table too large for this process met; now one line naming the key, its size and what fits,
+    before anything is allocated (the store keeps working, the key stays free)."""
+    from tfkv.errors import ConfigError
+    from tfkv.ps import memory
+
+    kv = store.create(kind, devices=tf_devices[:2])
+    huge = Table((10**11, 64))  # 25.6 TB: more than any machine's memory
+    with pytest.raises(store.sparse.TableTooLarge) as e:
+        kv.init("emb", huge)
+    assert isinstance(e.value, ConfigError) and isinstance(e.value, MemoryError)
+    line = str(e.value)
+    assert line.startswith("init of key 'emb': a table of 100000000000 rows of 64 values (23841.9 GiB)") and \
+        "\n" not in line, line
+    assert "more than the" in line and "kvstore=dist_sync" in line and "1099511627776" not in line
+    fits = memory.available() // (4 * 8 * 3)  # rows of 8 values, 3 copies' room
+    kv.init("emb", Table((min(fits, 1000), 8)))  # the key was left free, and a table that fits is made
+    assert kv.row_sparse_pull("emb", row_ids=np.array([0])).data.shape == (1, 8)
+
+
+def test_the_room_a_table_needs_is_its_copies_while_it_is_drawn():
+    from tfkv.store import sparse
+
+    table = Table((1000, 16))  # 64000 bytes
+    sparse.check_room("t", table, copies=2, available=128000)
+    with pytest.raises(sparse.TableTooLarge, match="^init of key 't': a table of 1000 rows of 16 values"):
+        sparse.check_room("t", table, copies=2, available=127999)

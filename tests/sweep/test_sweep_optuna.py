@@ -19,6 +19,8 @@ import yaml
 
 from conftest import REPO, tfkv_run
 
+from tfkv.errors import ConfigError
+
 # Lean trials: CI's time is short (digits, a few epochs of a few steps each).
 LEAN = ["epochs=3", "steps_per_epoch=8", "progress=false"]
 
@@ -232,6 +234,42 @@ def test_a_sweeper_direction_against_the_objective_s_is_one_line_before_any_tria
         "set hydra.sweeper.direction=maximize, or direction= and hydra.sweeper.direction= alike where the "
         "objective's better way is the other"]
     assert not list(tmp_path.glob("multirun/*/*/0"))
+
+
+def test_a_named_study_better_the_other_way_is_refused_in_one_line_before_any_trial(tmp_path):
+    """hydra.sweeper.study_name of a study that exists (Optuna's load_if_exists) to maximize, and
+    an objective to minimize: one line naming the study and both directions; no trial asked."""
+    import optuna
+
+    url = f"sqlite:///{tmp_path / 'optuna.db'}"
+    optuna.create_study(study_name="lr", storage=url, direction="maximize")
+    proc = tfkv_run("-m", "hydra/sweeper=tfkv_optuna", "hydra.sweeper.study_name=lr", f"hydra.sweeper.storage={url}",
+                    "objective=test_loss", "optimizer.lr=interval(0.01,0.1)", *LEAN, cwd=tmp_path, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"tfkv-run: hydra.sweeper.study_name=lr: the study in {url} is to maximize but objective test_loss is to "
+        "minimize; name another study, or sweep an objective (objective=, direction=) that is better the study's way"]
+    assert optuna.load_study(study_name="lr", storage=url).trials == []
+    assert not list(tmp_path.glob("multirun/*/*/0"))
+
+
+def test_a_named_study_better_the_same_way_is_reused(tmp_path):
+    """The check lets a study of the objective's direction through (and a name not yet used)."""
+    import optuna
+
+    from tfkv.sweep import pruning
+    from tfkv.sweep.optuna_sweeper import TfkvOptunaSweeper
+
+    url = f"sqlite:///{tmp_path / 'optuna.db'}"
+    optuna.create_study(study_name="lr", storage=url, direction="minimize")
+    for name in ("lr", "new"):
+        sweeper = TfkvOptunaSweeper(None, None, None, url, name, 1, 1, 1.0, None)
+        sweeper.objective, sweeper.direction, sweeper.storage_url = "test_loss", "minimize", url
+        sweeper._same_direction(pruning.open_storage(url))
+    sweeper.direction = "maximize"
+    with pytest.raises(ConfigError, match="study_name=lr: the study in .* is to minimize but objective test_loss"):
+        sweeper.study_name = "lr"
+        sweeper._same_direction(pruning.open_storage(url))
 
 
 def test_hydra_s_own_sweeper_s_direction_is_checked_against_the_objective_s():

@@ -3,7 +3,8 @@ sweep's pre-check), before TensorFlow is imported. What the config alone shows i
 tfkv.check.rules'; what needs the layers below is asked here of their registries: known
 optimizer, model, data, logger, KVStore and launcher names, the store type's declared
 capabilities, gradient compression, the objective, a placement against the model's layer groups,
-the settings an option takes. Nothing inside re-rules.
+the settings an option takes. Nothing inside re-rules. One check needs the built model, and so
+TensorFlow: `tables`, which tfkv-run calls before a dist_* job's launch where compression is set.
 
 This package belongs to the cli layer: it may import every layer; tfkv.config imports none.
 """
@@ -59,6 +60,38 @@ def validate(cfg: Any) -> None:
     source.check(cfg.dataset)
     _objective(cfg)
     _placement(cfg)
+
+
+def tables(cfg: Any) -> None:
+    """What only the built model shows, checked by tfkv-run before a dist_* job's launch (the
+    trainer checks it again for a run in its own process, once its model is built): a
+    ShardedEmbedding's table is a row-sparse key, pushed uncompressed, so kvstore.compression
+    with one is refused in one line naming the layers, before any role starts. Builds the data's
+    description and the model here, on the CPU (this process trains nothing), only where
+    compression is set."""
+    from tfkv.ps import compression
+
+    comp = cfg.kvstore.compression
+    if cfg.eval_only or compression.from_config(comp.type, comp.threshold) is None:
+        return
+    from tfkv.tfimport import import_tensorflow
+
+    tf = import_tensorflow()
+    try:
+        tf.config.set_visible_devices([], "GPU")  # no GPU memory held by a process that only launches
+    except RuntimeError:  # TensorFlow already started its devices here
+        pass
+    from tfkv import data, models
+    from tfkv.layers import serving_rows
+    from tfkv.parallel import sparse
+
+    source = data.Source(cfg.dataset, cfg.seed, cfg.batch_size, cfg.eval_batch_size, 1, 0, cfg.steps_per_epoch)
+    with serving_rows():  # as a worker builds it: a ShardedEmbedding's cache of rows, not its table
+        model = models.build(cfg.model, input_shape=source.input_shape, input_spec=source.input_spec,
+                             num_classes=source.outputs)
+    found = sparse.find([model], cfg.kvstore.row_sparse, first_key=0)
+    if found:
+        raise sparse.compression_refused(found, comp.type)
 
 
 def cluster_schema(launcher: str) -> type:
@@ -171,6 +204,7 @@ def _cluster(cfg: Any) -> None:
         raise ConfigError(f"cluster={c.launcher} starts a parameter-server job, but kvstore={kind} is a "
                           "single-machine store; use kvstore=dist_sync (or dist_async, ...) or drop cluster=")
     _compression(cfg, can.compression)
+    _row_sharding(cfg)
     rules.cluster_sizes(c)
 
 
@@ -187,6 +221,10 @@ def _compression(cfg: Any, store_compresses: bool) -> None:
         raise ConfigError(str(e)) from None
     if setting is None:
         return
+    if cfg.kvstore.row_sparse:  # what a ShardedEmbedding's model shows is check.tables', once it is built
+        raise ConfigError(f"kvstore.compression.type={comp.type} compresses dense gradients, but kvstore.row_sparse="
+                          "true makes every Embedding a row-sparse key, whose rows are pushed uncompressed: set "
+                          "kvstore.compression.type=none or kvstore.row_sparse=false")
     if not store_compresses:
         raise ConfigError(f"kvstore.compression.type={comp.type} compresses what devices send to be summed "
                           f"(kvstore=device) or workers push to parameter servers (dist_*); kvstore={kind} "
@@ -201,6 +239,21 @@ def _compression(cfg: Any, store_compresses: bool) -> None:
                           "store's optimizer runs without it, but kvstore.update_on_kvstore=false updates on "
                           f"the devices: set kvstore.update_on_kvstore=true, or kvstore.compression.type={exact}")
 
+
+def _row_sharding(cfg: Any) -> None:
+    """kvstore.row_sharding (or the TFKV_ROW_SHARDING that overrides it) is a placement the
+    parameter servers know, whatever the store type: a local run of it must not pass a config
+    its dist_* run would refuse only once the job has formed."""
+    from tfkv import knobs
+    from tfkv.ps import parts
+
+    knob = knobs.knob("kvstore.row_sharding")
+    found = knobs.from_env(knob.key, os.environ)
+    where, value = found if found else (knob.key, cfg.kvstore.row_sharding)
+    if value not in parts.SHARDINGS:
+        raise ConfigError(f"{where}={value!r} is not a row sharding tfkv knows; choose one of "
+                          f"{', '.join(parts.SHARDINGS)} (range: each server a block of rows, hash: row r on server "
+                          f"r % servers), e.g. kvstore.row_sharding={parts.SHARDINGS[0]}")
 
 
 def _placement(cfg: Any) -> None:

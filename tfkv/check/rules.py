@@ -158,10 +158,14 @@ def micro_batches(cfg: Any) -> bool:
 
 
 def placement_shape(cfg: Any) -> None:
-    """With a placement: one model copy, so no work-load split, and a batch that micro-batches fit."""
+    """With a placement: one model copy, so no work-load split and no row-sparse tables (data
+    parallelism's), and a batch that micro-batches fit."""
     if cfg.work_load_list is not None:
         raise ConfigError("work_load_list splits a batch between model copies (data parallelism); "
                           "with placement there is one copy, split by layers: drop one of the two")
+    if cfg.kvstore.row_sparse:
+        raise ConfigError("kvstore.row_sparse=true trains with data parallelism; with placement (model parallelism) "
+                          "the embeddings train dense: set kvstore.row_sparse=false or placement=null")
     if cfg.micro_batches > cfg.batch_size:
         raise ConfigError(f"micro_batches={cfg.micro_batches} is more than batch_size={cfg.batch_size}; every "
                           "micro-batch needs at least one example")

@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 import tensorflow as tf
 
 from tfkv.data import streaming
-from tfkv.errors import ConfigError, DataError
+from tfkv.errors import ConfigError, DataError, with_article
 
 DTYPES = {"int64": tf.int64, "float32": tf.float32, "string": tf.string}
 INFER_ROWS = 100  # rows read to guess column types, as make_csv_dataset's num_rows_for_inference
@@ -55,7 +55,7 @@ def damaged(paths: Sequence[str], names: list[str], types: Mapping[str, str], wa
                 if value and (kind == "string" or _infer(value) in ("int64", kind)):
                     continue
                 return (f"dataset.files: row {i} of {path} has {value!r} in column {name!r}, not "
-                        f"{'a value' if kind == 'string' else 'a ' + kind + ' number'}; fix the row or remove it")
+                        f"{'a value' if kind == 'string' else with_article(kind) + ' number'}; fix the row or remove it")
     return None
 
 

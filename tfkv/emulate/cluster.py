@@ -25,6 +25,21 @@ from tfkv.emulate.spec import HostSpec, Refused, check
 RECORD = "cluster.json"
 
 
+def _state_dir(path: Path) -> Path:
+    """`path` made absolute; Refused (one line) where it, or the nearest part of it that exists,
+    is not a directory (`--dir` naming a file), before anything is made or read."""
+    path = Path(path).absolute()
+    try:
+        there = next((p for p in (path, *path.parents) if p.exists()), None)
+    except PermissionError:  # not ours to look into: spec.check's refusal (root) comes first
+        return path
+    if there is not None and not there.is_dir():
+        where = f"--dir {path}" if there == path else f"--dir {path}: {there}"
+        raise Refused(f"{where} is a file, not a directory; name a directory for the cluster's state "
+                      "(keys, ssh config, hosts file; `up` makes it where it does not exist)")
+    return path
+
+
 def _sigterm(signum, frame):
     raise SystemExit(128 + signum)
 
@@ -64,8 +79,8 @@ class Cluster:
 
         client_key: a private key (its .pub beside it) the sshds accept and the ssh config offers;
         by default one is generated in state_dir."""
+        state_dir = _state_dir(state_dir)
         check(specs, euid=euid)
-        state_dir = Path(state_dir).absolute()
         if (state_dir / RECORD).exists():
             raise Refused(f"{state_dir} holds a cluster already: tear it down first (tfkv-emulate down --dir {state_dir})")
         made_dir = not state_dir.exists()
@@ -137,7 +152,7 @@ class Cluster:
     @classmethod
     def down_all(cls, state_dir: Path) -> list[str]:
         """Tear down the cluster recorded in state_dir, whatever is left of it; what was torn down."""
-        state_dir = Path(state_dir).absolute()
+        state_dir = _state_dir(state_dir)
         try:
             record = json.loads((state_dir / RECORD).read_text())
         except FileNotFoundError:

@@ -65,9 +65,11 @@ def signal_group(pid: int, sig: int) -> None:
 
 
 # The exit statuses of a role that ended by itself on an error which the same role, started again,
-# meets again: 1, Python's for an uncaught exception (a bug, a model factory that raises), and 2,
-# tfkv's for a mistake the user fixes (tfkv.errors.TfkvError: the config, the data, the output).
-REPEATS = (1, 2)
+# meets again: 1, Python's for an uncaught exception (a bug, a model factory that raises), 2,
+# tfkv's for a mistake the user fixes (tfkv.errors.TfkvError: the config, the data, the output),
+# and 0 when it is the cause: a worker whose script ended while the others still needed it
+# (tfkv.launcher.supervisor.LEFT_EARLY), as it will again after a restart.
+REPEATS = (0, 1, 2)
 EXITED = "exited with status"
 _EXITED = re.compile(rf"\b{EXITED} (\d+)\b")
 

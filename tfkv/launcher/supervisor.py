@@ -14,6 +14,11 @@ lines) and how to stop what still runs (`teardown`). The policy is here, once:
   still runs: that one is the silent one, hung (it never exits), blamed at once;
 - the first SIGINT/SIGTERM (tfkv.launcher.signals) stops the wait, the failure line says so and
   the teardown runs shielded from further signals;
+- when every failure is a reaction, no role is left running and a role exited 0 (a worker whose
+  script ended and closed its store while the others still pushed: servers and the scheduler
+  end 0 only once every worker finished), that worker is the cause: it left the job early, and
+  the dist_sync round or barrier it never joins stopped the others (tfkv.ps.departures). Its
+  line says so (LEFT_EARLY); an early end in dist_async, which has no rounds, is no failure;
 - the cause is told from what had ended when the teardown began: a role the teardown kills is
   not blamed for being killed.
 """
@@ -42,6 +47,11 @@ INTERVAL = 0.05  # seconds between two looks at the roles
 # on, a worker finishes its step).
 STOP = signal.SIGHUP
 REACTIONS = (EXIT_PEER_FAILED, EXIT_PEER_SILENT)  # statuses of a role that stopped because of a peer
+# The cause's words when a worker ended (status 0) while the others still needed it. "exited with
+# status 0" in it is what tfkv.launcher.process.repeats reads: the same script ends as early again.
+LEFT_EARLY = (f"left the job early: it {status_text(0)} while the other workers still needed it in a dist_sync "
+              "round or barrier; every worker must push each key and reach each barrier as often as the others "
+              "(give each the same number of steps), or use dist_async")
 
 
 def done_waiting(failed: list[tuple[str, int]], since: float | None, now: float, running: int = 0) -> bool:
@@ -59,17 +69,24 @@ def done_waiting(failed: list[tuple[str, int]], since: float | None, now: float,
     return now - since > HANG_GRACE
 
 
-def first_cause(failed: list[tuple[str, int]], running: Sequence[str] = ()) -> str | None:
+def first_cause(failed: list[tuple[str, int]], running: Sequence[str] = (),
+                finished: Sequence[str] = ()) -> str | None:
     """Processes that stopped because a peer failed say so with EXIT_PEER_FAILED: the cause is
     the first failure that did not. When every failure did, the cause is whatever is still
     `running` (roles that had not ended when the launcher looked): a role that hangs (stopped,
-    deadlocked) lives on while the others stop because it stopped answering."""
+    deadlocked) lives on while the others stop because it stopped answering. When none is
+    running either, it is the first worker that `finished` (exited 0): it left early. Unless the
+    scheduler finished too, which it does only once every worker has (then a role that missed
+    its SHUTDOWN is the one to name). Names as tfkv.launcher.plan.make_plan gives them."""
     causes = [f for f in failed if f[1] not in REACTIONS]
     if causes:
         return f"{causes[0][0]} {status_text(causes[0][1])}"
     if failed and running:
         return (f"{' and '.join(running)} stopped answering (still running when the others had stopped because "
                 "a peer failed)")
+    leavers = [n for n in finished if n.startswith("worker ")]
+    if failed and leavers and not any(n.startswith("scheduler") for n in finished):
+        return f"{leavers[0]} {LEFT_EARLY}"
     return f"{failed[0][0]} {status_text(failed[0][1])}" if failed else None
 
 
@@ -82,7 +99,7 @@ class Ends:
         self.codes: dict[str, int] = {}
         self.failed: list[tuple[str, int]] = []
         self.first_failure_at: float | None = None
-        self.frozen: tuple[list[tuple[str, int]], list[str]] | None = None
+        self.frozen: tuple[list[tuple[str, int]], list[str], list[str]] | None = None
         self.lock = threading.Lock()
 
     def ended(self, name: str, code: int) -> None:
@@ -98,6 +115,10 @@ class Ends:
     def running(self) -> list[str]:
         return [n for n in self.names if n not in self.codes]
 
+    def finished(self) -> list[str]:
+        """The roles that exited 0, in the order they ended."""
+        return [n for n, code in self.codes.items() if code == 0]
+
     def grace_over(self, extra: float = 0.0) -> bool:
         """done_waiting after the first failure, plus `extra` seconds (a client's own teardown)."""
         with self.lock:
@@ -107,13 +128,13 @@ class Ends:
         """The teardown begins: the cause is told from what ended before it (a hung role then ends
         too, killed by the teardown, and must not be blamed for that)."""
         with self.lock:
-            self.frozen = (list(self.failed), self.running())
+            self.frozen = (list(self.failed), self.running(), self.finished())
 
     def cause(self) -> str | None:
         with self.lock:
             if self.frozen is not None:
                 return first_cause(*self.frozen)
-            return first_cause(self.failed, self.running())
+            return first_cause(self.failed, self.running(), self.finished())
 
 
 def supervise(ends: Ends, over: Callable[[], bool], teardown: Callable[[], None], *,

@@ -32,7 +32,7 @@ from tfkv.errors import ConfigError
 from tfkv.layers import ShardedEmbedding
 from tfkv.store import npz
 from tfkv.store.base import KVStore
-from tfkv.store.sparse import RowSparse, Table
+from tfkv.store.sparse import RowSparse, Table, TableTooLarge
 
 log = logging.getLogger("tfkv")
 
@@ -136,7 +136,7 @@ class Tables:
                 if tuple(value.shape) != t.shape:
                     raise ValueError(f"table {t.name}: the checkpoint holds shape {tuple(value.shape)}, the layer {t.shape}")
                 if not read_only:
-                    self.store.init(t.key, Table(t.shape, init="zeros"))
+                    self._init_table(t, Table(t.shape, init="zeros"))
                 start = 0
                 for piece in npz.pieces(value):
                     ids = np.arange(start, start + len(piece), dtype=np.int64)
@@ -148,12 +148,19 @@ class Tables:
                     start += len(piece)
                 self.store.barrier()  # worker 0's rows are in the store before any worker pulls
             elif t.sharded:
-                self.store.init(t.key, Table(t.shape, init=layer.init, scale=layer.scale, seed=layer.seed))
+                self._init_table(t, Table(t.shape, init=layer.init, scale=layer.scale, seed=layer.seed))
             else:
                 value = np.asarray(layer.embeddings.numpy(), np.float32)
                 self.store.init(t.key, RowSparse(value, np.arange(t.shape[0], dtype=np.int64), t.shape))
                 for c in t.copies[1:]:
                     c.embeddings.assign(value)
+
+    def _init_table(self, t: SparseTable, table: Table) -> None:
+        """The store makes the table; one it cannot hold is refused naming the layer, not its key."""
+        try:
+            self.store.init(t.key, table)
+        except TableTooLarge as e:
+            raise ConfigError(f"layer {t.name} (tfkv.layers.ShardedEmbedding): {e.reason}") from None
 
     def before(self, x: Any, upcoming: Any) -> None:
         """Before batch `x` computes: its rows in every copy (prefetched, or pulled now); an
@@ -304,6 +311,17 @@ class Tables:
             if t.sharded:
                 for c in t.copies:
                     c.fetch = _Fetcher(self.store, t)
+
+
+def compression_refused(tables: Sequence[SparseTable], kind: str) -> ConfigError:
+    """The one line refusing kvstore.compression for a model with row-sparse tables (the store
+    pushes a table's rows uncompressed), naming the layers: tfkv-run's before a dist_* job's
+    launch (tfkv.check.tables), the trainer's before the first step of a run in this process."""
+    names = ", ".join(t.name for t in tables)
+    which = f"layer {names} is a row-sparse table" if len(tables) == 1 else f"layers {names} are row-sparse tables"
+    return ConfigError(f"kvstore.compression.type={kind} compresses dense gradients, but this model's {which} "
+                       "(tfkv.layers.ShardedEmbedding), whose rows are pushed uncompressed: set "
+                       "kvstore.compression.type=none, or use keras.layers.Embedding with kvstore.row_sparse=false")
 
 
 def _described(t: SparseTable) -> str:

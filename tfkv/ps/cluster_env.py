@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from tfkv import knobs
-from tfkv.errors import TfkvError
+from tfkv.errors import TfkvError, with_article
 from tfkv import keys as job_keys
 
 ROLES = ("scheduler", "server", "worker")
@@ -83,7 +83,7 @@ class ClusterEnv:
             try:
                 return kind(value)
             except (TypeError, ValueError):
-                raise ClusterEnvError(f"{name}={value!r} is not a {kind.__name__}") from None
+                raise ClusterEnvError(f"{name}={value!r} is not {with_article(kind.__name__)}") from None
 
         role = need("TFKV_ROLE", "DMLC_ROLE").lower()
         if role not in ROLES:

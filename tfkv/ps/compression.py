@@ -37,12 +37,14 @@ class Kind:
     # the optimizer's momentum runs on the sender, before quantising; the store's optimizer runs
     # without it (so it needs SGD, in the store: update_on_kvstore)
     worker_momentum: bool
+    scheme: str = ""  # what it is, in words (a run's log names it)
 
 
 KINDS = (
     Kind("none", "none", quantises=False, worker_momentum=False),
-    Kind("2bit", "2bit_mxnet", quantises=True, worker_momentum=False),
-    Kind("2bit_momentum", "2bit", quantises=True, worker_momentum=True),
+    Kind("2bit", "2bit_mxnet", quantises=True, worker_momentum=False, scheme="MXNet's exact 2-bit"),
+    Kind("2bit_momentum", "2bit", quantises=True, worker_momentum=True,
+         scheme="2-bit with SGD's momentum applied by each sender (momentum correction)"),
 )
 TYPES = tuple(k.name for k in KINDS)
 CONFIG_TYPES = tuple(k.config for k in KINDS)
@@ -58,6 +60,15 @@ class Setting:
     def params(self) -> dict[str, Any]:
         """What set_gradient_compression takes for it."""
         return {"type": self.kind.name, "threshold": self.threshold}
+
+
+def describe(setting: Setting) -> str:
+    """The scheme `setting` runs, by its name in a config and in the API, and how to get the other
+    2-bit scheme in each: the names differ (a config's 2bit is the API's 2bit_momentum)."""
+    other = next(k for k in KINDS if k.quantises and k is not setting.kind)
+    return (f"gradient compression: {setting.kind.scheme}, threshold {setting.threshold:g} "
+            f"(kvstore.compression.type={setting.kind.config}; set_gradient_compression type {setting.kind.name!r}); "
+            f"for {other.scheme}: kvstore.compression.type={other.config} (type {other.name!r})")
 
 
 def split_momentum(setting: Setting | None, optimizer: optim.Optimizer) -> tuple[optim.Optimizer, float]:

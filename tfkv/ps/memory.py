@@ -49,3 +49,29 @@ def keep_freed_buffers() -> bool:
         return False
     _done = True
     return True
+
+
+# A cgroup's limit and use (v2, then v1): a container's or a batch job's memory, not the machine's.
+_CGROUP_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                 ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+
+
+def available() -> int:
+    """Bytes this process may still allocate without swapping or being killed: the kernel's
+    MemAvailable, less where this process's memory cgroup leaves less (1 << 62 where neither says)."""
+    free = 1 << 62
+    try:
+        with open("/proc/meminfo") as f:
+            free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        pass
+    for limit_file, usage_file in _CGROUP_FILES:
+        try:
+            with open(limit_file) as f, open(usage_file) as g:
+                limit, usage = f.read().strip(), int(g.read())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit():  # "max" (v2) is no limit; v1 says a huge number
+            free = min(free, max(int(limit) - usage, 0))
+        break
+    return free

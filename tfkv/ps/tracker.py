@@ -15,6 +15,7 @@ is alive (it heartbeats) but does not serve, fail naming it too.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Callable, Hashable, Iterator, NamedTuple
 
@@ -22,6 +23,8 @@ from tfkv.ps import protocol as P
 from tfkv.ps.cluster_env import ClusterEnv
 from tfkv.ps.parts import CHUNK_SHIFT
 from tfkv.ps.transport.worker import DistError, server_name
+
+_KEY_ID = re.compile(r"\bkey (\d+)\b")  # how a server's messages name a key (tfkv.ps.rounds, tfkv.ps.server)
 
 
 class Pending(NamedTuple):
@@ -136,6 +139,11 @@ class Tracker:
         part = f" (part {chunk})" if chunk else ""
         return (f"{P.Type(entry.kind).name} of key {key!r}{part} (request {seq}, sent "
                 f"{time.monotonic() - entry.sent_at:.1f} s ago)")
+
+    def named(self, text: str) -> str:
+        """A server's text with each key id it names (`key 1099511627776`, a part's id) as the
+        caller named the key (`key 'emb'`): a server knows only ids."""
+        return _KEY_ID.sub(lambda m: f"key {self.key_name(int(m.group(1)) % (1 << CHUNK_SHIFT))!r}", text)
 
     def server_name(self, server: int) -> str:
         return server_name(self.servers, server)

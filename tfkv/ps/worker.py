@@ -285,7 +285,7 @@ class ServerLink:
             for member in members or ():
                 self._answered(member.seq)
             meta = msg.meta or {}
-            error = DistError(f"server {server}: {meta.get('message')}")
+            error = DistError(f"server {server}: {self.tracker.named(str(meta.get('message')))}")
             return reacting(error) if "left" in meta else error
         if msg.type == P.Type.PUSHPULL:  # each member's value, as the PULL reply it awaits
             if members is None or msg.data.size != sum(m.data.size for m in members):

@@ -9,8 +9,11 @@ a guess from its type name.
 
 A key initialised with a `RowSparse` or a `Table` (tfkv.store.sparse) is row-sparse, as MXNet's
 row_sparse weights: pushes carry rows (summed, and with an optimizer MXNet's lazy update of only
-those rows), `row_sparse_pull` returns the rows asked for, and the dense `pull`/`pushpull` of
-such a key are refused in one line naming it.
+those rows), `row_sparse_pull` returns the rows asked for. As in MXNet, a dense `pull` of such a
+key gives its whole value where the store holds it whole (local, device) and is refused in one
+line naming it by the dist_* stores (as MXNet's dist kvstore: use row_sparse_pull); `pushpull`
+of it is refused. Rows pushed to a dense key are the dense value they stand for (zeros elsewhere),
+as MXNet's.
 """
 
 from __future__ import annotations
@@ -129,8 +132,11 @@ class KVStore(ABC):
         """Sum the value(s) of each key; with an optimizer set, update the stored weight."""
 
     @abstractmethod
-    def pull(self, key: Key | Sequence[Key], out: Any = None, priority: int | Sequence[int] = 0) -> Any:
-        """Copy each key's stored value into `out` (variables), or return it when out is None."""
+    def pull(self, key: Key | Sequence[Key], out: Any = None, priority: int | Sequence[int] = 0,
+             ignore_sparse: bool = True) -> Any:
+        """Copy each key's stored value into `out` (variables), or return it when out is None. A
+        RowSparse out is left unchanged, as MXNet's (ignore_sparse=True, its default); with
+        ignore_sparse=False it gets the whole value, where the store holds it whole (local, device)."""
 
     def pushpull(self, key: Key | Sequence[Key], value: Any, out: Any = None, priority: int | Sequence[int] = 0) -> Any:
         """Push, then pull into `out`; without `out`, as MXNet, into `value` (every array of it
@@ -162,11 +168,14 @@ class KVStore(ABC):
 
     def row_sparse_pull(self, key: Key | Sequence[Key], out: Any = None, priority: int | Sequence[int] = 0,
                         row_ids: Any = None) -> Any:
-        """MXNet's: the rows `row_ids` (any order, repeats allowed) of a row-sparse key, as a
-        RowSparse whose ids are unique and sorted. A list of keys takes a list of row_ids (one per
-        key) or one array for all. With `out` (a RowSparse, a list per key) the result is written
-        into it in place and None returned."""
-        return sparse.deliver(key, [self._pull_rows(k, ids) for k, ids in sparse.requests(key, row_ids)], out)
+        """MXNet's: the rows `row_ids` (any order, repeats allowed; whole numbers, of an integer or
+        a float dtype) of a row-sparse key, as a RowSparse whose ids are unique and sorted. A list
+        of keys takes a list of row_ids (one per key) or one array for all. With `out` (a
+        RowSparse, a list per key: one per device) the result is written into it in place and
+        None returned; a key's row_ids may be a list of arrays, one per out, and then out i gets
+        rows row_ids[i] only (a row not among them is zero in it), as MXNet's."""
+        asked = sparse.requests(key, row_ids, out)
+        return sparse.deliver(key, asked, [self._pull_rows(k, ids) for k, ids in sparse.flat(asked)], out)
 
     def row_sparse_pull_async(self, key: Key | Sequence[Key], row_ids: Any, priority: int | Sequence[int] = 0) -> Any:
         """Ask for the rows now, take them later with `rows` (a prefetch). Here: pulled at once;
@@ -194,7 +203,7 @@ class KVStore(ABC):
         raise ValueError(f"row_sparse_pull of key {key!r}: kvstore={self.type} holds no row-sparse keys")
 
     def _refuse_row_sparse(self, key: Key | Sequence[Key]) -> None:
-        """pushpull (and a dense pull) take dense keys only: one line naming a row-sparse key."""
+        """pushpull takes dense keys only: one line naming a row-sparse key."""
         for k in (key if isinstance(key, (list, tuple)) else [key]):
             if not isinstance(k, (list, tuple)) and self.is_row_sparse(k):
                 raise sparse.refused("pushpull", k)

@@ -25,7 +25,9 @@ A key initialised with a float16 or bfloat16 value holds that dtype (tfkv.ps.dty
 machine's values are summed in it and travel at 2 bytes a value; a value of another dtype is
 refused naming both. Only float32 keys are fused into a PUSHPULL (it carries one dtype).
 
-A row-sparse key (a table sharded by rows over every server) is `tfkv.store.dist_rows`.
+A row-sparse key (a table sharded by rows over every server) is `tfkv.store.dist_rows`. Rows (a
+RowSparse or tf.IndexedSlices) pushed to a dense key go as the dense value they stand for, as
+MXNet's; a RowSparse out of a dense `pull` is left as it is (MXNet's ignore_sparse=True).
 
 Creating a store in a process whose role is `server` or `scheduler` runs that role and exits,
 as MXNet does, so one command can be started for every role of a job. A worker's store leaves
@@ -197,20 +199,27 @@ class DistStore(RowSparseKeys, KVStore):
         for k, values in self._ordered(list(pairs(key, value)), priority):
             if self._tables and self.is_row_sparse(k):
                 self._push_rows(k, values)
-            elif values and any(sparse.is_rows(v) for v in values):
-                raise sparse.refused("sparse_push", k)
             else:
                 self._push_key(k, values)
         self.servers.flush()  # a push is on its way when push returns (pushpull_async's wait for its arrivals)
         self.servers.poll()  # collect answers that are already here (errors surface early)
 
-    def pull(self, key: Key | Sequence[Key], out: Any = None, priority: int | Sequence[int] = 0) -> Any:
-        if self._tables:
-            for k, _ in pairs(key, out):
-                if self.is_row_sparse(k):
-                    raise sparse.refused("pull", k)
+    def pull(self, key: Key | Sequence[Key], out: Any = None, priority: int | Sequence[int] = 0,
+             ignore_sparse: bool = True) -> Any:
+        """MXNet's dist pull: a RowSparse out is left unchanged (ignore_sparse=True, its default);
+        ignore_sparse=False, and the pull of a row-sparse key into a dense out, are refused as
+        there (a table may be larger than this worker: row_sparse_pull its rows)."""
+        items: list[tuple[Key, Any]] = []
+        for k, outs in pairs(key, out):
+            dense, whole = sparse.dense_outs(k, outs, ignore_sparse)
+            if whole:
+                raise sparse.refused("ignore_sparse", k)
+            asked = out is None or bool(dense)  # a key whose every out is skipped is not pulled
+            if asked and self._tables and self.is_row_sparse(k):
+                raise sparse.refused("pull", k)
+            items.append((k, dense if asked else None))
         self.servers.fence()
-        pulls = [self._request_pull(k, outs) for k, outs in self._ordered(list(pairs(key, out)), priority)]
+        pulls = [self._request_pull(k, outs) for k, outs in self._ordered(items, priority) if outs is not None]
         return self._finish(key, out, pulls)
 
     def pushpull(self, key: Key | Sequence[Key], value: Any, out: Any = None,
@@ -315,7 +324,10 @@ class DistStore(RowSparseKeys, KVStore):
                                "on the workers: call set_optimizer (an SGD) before pushing")
 
     def _flat(self, k: Key, layout: Layout, values: list[Any]) -> np.ndarray:
-        """This machine's values of key `k` summed into one flat array of its size and dtype."""
+        """This machine's values of key `k` summed into one flat array of its size and dtype; rows
+        (a RowSparse or tf.IndexedSlices) as the dense value they stand for (sparse.densify)."""
+        if type(values[0]) is not np.ndarray and any(sparse.is_rows(v) for v in values):
+            values = [sparse.densify(k, v, layout.shape) if sparse.is_rows(v) else v for v in values]
         flat = self._merge(k, values, layout.dtype)
         if flat.size != layout.size:
             raise ValueError(f"key {k!r}: pushed {flat.size} values, it holds {layout.size}")

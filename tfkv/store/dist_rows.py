@@ -49,9 +49,11 @@ class RowPull(NamedTuple):
 
 
 class RowPulls(NamedTuple):
-    """What row_sparse_pull_async returns and `rows` takes: the caller's key argument and its pulls."""
+    """What row_sparse_pull_async returns and `rows` takes: the caller's key argument, what was
+    asked for each key (sparse.Asked) and its pulls (one per array of ids, in that order)."""
 
     key: Any
+    asked: list[sparse.Asked]
     pulls: list[RowPull]
 
 
@@ -66,7 +68,7 @@ class RowSparseKeys:
         kid = self._ids.get(key) if isinstance(key, (int, str, np.integer)) else None
         return kid is not None and kid in self._tables
 
-    def _table(self, key: Key, what: str) -> tuple[int, TableKey]:
+    def _table(self, key: Key, what: str = "sparse_pull") -> tuple[int, TableKey]:
         kid = self._ids.get(key) if isinstance(key, (int, str, np.integer)) else None
         table = self._tables.get(kid)  # type: ignore[arg-type]
         if table is None:
@@ -125,7 +127,7 @@ class RowSparseKeys:
     def _push_rows(self, k: Key, values: list[Any]) -> None:
         """This machine's rows of `k` (one value per device) summed sparsely, then one PUSH to
         each server owning some (every server, in a synchronous job)."""
-        kid, table = self._table(k, "sparse_push")
+        kid, table = self._table(k)
         if self._sender is not None:
             raise sparse.refused("compression", k)
         if not values or not all(sparse.is_rows(v) for v in values):
@@ -148,8 +150,8 @@ class RowSparseKeys:
     def row_sparse_pull(self, key: Key | Sequence[Key], out: Any = None, priority: int | Sequence[int] = 0,
                         row_ids: Any = None) -> Any:
         """MXNet's: every key's rows requested (from the servers that own them) before any is awaited."""
-        pending = self.row_sparse_pull_async(key, row_ids, priority)
-        return sparse.deliver(key, self._arrived_rows(pending), out)
+        pending = self._request_rows(key, sparse.requests(key, row_ids, out), priority)
+        return sparse.deliver(key, pending.asked, self._arrived_rows(pending), out)
 
     def _pull_rows(self, key: Key, row_ids: Any) -> RowSparse:
         return self._arrived_rows(self.row_sparse_pull_async(key, row_ids))[0]
@@ -158,31 +160,34 @@ class RowSparseKeys:
         """Send each key's row requests now, without waiting (safe from a TensorFlow op's thread);
         `rows` takes the answer. In a synchronous job, asked after this worker's push of a round,
         the rows include that round's update."""
-        asked = sparse.requests(key, row_ids)
-        pulls = []
+        return self._request_rows(key, sparse.requests(key, row_ids), priority)
+
+    def _request_rows(self, key: Any, asked: list[sparse.Asked], priority: int | Sequence[int]) -> RowPulls:
+        """Every array of ids of `asked` requested from the servers owning its rows, keys in
+        priority order; the pulls come back in `asked`'s order."""
+        pulls: dict[int, list[RowPull]] = {}
         with self.servers.lock:
             self.servers.fence()
-            for k, ids in self._ordered([(k, [ids]) for k, ids in asked], priority):
+            for i, _ in self._ordered([(i, []) for i in range(len(asked))], priority):
+                k = asked[i].key
                 kid, table = self._table(k, "sparse_pull")
-                unique = np.unique(sparse.check_ids(k, ids[0], table.shape[0]))
-                requests = []
-                for s, positions in enumerate(table.placement.split(unique)):
-                    for chunk in row_chunks(len(positions), table.width, self.env.chunk_bytes):
-                        at = positions[chunk]
-                        self.pull_bytes += at.size * (8 + table.dtype.itemsize * table.width)
-                        requests.append((self.servers.request(s, P.Message(P.Type.PULL, key=kid, rows=unique[at])),
-                                         at))
-                pulls.append(RowPull(k, table, unique, requests))
+                pulls[i] = [self._request_table_rows(k, kid, table, ids) for ids in asked[i].row_ids]
             self.servers.flush()
-        if isinstance(key, (list, tuple)) and isinstance(priority, (list, tuple)):  # back in the caller's order
-            order = {k: i for i, k in enumerate(key)}
-            pulls.sort(key=lambda p: order[p.key])
-        return RowPulls(key, pulls)
+        return RowPulls(key, asked, [p for i in range(len(asked)) for p in pulls[i]])
+
+    def _request_table_rows(self, k: Key, kid: int, table: TableKey, row_ids: Any) -> RowPull:
+        unique = np.unique(sparse.check_ids(k, row_ids, table.shape[0]))
+        requests = []
+        for s, positions in enumerate(table.placement.split(unique)):
+            for chunk in row_chunks(len(positions), table.width, self.env.chunk_bytes):
+                at = positions[chunk]
+                self.pull_bytes += at.size * (8 + table.dtype.itemsize * table.width)
+                requests.append((self.servers.request(s, P.Message(P.Type.PULL, key=kid, rows=unique[at])), at))
+        return RowPull(k, table, unique, requests)
 
     def rows(self, pending: Any) -> Any:
         """What row_sparse_pull would have returned for the request `pending` stands for."""
-        results = self._arrived_rows(pending)
-        return results if isinstance(pending.key, (list, tuple)) else results[0]
+        return sparse.deliver(pending.key, pending.asked, self._arrived_rows(pending), None)
 
     def _arrived_rows(self, pending: RowPulls) -> list[RowSparse]:
         self.servers.wait([seq for pull in pending.pulls for seq, _ in pull.requests])

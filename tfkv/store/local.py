@@ -18,13 +18,16 @@ residuals in float32 and the decoded sum is cast back to the key's dtype.
 
 Row-sparse keys (init with a tfkv.store.RowSparse or Table; tfkv.store.tf_rows) are a float32
 or float16 variable of the whole table here too, as MXNet's local store holds them (a float16
-key's devices' rows summed in float16, as MXNet's, and updated in float32 as a dense half key). A push of rows (a
-RowSparse, a tf.IndexedSlices, or one per device) is summed without densifying and, with an
+key's devices' rows summed in float16, as MXNet's, and updated in float32 as a dense half key).
+A push of rows (a RowSparse, a tf.IndexedSlices, or one per device) is summed without
+densifying and, with an
 optimizer, updates only those rows and their state (MXNet's lazy update); without one the key
 becomes the pushed rows, zero elsewhere (MXNet's). `row_sparse_pull` and `pull_rows` gather rows.
 All of it works eagerly and inside a tf.function (rows then come back as tensors). A Python
-updater, and gradient compression, are refused for them in one line naming the key. A
-tf.IndexedSlices pushed to a dense key is densified, as TensorFlow does.
+updater, and gradient compression, are refused for them in one line naming the key. A dense
+`pull` of one gives the whole table, as MXNet's local store. A tf.IndexedSlices pushed to a dense
+key is densified, as TensorFlow does, and so is a RowSparse (scattered into the key's shape, rows
+summed), as MXNet's.
 """
 
 from __future__ import annotations
@@ -35,10 +38,14 @@ import numpy as np
 import tensorflow as tf
 
 from tfkv.store import sparse, tf_compression, tf_rows
-from tfkv.ps import compression, dtypes
+from tfkv.ps import compression, dtypes, memory
 from tfkv.store.base import Key, KVStore, Updater, gpu_p2p, pairs
 from tfkv.store.sparse import RowSparse
 from tfkv.store.tf_updater import TFUpdater
+
+
+# A Table's copies while it is made: its draw, and the variable the draw is copied into.
+TABLE_COPIES = 2
 
 
 class LocalStore(KVStore):
@@ -73,6 +80,8 @@ class LocalStore(KVStore):
             if k in self._values:
                 raise ValueError(f"key {k!r} is already initialised")
             value = values[0]
+            if isinstance(value, sparse.Table):  # refused before TensorFlow runs out of memory drawing it
+                sparse.check_room(k, value, TABLE_COPIES, memory.available())
             if sparse.is_sparse_init(value):
                 value = tf_rows.initial(k, value)
                 self._sparse.add(k)
@@ -94,9 +103,8 @@ class LocalStore(KVStore):
                 self._push_rows(k, var, values)
                 continue
             held = dtypes.of(var)
+            values = [tf_rows.densified(k, v, var.shape) if isinstance(v, RowSparse) else v for v in values]
             for v in values:
-                if isinstance(v, RowSparse):
-                    raise sparse.refused("sparse_push", k)
                 dtypes.check(k, held, v)
             merged = self._merge(k, values)
             with tf.device(self._home[k]):
@@ -182,12 +190,16 @@ class LocalStore(KVStore):
         new = tf.numpy_function(run, [merged, tf.convert_to_tensor(var)], var.dtype, stateful=True)
         var.assign(tf.ensure_shape(new, var.shape))
 
-    def pull(self, key: Key | Sequence[Key], out: Any = None, priority: int = 0) -> Any:
+    def pull(self, key: Key | Sequence[Key], out: Any = None, priority: int = 0, ignore_sparse: bool = True) -> Any:
+        """MXNet's: each key's whole value (a row-sparse key's too: this store holds it whole) into
+        `out`, or returned. A RowSparse out is left unchanged unless ignore_sparse=False, which
+        gives it every row (sparse.dense_outs)."""
         results = []
         for k, outs in pairs(key, out):
             var = self._var(k)
-            if k in self._sparse:
-                raise sparse.refused("pull", k)
+            outs, whole = sparse.dense_outs(k, outs, ignore_sparse)
+            for o in whole:
+                sparse.whole(o, var.numpy() if tf.executing_eagerly() else tf.identity(var))
             for o in outs:
                 if not isinstance(o, np.ndarray):
                     o.assign(var if o.dtype == var.dtype else tf.cast(var, o.dtype))  # cast: MXNet's CopyFromTo
@@ -196,7 +208,7 @@ class LocalStore(KVStore):
                 else:
                     raise TypeError(f"pull of key {k!r}: a numpy out can only be written eagerly; inside a "
                                     "tf.function give a tf.Variable")
-            if not outs:
+            if out is None:
                 results.append(tf.identity(var))
         if out is None:
             return results if isinstance(key, (list, tuple)) else results[0]

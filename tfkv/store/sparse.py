@@ -14,10 +14,13 @@ typing, so `tfkv.store` imports without TensorFlow.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Sequence
+from typing import Any, Hashable, NamedTuple, Sequence
 
 import numpy as np
+
+from tfkv.errors import ConfigError
 
 FLOAT32 = np.dtype(np.float32)
 ROW_DTYPES = (FLOAT32, np.dtype(np.float16))  # what a row-sparse key may hold (MXNet's: float32, float16)
@@ -67,12 +70,31 @@ class RowSparse:
         starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
         return RowSparse(np.add.reduceat(data[order], starts, axis=0), ids[starts], self.shape)
 
+    @classmethod
+    def from_dense(cls, array: Any) -> "RowSparse":
+        """The rows of a dense `array` (rows, *row_shape) that hold a non-zero value, ids sorted:
+        MXNet's `array.tostype('row_sparse')`."""
+        array = np.asarray(array)
+        if array.ndim < 1:
+            raise ValueError(f"a row-sparse value needs rows; a {array.ndim}-d array has none")
+        ids = np.flatnonzero(np.any(array.reshape(len(array), -1) != 0, axis=1))
+        return cls(array[ids], ids, array.shape)
+
+    @classmethod
+    def zeros(cls, shape: Sequence[int], dtype: Any = FLOAT32) -> "RowSparse":
+        """No rows of a table of `shape`: MXNet's `mx.nd.sparse.zeros('row_sparse', shape)`."""
+        shape = tuple(int(s) for s in shape)
+        return cls(np.zeros((0, *shape[1:]), dtype), np.zeros(0, np.int64), shape)
+
     def dense(self) -> np.ndarray:
         """The whole table: the rows given (duplicates summed), zeros elsewhere."""
         rows = self.merged()
         out = np.zeros(self.shape, np.asarray(rows.data).dtype)
         out[rows.indices] = rows.data
         return out
+
+    todense = dense  # MXNet's RowSparseNDArray.todense()
+    asnumpy = dense  # MXNet's NDArray.asnumpy(), for code that reads any value as numpy
 
     def gather(self, row_ids: Any) -> np.ndarray:
         """The rows `row_ids` in their order (repeats repeated), shape row_ids.shape + row_shape,
@@ -141,17 +163,21 @@ def check_ids(key: Hashable, row_ids: Any, num_rows: int, what: str = "row_spars
     """`row_ids` as a flat int64 array; ValueError naming the key for ids that are not whole
     numbers or fall outside the table's rows."""
     ids = np.asarray(row_ids)
-    if ids.dtype.kind not in "iu":
-        if ids.size == 0:
-            return np.zeros(0, np.int64)
+    if ids.size == 0:
+        return np.zeros(0, np.int64)
+    if ids.dtype.kind == "f":  # MXNet's mx.nd.array is float32: ids that are whole numbers are ids
+        whole = np.isfinite(ids) & (ids == np.round(ids))
+        if not whole.all():
+            raise ValueError(f"{what} of key {key!r}: row id {float(ids.reshape(-1)[np.argmin(whole.reshape(-1))]):g} "
+                             f"is not a whole number; give whole numbers from 0 to {num_rows - 1}")
+    elif ids.dtype.kind not in "iu":
         raise ValueError(f"{what} of key {key!r}: row ids of dtype {ids.dtype.name}; give whole numbers "
                          f"(int32 or int64) from 0 to {num_rows - 1}")
-    ids = ids.astype(np.int64).reshape(-1)
-    if ids.size and (ids.min() < 0 or ids.max() >= num_rows):
+    if ids.min() < 0 or ids.max() >= num_rows:  # before the cast: a float too large for int64 named as it is
         bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
         raise ValueError(f"{what} of key {key!r}: row id {bad} is out of range; the table has {num_rows} rows "
                          f"(ids 0 to {num_rows - 1})")
-    return ids
+    return ids.astype(np.int64).reshape(-1)
 
 
 def check_rows(key: Hashable, rows: RowSparse, shape: Sequence[int], dtype: Any = FLOAT32,
@@ -193,19 +219,73 @@ def check_table_dtype(key: Hashable, dtype: Any, what: str = "init") -> np.dtype
 
 # What each refusal says, by the operation refused; `refused(what, key)` makes the error.
 REFUSALS = {
-    "pull": "key {key!r} is row-sparse: pull its rows with row_sparse_pull({key!r}, row_ids=...)",
+    "pull": "key {key!r} is row-sparse: a dist_* store pulls its rows with row_sparse_pull({key!r}, row_ids=...), "
+            "never the whole table (as MXNet's dist kvstore)",
+    "ignore_sparse": "pull of key {key!r}: ignore_sparse=False (the whole value into RowSparse outs) is not for "
+                     "dist_* stores (as MXNet's dist kvstore); pull rows with row_sparse_pull({key!r}, row_ids=...)",
     "pushpull": "key {key!r} is row-sparse: pushpull takes dense keys; push its rows, then "
                 "row_sparse_pull({key!r}, row_ids=...)",
     "dense_push": "push of key {key!r}: a dense value for a row-sparse key; push a tfkv.store.RowSparse or a "
                   "tf.IndexedSlices of its rows",
-    "sparse_push": "push of key {key!r}: row-sparse rows for a dense key; push a dense array, or initialise the key "
-                   "with a RowSparse or a Table to push rows",
     "sparse_pull": "row_sparse_pull of key {key!r}: a dense key; pull it whole with pull({key!r})",
     "compression": "push of key {key!r}: gradient compression does not apply to row-sparse keys; push their rows "
                    "uncompressed (set_gradient_compression({{'type': 'none'}}))",
     "updater": "push of key {key!r}: a Python updater (set_updater) takes dense keys only; for a row-sparse key use "
                "set_optimizer (MXNet's lazy SGD or Adam update of the rows pushed)",
 }
+
+
+def dense_outs(key: Hashable, outs: list[Any], ignore_sparse: bool) -> tuple[list[Any], list[RowSparse]]:
+    """A dense pull's outs of `key` as (dense outs, RowSparse outs that take the whole value).
+    MXNet's pull skips a RowSparse out, leaving it unchanged, unless ignore_sparse=False: a
+    warning says so (once per key), as MXNet's log does."""
+    rows = [o for o in outs if isinstance(o, RowSparse)]
+    if not rows:
+        return outs, []
+    if ignore_sparse:
+        warnings.warn(f"pull of key {key!r}: a RowSparse out is left unchanged (ignore_sparse=True, MXNet's default); "
+                      f"row_sparse_pull({key!r}, out=..., row_ids=...) fills it, or pull(..., ignore_sparse=False) "
+                      "gives it the whole value", stacklevel=3)
+        rows = []
+    return [o for o in outs if not isinstance(o, RowSparse)], rows
+
+
+def whole(out: RowSparse, value: Any) -> None:
+    """`out` given every row of the dense `value` (numpy, or a tensor inside a tf.function)."""
+    out.data, out.indices, out.shape = value, np.arange(value.shape[0], dtype=np.int64), tuple(value.shape)
+
+
+def densify(key: Hashable, value: Any, shape: Sequence[int]) -> np.ndarray:
+    """Rows pushed to a dense key (a RowSparse or tf.IndexedSlices) as the dense value they stand
+    for: the rows summed, zeros elsewhere (MXNet adds them into the key, or with an optimizer
+    updates the key as for that dense gradient), checked against the key's shape."""
+    rows = RowSparse.of(value, shape)
+    return check_rows(key, rows, shape, np.asarray(rows.data).dtype).dense()
+
+
+class TableTooLarge(ConfigError, MemoryError):
+    """A Table the store cannot hold in the memory it has: refused before any of it is made.
+    `reason` says it without naming the key (the trainer names the layer instead)."""
+
+    def __init__(self, key: Hashable, reason: str) -> None:
+        super().__init__(f"init of key {key!r}: {reason}")
+        self.reason = reason
+
+
+def check_room(key: Hashable, table: Table, copies: int, available: int) -> None:
+    """TableTooLarge unless `copies` whole copies of `table` (a local store's draw and its
+    variable) fit in `available` bytes; the dist_* stores' servers each hold a part of one."""
+    nbytes = 4 * math.prod(table.shape)
+    if copies * nbytes > available:
+        raise TableTooLarge(key, f"a table of {table.shape[0]} rows of {math.prod(table.shape[1:])} values "
+                                 f"({_size(nbytes)}) is made whole in this process, {copies} copies while it is "
+                                 f"drawn ({_size(copies * nbytes)}), more than the {_size(available)} of memory "
+                                 "available: spread it over parameter servers (kvstore=dist_sync cluster=local "
+                                 "cluster.num_servers=N) or make it smaller")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / (1 << 30):.1f} GiB" if nbytes >= 1 << 30 else f"{nbytes / (1 << 20):.1f} MiB"
 
 
 def refused(what: str, key: Hashable) -> ValueError:
@@ -215,36 +295,72 @@ def refused(what: str, key: Hashable) -> ValueError:
 
 # -- argument forms, shared by every store's row_sparse_pull ---------------------------------------
 
-def requests(key: Any, row_ids: Any) -> list[tuple[Hashable, Any]]:
-    """MXNet's row_sparse_pull arguments as (key, row_ids) pairs: one key with its ids, or a list
-    of keys with a list of ids (one per key) or one array of ids for every key."""
+class Asked(NamedTuple):
+    """One key of a row_sparse_pull and the row ids asked for it: one array for every out of the
+    key, or one array per out (MXNet pairs them: out i gets rows row_ids[i] only)."""
+
+    key: Hashable
+    row_ids: list[Any]
+
+
+def requests(key: Any, row_ids: Any, out: Any = None) -> list[Asked]:
+    """MXNet's row_sparse_pull arguments, one Asked per key: one key with its ids, or a list of
+    keys with a list of ids (one per key) or one array of ids for every key. A key's ids may be a
+    list of arrays, one per out of the key (its outs a list as long); `out`, when given, is
+    checked here (RowSparse outs, one per key), before anything is asked of a store."""
     if row_ids is None:
         raise ValueError(f"row_sparse_pull of key {key!r}: give row_ids=, the rows to pull")
     if not isinstance(key, (list, tuple)):
-        return [(key, row_ids)]
+        return [_asked(key, row_ids, out)]
     if isinstance(row_ids, (list, tuple)):
         if len(row_ids) != len(key):
             raise ValueError(f"row_sparse_pull of keys {list(key)!r}: {len(row_ids)} row_ids for {len(key)} keys "
                              "(give one array of ids per key)")
-        return list(zip(key, row_ids))
-    return [(k, row_ids) for k in key]
-
-
-def deliver(key: Any, results: list[RowSparse], out: Any) -> Any:
-    """row_sparse_pull's result: the RowSparse (a list for a list of keys) when `out` is None;
-    else each `out` (a RowSparse, or a list of them per key: one per device) gets the rows in
-    place (its data, indices and shape replaced; numpy rows copied per out) and None is returned."""
+        per_key = list(row_ids)
+    else:
+        per_key = [row_ids] * len(key)
     if out is None:
-        return results if isinstance(key, (list, tuple)) else results[0]
-    keys = list(key) if isinstance(key, (list, tuple)) else [key]
+        return [_asked(k, r, None) for k, r in zip(key, per_key)]
+    outs = list(out) if isinstance(out, (list, tuple)) else [out]
+    if len(outs) != len(key):
+        raise ValueError(f"row_sparse_pull of keys {list(key)!r}: {len(outs)} outs for {len(key)} keys")
+    return [_asked(k, r, o) for k, r, o in zip(key, per_key, outs)]
+
+
+def _asked(key: Hashable, row_ids: Any, out: Any) -> Asked:
+    """One key's ids: a list of id arrays (not of ids) is one per out, else one for all."""
+    each = list(row_ids) if isinstance(row_ids, (list, tuple)) and row_ids and all(
+        np.ndim(r) >= 1 for r in row_ids) else [row_ids]
+    outs = None if out is None else list(out) if isinstance(out, (list, tuple)) else [out]
+    for o in outs or ():
+        if not isinstance(o, RowSparse):
+            raise TypeError(f"row_sparse_pull of key {key!r}: out must be a tfkv.store.RowSparse (or a list of "
+                            f"them), not a {type(o).__name__}")
+    if len(each) > 1 and outs is not None and len(outs) != len(each):
+        raise ValueError(f"row_sparse_pull of key {key!r}: {len(each)} arrays of row_ids for {len(outs)} outs (give "
+                         "one array of ids per out, or one array for every out)")
+    return Asked(key, each)
+
+
+def flat(asked: list[Asked]) -> list[tuple[Hashable, Any]]:
+    """Every (key, row ids) pull that `asked` stands for, in order: what a store fetches."""
+    return [(a.key, ids) for a in asked for ids in a.row_ids]
+
+
+def deliver(key: Any, asked: list[Asked], results: list[RowSparse], out: Any) -> Any:
+    """row_sparse_pull's result from `results` (one per pull of `flat(asked)`): the RowSparse (a
+    list of them for a key asked with one array of ids per out; a list per key for a list of
+    keys) when `out` is None; else each out gets its rows in place (its data, indices and shape
+    replaced; numpy rows copied per out) and None is returned."""
+    left = iter(results)
+    per_key = [[next(left) for _ in a.row_ids] for a in asked]
+    if out is None:
+        got = [rows[0] if len(rows) == 1 else rows for rows in per_key]
+        return got if isinstance(key, (list, tuple)) else got[0]
     outs = list(out) if isinstance(key, (list, tuple)) else [out]
-    if len(outs) != len(keys):
-        raise ValueError(f"row_sparse_pull of keys {keys!r}: {len(outs)} outs for {len(keys)} keys")
-    for k, o, r in zip(keys, outs, results):
-        for each in (o if isinstance(o, (list, tuple)) else [o]):
-            if not isinstance(each, RowSparse):
-                raise TypeError(f"row_sparse_pull of key {k!r}: out must be a tfkv.store.RowSparse (or a list of "
-                                f"them), not a {type(each).__name__}")
+    for o, rows in zip(outs, per_key):
+        for i, each in enumerate(o if isinstance(o, (list, tuple)) else [o]):
+            r = rows[i if len(rows) > 1 else 0]
             numpy = isinstance(r.data, np.ndarray)
             each.data = np.array(r.data) if numpy else r.data
             each.indices = np.array(r.indices) if numpy else r.indices
@@ -252,5 +368,5 @@ def deliver(key: Any, results: list[RowSparse], out: Any) -> Any:
     return None
 
 
-__all__ = ["RowSparse", "Table", "check_ids", "check_rows", "check_table_dtype", "deliver", "is_rows",
-           "is_sparse_init", "refused", "requests"]
+__all__ = ["Asked", "RowSparse", "Table", "TableTooLarge", "check_ids", "check_room", "check_rows", "check_table_dtype", "deliver",
+           "dense_outs", "densify", "flat", "is_rows", "is_sparse_init", "refused", "requests", "whole"]

@@ -76,20 +76,36 @@ def rows_of(key: Hashable, value: Any, shape: Sequence[int], dtype: Any = tf.flo
         return tf.identity(data), ids
 
 
+def densified(key: Hashable, value: RowSparse, shape: Sequence[int]) -> Any:
+    """A RowSparse pushed to a dense key of `shape` as the dense value it stands for (rows summed,
+    zeros elsewhere): checked in numpy eagerly (sparse.densify), in a graph a scatter of the
+    rows whose ids are checked by assertion."""
+    if tf.executing_eagerly():
+        return tf.constant(sparse.densify(key, value, shape))
+    ids = checked_ids(key, value.indices, shape[0], "push")
+    return tf.scatter_nd(tf.reshape(ids, [-1, 1]), tf.convert_to_tensor(value.data), tf.constant(list(shape), tf.int64))
+
+
 def checked_ids(key: Hashable, row_ids: Any, num_rows: int, what: str = "row_sparse_pull") -> tf.Tensor:
     """`row_ids` as a flat int64 tensor, in range: eagerly checked in numpy (one line naming
     the key), in a graph by an assertion carrying the same words."""
     if tf.executing_eagerly():
         return tf.constant(sparse.check_ids(key, np.asarray(row_ids), num_rows, what))
-    ids = tf.convert_to_tensor(row_ids)
-    if not ids.dtype.is_integer:
+    ids = tf.reshape(tf.convert_to_tensor(row_ids), [-1])
+    checks = []
+    if ids.dtype.is_floating:  # MXNet's float32 ids: whole numbers only (float64 holds any of them exactly)
+        ids = tf.cast(ids, tf.float64)
+        checks.append(tf.debugging.assert_equal(ids, tf.round(ids), message=f"{what} of key {key!r}: a row id is not "
+                                                "a whole number"))
+    elif not ids.dtype.is_integer:
         raise ValueError(f"{what} of key {key!r}: row ids of dtype {ids.dtype.name}; give whole numbers")
-    ids = tf.reshape(tf.cast(ids, tf.int64), [-1])
+    else:
+        ids = tf.cast(ids, tf.int64)
     message = f"{what} of key {key!r}: a row id is out of range; the table has {num_rows} rows"
-    checks = [tf.debugging.assert_non_negative(ids, message=message),
-              tf.debugging.assert_less(ids, tf.constant(num_rows, tf.int64), message=message)]
+    checks += [tf.debugging.assert_non_negative(ids, message=message),
+               tf.debugging.assert_less(ids, tf.constant(num_rows, ids.dtype), message=message)]
     with tf.control_dependencies(checks):
-        return tf.identity(ids)
+        return tf.identity(tf.cast(ids, tf.int64))
 
 
 def summed(parts: list[tuple[tf.Tensor, tf.Tensor]]) -> tuple[tf.Tensor, tf.Tensor]:

@@ -197,11 +197,14 @@ class TfkvOptunaSweeper(Sweeper):
             grid = {name: _grid(name, d) for name, d in distributions.items()}
             sampler = sampler(grid)
             n_trials = min(n_trials, math.prod(len(v) for v in grid.values()))
+        elif warning := too_many_trials(n_trials, distributions):  # Optuna's samplers repeat a finite space's points
+            log.warning("%s", warning)
 
         self.sweep_dir.mkdir(parents=True, exist_ok=True)  # the study file's directory
-        study = optuna.create_study(study_name=self.study_name, storage=pruning.open_storage(self.storage_url),
-                                    sampler=sampler, pruner=self.pruner, direction=self.direction,
-                                    load_if_exists=True)
+        storage = pruning.open_storage(self.storage_url)
+        self._same_direction(storage)
+        study = optuna.create_study(study_name=self.study_name, storage=storage, sampler=sampler,
+                                    pruner=self.pruner, direction=self.direction, load_if_exists=True)
         study.set_user_attr(pruning.PRUNER_ATTR, OmegaConf.to_container(config.hydra.sweeper.pruner, resolve=True))
         log.info("Optuna %s study %s (%s), storage %s, sampler %s, pruner %s", optuna.__version__, study.study_name,
                  self.direction, self.storage_url, type(sampler).__name__, type(self.pruner).__name__)
@@ -231,6 +234,24 @@ class TfkvOptunaSweeper(Sweeper):
                                    f"hydra.sweeper.max_failure_rate={self.max_failure_rate}; the sweep ends")
             left -= len(trials)
         self._write_results(study)
+
+    def _same_direction(self, storage: Any) -> None:
+        """A named study that exists already (Optuna loads it, load_if_exists) is better the way
+        the objective is: else its best trial would be the worst of this sweep's, and Optuna's
+        samplers would steer the search the wrong way. Refused before any trial runs."""
+        import optuna
+
+        if self.study_name is None:  # Optuna names a new study
+            return
+        try:
+            found = optuna.load_study(study_name=self.study_name, storage=storage)
+        except KeyError:  # no study of that name yet: this sweep makes it
+            return
+        ways = [d.name.lower() for d in found.directions]
+        if ways != [self.direction]:
+            raise ConfigError(f"hydra.sweeper.study_name={self.study_name}: the study in {self.storage_url} is to "
+                              f"{','.join(ways)} but objective {self.objective} is to {self.direction}; name another "
+                              "study, or sweep an objective (objective=, direction=) that is better the study's way")
 
     def _trial_overrides(self, study: str, number: int) -> list[str]:
         """What makes a job a trial its worker 0 reports to (config.SweepConfig)."""
@@ -297,6 +318,20 @@ def search_space(overrides: List[str]) -> tuple[dict[str, Any], dict[str, str]]:
         else:  # choice(...), a,b,c, a shuffled range, glob(...): their values, as Hydra writes them
             distributions[key] = CategoricalDistribution(list(o.sweep_iterator(transformer=Transformer.encode)))
     return distributions, fixed
+
+
+def too_many_trials(n_trials: int, distributions: dict[str, Any]) -> str | None:
+    """The warning for more trials than a finite search space has points (every key a choice or a
+    stepped range), or None: a sampler other than the grid's would run some points again."""
+    try:
+        points = math.prod(len(_grid(name, d)) for name, d in distributions.items())
+    except ConfigError:  # a continuous key: the space has no end
+        return None
+    if n_trials <= points:
+        return None
+    return (f"hydra.sweeper.n_trials={n_trials} but the search space has only {points} point(s): trials beyond "
+            f"the first {points} run points again; ask for hydra.sweeper.n_trials={points}, add a continuous key "
+            "(interval(...)), or use hydra/sweeper/sampler=grid to run each point once")
 
 
 def _grid(name: str, distribution: Any) -> list[Any]:

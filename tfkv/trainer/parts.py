@@ -100,6 +100,8 @@ def build(cfg: Any, run_dir: Path, kvstore: Any, tf_devices: list[str], override
     # names are not the API's (its 2bit is the API's 2bit_momentum: tfkv.ps.compression.KINDS).
     compressing = compression.from_config(cfg.kvstore.compression.type, cfg.kvstore.compression.threshold)
     kvstore.set_gradient_compression(compressing.params() if compressing else None)
+    if compressing and kvstore.rank == 0:
+        log.info("%s", compression.describe(compressing))
     source = data.Source(cfg.dataset, cfg.seed, cfg.batch_size, cfg.eval_batch_size, kvstore.num_workers,
                          kvstore.rank, cfg.steps_per_epoch)
     optimizer = optim.from_config(cfg.optimizer, source.steps, cfg.epochs)
@@ -109,6 +111,10 @@ def build(cfg: Any, run_dir: Path, kvstore: Any, tf_devices: list[str], override
         checkpoint.check_fits(resume_from, OmegaConf.to_container(cfg, resolve=True))
     ckpt = checkpoint.load(resume_from) if resume_from else None
     parallel = _parallel(cfg, source, tf_devices, kvstore, optimizer, ckpt, run_dir)
+    if compressing and getattr(parallel, "sparse", None) and not cfg.eval_only:  # before the first step
+        from tfkv.parallel.sparse import compression_refused
+
+        raise compression_refused(parallel.sparse.tables, cfg.kvstore.compression.type)
     run = Run(cfg, run_dir, kvstore, source, parallel, lr_schedule(optimizer, kvstore), ckpt, config_yaml,
               checkpoint.Writer(), list(ckpt.history) if ckpt else [], list(ckpt.resumes) if ckpt else [])
     if not cfg.eval_only:
@@ -183,9 +189,6 @@ def _model_parallel(cfg: Any, source: Any, tf_devices: list[str], kvstore: Any, 
     from tfkv.parallel import placement
     from tfkv.parallel.model_parallel import ModelParallel
 
-    if cfg.kvstore.row_sparse:
-        raise ConfigError("kvstore.row_sparse=true trains with data parallelism; with placement (model parallelism) "
-                          "the embeddings train dense: set kvstore.row_sparse=false or placement=null")
     groups = models.build_groups(cfg.model, source.input_shape, source.outputs)
     specs = placement.assign(cfg.placement, groups, list(cfg.devices), models.name(cfg.model))
     mode = "placement=auto" if placement.is_auto(cfg.placement) else "placement from config"

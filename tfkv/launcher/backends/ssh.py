@@ -28,6 +28,10 @@ pty outlives its closed ssh channel:
    (also at a normal end, for whatever a role left behind in its group); Ctrl-C does it at once;
 2. the launcher dies or its connection drops: the wrapper sees its stdin (the channel) close
    and kills its own group.
+Every ssh step has a deadline (ssh_connect: connect, banner, login, channel open, a connection
+that stops answering; a command's own timeout here and in ssh_remote), and the hosts are torn
+down side by side: a host cut off from the network holds neither the others' teardown nor the
+final line, which names it (its roles stop by themselves: they lose the scheduler).
 
 Environment of a role: the plan's variables, PYTHONUNBUFFERED=1, and the launching shell's
 variables that every backend forwards (tfkv.launcher.plan.forwarded_env: TFKV_*, DMLC_*, PS_*,
@@ -57,7 +61,7 @@ from tfkv.launcher import signals, supervisor
 from tfkv.launcher.base import Backend, Job, Result
 from tfkv.launcher.hosts import Host
 from tfkv.launcher.plan import Process
-from tfkv.launcher.backends.ssh_connect import connect, connect_problem, ssh_config_path
+from tfkv.launcher.backends.ssh_connect import connect, connect_problem, run, ssh_config_path
 from tfkv.launcher.backends.ssh_remote import RemoteRole, remote_command, stop_groups
 from tfkv.launcher.backends.ssh_sync import copy_back, remote_spec, rsync
 
@@ -67,6 +71,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("tfkv")
 
 PER_CONNECTION = 8  # roles per connection: sshd's MaxSessions is 10, one is kept for the teardown
+CHECK_TIMEOUT = 120  # seconds for a pre-flight command on a host (importing tfkv on a busy one)
 
 
 def _last_line(text: str) -> str:
@@ -85,7 +90,7 @@ def check_host(host: Host, job: Job, rsync_lock: threading.Lock,
         cwd = job.sync_dst_dir or str(job.workdir)
         if job.sync_dst_dir:
             dst = shlex.quote(job.sync_dst_dir)
-            r = conn.run(f"mkdir -p {dst} && test -w {dst}", hide=True, warn=True, in_stream=False)
+            r = run(conn, f"mkdir -p {dst} && test -w {dst}", CHECK_TIMEOUT)
             if r.exited != 0:
                 why = _last_line(r.stderr) or "no write permission"
                 return f"{host}: {job.sync_dst_dir} is not writable ({why}); pick another --sync-dst-dir"
@@ -97,8 +102,8 @@ def check_host(host: Host, job: Job, rsync_lock: threading.Lock,
                 return (f"{host}: rsync of {job.workdir} to {job.sync_dst_dir} failed ({problem}); check that "
                         f"`ssh {host}` works without a prompt and that rsync is installed there")
         python = shlex.quote(job.python)
-        r = conn.run(f"cd {shlex.quote(cwd)} 2>/dev/null || exit 97; exec {python} -m tfkv.launcher.record",
-                     hide=True, warn=True, in_stream=False)
+        r = run(conn, f"cd {shlex.quote(cwd)} 2>/dev/null || exit 97; exec {python} -m tfkv.launcher.record",
+                CHECK_TIMEOUT)
         where = "after the rsync" if job.sync_dst_dir else f"in {cwd}"
         if r.exited == 97:
             return (f"{host}: {cwd} does not exist there; pass --sync-dst-dir to copy the working directory, "
@@ -155,6 +160,7 @@ class SSHLauncher(Backend):
         conns: list[Connection] = []
         first_conn: dict[str, Connection] = {}
         ends = supervisor.Ends([p.name for p in job.plan])
+        unreached: dict[str, str] = {}  # host -> why the teardown could not reach it
 
         def start() -> str | None:
             # One connection per host and per PER_CONNECTION of its roles, opened side by side.
@@ -188,7 +194,11 @@ class SSHLauncher(Backend):
             return all(r.ended.is_set() for r in roles)
 
         try:
-            failure = supervisor.supervise(ends, over, lambda: self._teardown(roles, first_conn), start=start)
+            failure = supervisor.supervise(ends, over, lambda: unreached.update(self._teardown(roles, first_conn)),
+                                           start=start)
+            if failure and unreached:
+                failure += "".join(f"; {host} did not answer over ssh ({why}): is it down or cut off from the "
+                                   "network?" for host, why in unreached.items())
             if failure is None:
                 with signals.shielded():
                     failure = copy_back(job, first_conn, ssh_config)
@@ -202,16 +212,20 @@ class SSHLauncher(Backend):
         return Result(supervisor.returncode(failure), failure)
 
     @staticmethod
-    def _teardown(roles: list[RemoteRole], first_conn: dict[str, Connection]) -> None:
-        """Kill every remote group of the job, host by host in parallel."""
+    def _teardown(roles: list[RemoteRole], first_conn: dict[str, Connection]) -> dict[str, str]:
+        """Kill every remote group of the job, host by host in parallel, each within the deadlines
+        of its connection (a host cut off holds none of the others); the hosts it could not
+        reach, with why."""
         jobs = []
         for name, conn in first_conn.items():
             mine = [r for r in roles if r.host.name == name and r.pgid is not None]
             running = [r.pgid for r in mine if not r.ended.is_set()]
-            jobs.append((conn, running, [r.pgid for r in mine]))
-        if jobs:
-            with ThreadPoolExecutor(max_workers=min(16, len(jobs))) as pool:
-                list(pool.map(lambda j: stop_groups(*j), jobs))
+            jobs.append((name, conn, running, [r.pgid for r in mine]))
+        if not jobs:
+            return {}
+        with ThreadPoolExecutor(max_workers=min(16, len(jobs))) as pool:
+            problems = list(pool.map(lambda j: stop_groups(*j[1:]), jobs))
+        return {j[0]: why for j, why in zip(jobs, problems) if why}
 
 
 def _try(fn, *args):

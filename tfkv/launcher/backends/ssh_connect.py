@@ -7,23 +7,47 @@ Port, IdentityFile, ProxyJump...; a hosts-file `user@host:port` wins over it. Fa
 makes the connection; no password is ever asked for (keys or an agent only, as with ssh's
 BatchMode), and host keys are checked as OpenSSH checks them, where Fabric alone would accept any
 host. Every way of failing to connect becomes one line naming the host and the fix.
+
+Every step has a deadline, so that a host cut off from the network (or powered off) never holds
+the launcher: the TCP connect (ConnectTimeout), the server's banner and the login (paramiko's
+banner and auth timeouts), a channel's opening (its channel timeout: paramiko's default is an
+hour, and Fabric's own command timeout starts only once the channel is open and the command
+started), a command's start and end (`run`: paramiko's exec_command and exit status wait without
+one), and a connection that stops answering: keepalives every ServerAliveInterval seconds,
+and the kernel drops a connection whose data has gone unacknowledged for ServerAliveInterval x
+ServerAliveCountMax seconds (TCP_USER_TIMEOUT), OpenSSH's rule for a dead server. Its transport
+then closes, which ends every wait on it: a command's start, its output, its exit status.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
 
 from tfkv.errors import ConfigError
 from tfkv.launcher.hosts import Host
 
 if TYPE_CHECKING:
+    import paramiko
     from fabric import Connection
 
 log = logging.getLogger("tfkv")
 
 CONNECT_TIMEOUT = 10  # seconds, unless the ssh config sets ConnectTimeout
+BANNER_TIMEOUT = 15  # seconds for the server's banner once connected (paramiko's default)
+AUTH_TIMEOUT = 30  # seconds for the login (paramiko's default)
+# Seconds to open a channel on a connection (paramiko's default: an hour): sshd answers at once
+# when it can; the teardown of a host that stopped answering ends after it (heartbeat timeout +
+# the supervisor's HANG_GRACE + this: within the heartbeat timeout and 15 s, whatever ServerAliveInterval says).
+CHANNEL_TIMEOUT = 5
+EXEC_TIMEOUT = 10  # seconds for sshd to start a command on an open channel (it forks: a busy host is slow)
+# OpenSSH's ServerAliveInterval and ServerAliveCountMax, unless the ssh config sets them: a
+# connection silent for 2 x 4 s is dead (a role's heartbeat timeout is 4 s: the job is stopped by then).
+ALIVE_INTERVAL = 2
+ALIVE_COUNT = 4
 
 
 def ssh_config_path(path: str | None) -> str | None:
@@ -50,11 +74,94 @@ def connect(host: Host, ssh_config: str | None = None) -> Connection:
     entry = config.base_ssh_config.lookup(host.name)
     only = entry.get("identitiesonly") == "yes" and "identityfile" in entry
     conn = Connection(host.name, user=host.user, port=host.port, config=config,
-                      connect_kwargs={"allow_agent": not only, "look_for_keys": not only})
+                      connect_kwargs={"allow_agent": not only, "look_for_keys": not only,
+                                      "banner_timeout": BANNER_TIMEOUT, "auth_timeout": AUTH_TIMEOUT,
+                                      "channel_timeout": CHANNEL_TIMEOUT})
     _check_host_keys(conn.client, entry)
     conn.open()
-    conn.transport.set_keepalive(10)  # notice a host that went away
+    _keep_alive(conn)
     return conn
+
+
+def dead_after(entry: dict[str, Any]) -> tuple[int, int]:
+    """(ServerAliveInterval, seconds of silence after which the connection is dead), as the ssh
+    config `entry` sets them or ALIVE_INTERVAL, ALIVE_COUNT; never off (0): the launcher needs
+    every connection to end when its host is gone."""
+    interval = int(entry.get("serveraliveinterval", 0)) or ALIVE_INTERVAL
+    return interval, interval * max(1, int(entry.get("serveralivecountmax", ALIVE_COUNT)))
+
+
+def _keep_alive(conn: Connection) -> None:
+    """Keepalives on the connection (paramiko's, every ServerAliveInterval of its host's ssh config
+    entry), and TCP_USER_TIMEOUT on its socket: data unacknowledged that long and the kernel drops
+    the connection, which closes the transport (its thread sees the error). Also on a ProxyJump's
+    own connection, whose channel carries this one."""
+    import socket
+
+    from fabric import Connection
+
+    interval, dead = dead_after(conn.ssh_config)
+    conn.transport.set_keepalive(interval)
+    sock = conn.transport.sock
+    if isinstance(sock, socket.socket) and hasattr(socket, "TCP_USER_TIMEOUT"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, dead * 1000)
+    if isinstance(conn.gateway, Connection) and conn.gateway.is_connected:
+        _keep_alive(conn.gateway)
+
+
+class Ran(NamedTuple):
+    """How a command ended (the fields Fabric's Result has)."""
+
+    exited: int
+    stdout: str
+    stderr: str
+
+
+def run(conn: Connection, command: str, timeout: float) -> Ran:
+    """Run `command` on the connection's host, no input, its output kept, every step within a
+    deadline: the channel opens within CHANNEL_TIMEOUT, the command starts and ends within
+    `timeout` seconds, or the channel is closed, which ends paramiko's waits (exec_command and
+    recv_exit_status have no timeout of their own; Fabric's run(timeout=) starts its clock only
+    once the command started). Raises TimeoutError past the deadline, paramiko's errors for a
+    connection that broke (an inactive one: SSHException, at once)."""
+    chan = conn.transport.open_session(timeout=CHANNEL_TIMEOUT)
+    try:
+        with deadline(chan, timeout):
+            chan.exec_command(command)
+            chan.shutdown_write()  # no input
+            # stdout, then stderr: paramiko buffers each apart; these commands say a few lines
+            out = chan.makefile("rb").read().decode(errors="replace")
+            err = chan.makefile_stderr("rb").read().decode(errors="replace")
+            status = chan.recv_exit_status()
+    finally:
+        chan.close()
+    return Ran(status, out, err)
+
+
+@contextlib.contextmanager
+def deadline(chan: paramiko.Channel, seconds: float) -> Iterator[None]:
+    """Close `chan` if the block is still in it after `seconds`, which ends any wait on the
+    channel in it (paramiko's exec_command, reads, exit status); the block then raises
+    TimeoutError, whatever the closed channel made it raise or return."""
+    late = threading.Event()
+
+    def expire() -> None:
+        late.set()
+        chan.close()
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    except Exception:
+        if late.is_set():
+            raise TimeoutError(f"no end within {seconds:.0f} s") from None
+        raise
+    finally:
+        timer.cancel()
+    if late.is_set():
+        raise TimeoutError(f"no end within {seconds:.0f} s")
 
 
 def _check_host_keys(client: Any, entry: dict[str, Any]) -> None:

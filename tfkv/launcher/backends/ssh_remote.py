@@ -22,7 +22,7 @@ from typing import IO, TYPE_CHECKING
 
 from tfkv.launcher.hosts import Host
 from tfkv.launcher.plan import Process, forwarded_env
-from tfkv.launcher.backends.ssh_connect import CONNECT_TIMEOUT
+from tfkv.launcher.backends.ssh_connect import CHANNEL_TIMEOUT, EXEC_TIMEOUT, deadline, run
 from tfkv.keys import SECRET_NAMES
 
 if TYPE_CHECKING:
@@ -107,8 +107,9 @@ class RemoteRole:
         self.thread: threading.Thread | None = None
 
     def start(self, command: str, out: IO[str], lock: threading.Lock) -> None:
-        self.channel = self.conn.transport.open_session(timeout=CONNECT_TIMEOUT)
-        self.channel.exec_command(command)  # stdin stays open: its EOF tells the wrapper we are gone
+        self.channel = self.conn.transport.open_session(timeout=CHANNEL_TIMEOUT)
+        with deadline(self.channel, EXEC_TIMEOUT):  # sshd answers once it started the command
+            self.channel.exec_command(command)  # stdin stays open: its EOF tells the wrapper we are gone
         secrets = secret_env(self.process)
         if secrets:
             self.channel.sendall(json.dumps(secrets).encode() + b"\n")
@@ -135,18 +136,29 @@ class RemoteRole:
         self.ended.set()
 
 
-def stop_groups(conn: Connection, running: list[int], every: list[int]) -> None:
+STOP_TIMEOUT = 15  # seconds for the teardown's command on a host to start and end, once its channel is open
+GONE = "its ssh connection is gone"
+
+
+def stop_groups(conn: Connection, running: list[int], every: list[int]) -> str | None:
     """HUP the groups still running (supervisor.STOP: a role takes TERM for a preemption), give
     them up to 3 s, then KILL every group of the job on this host (also whatever a finished role
-    left behind in its group)."""
+    left behind in its group). None, or why the host could not be reached: its connection is gone
+    (never opened again here: a host cut off would hold the teardown for a connect timeout), or
+    a step of the command ran past its deadline (tfkv.launcher.backends.ssh_connect)."""
     if not every:
-        return
+        return None
+    if not conn.is_connected:
+        return GONE
     term = " ".join(f"-{g}" for g in running)
     script = (f"alive() {{ for g in {term}; do kill -0 $g 2>/dev/null && return 0; done; return 1; }}; "
               f"kill -HUP {term} 2>/dev/null; kill -CONT {term} 2>/dev/null; i=0; while [ $i -lt 30 ] && alive; do sleep 0.1; i=$((i+1)); done; "
               if running else "")
     script += f"kill -KILL {' '.join(f'-{g}' for g in every)} 2>/dev/null; true"
     try:
-        conn.run(script, hide=True, warn=True, in_stream=False, timeout=15)
-    except Exception:  # noqa: BLE001 - an unreachable host: closing the channel makes its wrappers do it
-        pass
+        run(conn, script, STOP_TIMEOUT)
+    except Exception as e:  # noqa: BLE001 - an unreachable host: closing the channel makes its wrappers do it
+        if not conn.is_connected:  # it died while we waited (the kernel gave up on it: ssh_connect)
+            return GONE
+        return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    return None

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from tfkv.launcher.base import Job
 from tfkv.launcher.hosts import Host
 from tfkv.launcher.record import EXCLUDE
-from tfkv.launcher.backends.ssh_connect import ssh_command
+from tfkv.launcher.backends.ssh_connect import run, ssh_command
 
 if TYPE_CHECKING:
     from fabric import Connection
@@ -48,8 +48,7 @@ def copy_back(job: Job, conns: dict[str, Connection], ssh_config: str | None = N
         return None
     host = next((h for h in job.hosts if h.name == worker0.host), Host(worker0.host))
     try:
-        there = conns[worker0.host].run(f"test -d {shlex.quote(job.remote_run_dir)}", hide=True, warn=True,
-                                        in_stream=False, timeout=30).exited == 0
+        there = run(conns[worker0.host], f"test -d {shlex.quote(job.remote_run_dir)}", 30).exited == 0
     except Exception as e:  # noqa: BLE001 - one line for the result
         return f"copying the run directory back from {host} failed ({type(e).__name__}: {e})"
     if not there:
