@@ -2,9 +2,10 @@
 `python sparse_worker.py MODE OUT.npz [args]`, its store `tfkv.store.create($TEST_KVSTORE)`.
 
 `ids_model` is the tfkv-run model of the tests (model._target_=sparse_worker.ids_model).
-exact: the model of `two_tables` (a row-sparse keras Embedding and a ShardedEmbedding) trained
-  with SGD on slice `rank` of each global batch of `global_batches`; OUT holds the weights before
-  and after (gathered from the servers), for the test to compare with plain Keras.
+exact [STEPS]: the model of `two_tables` (a row-sparse keras Embedding and a ShardedEmbedding)
+  trained with SGD on slice `rank` of each global batch of `global_batches` (STEPS of them, 5 unless
+  given); OUT holds the weights before and after (gathered from the servers), for the test to
+  compare with plain Keras.
 memory ROWS DIM STEPS RUN_DIR [resume]: a ShardedEmbedding of ROWS x DIM float32 held by the
   servers, trained for STEPS steps of Zipf ids, then checkpointed into RUN_DIR (the table written
   by rows); with `resume`, the job starts from RUN_DIR's newest checkpoint instead (the table put
@@ -72,7 +73,7 @@ def exact(kv, out):
     dp = DataParallel(two_tables, devs, kv, optim.SGD(schedule=optim.Schedule(lr=0.5)), [BATCH], row_sparse=True)
     start = dp.get_weights()
     mine = [(tf.constant(x[kv.rank::kv.num_workers]), tf.constant(y[kv.rank::kv.num_workers]))
-            for x, y in global_batches(kv.num_workers)]
+            for x, y in global_batches(kv.num_workers, *(int(a) for a in sys.argv[3:4]))]
     for i, (x, y) in enumerate(mine):
         dp.step(x, y, mine[i + 1][0] if i + 1 < len(mine) else None)
     end = dp.get_weights()

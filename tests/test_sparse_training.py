@@ -357,16 +357,20 @@ def test_dist_async_workers_train_the_tables_with_rows_requested_before_each_bat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sharding", ["range", "hash"])
-def test_dist_sync_two_workers_learn_what_keras_learns_at_the_global_batch(cluster, sharding):
+@pytest.mark.parametrize("sharding,servers,steps", [("range", 2, 5), ("hash", 2, 5), ("range", 5, 20)],
+                         ids=["range", "hash", "range-5-servers"])
+def test_dist_sync_two_workers_learn_what_keras_learns_at_the_global_batch(cluster, sharding, servers, steps):
     """Worker r takes rows r::2 of each global batch; the servers sum both workers' rows before
     the update, so the tables and the dense weights end as plain Keras's at the global batch.
-    The next batch's rows are requested after this worker's push: they hold the round's update."""
+    The next batch's rows are requested after this worker's push: they hold the round's update.
+    With 5 servers (more than workers; by range, Zipf ids: most batches' ids skip some servers) a
+    worker pushes the next round to a server its last pull skipped, maybe while that server's
+    round is still open: the pull after it must still hold the round it pushed (issue 40, point 1)."""
     import sparse_worker as W
 
-    c = cluster(num_servers=2, num_workers=2, TFKV_ROW_SHARDING=sharding)
+    c = cluster(num_servers=servers, num_workers=2, TFKV_ROW_SHARDING=sharding)
     c.start_servers()
-    outs = _start_workers(c, "exact")
+    outs = _start_workers(c, "exact", str(steps))
     _finished(c, 300)
     results = []
     for out in outs:
@@ -381,7 +385,7 @@ def test_dist_sync_two_workers_learn_what_keras_learns_at_the_global_batch(clust
     plain.set_weights(start)
     plain.compile(optimizer=keras.optimizers.SGD(0.5),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    for x, y in W.global_batches(2):
+    for x, y in W.global_batches(2, steps):
         plain.train_on_batch(x, y)
     _assert_close(end, plain.get_weights())
     assert not np.allclose(end[1], start[1]), "the ShardedEmbedding's table did not move"

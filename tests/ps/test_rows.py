@@ -65,7 +65,7 @@ def _raw(type_, flags, rows_bytes, data_bytes=None, count=0, dtype=P.DType.FLOAT
     (_raw(P.Type.PULL, P.FLAG_ROWS, b"\0" * 12), "not a whole number of int64 ids"),
     (_raw(P.Type.PUSH, P.FLAG_ROWS | P.FLAG_DATA, b"\0" * 16, b"\0" * 12, 3), "3 values cannot be 2 rows"),
     (_raw(P.Type.PUSH, P.FLAG_ROWS | P.FLAG_DATA, b"", b"\0" * 4, 1), "1 values cannot be 0 rows"),
-    (_raw(P.Type.PUSH, P.FLAG_ROWS | P.FLAG_DATA, b"\0" * 8, b"\0" * 4, 2, P.DType.FLOAT16), "are float32"),
+    (_raw(P.Type.PUSH, P.FLAG_ROWS | P.FLAG_DATA, b"\0" * 8, b"\0" * 4, 2, P.DType.BFLOAT16), "are float32 or float16"),
     (_raw(P.Type.PING, P.FLAG_ROWS, b"\0" * 8), "row ids are only for"),
     (_raw(P.Type.PUSHPULL, P.FLAG_ROWS | P.FLAG_DATA, b"\0" * 8, b"\0" * 4, 1), "row ids are only for"),
     (_raw(P.Type.PULL, P.FLAG_ROWS | P.FLAG_REPLY, b"\0" * 8), "row ids are only for"),

@@ -94,6 +94,42 @@ def test_a_one_key_pushpull_is_its_push_then_its_pull():
     assert _held(srv, 9) == 0 and _held(srv, 10) == 0
 
 
+@pytest.mark.parametrize("kind", ["rows", "dense"])
+def test_a_pull_behind_its_senders_held_push_answers_with_the_round_that_push_went_into(kind):
+    """Issue 40, point 1. Worker 9 pushes round 1, then (its last row pull skipped this server, so
+    it never waited for round 1 here) pushes round 2 while round 1 is open, and pulls: the push is
+    held for round 2, and the pull with it. It is answered once round 2 closed, with round 2's
+    value (it was answered with round 1's: one round old); `w += 2 * g` in numpy is the oracle."""
+    from tfkv.ps.rows import Shard
+    from tfkv.ps.updater import NumpyUpdater
+    from tfkv import optim
+
+    srv = _server(2)
+    srv.rounds.updater = NumpyUpdater(optim.SGD(schedule=optim.Schedule(lr=-2.0)))  # w += 2 * g
+    if kind == "rows":
+        srv.rounds.shards[3] = Shard(3, {"rows": 2, "width": 3, "shard": 0, "shards": 1, "sharding": "range",
+                                         "init": "zeros", "scale": 0.0, "seed": 0})
+        rows = {"rows": np.array([0, 1], np.int64)}
+    else:
+        srv.rounds.values[3] = np.zeros(6, np.float32)
+        rows = {}
+    sent = _replying(srv)
+
+    def push(sender, seq, value):
+        srv.serve(b"w%d" % sender, P.Message(P.Type.PUSH, sender=sender, seq=seq, key=3, want_ack=False,
+                                             data=np.full(6, value, np.float32), **rows))
+
+    push(9, 1, 1.0)
+    push(9, 2, 10.0)  # round 1 still open here: held for round 2
+    srv.serve(b"w9", P.Message(P.Type.PULL, sender=9, seq=3, key=3, **rows))
+    assert sent == [] and _held(srv, 9) == 1  # the pull, held behind the push
+    push(10, 1, 2.0)  # round 1 closes: w = 2 * 3; worker 9's push opens round 2, its pull waits for it
+    assert sent == [] and _held(srv, 9) == 1
+    push(10, 2, 20.0)  # round 2 closes: w = 6 + 2 * 30
+    w = 2 * (1.0 + 2.0) + 2 * (10.0 + 20.0)
+    assert sent == [(b"w9", P.Type.PULL, 3, [w] * 6)] and _held(srv, 9) == 0
+
+
 def test_a_held_request_that_is_malformed_gets_its_own_error_and_the_rest_is_served():
     """A one-key PUSHPULL held for the next round is checked when its round opens: a wrong size
     is answered with an ERROR to its own sender, under its own seq, and the requests released
@@ -253,6 +289,26 @@ def test_a_round_the_finished_worker_pushed_into_still_closes():
     _left(srv, 10)
     srv.serve(b"w9", _push(9, np.ones(3, np.float32).tobytes()))
     assert sent == [] and srv.rounds.values[3].tolist() == [2.0] * 3 and not srv.rounds.open[3].pushed
+
+
+def test_the_pushes_a_finished_worker_left_held_still_open_and_close_their_rounds():
+    """Issue 40, point 1: worker 9 pushed rounds 1 to 3 here without waiting for round 1 (its pulls
+    went to other servers), then finished: its held pushes are its last rounds, not rounds it owes.
+    Each joins its round when it opens, and worker 10's pushes close rounds 1 to 3 (they were
+    refused: "round 2 can never close: worker 0 left", and the job failed)."""
+    srv = _server(2)
+    srv.rounds.values[3] = np.zeros(3, np.float32)
+    sent = _replying(srv)
+    for w, steps in ((9, (1, 2, 3)), (10, (1,))):
+        for v in steps:
+            srv.serve(b"w%d" % w, _push(w, np.full(3, v, np.float32).tobytes()))
+        if w == 9:
+            _left(srv, 9)
+    assert sent == [] and srv.rounds.open[3].pushed == {9}  # worker 9's round-2 push opened round 2
+    for v in (2, 3):
+        srv.serve(b"w10", _push(10, np.full(3, v, np.float32).tobytes()))
+    assert sent == [] and srv.rounds.values[3].tolist() == [6.0] * 3 and not srv.rounds.open[3].pushed
+    assert srv.rounds.closed[3] == 3
 
 
 @pytest.mark.parametrize("other", ["push", "pull", "one-key pushpull", "another key set"])

@@ -70,7 +70,7 @@ def refusals(kv, out):
         "pull_out_of_range": _raises(lambda: kv.row_sparse_pull("emb", row_ids=np.array([-1]))),
         "disagree": _raises(lambda: kv.push("emb", RowSparse(np.ones((2, 3), np.float32), np.array([1]), (10, 3)))),
         "dtype": _raises(lambda: kv.push("emb", RowSparse(np.ones((1, 3), np.float64), np.array([1]), (10, 3)))),
-        "half_table": _raises(lambda: kv.init("h", RowSparse(np.ones((1, 3), np.float16), np.array([1]), (10, 3)))),
+        "half_table": _raises(lambda: kv.init("h", RowSparse(np.ones((1, 3), np.float64), np.array([1]), (10, 3)))),
         "sparse_pull_dense": _raises(lambda: kv.row_sparse_pull("dense", row_ids=np.array([0]))),
     }
     kv.push("emb", ok)

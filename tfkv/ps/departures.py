@@ -1,8 +1,8 @@
 """What a server does when a worker of its job finishes (the scheduler's LEFT).
 
 A worker that left pushes no more: an open synchronous round it has not pushed into can never
-close, so every request waiting on it (pulls parked until it closes, pushes held for the next
-round, a fused PUSHPULL once, though it waits in several rounds) is answered at once with an ERROR
+close, so every request waiting on it (pulls parked until it closes, pushes and the pulls behind
+them held for the next round, a fused PUSHPULL once, though it waits in several rounds) is answered at once with an ERROR
 naming the key, the round and that worker. A later push into such a round is refused the same way
 (tfkv.ps.rounds).
 """

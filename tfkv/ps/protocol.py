@@ -253,8 +253,8 @@ def decode(frames: Sequence[Any], max_count: int | None = None) -> Message:
     if flags & FLAG_ROWS:
         if kind.name not in ROWS_TYPES or flags & FLAG_REPLY:
             raise ProtocolError(f"{kind.name}: row ids are only for INIT, PUSH, PULL, GET_STATE and SET_STATE requests")
-        if flags & FLAG_DATA and dtype != DType.FLOAT32:
-            raise ProtocolError(f"{kind.name}: the rows of a row-sparse key are float32")
+        if flags & FLAG_DATA and dtype not in (DType.FLOAT32, DType.FLOAT16):
+            raise ProtocolError(f"{kind.name}: the rows of a row-sparse key are float32 or float16")
     expected = frames_of(flags)
     if len(frames) != expected:
         raise ProtocolError(f"{kind.name}: {len(frames)} frames, flags and count say {expected}")

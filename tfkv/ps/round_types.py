@@ -31,8 +31,9 @@ class Fused:
 
 
 class Held(NamedTuple):
-    """A request held for the next round of a key (a PUSH, a one-key PUSHPULL, or a fused PUSHPULL's
-    push of one key with the pull that waits for it), or released to be served again."""
+    """A request held for the next round of a key (a PUSH, a one-key PUSHPULL, a fused PUSHPULL's
+    push of one key with the pull that waits for it, or a PULL behind its sender's held push), or
+    released to be served again."""
 
     identity: bytes
     request: P.Message

@@ -15,7 +15,8 @@ worker pushes the same key set alike, a synchronous round of the set is summed a
 
 A worker that finished (the scheduler's LEFT) pushes no more: a push into a round it has not
 pushed into is refused with an ERROR naming the key, the round and that worker (the rounds open
-when it left fail: tfkv.ps.departures).
+when it left fail: tfkv.ps.departures). Its own pushes held here when it left are its last
+rounds, not rounds it owes: each joins its round when that opens.
 
 A key holds the dtype its INIT carried (float32, float16 or bfloat16; tfkv.ps.dtypes) and takes
 pushes of that dtype only. A half key's pushes are summed in float32 (as MXNet's servers may: the
@@ -26,12 +27,18 @@ weights and state (MXNet's float16 update); with it the updater keeps a float32 
 to float32 with the threshold a worker announced (SET_COMPRESSION) before they are summed.
 
 A row-sparse key (tfkv.ps.rows: this server's shard of a table's rows) takes pushes and pulls
-that name rows (the protocol's rows frame) and nothing else. Its synchronous round closes as a
+that name rows (the protocol's rows frame) and nothing else; a float16 key's rows are summed in
+float32 and updated as a dense half key's. Its synchronous round closes as a
 dense key's: when every worker has pushed once (a worker whose batch named none of this shard's
 rows pushes no rows, so that the round closes); the rows pushed are then summed per unique row
 and the optimizer updates those rows only (NumpyUpdater.update_rows, MXNet's lazy update), or,
 without one, the shard becomes the summed rows (every other row zero), as MXNet's store does.
 A row pull from a worker that pushed into the open round waits for it, as a dense pull does.
+
+A pull answers after every push its sender made before it. When the sender's next push of the key
+is held for the next round (it pushed again before this round closed: a worker whose last row pull
+skipped this server, its rows all elsewhere, did not wait for this round), the pull is held behind
+that push and waits for the round it opens, so it never returns the round before.
 
 How many of a sender's requests are held unanswered (what a PING answers, for the worker's
 lost-reply detection) is counted from what the rounds hold (`held`), never kept beside them.
@@ -193,6 +200,12 @@ class Rounds(GroupRounds):
             self.value(msg.key)
         r = self._waiting(msg.key, msg.sender)
         if r is not None:
+            if any(h.request.sender == msg.sender for h in r.held):
+                # Its sender's next push waits for the next round: so does the pull, served again
+                # behind that push when the round opens (a pull answers after every push before it,
+                # whichever servers this sender's earlier pulls skipped).
+                r.held.append(Held(identity, msg))
+                return NOTHING
             r.pulls.append((identity, msg))  # answered when the round closes
             return NOTHING
         return [(identity, self._pulled(msg))]
@@ -323,19 +336,20 @@ class Rounds(GroupRounds):
     def _close_rows(self, key: int, shard: Shard, r: Round) -> None:
         """A row-sparse round's rows summed per row, then applied (lazily) or made the shard."""
         local = np.concatenate([ids for ids, _ in r.rows])
-        rows, summed = merge(local, np.concatenate([values for _, values in r.rows]))
+        values = np.concatenate([values for _, values in r.rows])
+        rows, summed = merge(local, values if values.dtype == _F32 else values.astype(_F32))
         if self.updater is not None:
             self.updater.update_rows(key, shard.value, rows, summed)
         else:
             shard.value[...] = 0
-            shard.value[rows] = summed
+            shard.value[rows] = summed  # a float16 key's sum rounded once, here
 
     # -- held requests -------------------------------------------------------------------------
 
     def held(self, sender: int) -> int:
         """How many of `sender`'s requests the rounds hold unanswered: pulls waiting for a round,
-        pushes held for the next round that await an answer (a PUSHPULL always, a PUSH when
-        acknowledged under PS_RESEND), a fused PUSHPULL's len(keys)."""
+        requests held for the next round that await an answer (a PUSHPULL or a PULL always, a PUSH
+        when acknowledged under PS_RESEND), a fused PUSHPULL's len(keys)."""
         count, fused = 0, {}
         for r in self.open.values():
             for _, pull in r.pulls:
@@ -346,8 +360,8 @@ class Rounds(GroupRounds):
             for h in r.held:
                 if h.pull is not None:
                     fused[id(h.pull)] = h.pull
-                elif h.request.sender == sender:
-                    count += 1 if h.request.type == P.Type.PUSHPULL else int(h.request.want_ack)
+                elif h.request.sender == sender:  # a held PUSH awaits an answer only when acknowledged
+                    count += 1 if h.request.type != P.Type.PUSH else int(h.request.want_ack)
         for group in {id(g): g for g in self.grouped.values()}.values():
             waiting = [request for _, request in group.pulls] + [h.request for h in group.held]
             count += len(group.keys) * sum(request.sender == sender for request in waiting)
@@ -371,7 +385,9 @@ class Rounds(GroupRounds):
             pushed = r.pushed if r is not None else set()
             if msg.sender in pushed:
                 continue
-            gone = next((name for wid, name in self.left.items() if wid not in pushed), None)
+            # The sender's own push is never owed by it: a worker that left may still have pushes
+            # held here (its last pulls skipped this server), each opening the round it belongs to.
+            gone = next((name for wid, name in self.left.items() if wid not in pushed and wid != msg.sender), None)
             if gone is not None:
                 return [(identity, P.error(msg, self.never_closes((key,), gone), left=gone))]
         return []

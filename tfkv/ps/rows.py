@@ -1,4 +1,5 @@
-"""A row-sparse key's shard on a server: its rows as one dense (local rows, width) float32 array.
+"""A row-sparse key's shard on a server: its rows as one dense (local rows, width) array of the
+table's dtype (float32, or float16: drawn in float32, then rounded).
 
 A server makes its shard from the table's description an INIT carries (tfkv.ps.schema's
 "table": rows, width, which shard of how many, the sharding, and how to fill it) and never from
@@ -42,16 +43,19 @@ class Shard:
         if self.server >= self.placement.servers:
             raise ValueError(f"shard {self.server} of a table of {self.placement.servers} shards")
         self.rows = self.placement.shard_rows(self.server)
-        nbytes = self.rows * self.width * 4
+        self.dtype = np.dtype(table.get("dtype", "float32"))
+        nbytes = self.rows * self.width * self.dtype.itemsize
         if nbytes > _memory_bytes():
             raise ValueError(f"a shard of {self.rows} rows of {self.width} values ({nbytes} bytes) is more than "
                              "this server's memory: use more servers")
-        self.value = self._made(table["init"], float(table["scale"]), int(table["seed"]))
+        made = self._made(table["init"], float(table["scale"]), int(table["seed"]))
+        self.value = made if self.dtype == made.dtype else made.astype(self.dtype)
 
     def describes(self, table: Mapping[str, Any]) -> bool:
         """Whether `table` is this shard's description (as far as its shape and place go)."""
-        return (self.width, self.server, self.placement) == (
-            table["width"], table["shard"], RowPlacement(table["rows"], table["shards"], table["sharding"]))
+        return (self.width, self.server, self.placement, self.dtype) == (
+            table["width"], table["shard"], RowPlacement(table["rows"], table["shards"], table["sharding"]),
+            np.dtype(table.get("dtype", "float32")))
 
     def _made(self, init: str, scale: float, seed: int) -> np.ndarray:
         if init == "zeros" or not self.rows:
@@ -90,8 +94,8 @@ class Shard:
         when they do not fit this key."""
         if data is None:
             raise ValueError("row ids without their values")
-        if data.dtype != np.float32:
-            raise ValueError(f"a {data.dtype.name} payload; a row-sparse key is float32")
+        if data.dtype != self.dtype:
+            raise ValueError(f"a {data.dtype.name} payload; this row-sparse key is {self.dtype.name}")
         if data.size != len(ids) * self.width:
             raise ValueError(f"{data.size} values for {len(ids)} rows of {self.width}")
         return self.local(ids), data.reshape(len(ids), self.width)

@@ -147,7 +147,8 @@ MAX_ROW_WIDTH = 1 << 24  # values in one row
 # gets the same table description and its own index.
 _TABLE = obj({"rows": integer(1, MAX_TABLE_ROWS), "width": integer(1, MAX_ROW_WIDTH), "shard": _RANK,
               "shards": integer(1, 65535), "sharding": text(8, ("range", "hash")),
-              "init": text(8, ("zeros", "uniform", "normal")), "scale": number, "seed": integer()})
+              "init": text(8, ("zeros", "uniform", "normal")), "scale": number, "seed": integer(),
+              "dtype": text(8, ("float32", "float16"))}, optional_fields=("dtype",))  # float32 when left out
 
 # The schema of every message, keyed by (type name, is a reply). A type missing from the table
 # is never valid in that direction.

@@ -93,17 +93,28 @@ class NumpyUpdater:
         return np.subtract(weight, step)
 
     def update_rows(self, key: int, table: np.ndarray, rows: np.ndarray, grad: np.ndarray) -> None:
-        """Update `table` (local rows, width) in place at its unique `rows` by `grad` (len(rows), width)."""
+        """Update `table` (local rows, width) in place at its unique `rows` by `grad` (len(rows),
+        width). A half table's rows are updated in float32 as `update` does a half weight: state
+        float32, rounded to half each update, or a float32 master copy with multi_precision."""
         if key not in self.state:
-            self.state[key] = tuple(np.zeros_like(table) for _ in self.optimizer.state_names)
+            self.state[key] = tuple(np.zeros(table.shape, np.float32) for _ in self.optimizer.state_names)
             self.count[key] = 0
         state = self.state[key]
         t = np.float32(self.count[key])
-        weight = table[rows]
+        half = table.dtype != np.float32
+        master = None
+        if half and getattr(self.optimizer, "multi_precision", False):
+            master = self.master.get(key)
+            if master is None:
+                master = self.master[key] = table.astype(np.float32)
+        weight = master[rows] if master is not None else table[rows].astype(np.float32, copy=False)
+        grad = grad.astype(np.float32, copy=False)
         new_weight, new_state = self.optimizer.step(optim.NumpyOps, t, weight, grad, tuple(s[rows] for s in state))
-        table[rows] = new_weight
+        if master is not None:
+            master[rows] = new_weight
+        table[rows] = new_weight  # rounded to a half table's dtype
         for s, new in zip(state, new_state):
-            s[rows] = new
+            s[rows] = np.asarray(new).astype(table.dtype).astype(np.float32) if half and master is None else new
         self.count[key] += 1
 
     def get_rows(self, key: int, rows: np.ndarray, width: int) -> tuple[list[np.ndarray], int]:
@@ -116,7 +127,7 @@ class NumpyUpdater:
     def set_rows(self, key: int, table: np.ndarray, rows: np.ndarray, states: list[np.ndarray], count: int) -> None:
         """Set a row-sparse key's states at `rows` (each (len(rows), width)) and its count."""
         if key not in self.state:
-            self.state[key] = tuple(np.zeros_like(table) for _ in self.optimizer.state_names)
+            self.state[key] = tuple(np.zeros(table.shape, np.float32) for _ in self.optimizer.state_names)
         for s, new in zip(self.state[key], states):
             s[rows] = new
         self.count[key] = int(count)

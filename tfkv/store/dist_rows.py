@@ -11,8 +11,9 @@ server's round closes. `row_sparse_pull` asks each owning server for its unique 
 of at most kvstore.chunk_bytes; `row_sparse_pull_async` sends those requests without waiting
 (safe from a TensorFlow op's thread, under the link's lock) and `rows` takes them. In a
 synchronous job a row pull sent after this worker's push of a round is answered once that round
-closed, as a dense pull is. `push_bytes` and `pull_bytes` count the payload bytes sent and asked
-for (row ids included).
+closed, as a dense pull is. A key holds float32 or float16 (its init's dtype, or a Table's
+`dtype`): its rows travel, and the servers keep them, in that dtype. `push_bytes` and
+`pull_bytes` count the payload bytes sent and asked for (row ids included).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class TableKey(NamedTuple):
     shape: tuple[int, ...]
     width: int  # values per row
     placement: RowPlacement
+    dtype: np.dtype  # float32 or float16
 
 
 class RowPull(NamedTuple):
@@ -83,30 +85,31 @@ class RowSparseKeys:
         if k in self._ids:
             raise ValueError(f"key {k!r} is already initialised")
         if isinstance(value, Table):
+            dtype = np.dtype(value.dtype)
             shape, rows, spec = value.shape, None, {"init": value.init, "scale": float(value.scale),
                                                     "seed": int(value.seed) % (1 << 63)}
         else:
             given = RowSparse.of(value)
-            sparse.check_table_dtype(k, np.asarray(given.data).dtype)
-            rows = sparse.check_rows(k, given, given.shape, what="init")  # on every worker: the same refusals
+            dtype = sparse.check_table_dtype(k, np.asarray(given.data).dtype)
+            rows = sparse.check_rows(k, given, given.shape, dtype, what="init")  # on every worker: the same refusals
             shape, spec = given.shape, {"init": "zeros", "scale": 0.0, "seed": 0}
         if len(shape) < 1 or shape[0] < 1:
             raise ValueError(f"init of key {k!r}: a table of shape {shape}; give (rows, *row_shape)")
         width = int(np.prod(shape[1:], dtype=np.int64))
         placement = RowPlacement(shape[0], self.servers.count, self.env.row_sharding)
         kid = self._id(k)  # once the value was found good: a refused init leaves no key behind
-        self._tables[kid] = TableKey(tuple(shape), width, placement)
+        self._tables[kid] = TableKey(tuple(shape), width, placement, dtype)
         if self.rank == 0:  # worker 0's value wins; the others wait at the barrier
             for s in range(self.servers.count):
                 meta = {"table": {"rows": shape[0], "width": width, "shard": s, "shards": self.servers.count,
-                                  "sharding": placement.sharding, **spec}}
+                                  "sharding": placement.sharding, "dtype": dtype.name, **spec}}
                 self.servers.request(s, P.Message(P.Type.INIT, key=kid, meta=meta))
             if rows is not None:
                 self._send_rows(kid, rows.merged())
 
     def set_rows(self, key: Key, rows: Any) -> None:
         kid, table = self._table(key, "sparse_pull")
-        given = sparse.check_rows(key, RowSparse.of(rows, table.shape), table.shape, what="set_rows")
+        given = sparse.check_rows(key, RowSparse.of(rows, table.shape), table.shape, table.dtype, what="set_rows")
         if self.rank == 0:  # worker 0's rows win, as with init; the caller's barrier waits for them
             self._send_rows(kid, given)
             self.servers.settle()
@@ -114,7 +117,7 @@ class RowSparseKeys:
     def _send_rows(self, kid: int, rows: RowSparse) -> None:
         """Rows (ids unique) of table `kid` to their owners, in chunks of at most chunk_bytes."""
         table = self._tables[kid]
-        data = np.ascontiguousarray(rows.data, np.float32).reshape(len(rows.indices), table.width)
+        data = np.ascontiguousarray(rows.data, table.dtype).reshape(len(rows.indices), table.width)
         for s, positions in enumerate(table.placement.split(rows.indices)):
             for chunk in row_chunks(len(positions), table.width, self.env.chunk_bytes):
                 at = positions[chunk]
@@ -129,13 +132,13 @@ class RowSparseKeys:
             raise sparse.refused("compression", k)
         if not values or not all(sparse.is_rows(v) for v in values):
             raise sparse.refused("dense_push", k)
-        given = [sparse.check_rows(k, RowSparse.of(v, table.shape), table.shape) for v in values]
+        given = [sparse.check_rows(k, RowSparse.of(v, table.shape), table.shape, table.dtype) for v in values]
         if len(given) == 1:
             rows = given[0].merged()
         else:
             rows = RowSparse(np.concatenate([np.asarray(g.data) for g in given]),
                              np.concatenate([g.indices for g in given]), table.shape).merged()
-        data = np.ascontiguousarray(rows.data, np.float32).reshape(len(rows.indices), table.width)
+        data = np.ascontiguousarray(rows.data, table.dtype).reshape(len(rows.indices), table.width)
         with self.servers.lock:  # one push's messages together, whichever thread pushes (a TensorFlow op's)
             for s, positions in enumerate(table.placement.split(rows.indices)):
                 if not len(positions) and not self.sync:
@@ -178,7 +181,7 @@ class RowSparseKeys:
         for s, positions in enumerate(table.placement.split(unique)):
             for chunk in row_chunks(len(positions), table.width, self.env.chunk_bytes):
                 at = positions[chunk]
-                self.pull_bytes += at.size * (8 + 4 * table.width)
+                self.pull_bytes += at.size * (8 + table.dtype.itemsize * table.width)
                 requests.append((self.servers.request(s, P.Message(P.Type.PULL, key=kid, rows=unique[at])), at))
         return RowPull(k, table, unique, requests)
 
@@ -190,7 +193,7 @@ class RowSparseKeys:
         self.servers.wait([seq for pull in pending.pulls for seq, _ in pull.requests])
         results = []
         for pull in pending.pulls:
-            data = np.empty((len(pull.ids), pull.table.width), np.float32)
+            data = np.empty((len(pull.ids), pull.table.width), pull.table.dtype)
             for seq, at in pull.requests:
                 reply = self.servers.take(seq)
                 if reply.data is None or reply.data.size != at.size * pull.table.width:

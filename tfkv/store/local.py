@@ -17,8 +17,10 @@ each update, or on a float32 master copy with `multi_precision`). 2-bit compress
 residuals in float32 and the decoded sum is cast back to the key's dtype.
 
 Row-sparse keys (init with a tfkv.store.RowSparse or Table; tfkv.store.tf_rows) are a float32
-variable of the whole table here too, as MXNet's local store holds them. A push of rows (a
-RowSparse, a tf.IndexedSlices, or one per device) is summed without densifying and, with an
+or float16 variable of the whole table here too, as MXNet's local store holds them (a float16
+key's devices' rows summed in float16, as MXNet's, and updated in float32 as a dense half key).
+A push of rows (a RowSparse, a tf.IndexedSlices, or one per device) is summed without
+densifying and, with an
 optimizer, updates only those rows and their state (MXNet's lazy update); without one the key
 becomes the pushed rows, zero elsewhere (MXNet's). `row_sparse_pull` and `pull_rows` gather rows.
 All of it works eagerly and inside a tf.function (rows then come back as tensors). A Python
@@ -120,7 +122,7 @@ class LocalStore(KVStore):
             raise sparse.refused("updater", key)
         if getattr(self, "_compression", None) is not None:
             raise sparse.refused("compression", key)
-        parts = [tf_rows.rows_of(key, v, var.shape) for v in values]
+        parts = [tf_rows.rows_of(key, v, var.shape, var.dtype) for v in values]
         with tf.device(self._home[key] if self._sum_on_home else "/device:CPU:0"):
             ids, rows = tf_rows.summed(parts)
         # After the checks: a push refused in a graph (an id out of range) changes nothing.
@@ -142,7 +144,8 @@ class LocalStore(KVStore):
 
     def set_rows(self, key: Key, rows: Any) -> None:
         var = self._sparse_var(key)
-        given = sparse.check_rows(key, RowSparse.of(rows, tuple(var.shape)), tuple(var.shape), what="set_rows")
+        given = sparse.check_rows(key, RowSparse.of(rows, tuple(var.shape)), tuple(var.shape),
+                                  var.dtype.as_numpy_dtype, what="set_rows")
         with tf.device(self._home[key]):
             var.scatter_update(tf.IndexedSlices(tf.constant(given.data), tf.constant(given.indices)))
 

@@ -23,6 +23,7 @@ import numpy as np
 from tfkv.errors import ConfigError
 
 FLOAT32 = np.dtype(np.float32)
+ROW_DTYPES = (FLOAT32, np.dtype(np.float16))  # what a row-sparse key may hold (MXNet's: float32, float16)
 INITS = ("uniform", "normal", "zeros")
 
 
@@ -110,7 +111,8 @@ class RowSparse:
 class Table:
     """A row-sparse key whose rows the store makes: `init` "uniform" (in [-scale, scale]),
     "normal" (standard deviation `scale`) or "zeros", drawn from `seed` (and the key) where the
-    rows live, never on a worker. float32 only. Plain data: it travels to the servers as JSON."""
+    rows live, never on a worker. `dtype` float32 or float16 (drawn in float32, then rounded).
+    Plain data: it travels to the servers as JSON."""
 
     shape: tuple[int, ...]
     dtype: str = "float32"
@@ -126,8 +128,8 @@ class Table:
         if len(shape) < 1 or any(s < 1 for s in shape):
             raise ValueError(f"Table shape {shape}: give (rows, *row_shape), every size at least 1")
         object.__setattr__(self, "shape", shape)
-        if np.dtype(self.dtype) != FLOAT32:
-            raise ValueError(f"Table dtype {self.dtype!r}: a row-sparse key holds float32")
+        if np.dtype(self.dtype) not in ROW_DTYPES:
+            raise ValueError(f"Table dtype {self.dtype!r}: a row-sparse key holds float32 or float16")
         if self.init not in INITS:
             raise ValueError(f"Table init {self.init!r} is unknown; choose one of {', '.join(INITS)}")
         if not (isinstance(self.scale, (int, float)) and math.isfinite(self.scale) and self.scale >= 0):
@@ -203,11 +205,14 @@ def check_rows(key: Hashable, rows: RowSparse, shape: Sequence[int], dtype: Any 
     return RowSparse(data, check_ids(key, ids, shape[0], what), shape)
 
 
-def check_table_dtype(key: Hashable, dtype: Any, what: str = "init") -> None:
-    """Row-sparse keys are float32: a half (or any other) dtype refused, naming the key."""
-    if np.dtype(getattr(dtype, "as_numpy_dtype", dtype)) != FLOAT32:
-        name = np.dtype(getattr(dtype, "as_numpy_dtype", dtype)).name
-        raise ValueError(f"{what} of key {key!r}: a row-sparse key holds float32, not {name}; give float32 rows")
+def check_table_dtype(key: Hashable, dtype: Any, what: str = "init") -> np.dtype:
+    """The row-sparse key's dtype (numpy): float32 or float16 (as MXNet's); any other refused,
+    naming the key."""
+    held = np.dtype(getattr(dtype, "as_numpy_dtype", dtype))
+    if held not in ROW_DTYPES:
+        raise ValueError(f"{what} of key {key!r}: a row-sparse key holds float32 or float16, not {held.name}; give "
+                         "float32 or float16 rows")
+    return held
 
 
 # -- the refusals of dense operations on row-sparse keys and the reverse ---------------------------

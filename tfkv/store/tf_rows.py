@@ -5,7 +5,8 @@ naming the key); inside a tf.function, where the trainer traces the store into i
 is known when tracing (dtype, row shape) is checked then and the ids' range by an assertion in
 the graph. Rows are summed without densifying (concatenated, then a segment sum over the
 unique ids), and a `Table`'s rows are drawn with TensorFlow's stateless random ops from its
-seed and the key.
+seed and the key. A key holds float32 or float16 (the dtype it was initialised with); a push
+of another dtype is refused naming the key.
 """
 
 from __future__ import annotations
@@ -23,12 +24,15 @@ from tfkv.store.sparse import RowSparse, Table
 def table_values(key: Hashable, table: Table) -> tf.Tensor:
     """The whole table as its `init` draws it: the same rows for the same seed and key."""
     if table.init == "zeros":
-        return tf.zeros(table.shape, tf.float32)
+        return tf.zeros(table.shape, table.dtype)
     # The key in the seed: two tables of one seed differ. crc32, not hash(): stable across runs.
     seed = tf.constant([int(table.seed) % 2**63, zlib.crc32(repr(key).encode())], tf.int64)
     if table.init == "normal":
-        return tf.random.stateless_normal(table.shape, seed, stddev=table.scale, dtype=tf.float32)
-    return tf.random.stateless_uniform(table.shape, seed, minval=-table.scale, maxval=table.scale, dtype=tf.float32)
+        drawn = tf.random.stateless_normal(table.shape, seed, stddev=table.scale, dtype=tf.float32)
+    else:
+        drawn = tf.random.stateless_uniform(table.shape, seed, minval=-table.scale, maxval=table.scale,
+                                            dtype=tf.float32)
+    return tf.cast(drawn, table.dtype)  # a float16 table: the float32 draw rounded, as the servers make it
 
 
 def initial(key: Hashable, value: Any) -> Any:
@@ -39,20 +43,25 @@ def initial(key: Hashable, value: Any) -> Any:
     rows = RowSparse.of(value)
     if not rows.shape:
         raise ValueError(f"init of key {key!r}: rows without a dense shape; give RowSparse(data, indices, shape)")
-    return sparse.check_rows(key, rows, rows.shape, what="init").dense()
+    dtype = sparse.check_table_dtype(key, np.asarray(rows.data).dtype)
+    return sparse.check_rows(key, rows, rows.shape, dtype, what="init").dense()
 
 
-def rows_of(key: Hashable, value: Any, shape: Sequence[int]) -> tuple[tf.Tensor, tf.Tensor]:
-    """(data, int64 ids) of a pushed RowSparse or tf.IndexedSlices for a key of dense `shape`,
-    checked: eagerly in numpy, in a graph what tracing knows and the ids' range by assertion."""
+def rows_of(key: Hashable, value: Any, shape: Sequence[int], dtype: Any = tf.float32) -> tuple[tf.Tensor, tf.Tensor]:
+    """(data, int64 ids) of a pushed RowSparse or tf.IndexedSlices for a key of dense `shape`
+    holding `dtype`, checked: eagerly in numpy, in a graph what tracing knows and the ids' range
+    by assertion."""
     if not sparse.is_rows(value):
         raise sparse.refused("dense_push", key)
+    held = tf.as_dtype(dtype)
     if tf.executing_eagerly():
-        rows = sparse.check_rows(key, RowSparse.of(value, shape), shape)
+        rows = sparse.check_rows(key, RowSparse.of(value, shape), shape, held.as_numpy_dtype)
         return tf.constant(rows.data), tf.constant(rows.indices)
     data, ids = (value.data, value.indices) if isinstance(value, RowSparse) else (value.values, value.indices)
     data = tf.convert_to_tensor(data)
-    sparse.check_table_dtype(key, data.dtype, "push")
+    if sparse.check_table_dtype(key, data.dtype, "push") != held.as_numpy_dtype:
+        raise ValueError(f"push of key {key!r}: {data.dtype.name} rows for a {held.name} row-sparse key; cast them "
+                         f"first (tf.cast(rows, {held.name!r}))")
     if data.shape.rank is not None and tuple(data.shape[1:]) != tuple(shape[1:]):
         raise ValueError(f"push of key {key!r}: rows of shape {tuple(data.shape[1:])} for a table whose rows have "
                          f"shape {tuple(shape[1:])}")

@@ -79,15 +79,25 @@ class TFUpdater:
 
     def update_rows(self, key: Hashable, weight: Any, ids: Any, grad: Any) -> None:
         """MXNet's lazy update of a row-sparse key: the rule applied to the rows `ids` (unique)
-        of `weight` (a float32 variable) and of its state, with `grad` their summed gradients,
+        of `weight` (a float32 or half variable) and of its state, with `grad` their summed gradients,
         and scattered back; other rows and their state are left alone. The count is the key's,
         one per update however many rows it names."""
         count = self._count[key]
         states = self._state[key]
-        rows = tf.gather(weight, ids)
+        half = weight.dtype if weight.dtype in _HALF else None
+        master = self._master.get(key)
+        if half is None:
+            rows = tf.gather(weight, ids)
+        else:  # a half table's rows updated in float32, as `update` does a half weight
+            rows = tf.gather(master, ids) if master is not None else tf.cast(tf.gather(weight, ids), tf.float32)
+            grad = tf.cast(grad, tf.float32)
         new_rows, new_state = self.optimizer.step(TFOps, tf.cast(count, tf.float32), rows, grad,
                                                   tuple(tf.gather(s, ids) for s in states))
-        weight.scatter_update(tf.IndexedSlices(new_rows, ids))
+        if half is not None and master is None:  # MXNet's half update: state rounded to half too
+            new_state = tuple(tf.cast(tf.cast(v, half), tf.float32) for v in new_state)
+        elif master is not None:
+            master.scatter_update(tf.IndexedSlices(new_rows, ids))
+        weight.scatter_update(tf.IndexedSlices(new_rows if half is None else tf.cast(new_rows, half), ids))
         for var, value in zip(states, new_state):
             var.scatter_update(tf.IndexedSlices(value, ids))
         count.assign_add(1)
