@@ -100,11 +100,14 @@ def _load(path: str) -> Any:
     full = os.path.abspath(os.path.expanduser(path))
     if not os.path.isfile(full):
         raise ConfigError(f"model.path={path}: no such file ({full}); give a .keras file saved by model.save")
+    from tfkv.models import input_scaling
+
     try:
-        return keras.models.load_model(full, compile=False)
+        model = keras.models.load_model(full, compile=False)
     except Exception as e:  # noqa: BLE001 - Keras says why in its first line
         raise ConfigError(f"model.path={path} cannot be loaded: {str(e).splitlines()[0]}; "
                           "give a .keras file saved by keras' model.save") from None
+    return input_scaling.without(model)  # a tfkv export's scaling: the pipeline scales its inputs
 
 
 def layer_groups(node: Mapping[str, Any]) -> Any:
