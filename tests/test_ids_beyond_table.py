@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = '''
-"""A user's package: an Embedding of 40 rows, and data whose ids reach 40 in epoch 2 only."""
+"""A user's package: embeddings of 40 rows, and data whose ids reach past 40 in epoch 2 only."""
 import keras
 import numpy as np
 import tensorflow as tf
@@ -27,6 +27,25 @@ def bag(num_classes):
     return keras.Model(ids, keras.layers.Dense(num_classes)(x))
 
 
+class ShardedBag(keras.Model):
+    """Subclassed, so its ShardedEmbedding fetches its rows at lookup time (no probe)."""
+
+    def __init__(self, num_classes, **kwargs):
+        super().__init__(**kwargs)
+        from tfkv.layers import ShardedEmbedding
+
+        self.embed = ShardedEmbedding(40, 8, rows_per_batch=64, name="sharded_words")
+        self.pool = keras.layers.GlobalAveragePooling1D()
+        self.out = keras.layers.Dense(num_classes)
+
+    def call(self, x):
+        return self.out(self.pool(self.embed(x)))
+
+
+def sharded_bag(num_classes):
+    return ShardedBag(num_classes)
+
+
 def tokens(split, epoch):
     rng = np.random.default_rng(2 if split == "train" else 3)
     x = rng.integers(0, 40, size=(256, 4)).astype(np.int32)
@@ -36,7 +55,7 @@ def tokens(split, epoch):
     return tf.data.Dataset.from_tensor_slices((x, y))
 '''
 
-WORDS = ("model._target_=userpkg.bag", "~model.hidden", "~model.dropout", "dataset._target_=userpkg.tokens",
+WORDS = ("~model.hidden", "~model.dropout", "dataset._target_=userpkg.tokens",
          "~dataset.test_fraction", "+dataset.num_classes=2", "batch_size=32", "epochs=3")
 
 
@@ -63,13 +82,16 @@ def _one_line(proc: subprocess.CompletedProcess, *words: str) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("row_sparse", ["true", "false"])
-def test_a_keras_embedding_fed_an_id_past_its_table(project: Path, row_sparse: str) -> None:
+@pytest.mark.parametrize("model, row_sparse, layer", [
+    ("bag", "true", "words"), ("bag", "false", "words"), ("sharded_bag", "false", "sharded_words"),
+], ids=["row-sparse", "dense", "subclassed-sharded"])
+def test_an_embedding_fed_an_id_past_its_table(project: Path, model: str, row_sparse: str, layer: str) -> None:
     """Epoch 1 trains and checkpoints; epoch 2's data holds id 57 for a table of 40 rows. A
     row-sparse table's ids are checked before its rows are asked for; a dense one's lookup fails
-    inside the step (on CPU), and TensorFlow's error is told as the same line."""
-    proc = _run(project, *WORDS, f"kvstore.row_sparse={row_sparse}")
-    _one_line(proc, "'words'", "row id 57", "40 rows")
+    inside the step (on CPU), and a subclassed model's ShardedEmbedding's fetch at lookup time
+    refuses them: TensorFlow's error is told as the same line."""
+    proc = _run(project, f"model._target_=userpkg.{model}", *WORDS, f"kvstore.row_sparse={row_sparse}")
+    _one_line(proc, f"'{layer}'", "row id 57", "40 rows")
     assert (project / "out" / "checkpoints" / "epoch-0001").is_dir()  # what was written stays
     assert not (project / "out" / "model.keras").exists()
 
@@ -83,7 +105,7 @@ def test_the_ctr_experiment_with_a_larger_vocabulary_in_the_data(tmp_path: Path)
 
 @pytest.mark.slow
 def test_in_a_dist_sync_job(project: Path) -> None:
-    proc = _run(project, *WORDS, "kvstore.row_sparse=true", "kvstore=dist_sync", "cluster=local",
-                "cluster.num_workers=2", "cluster.num_servers=1", "batch_size=16")
+    proc = _run(project, "model._target_=userpkg.bag", *WORDS, "kvstore.row_sparse=true", "kvstore=dist_sync",
+                "cluster=local", "cluster.num_workers=2", "cluster.num_servers=1", "batch_size=16")
     _one_line(proc, "'words'", "row id 57", "40 rows")
     assert (project / "out" / "checkpoints" / "epoch-0001").is_dir()

@@ -182,7 +182,7 @@ class DataParallel(Parallel):
     def step(self, x: Any, y: Any, upcoming: Any = None) -> None:
         """Train on one batch (x, y) of sum(batch_sizes) examples; `upcoming`: the x of the next
         call, if known, whose table rows are requested while this batch computes."""
-        with sparse.ids_refusal(self.replicas[0]):  # an id past its table: one line, not TF's traceback
+        with sparse.ids_refusal(self.replicas):  # an id past its table: one line, not TF's traceback
             if self.jit_compile and not self._compiled:
                 with _xla_refusal():  # the first step is where XLA compiles
                     self._step_once(x, y, upcoming)
@@ -370,7 +370,7 @@ class DataParallel(Parallel):
     # -- metrics, evaluation, state ------------------------------------------------------------
 
     def _eval_batch(self, x: Any, y: Any) -> None:
-        with sparse.ids_refusal(self.replicas[0]):
+        with sparse.ids_refusal(self.replicas):
             (self._eval_compiled if self.sparse is None else self._eval_with_rows)(x, y)
 
     def _eval_with_rows(self, x: Any, y: Any) -> None:

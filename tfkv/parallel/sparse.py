@@ -342,20 +342,26 @@ _GATHER_PAST = re.compile(r"indices\[[\d,]*\] = (-?\d+) is not in \[0, (\d+)\)\s
 
 
 @contextlib.contextmanager
-def ids_refusal(model: Any) -> Iterator[None]:
+def ids_refusal(models: Sequence[Any]) -> Iterator[None]:
     """An embedding lookup past its table inside a compiled step (a table the probe does not
-    see: a dense one, or a subclassed model's) as the one line `beyond_table` says, the layer
-    found by the name in the op's scope (Keras may add `_1` to it)."""
+    see) as the one line `beyond_table` says: a ShardedEmbedding's lookup-time fetch keeps its
+    refusal (raised inside TensorFlow, it comes back wrapped); a dense table's gather (on CPU)
+    is found by the layer's name in the op's scope (Keras may add `_1` to it)."""
     try:
         yield
-    except tf.errors.InvalidArgumentError as e:
-        found = _GATHER_PAST.search(e.message)
+    except tf.errors.OpError as e:
+        layers = [layer for m in models for layer in m._flatten_layers(include_self=False)
+                  if isinstance(layer, keras.layers.Embedding)]
+        refused = next((f.refused for f in (getattr(layer, "fetch", None) for layer in layers)
+                        if isinstance(f, _Fetcher) and f.refused is not None), None)
+        if refused is not None:
+            raise refused from None
+        found = _GATHER_PAST.search(e.message) if isinstance(e, tf.errors.InvalidArgumentError) else None
         if found is None:
             raise
         row_id, rows, node = int(found[1]), int(found[2]), found[3]
         scopes = node.split("/")[:-1]
-        layer = next((layer.name for layer in model._flatten_layers(include_self=False)
-                      if isinstance(layer, keras.layers.Embedding) and int(layer.input_dim) == rows
+        layer = next((layer.name for layer in layers if int(layer.input_dim) == rows
                       and any(re.fullmatch(re.escape(layer.name) + r"(_\d+)?", s) for s in scopes)), None)
         if layer is None:
             raise
@@ -371,10 +377,17 @@ def _described(t: SparseTable) -> str:
 class _Fetcher:
     """A ShardedEmbedding's lookup-time fetch: (sorted ids, rows) of the ids asked for."""
 
+    refused: DataError | None = None  # ids past the table: what ids_refusal raises after the step
+
     def __init__(self, store: KVStore, table: SparseTable) -> None:
         self.store, self.table = store, table
 
     def __call__(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        rows = self.table.shape[0]
+        past = ids[(ids < 0) | (ids >= rows)]
+        if len(past):
+            self.refused = beyond_table(self.table.name, int(past[0]), rows)
+            raise self.refused
         limit = self.table.copies[0].rows_per_batch
         if len(ids) > limit:
             raise ValueError(f"ShardedEmbedding {self.table.name!r}: a batch reads {len(ids)} distinct rows, more than "
