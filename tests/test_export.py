@@ -77,13 +77,41 @@ def _run(tmp_path: Path, *args: str) -> Path:
 
 
 def _trained_outputs(run: Path, x: np.ndarray) -> np.ndarray:
-    """The trained model's outputs: the MLP rebuilt with the weights of the run's last checkpoint."""
+    """The trained model's outputs on the digits `x` as the data set holds them: the MLP rebuilt
+    with the weights of the run's last checkpoint, given `x` scaled as tfkv's pipeline scales it."""
     from tfkv import checkpoint
+    from tfkv.data import digits
     from tfkv.models import mlp
 
+    data = digits.load()
     model = mlp.build(input_shape=x.shape[1:], num_classes=10, hidden=[256, 128])
     model.set_weights(checkpoint.load(checkpoint.latest(run)).weights)
-    return np.asarray(model(x))
+    return np.asarray(model((x - np.float32(data.mean[0])) / np.float32(data.std[0])))
+
+
+def test_the_exported_model_takes_the_data_sets_own_inputs(tmp_path):
+    """The digits as tfkv.data.digits.load() gives them ([0, 1]; tfkv's pipeline standardises them
+    with the training split's statistics): plain Keras, without tfkv, given those inputs scores
+    what tfkv reported (before the fix: 0.908 where tfkv said 0.983)."""
+    import keras
+
+    from tfkv.data import digits
+
+    run = _run(tmp_path)
+    reported = json.loads((run / "metrics.json").read_text())
+    data = digits.load()
+    logits = _outputs_without_tfkv(run / "model.keras", data.x_test, tmp_path)
+    assert float(np.mean(np.argmax(logits, -1) == data.y_test)) == pytest.approx(reported["test_accuracy"], abs=1e-6)
+    loss = float(keras.losses.SparseCategoricalCrossentropy(from_logits=True)(data.y_test, logits))
+    assert loss == pytest.approx(reported["test_loss"], rel=1e-4)
+    assert reported["test_accuracy"] > 0.8
+    # Trained on from the export (model=saved), with steps too small to change a weight (lr
+    # 1e-30): the same model, its inputs scaled once by the pipeline, never twice.
+    tfkv_run("epochs=1", "progress=false", "model=saved", f"model.path={run / 'model.keras'}", "optimizer.lr=1e-30",
+             "optimizer.wd=0", "hydra.run.dir=outputs/b", cwd=tmp_path)
+    again = json.loads((tmp_path / "outputs" / "b" / "metrics.json").read_text())
+    assert again["test_accuracy"] == reported["test_accuracy"]
+    assert again["test_loss"] == pytest.approx(reported["test_loss"], rel=1e-5)
 
 
 def _digits_batch() -> np.ndarray:

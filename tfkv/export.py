@@ -1,7 +1,10 @@
 """What a run leaves for use outside tfkv, and evaluating a checkpoint without training.
 
 `model.keras` in the run directory is the trained model saved by Keras itself, loadable with
-`keras.models.load_model` where tfkv is not installed. A layer of one of tfkv's own classes (the
+`keras.models.load_model` where tfkv is not installed. It takes the inputs as the data set holds
+them: where tfkv's pipeline scales a data set's inputs (raw pixels to [0, 1], its training
+split's mean and standard deviation), the model starts with the same steps as Keras layers
+(`tfkv.models.input_scaling`). A layer of one of tfkv's own classes (the
 LSTM model's Embedding, whose gradient is dense for the stores) is saved as the Keras class it
 extends, from the same config with the same weights: it computes the same outputs (a
 `tfkv.layers.ShardedEmbedding` is saved as the `keras.layers.Embedding` it extends, with the whole
@@ -104,21 +107,25 @@ def write(cfg: Any, source: Any, weights: Sequence[Any], run_dir: Path) -> Path:
     in memory, unless a SavedModel is asked for too (TensorFlow's export needs the variables)."""
     from tfkv import models
     from tfkv.layers import ShardedEmbedding, serving_rows
+    from tfkv.models import input_scaling
 
     def build() -> Any:
         return models.build(cfg.model, input_shape=source.input_shape, input_spec=source.input_spec,
                             num_classes=source.outputs)
 
+    def scaled(model: Any) -> Any:  # takes the inputs as the data set holds them (see input_scaling)
+        return input_scaling.wrap(model, source.input_scaling, source.input_spec)
+
     if not cfg.export.saved_model:
         with serving_rows():  # each ShardedEmbedding a cache of rows: its table is written by rows
             model = build()
         if any(isinstance(layer, ShardedEmbedding) for layer in model._flatten_layers()):
-            path = save_by_rows(model, list(weights), run_dir)
+            path = save_by_rows(scaled(model), list(weights), run_dir)
             log.info("model saved: %s (its tables written by rows)", path)
             return path
     model = build()
     model.set_weights(list(weights))
-    path = save(model, run_dir, bool(cfg.export.saved_model))
+    path = save(scaled(model), run_dir, bool(cfg.export.saved_model))
     log.info("model saved: %s%s", path, f" and {run_dir / SAVED_MODEL_DIR}" if cfg.export.saved_model else "")
     return path
 

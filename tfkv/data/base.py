@@ -37,6 +37,30 @@ def input_scale(x: np.ndarray) -> float:
     return 255.0 if x.dtype == np.uint8 else 1.0
 
 
+@dataclass(frozen=True)
+class InputScaling:
+    """What the pipeline does to a data set's inputs before the model sees them: x / `scale`,
+    then (x - `mean`) / `std` per channel (the last axis; one value: every channel). The exported
+    model starts with the same steps (tfkv.export), so it takes the inputs as the data set holds them."""
+
+    scale: float
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+    @property
+    def standardizes(self) -> bool:
+        return not (all(m == 0 for m in self.mean) and all(s == 1 for s in self.std))
+
+
+def input_scaling(ds: DataSet) -> InputScaling | None:
+    """The scaling of `ds`'s inputs, None where they reach the model as stored: token ids
+    (signed integers), or float inputs with no normalisation."""
+    if np.issubdtype(ds.x_train.dtype, np.signedinteger):
+        return None
+    scaling = InputScaling(input_scale(ds.x_train), tuple(float(m) for m in ds.mean), tuple(float(s) for s in ds.std))
+    return scaling if scaling.scale != 1.0 or scaling.standardizes else None
+
+
 def shard_range(length: int, num_parts: int, part_index: int) -> tuple[int, int]:
     """[start, end) of worker `part_index`'s contiguous shard, as MXNet's SplitSampler cuts it.
 

@@ -10,7 +10,7 @@ from typing import Callable
 import numpy as np
 import tensorflow as tf
 
-from tfkv.data.base import DataSet, input_scale, shard_range, steps_per_epoch
+from tfkv.data.base import DataSet, input_scaling, shard_range, steps_per_epoch
 
 PAD = 4  # pixels of zero padding around an image before the random crop back to its size
 MIN_AUGMENT_SIZE = 16  # smaller images (digits) lose too much to a 4-pixel shift; never augment
@@ -20,7 +20,8 @@ _AUGMENT_SALT = 0x5EED  # keeps the augmentation stream apart from the shuffle s
 def _to_unit(ds: DataSet) -> Callable[[tf.Tensor], tf.Tensor]:
     if np.issubdtype(ds.x_train.dtype, np.signedinteger):
         return lambda x: x  # token ids stay integers (exact, no cast back in the embedding)
-    scale = input_scale(ds.x_train)
+    scaling = input_scaling(ds)
+    scale = scaling.scale if scaling is not None else 1.0
 
     def to_unit(x: tf.Tensor) -> tf.Tensor:
         x = tf.cast(x, tf.float32)
@@ -36,11 +37,11 @@ def _labels(y: np.ndarray) -> np.ndarray:
 
 
 def _standardize(ds: DataSet) -> Callable[[tf.Tensor], tf.Tensor]:
-    mean = np.asarray(ds.mean, dtype=np.float32)
-    std = np.asarray(ds.std, dtype=np.float32)
-    if np.all(mean == 0) and np.all(std == 1):
+    scaling = input_scaling(ds)
+    if scaling is None or not scaling.standardizes:
         return lambda x: x
     # per-channel constants broadcast over the last axis
+    mean, std = np.asarray(scaling.mean, np.float32), np.asarray(scaling.std, np.float32)
     return lambda x: (x - tf.constant(mean)) / tf.constant(std)
 
 

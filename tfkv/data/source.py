@@ -43,7 +43,7 @@ import numpy as np
 
 from tfkv import target
 from tfkv.data import streaming
-from tfkv.data.base import DataSet, steps_per_epoch
+from tfkv.data.base import DataSet, input_scaling, steps_per_epoch
 from tfkv.errors import ConfigError, DataError
 
 log = logging.getLogger("tfkv")
@@ -139,6 +139,13 @@ class Source:
             dtype = tf.int32 if np.issubdtype(x.dtype, np.signedinteger) else tf.float32
             return tf.TensorSpec(x.shape[1:], dtype)
         return self._unbatched(self._spec[0])
+
+    @property
+    def input_scaling(self) -> Any:
+        """What the pipeline does to the inputs before the model sees them
+        (`tfkv.data.base.InputScaling`), None where it takes them as they are: a factory's
+        tf.data.Dataset, or arrays that need no scaling."""
+        return input_scaling(self.memory) if self.memory is not None else None
 
     @property
     def label_spec(self) -> Any:

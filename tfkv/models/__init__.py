@@ -66,6 +66,29 @@ def build(node: Mapping[str, Any], **provided: Any) -> Any:
     if not isinstance(model, keras.Model):
         raise ConfigError(f"model._target_={node['_target_']} returned a {type(model).__name__}, not a keras.Model; "
                           "return the model (e.g. keras.Model(inputs, outputs))")
+    return _built(model, provided.get("input_spec"), str(node["_target_"]))
+
+
+def _built(model: Any, input_spec: Any, name: str) -> Any:
+    """`model` with every weight made. A subclassed model whose builder never called it has none
+    yet (its layers make theirs on their first call): without this, the store would get no keys and
+    nothing would train. Built as Keras's `fit` builds it before its first batch: called once on
+    symbolic inputs of the data's spec (`backend.compute_output_spec`: no data computed, no
+    graph node left on the model)."""
+    if input_spec is None or all(layer.built for layer in model._flatten_layers()):
+        return model
+    import tensorflow as tf
+    from keras.src import backend
+
+    x = tf.nest.map_structure(lambda s: backend.KerasTensor((None, *s.shape), s.dtype.name), input_spec)
+    try:
+        backend.compute_output_spec(model, x, training=False)
+    except Exception as e:  # noqa: BLE001 - the model's own error, in its first line
+        shapes = tf.nest.map_structure(lambda s: tuple(s.shape), input_spec)
+        raise ConfigError(f"model._target_={name} returned a model that is not built, and calling it on a batch "
+                          f"of the data's inputs (shape {shapes} per example) fails: {str(e).strip().splitlines()[0]}; "
+                          "make the model take the data's inputs, or build it in the builder "
+                          "(model.build(shape) or a keras.Input)") from None
     return model
 
 
@@ -77,11 +100,14 @@ def _load(path: str) -> Any:
     full = os.path.abspath(os.path.expanduser(path))
     if not os.path.isfile(full):
         raise ConfigError(f"model.path={path}: no such file ({full}); give a .keras file saved by model.save")
+    from tfkv.models import input_scaling
+
     try:
-        return keras.models.load_model(full, compile=False)
+        model = keras.models.load_model(full, compile=False)
     except Exception as e:  # noqa: BLE001 - Keras says why in its first line
         raise ConfigError(f"model.path={path} cannot be loaded: {str(e).splitlines()[0]}; "
                           "give a .keras file saved by keras' model.save") from None
+    return input_scaling.without(model)  # a tfkv export's scaling: the pipeline scales its inputs
 
 
 def layer_groups(node: Mapping[str, Any]) -> Any:

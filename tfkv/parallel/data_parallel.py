@@ -166,7 +166,7 @@ class DataParallel(Parallel):
             self._set_weights = tf.function(self._assign_all)
             self._apply = tf.function(self._apply_aggregated)
         self._eval_compiled = tf.function(self._eval_step)
-        self._eval = self._eval_compiled if self.sparse is None else self._eval_with_rows
+        self._eval = self._eval_batch
         # Seconds per phase of the non-traceable step, summed over steps (see reset_timings).
         self.timings = {"compute": 0.0, "push": 0.0, "pull": 0.0, "assign": 0.0, "steps": 0}
 
@@ -182,12 +182,13 @@ class DataParallel(Parallel):
     def step(self, x: Any, y: Any, upcoming: Any = None) -> None:
         """Train on one batch (x, y) of sum(batch_sizes) examples; `upcoming`: the x of the next
         call, if known, whose table rows are requested while this batch computes."""
-        if self.jit_compile and not self._compiled:
-            with _xla_refusal():  # the first step is where XLA compiles
-                self._step_once(x, y, upcoming)
-            self._compiled = True
-            return
-        self._step_once(x, y, upcoming)
+        with sparse.ids_refusal(self.replicas):  # an id past its table: one line, not TF's traceback
+            if self.jit_compile and not self._compiled:
+                with _xla_refusal():  # the first step is where XLA compiles
+                    self._step_once(x, y, upcoming)
+                self._compiled = True
+                return
+            self._step_once(x, y, upcoming)
 
     def _step_once(self, x: Any, y: Any, upcoming: Any) -> None:
         self.metrics.prepare(y)
@@ -367,6 +368,10 @@ class DataParallel(Parallel):
             self._update_copies(k, g)
 
     # -- metrics, evaluation, state ------------------------------------------------------------
+
+    def _eval_batch(self, x: Any, y: Any) -> None:
+        with sparse.ids_refusal(self.replicas):
+            (self._eval_compiled if self.sparse is None else self._eval_with_rows)(x, y)
 
     def _eval_with_rows(self, x: Any, y: Any) -> None:
         """Evaluate a batch whose table rows are loaded first; with a ShardedEmbedding, in pieces

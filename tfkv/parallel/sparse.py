@@ -20,7 +20,9 @@ rows they pushed, which is exact for one worker only (more are refused).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
@@ -28,7 +30,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfkv.errors import ConfigError
+from tfkv.errors import ConfigError, DataError
 from tfkv.layers import ShardedEmbedding
 from tfkv.store import npz
 from tfkv.store.base import KVStore
@@ -78,6 +80,7 @@ class Prefetch:
 
     x: Any
     pending: list[Any] = field(default_factory=list)  # per table: what `store.rows` takes
+    refused: DataError | None = None  # the batch's ids do not fit a table: raised when it is taken
 
 
 def find(replicas: Sequence[Any], row_sparse: bool, first_key: int) -> list[SparseTable]:
@@ -239,9 +242,11 @@ class Tables:
         return ids
 
     def _ids(self, x: Any) -> list[Any]:
-        """Each table's distinct ids of batch `x` (tensors, sorted), checked against its cache."""
+        """Each table's distinct ids of batch `x` (tensors, sorted), checked against its table and
+        its cache."""
         ids = list(self.probe(x))
         for t, wanted in zip(self.tables, ids):
+            _check_in_table(t, wanted)
             if t.sharded and int(tf.shape(wanted)[0]) > t.copies[0].rows_per_batch:
                 raise ConfigError(f"ShardedEmbedding {t.name!r}: a batch reads {int(tf.shape(wanted)[0])} distinct "
                                   f"rows, more than its rows_per_batch={t.copies[0].rows_per_batch}; raise "
@@ -249,12 +254,20 @@ class Tables:
         return ids
 
     def _request(self, x: Any) -> Prefetch:
-        """Batch `x`'s rows of each table asked of the store (or read, for a read-only table)."""
+        """Batch `x`'s rows of each table asked of the store (or read, for a read-only table).
+        Ids that do not fit a table are refused when the batch is taken, at the start of its
+        step, not while this step's own requests are in flight (a job would wait on them)."""
+        try:
+            ids = self._ids(x)
+        except DataError as e:
+            return Prefetch(x, refused=e)
         return Prefetch(x, [RowSparse(np.asarray(self.fixed[j][wanted.numpy()]), wanted.numpy(), t.shape)
                             if j in self.fixed else self.store.row_sparse_pull_async(t.key, row_ids=wanted.numpy())
-                            for j, (t, wanted) in enumerate(zip(self.tables, self._ids(x)))])
+                            for j, (t, wanted) in enumerate(zip(self.tables, ids))])
 
     def _taken(self, prefetch: Prefetch) -> list[RowSparse]:
+        if prefetch.refused is not None:
+            raise prefetch.refused
         return [p if j in self.fixed else self.store.rows(p) for j, p in enumerate(prefetch.pending)]
 
     def _load(self, rows: list[RowSparse]) -> None:
@@ -324,6 +337,55 @@ def compression_refused(tables: Sequence[SparseTable], kind: str) -> ConfigError
                        "kvstore.compression.type=none, or use keras.layers.Embedding with kvstore.row_sparse=false")
 
 
+def _check_in_table(t: SparseTable, wanted: Any) -> None:
+    """Refuse ids (sorted) past table `t`'s rows in one line naming the layer, before the store is
+    asked for them (it would refuse them by key number, from inside TensorFlow)."""
+    if not int(tf.size(wanted)):
+        return
+    rows = t.shape[0]
+    bad = [int(i) for i in (wanted[0], wanted[-1]) if not 0 <= int(i) < rows]
+    if bad:
+        raise beyond_table(t.name, bad[-1], rows)
+
+
+def beyond_table(layer: str, row_id: int, rows: int) -> DataError:
+    """The one line for data whose row id `row_id` is past the `rows` of embedding layer `layer`."""
+    return DataError(f"embedding layer {layer!r}: the data has row id {row_id}, but the layer's table has {rows} rows "
+                     f"(ids 0 to {rows - 1}); give the layer an input_dim above the data's largest id (e.g. "
+                     "model.vocab_sizes as dataset.vocab_sizes), or map the ids into its rows")
+
+
+# TensorFlow's words for a gather past a table (on CPU; a GPU gives zeros), and the op's scope
+_GATHER_PAST = re.compile(r"indices\[[\d,]*\] = (-?\d+) is not in \[0, (\d+)\)\s*\[\[\{\{node ([^}]+)\}\}\]\]")
+
+
+@contextlib.contextmanager
+def ids_refusal(models: Sequence[Any]) -> Iterator[None]:
+    """An embedding lookup past its table inside a compiled step (a table the probe does not
+    see) as the one line `beyond_table` says: a ShardedEmbedding's lookup-time fetch keeps its
+    refusal (raised inside TensorFlow, it comes back wrapped); a dense table's gather (on CPU)
+    is found by the layer's name in the op's scope (Keras may add `_1` to it)."""
+    try:
+        yield
+    except tf.errors.OpError as e:
+        layers = [layer for m in models for layer in m._flatten_layers(include_self=False)
+                  if isinstance(layer, keras.layers.Embedding)]
+        refused = next((f.refused for f in (getattr(layer, "fetch", None) for layer in layers)
+                        if isinstance(f, _Fetcher) and f.refused is not None), None)
+        if refused is not None:
+            raise refused from None
+        found = _GATHER_PAST.search(e.message) if isinstance(e, tf.errors.InvalidArgumentError) else None
+        if found is None:
+            raise
+        row_id, rows, node = int(found[1]), int(found[2]), found[3]
+        scopes = node.split("/")[:-1]
+        layer = next((layer.name for layer in layers if int(layer.input_dim) == rows
+                      and any(re.fullmatch(re.escape(layer.name) + r"(_\d+)?", s) for s in scopes)), None)
+        if layer is None:
+            raise
+        raise beyond_table(layer, row_id, rows) from None
+
+
 def _described(t: SparseTable) -> str:
     where = (f"a batch's rows on the worker, at most {t.copies[0].rows_per_batch}" if t.sharded
              else "whole on the worker")
@@ -333,10 +395,17 @@ def _described(t: SparseTable) -> str:
 class _Fetcher:
     """A ShardedEmbedding's lookup-time fetch: (sorted ids, rows) of the ids asked for."""
 
+    refused: DataError | None = None  # ids past the table: what ids_refusal raises after the step
+
     def __init__(self, store: KVStore, table: SparseTable) -> None:
         self.store, self.table = store, table
 
     def __call__(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        rows = self.table.shape[0]
+        past = ids[(ids < 0) | (ids >= rows)]
+        if len(past):
+            self.refused = beyond_table(self.table.name, int(past[0]), rows)
+            raise self.refused
         limit = self.table.copies[0].rows_per_batch
         if len(ids) > limit:
             raise ValueError(f"ShardedEmbedding {self.table.name!r}: a batch reads {len(ids)} distinct rows, more than "
