@@ -2,7 +2,9 @@
 
 Every role runs in its own session (process group) and is killed with the launcher if the
 launcher dies (PR_SET_PDEATHSIG). tfkv.launcher.supervisor waits for the job, names what failed
-first and tears every group down (SIGHUP, then SIGKILL); Ctrl-C does the same at once. SIGTERM
+first and tears every group down (SIGHUP, then SIGKILL). Ctrl-C reaches worker 0 first (SIGINT to
+its group), while the other roles go on: it finishes the checkpoint it is writing, its end stops the
+job, then the teardown ends what is left; a second Ctrl-C tears down at once. SIGTERM
 to tfkv-run or tfkv-launch is a preemption first (tfkv.launcher.signals).
 """
 
@@ -19,7 +21,7 @@ from tfkv.launcher import supervisor
 from tfkv.config.cluster import ClusterConfig
 from tfkv.launcher.base import Backend, Job, Result
 from tfkv.launcher.plan import NOT_FORWARDED, Process
-from tfkv.launcher.process import die_with_parent, warn_without_parent_death
+from tfkv.launcher.process import die_with_parent, signal_group, warn_without_parent_death
 from tfkv.launcher.record import local_versions
 
 
@@ -82,6 +84,14 @@ def run(plan: list[Process], cwd: str | None = None, out: IO[str] | None = None)
         for t in pumps:
             t.join(timeout=5)
 
+    def interrupt() -> None:
+        # Ctrl-C to worker 0, the one that writes checkpoints: it finishes the one in progress,
+        # then its end stops the job as a worker's failure does (the scheduler stops every node).
+        # Not to the others: a worker interrupted first would stop the servers under worker 0.
+        for p in plan:
+            if p.role == "worker" and p.rank == 0 and p.name in children:
+                signal_group(children[p.name].pid, signal.SIGINT)
+
     ends = supervisor.Ends([p.name for p in plan])
-    failure = supervisor.supervise(ends, supervisor.poll(children, ends), teardown, start=start)
+    failure = supervisor.supervise(ends, supervisor.poll(children, ends), teardown, start=start, interrupt=interrupt)
     return Result(supervisor.returncode(failure), failure)
