@@ -4,6 +4,7 @@ kill -9 while a checkpoint is written leaves the one before it valid; SIGUSR1 (S
 run) checkpoints at the next step and exits 75, resumable; under Slurm the job requeues itself and
 goes on; cluster.max_restarts restarts a job that lost a worker."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -441,7 +442,8 @@ def test_ctrl_c_while_worker_0_of_a_dist_sync_job_writes_a_checkpoint_publishes_
             time.sleep(0.001)
         os.killpg(job.pid, signal.SIGINT)  # Ctrl-C at the terminal
         time.sleep(1)  # the launcher's teardown would have ended the servers by now
-        os.kill(worker0, signal.SIGCONT)
+        with contextlib.suppress(ProcessLookupError):  # (or worker 0 itself: the defect)
+            os.kill(worker0, signal.SIGCONT)
         out, err = job.communicate(timeout=120)
     finally:
         _kill(job)
