@@ -14,8 +14,8 @@ lines) and how to stop what still runs (`teardown`). The policy is here, once:
   still runs: that one is the silent one, hung (it never exits), blamed at once;
 - the first SIGINT/SIGTERM (tfkv.launcher.signals) stops the wait, the failure line says so and
   the teardown runs shielded from further signals. A backend that can (`interrupt`) first passes
-  a Ctrl-C on to worker 0 and waits up to FINISH seconds for the workers to end, the servers and
-  the scheduler still serving: worker 0 finishes the checkpoint it is writing (tfkv.checkpoint.interrupt;
+  a Ctrl-C on to worker 0 and waits up to FINISH seconds for it to end, the other roles still
+  running: worker 0 finishes the checkpoint it is writing (tfkv.checkpoint.interrupt;
   it reads the servers' optimizer state) instead of being torn down in the middle of it. A second
   Ctrl-C (or SIGTERM) stops that wait;
 - when every failure is a reaction, no role is left running and a role exited 0 (a worker whose
@@ -147,7 +147,7 @@ class Ends:
 
 def supervise(ends: Ends, over: Callable[[], bool], teardown: Callable[[], None], *,
               start: Callable[[], str | None] | None = None, then: Callable[[], str | None] | None = None,
-              interrupt: Callable[[], None] | None = None, extra: float = 0.0,
+              interrupt: Callable[[], Sequence[str]] | None = None, extra: float = 0.0,
               interval: float = INTERVAL) -> str | None:
     """Run one job to its end; its failure line, or None when it succeeded.
 
@@ -157,7 +157,8 @@ def supervise(ends: Ends, over: Callable[[], bool], teardown: Callable[[], None]
     itself (waiting for what ends last, such as a scheduler; a line when that fails). `teardown()`
     always runs, shielded from SIGINT/SIGTERM, also when an exception escapes. Ctrl-C/SIGTERM
     gives their line; otherwise the first failure `ends` names. `interrupt()` passes a Ctrl-C on
-    to worker 0: then the teardown waits until the workers ended (`finish_workers`)."""
+    to worker 0 (the names of the roles it reached): then the teardown waits until they ended
+    (`finish_workers`)."""
     failure = None
     try:
         failure = start() if start is not None else None
@@ -178,16 +179,17 @@ def supervise(ends: Ends, over: Callable[[], bool], teardown: Callable[[], None]
     return failure or ends.cause()
 
 
-def finish_workers(ends: Ends, over: Callable[[], bool], interrupt: Callable[[], None],
+def finish_workers(ends: Ends, over: Callable[[], bool], interrupt: Callable[[], Sequence[str]],
                    interval: float = INTERVAL, limit: float = FINISH) -> None:
-    """After the launcher's Ctrl-C: `interrupt()` (Ctrl-C to worker 0), then wait until every
-    worker ended (`over` feeds `ends`), at most `limit` seconds; a second Ctrl-C or a SIGTERM ends
-    the wait at once."""
+    """After the launcher's Ctrl-C: `interrupt()` (Ctrl-C to worker 0), then wait until the roles
+    it reached ended (`over` feeds `ends`), at most `limit` seconds; a second Ctrl-C or a SIGTERM
+    ends the wait at once. Not for the other roles to end by themselves too: once worker 0 (whose
+    checkpoint is then written) ended, the teardown ends them faster than their own exits."""
     deadline = time.monotonic() + limit
     try:
         with signals.interruptible():
-            interrupt()
-            while (not over() and any(n.startswith("worker ") for n in ends.running())
+            reached = interrupt()
+            while (not over() and any(n in reached for n in ends.running())
                    and time.monotonic() < deadline):
                 time.sleep(interval)
     except KeyboardInterrupt:
