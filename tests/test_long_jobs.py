@@ -4,6 +4,7 @@ kill -9 while a checkpoint is written leaves the one before it valid; SIGUSR1 (S
 run) checkpoints at the next step and exits 75, resumable; under Slurm the job requeues itself and
 goes on; cluster.max_restarts restarts a job that lost a worker."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -403,6 +404,66 @@ def test_ctrl_c_while_a_checkpoint_is_written_publishes_it_exits_130_and_the_run
     at = f", step {ckpt.step} of epoch {epoch}" if ckpt.step else ""  # (an epoch's end: at the epoch alone)
     assert f"resumed from {written} at epoch {ckpt.epoch}{at} (resume" in again.stdout, again.stdout[-3000:]
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert [h["epoch"] for h in metrics["history"]] == list(range(1, epoch + 1))
+
+
+DIST_BIG = ["kvstore=dist_sync", "cluster=local", "cluster.num_workers=2", "cluster.num_servers=1", *BIG]
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_worker_0_of_a_dist_sync_job_writes_a_checkpoint_publishes_it_exits_130_and_resumes(tmp_path):
+    """Issue 40, point 14: a terminal's Ctrl-C (SIGINT to the launcher's process group) while
+    worker 0 is writing a checkpoint, before it pulled the servers' optimizer state: the launcher
+    passes it on to the workers and tears the job down only once they ended, so the servers still
+    answer and the checkpoint is published whole; status 130, no process left; the same command
+    goes on from it."""
+    run = tmp_path / "run"
+    job = subprocess.Popen(["tfkv-run", "epochs=3", *DIST_BIG], cwd=tmp_path, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        while not (run / "checkpoints").is_dir():
+            assert job.poll() is None, job.communicate()
+            time.sleep(0.01)
+        worker0 = _worker_pid(job, 0)
+        roles = [int(c) for task in Path(f"/proc/{job.pid}/task").iterdir()
+                 for c in (task / "children").read_text().split()]
+        deadline = time.monotonic() + 240
+        while True:  # worker 0 stopped with the servers' optimizer state still to pull
+            assert job.poll() is None and time.monotonic() < deadline, "no checkpoint was caught being written"
+            staged = list((run / "checkpoints").glob(".epoch-*.tmp"))
+            if staged:
+                os.kill(worker0, signal.SIGSTOP)
+                if staged[0].is_dir() and not (staged[0] / "optimizer.npz").exists():
+                    name = staged[0].name[1:-len(".tmp")]
+                    break
+                os.kill(worker0, signal.SIGCONT)
+                while staged[0].exists() and job.poll() is None:
+                    time.sleep(0.001)
+            time.sleep(0.001)
+        os.killpg(job.pid, signal.SIGINT)  # Ctrl-C at the terminal
+        time.sleep(1)  # the launcher's teardown would have ended the servers by now
+        with contextlib.suppress(ProcessLookupError):  # (or worker 0 itself: the defect)
+            os.kill(worker0, signal.SIGCONT)
+        out, err = job.communicate(timeout=120)
+    finally:
+        _kill(job)
+    assert job.returncode == 130, (out + err)[-3000:]
+    written = run / "checkpoints" / name
+    assert written.is_dir(), f"{name} was dropped: {sorted(p.name for p in written.parent.iterdir())}\n{out}\n{err}"
+    ckpt = checkpoint.load(written)  # complete: every file there and matching its checksum
+    assert (ckpt.epoch, ckpt.step) == checkpoint.position(written)
+    with np.load(written / "optimizer.npz") as state:  # the servers' momentum, pulled after the Ctrl-C
+        assert np.abs(state["0/momentum"]).sum() > 0
+    assert not list((run / "checkpoints").glob(".*"))
+    assert "finishing the checkpoint being written first" in out, out[-3000:]
+    assert f"checkpoint {name} is in" in [ln for ln in err.splitlines() if ln.startswith("tfkv-run:")][-1], err
+    for group in roles:  # no process of the job is left, in any of its groups
+        with pytest.raises(ProcessLookupError):
+            os.killpg(group, 0)
+    epoch = ckpt.epoch + 1
+    again = tfkv_run(f"epochs={epoch}", *DIST_BIG, cwd=tmp_path, timeout=600)
+    assert f"resumed from {written}" in again.stdout + again.stderr, again.stdout[-3000:]
+    metrics = json.loads((run / "metrics.json").read_text())
     assert [h["epoch"] for h in metrics["history"]] == list(range(1, epoch + 1))
 
 

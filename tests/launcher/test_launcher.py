@@ -89,35 +89,42 @@ def test_a_taken_port_is_a_clear_failure_not_a_hang(tmp_path):
     assert f"the job failed: scheduler exited with status 2: scheduler cannot listen on 127.0.0.1:{port}" in proc.stderr
 
 
-@pytest.mark.parametrize("first, said, status", [(["SIGINT"], "interrupted (Ctrl-C)", 130),
+@pytest.mark.parametrize("first, said, status", [(["SIGINT", "SIGINT"], "interrupted (Ctrl-C)", 130),
                                                  (["SIGTERM", "SIGTERM"], "stopped by SIGTERM", 143)])
 def test_more_signals_during_the_teardown_change_nothing(tmp_path, first, said, status):
-    """Ctrl-C (or a second SIGTERM: the first is a preemption, which this command ignores) stops
-    the job and the launcher exits as a shell reports a process ended by that signal (130, 143),
-    as a single run does; a Ctrl-C and a SIGTERM more while the roles are being stopped (SIGHUP,
-    which the worker ignores, so the teardown waits before it kills) neither cut the teardown
-    short nor print a traceback: one failure line, nothing left."""
+    """A second Ctrl-C (the first reaches worker 0, which this one ignores, and the launcher waits
+    for the workers to end) or a second SIGTERM (the first is a preemption, which this command
+    ignores) stops the job at once and the launcher exits as a shell reports a process ended by
+    that signal (130, 143), as a single run does; a Ctrl-C and a SIGTERM more while the roles are
+    being stopped (SIGHUP, which the worker ignores, so the teardown waits before it kills)
+    neither cut the teardown short nor print a traceback: one failure line, nothing left."""
     import os
     import signal
     import time
 
     env = {**os.environ, TAG: f"signals-{tmp_path.name}"}
-    role = 'trap "echo got HUP" HUP; trap "echo got TERM" TERM; echo ready; while :; do sleep 0.1; done'
+    role = ('trap "echo got HUP" HUP; trap "echo got TERM" TERM; trap "echo got INT" INT; echo ready; '
+            'while :; do sleep 0.1; done')
     launching = Launching(["-n", "1", "--launcher", "local", "--run-dir", "rec", "--", "sh", "-c", role],
                           tmp_path, env, timeout=60)
     launching.wait_for("[worker 0] ready")
     for sig in first:
         launching.proc.send_signal(getattr(signal, sig))
+        if sig == "SIGINT" and "got INT" not in launching.out:
+            launching.wait_for("[worker 0] got INT")  # passed on to worker 0; the launcher waits
         time.sleep(0.3)
+    last = time.monotonic()
     if first[0] == "SIGTERM":  # the preemption's flag, for worker 0 (a tfkv-run worker) to see
         assert (tmp_path / "rec" / ".preempt").read_text().strip() == "SIGTERM"
     launching.wait_for("[worker 0] got HUP")  # the teardown is under way
+    assert time.monotonic() - last < 10  # at once, not after the grace a first Ctrl-C or SIGTERM gives
     launching.proc.send_signal(signal.SIGINT)
     time.sleep(0.2)
     launching.proc.send_signal(signal.SIGTERM)
     rc, out = launching.end(timeout=30)
     assert rc == status and f"tfkv-launch: the job failed: {said}; record in rec" in out, out
     assert "Traceback" not in out and out.count("the job failed") == 1 and "got TERM" not in out, out
+    assert out.count("got INT") == (1 if first[0] == "SIGINT" else 0), out  # only the first is passed on
     assert not tagged_pids(env[TAG], wait=15)
 
 

@@ -95,6 +95,28 @@ def stop_once(preempt: Callable[[], None] | None = None, grace: float = GRACE) -
 
 
 @contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """While a Ctrl-C'd job's workers finish (tfkv.launcher.supervisor.finish_workers): the next
+    SIGINT or SIGTERM raises Interrupted, to tear the job down at once (stop_once ignores them
+    after its first)."""
+    if not _main_thread():
+        yield
+        return
+
+    def again(sig: int, _frame: Any) -> None:
+        for s in SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+        raise Interrupted(WHAT[signal.Signals(sig)])
+
+    old = {s: signal.signal(s, again) for s in SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+@contextlib.contextmanager
 def shielded() -> Iterator[None]:
     """Around a teardown: SIGINT and SIGTERM are ignored. Every step of a teardown is bounded by
     its own timeout, so nothing is lost but the user's impatience."""

@@ -13,7 +13,11 @@ lines) and how to stop what still runs (`teardown`). The policy is here, once:
   before it is blamed, unless a role saw a peer go silent (EXIT_PEER_SILENT) and only one role
   still runs: that one is the silent one, hung (it never exits), blamed at once;
 - the first SIGINT/SIGTERM (tfkv.launcher.signals) stops the wait, the failure line says so and
-  the teardown runs shielded from further signals;
+  the teardown runs shielded from further signals. A backend that can (`interrupt`) first passes
+  a Ctrl-C on to worker 0 and waits up to FINISH seconds for it to end, the other roles still
+  running: worker 0 finishes the checkpoint it is writing (tfkv.checkpoint.interrupt;
+  it reads the servers' optimizer state) instead of being torn down in the middle of it. A second
+  Ctrl-C (or SIGTERM) stops that wait;
 - when every failure is a reaction, no role is left running and a role exited 0 (a worker whose
   script ended and closed its store while the others still pushed: servers and the scheduler
   end 0 only once every worker finished), that worker is the cause: it left the job early, and
@@ -31,6 +35,7 @@ import threading
 import time
 from typing import Callable, Mapping, Sequence
 
+from tfkv import preempt
 from tfkv.errors import EXIT_PEER_FAILED, EXIT_PEER_SILENT
 from tfkv.launcher import signals
 from tfkv.launcher.process import signal_group, status_text
@@ -46,6 +51,9 @@ INTERVAL = 0.05  # seconds between two looks at the roles
 # Not SIGTERM, which a role takes as a batch system's preemption (tfkv.preempt: a server serves
 # on, a worker finishes its step).
 STOP = signal.SIGHUP
+# How long a Ctrl-C'd job's workers get to end by themselves before the teardown: a worker's own
+# grace for the checkpoint it is writing (tfkv.checkpoint.interrupt), and GRACE to exit after it.
+FINISH = preempt.GRACE + GRACE
 REACTIONS = (EXIT_PEER_FAILED, EXIT_PEER_SILENT)  # statuses of a role that stopped because of a peer
 # The cause's words when a worker ended (status 0) while the others still needed it. "exited with
 # status 0" in it is what tfkv.launcher.process.repeats reads: the same script ends as early again.
@@ -139,7 +147,8 @@ class Ends:
 
 def supervise(ends: Ends, over: Callable[[], bool], teardown: Callable[[], None], *,
               start: Callable[[], str | None] | None = None, then: Callable[[], str | None] | None = None,
-              extra: float = 0.0, interval: float = INTERVAL) -> str | None:
+              interrupt: Callable[[], Sequence[str]] | None = None, extra: float = 0.0,
+              interval: float = INTERVAL) -> str | None:
     """Run one job to its end; its failure line, or None when it succeeded.
 
     `start()` starts the roles (a line when one could not start: no wait then); `over()` looks
@@ -147,7 +156,9 @@ def supervise(ends: Ends, over: Callable[[], bool], teardown: Callable[[], None]
     the grace after the first failure (plus `extra`) is over. `then()` runs when the job ended by
     itself (waiting for what ends last, such as a scheduler; a line when that fails). `teardown()`
     always runs, shielded from SIGINT/SIGTERM, also when an exception escapes. Ctrl-C/SIGTERM
-    gives their line; otherwise the first failure `ends` names."""
+    gives their line; otherwise the first failure `ends` names. `interrupt()` passes a Ctrl-C on
+    to worker 0 (the names of the roles it reached): then the teardown waits until they ended
+    (`finish_workers`)."""
     failure = None
     try:
         failure = start() if start is not None else None
@@ -160,10 +171,29 @@ def supervise(ends: Ends, over: Callable[[], bool], teardown: Callable[[], None]
                 ends.freeze()
     except KeyboardInterrupt as e:
         failure = signals.failure(e)
+        if interrupt is not None and failure == signals.WHAT[signal.SIGINT]:
+            finish_workers(ends, over, interrupt, interval)
     finally:
         with signals.shielded():
             teardown()
     return failure or ends.cause()
+
+
+def finish_workers(ends: Ends, over: Callable[[], bool], interrupt: Callable[[], Sequence[str]],
+                   interval: float = INTERVAL, limit: float = FINISH) -> None:
+    """After the launcher's Ctrl-C: `interrupt()` (Ctrl-C to worker 0), then wait until the roles
+    it reached ended (`over` feeds `ends`), at most `limit` seconds; a second Ctrl-C or a SIGTERM
+    ends the wait at once. Not for the other roles to end by themselves too: once worker 0 (whose
+    checkpoint is then written) ended, the teardown ends them faster than their own exits."""
+    deadline = time.monotonic() + limit
+    try:
+        with signals.interruptible():
+            reached = interrupt()
+            while (not over() and any(n in reached for n in ends.running())
+                   and time.monotonic() < deadline):
+                time.sleep(interval)
+    except KeyboardInterrupt:
+        pass
 
 
 def returncode(failure: str | None) -> int:

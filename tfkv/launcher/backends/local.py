@@ -2,7 +2,9 @@
 
 Every role runs in its own session (process group) and is killed with the launcher if the
 launcher dies (PR_SET_PDEATHSIG). tfkv.launcher.supervisor waits for the job, names what failed
-first and tears every group down (SIGHUP, then SIGKILL); Ctrl-C does the same at once. SIGTERM
+first and tears every group down (SIGHUP, then SIGKILL). Ctrl-C reaches worker 0 first (SIGINT to
+its group), while the other roles go on: it finishes the checkpoint it is writing, and once it ended
+(22 s at most) the teardown ends the rest; a second Ctrl-C tears down at once. SIGTERM
 to tfkv-run or tfkv-launch is a preemption first (tfkv.launcher.signals).
 """
 
@@ -19,7 +21,7 @@ from tfkv.launcher import supervisor
 from tfkv.config.cluster import ClusterConfig
 from tfkv.launcher.base import Backend, Job, Result
 from tfkv.launcher.plan import NOT_FORWARDED, Process
-from tfkv.launcher.process import die_with_parent, warn_without_parent_death
+from tfkv.launcher.process import die_with_parent, signal_group, warn_without_parent_death
 from tfkv.launcher.record import local_versions
 
 
@@ -82,6 +84,15 @@ def run(plan: list[Process], cwd: str | None = None, out: IO[str] | None = None)
         for t in pumps:
             t.join(timeout=5)
 
+    def interrupt() -> list[str]:
+        # Ctrl-C to worker 0, the one that writes checkpoints: it finishes the one in progress,
+        # then the teardown ends the rest. Not to the others: a worker interrupted first reports
+        # a failure, and the scheduler stops the servers under worker 0's checkpoint.
+        reached = [p.name for p in plan if p.role == "worker" and p.rank == 0 and p.name in children]
+        for name in reached:
+            signal_group(children[name].pid, signal.SIGINT)
+        return reached
+
     ends = supervisor.Ends([p.name for p in plan])
-    failure = supervisor.supervise(ends, supervisor.poll(children, ends), teardown, start=start)
+    failure = supervisor.supervise(ends, supervisor.poll(children, ends), teardown, start=start, interrupt=interrupt)
     return Result(supervisor.returncode(failure), failure)
