@@ -15,7 +15,8 @@ import os
 import sys
 
 # Exit status of a process that stopped because another node of its job failed: launchers
-# blame the first process that did not exit with it.
+# blame the first process that did not exit with it (in dist_sync, a worker that exited 0 while
+# the others still needed it, when nothing else failed).
 EXIT_PEER_FAILED = 3
 # Exit status of a process that stopped because a node of its job went silent (no heartbeat, or
 # the scheduler's answers stopped): the silent one is still running, hung, and launchers blame
