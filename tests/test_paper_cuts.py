@@ -159,3 +159,17 @@ def test_a_sharded_table_larger_than_memory_is_one_line_naming_its_layer(tmp_pat
     assert line.startswith("tfkv-run: layer embedding0 (tfkv.layers.ShardedEmbedding): a table of 100000000000 rows "
                            "of 16 values (5960.5 GiB) is made whole in this process"), line
     assert "spread it over parameter servers" in line and "key 10" not in line
+
+
+@pytest.mark.slow
+def test_a_server_s_refusal_of_a_training_table_names_its_layer(tmp_path):
+    """Issue 40, point 16: the trainer keys its tables by number (embedding0 is key 10 here); a
+    server refusing one too large for its memory answers the init asynchronously, by key id,
+    and the worker's line, passed on by the launcher, names the layer (was: `key 10`)."""
+    line = _refusal(tfkv_run("+experiment=ctr_dlrm", "model.vocab_sizes=[100000000000,1000,1000,1000]", "epochs=1",
+                             "steps_per_epoch=2", "progress=false", "kvstore=dist_sync", "cluster=local",
+                             "cluster.num_workers=1", "cluster.num_servers=1", "hydra.run.dir=run",
+                             cwd=tmp_path, check=False))
+    assert "worker 0 exited with status 2: server 0: layer embedding0 (tfkv.layers.ShardedEmbedding): a shard of " \
+           "100000000000 rows of 16 values" in line and "more than this server's memory" in line, line
+    assert not re.search(r"\bkey \d", line), line

@@ -18,7 +18,8 @@ SERVERS = [{"host": "10.0.0.1", "port": 9000}, {"host": "10.0.0.2", "port": 9001
 
 def _tracker(**env) -> Tracker:
     settings = {"resend": False, "heartbeat_timeout": 0.05, "request_timeout": 0.1, **env}
-    return Tracker(SimpleNamespace(**settings), SERVERS, lambda kid: {7: "w"}.get(kid, kid))
+    names = {7: "key 'w'", 10: "layer embedding0 (tfkv.layers.ShardedEmbedding)"}  # as the store names them
+    return Tracker(SimpleNamespace(**settings), SERVERS, lambda kid: names.get(kid, f"key {kid}"))
 
 
 def test_a_ping_that_holds_fewer_than_are_awaited_names_the_oldest_lost_request():
@@ -75,3 +76,7 @@ def test_a_server_s_text_names_keys_as_the_caller_did():
     assert t.named(f"key {7 + (2 << CHUNK_SHIFT)}: 12 values pushed, the key holds 8") == \
         "key 'w': 12 values pushed, the key holds 8"
     assert t.named("key 9 is not initialised on this server; round 7") == "key 9 is not initialised on this server; round 7"
+    # a trainer's table (tfkv.parallel.sparse names its keys by their layers): the layer, not `key 10`
+    assert t.named("key 10: a shard of 10 rows of 4 values (160 bytes) is more than this server's memory") == \
+        "layer embedding0 (tfkv.layers.ShardedEmbedding): a shard of 10 rows of 4 values (160 bytes) is more than " \
+        "this server's memory"

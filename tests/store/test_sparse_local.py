@@ -141,7 +141,7 @@ def test_a_table_larger_than_the_memory_available_is_refused_before_it_is_drawn(
         kv.init("emb", huge)
     assert isinstance(e.value, ConfigError) and isinstance(e.value, MemoryError)
     line = str(e.value)
-    assert line.startswith("init of key 'emb': a table of 100000000000 rows of 64 values (23841.9 GiB)") and \
+    assert line.startswith("key 'emb': a table of 100000000000 rows of 64 values (23841.9 GiB)") and \
         "\n" not in line, line
     assert "more than the" in line and "kvstore=dist_sync" in line and "1099511627776" not in line
     fits = memory.available() // (4 * 8 * 3)  # rows of 8 values, 3 copies' room
@@ -149,10 +149,23 @@ def test_a_table_larger_than_the_memory_available_is_refused_before_it_is_drawn(
     assert kv.row_sparse_pull("emb", row_ids=np.array([0])).data.shape == (1, 8)
 
 
+def test_a_key_named_by_its_caller_is_refused_by_that_name():
+    """Issue 40, point 16: a trainer keys its tables by number and gives the store each one's
+    layer (tfkv.parallel.sparse); the store's refusal names the layer, and the key is still 10."""
+    kv = store.create("local")
+    kv.name_keys({10: "layer embedding0 (tfkv.layers.ShardedEmbedding)"})
+    with pytest.raises(store.sparse.TableTooLarge) as e:
+        kv.init(10, Table((10**11, 64)))
+    assert str(e.value).startswith("layer embedding0 (tfkv.layers.ShardedEmbedding): a table of 100000000000 rows"), e.value
+    assert kv.key_phrase(11) == "key 11"  # a key not named is named as before
+    kv.init(10, Table((4, 2)))
+    assert kv.row_sparse_pull(10, row_ids=np.array([3])).indices.tolist() == [3]
+
+
 def test_the_room_a_table_needs_is_its_copies_while_it_is_drawn():
     from tfkv.store import sparse
 
     table = Table((1000, 16))  # 64000 bytes
-    sparse.check_room("t", table, copies=2, available=128000)
-    with pytest.raises(sparse.TableTooLarge, match="^init of key 't': a table of 1000 rows of 16 values"):
-        sparse.check_room("t", table, copies=2, available=127999)
+    sparse.check_room("key 't'", table, copies=2, available=128000)
+    with pytest.raises(sparse.TableTooLarge, match="^key 't': a table of 1000 rows of 16 values"):
+        sparse.check_room("key 't'", table, copies=2, available=127999)

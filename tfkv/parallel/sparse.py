@@ -34,7 +34,7 @@ from tfkv.errors import ConfigError, DataError
 from tfkv.layers import ShardedEmbedding
 from tfkv.store import npz
 from tfkv.store.base import KVStore
-from tfkv.store.sparse import RowSparse, Table, TableTooLarge
+from tfkv.store.sparse import RowSparse, Table
 
 log = logging.getLogger("tfkv")
 
@@ -54,6 +54,11 @@ class SparseTable:
     @property
     def name(self) -> str:
         return self.copies[0].name
+
+    @property
+    def label(self) -> str:
+        """What the store's messages call its key: the user's layer, not the key's number."""
+        return f"layer {self.name} ({'tfkv.layers.ShardedEmbedding' if self.sharded else 'keras.layers.Embedding'})"
 
     def variable(self, r: int) -> Any:
         """The trainable variable of copy `r` (the cache, or the whole table)."""
@@ -98,6 +103,7 @@ class Tables:
     def __init__(self, tables: list[SparseTable], replicas: Sequence[Any], store: KVStore) -> None:
         self.tables = tables
         self.store = store
+        store.name_keys({t.key: t.label for t in tables})  # its errors about a table name the layer
         self._prefetch: Prefetch | None = None
         self.fixed: dict[int, Any] = {}  # read-only tables (eval_only): rows read from them, not the store
         # A traceable store (local, device) pushes inside the compiled step and its rows are
@@ -139,7 +145,7 @@ class Tables:
                 if tuple(value.shape) != t.shape:
                     raise ValueError(f"table {t.name}: the checkpoint holds shape {tuple(value.shape)}, the layer {t.shape}")
                 if not read_only:
-                    self._init_table(t, Table(t.shape, init="zeros"))
+                    self.store.init(t.key, Table(t.shape, init="zeros"))
                 start = 0
                 for piece in npz.pieces(value):
                     ids = np.arange(start, start + len(piece), dtype=np.int64)
@@ -151,19 +157,12 @@ class Tables:
                     start += len(piece)
                 self.store.barrier()  # worker 0's rows are in the store before any worker pulls
             elif t.sharded:
-                self._init_table(t, Table(t.shape, init=layer.init, scale=layer.scale, seed=layer.seed))
+                self.store.init(t.key, Table(t.shape, init=layer.init, scale=layer.scale, seed=layer.seed))
             else:
                 value = np.asarray(layer.embeddings.numpy(), np.float32)
                 self.store.init(t.key, RowSparse(value, np.arange(t.shape[0], dtype=np.int64), t.shape))
                 for c in t.copies[1:]:
                     c.embeddings.assign(value)
-
-    def _init_table(self, t: SparseTable, table: Table) -> None:
-        """The store makes the table; one it cannot hold is refused naming the layer, not its key."""
-        try:
-            self.store.init(t.key, table)
-        except TableTooLarge as e:
-            raise ConfigError(f"layer {t.name} (tfkv.layers.ShardedEmbedding): {e.reason}") from None
 
     def before(self, x: Any, upcoming: Any) -> None:
         """Before batch `x` computes: its rows in every copy (prefetched, or pulled now); an

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Callable, Hashable, Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 from tfkv.ps import protocol as P
 from tfkv.ps.cluster_env import ClusterEnv
@@ -63,9 +63,9 @@ def before(seq: int, probe: int) -> bool:
 class Tracker:
     """The requests awaited from each server, and when each server was last heard."""
 
-    def __init__(self, env: ClusterEnv, servers: list[dict], key_name: Callable[[int], Hashable]):
+    def __init__(self, env: ClusterEnv, servers: list[dict], key_name: Callable[[int], str]):
         self.env, self.servers = env, servers
-        self.key_name = key_name  # a key id's name as the caller gave it (for messages)
+        self.key_name = key_name  # what messages call a key id: `key 'emb'`, or the caller's name for it
         self.pending: dict[int, Pending] = {}  # seq -> the request
         self._awaited = [0] * len(servers)  # per server: its requests in `pending`
         self._heard = [0.0] * len(servers)  # per server: when it last answered (or we began to wait)
@@ -135,15 +135,14 @@ class Tracker:
     def describe(self, seq: int) -> str:
         entry = self.pending[seq]
         kid, chunk = entry.skey % (1 << CHUNK_SHIFT), entry.skey >> CHUNK_SHIFT
-        key = self.key_name(kid)  # the caller's name for it
         part = f" (part {chunk})" if chunk else ""
-        return (f"{P.Type(entry.kind).name} of key {key!r}{part} (request {seq}, sent "
+        return (f"{P.Type(entry.kind).name} of {self.key_name(kid)}{part} (request {seq}, sent "
                 f"{time.monotonic() - entry.sent_at:.1f} s ago)")
 
     def named(self, text: str) -> str:
         """A server's text with each key id it names (`key 1099511627776`, a part's id) as the
-        caller named the key (`key 'emb'`): a server knows only ids."""
-        return _KEY_ID.sub(lambda m: f"key {self.key_name(int(m.group(1)) % (1 << CHUNK_SHIFT))!r}", text)
+        caller named the key (`key 'emb'`, or a trainer's layer): a server knows only ids."""
+        return _KEY_ID.sub(lambda m: self.key_name(int(m.group(1)) % (1 << CHUNK_SHIFT)), text)
 
     def server_name(self, server: int) -> str:
         return server_name(self.servers, server)

@@ -61,7 +61,7 @@ _staged = tuple.__new__  # a NamedTuple made without its generated __new__: a ke
 class ServerLink:
     """The requests of this worker to every server of the job (in the scheduler's order)."""
 
-    def __init__(self, env: ClusterEnv, link: SchedulerLink, key_name: Callable[[int], Hashable] = lambda kid: kid):
+    def __init__(self, env: ClusterEnv, link: SchedulerLink, key_name: Callable[[int], str] = lambda kid: f"key {kid}"):
         self.env, self.id = env, link.id
         self.transport = transport.connect(env, link.servers, link.id)
         self.tracker = Tracker(env, link.servers, key_name)

@@ -289,6 +289,17 @@ class KVStore(ABC):
 
     _key_kind: str | None = None
 
+    def name_keys(self, names: Mapping[Key, str]) -> None:
+        """What this store's messages call these keys in place of `key 10`: a trainer keys its
+        tables by number and names each by its layer (`layer embedding0 (...)`). The keys stay."""
+        self._key_names = {**self._key_names, **names}
+
+    def key_phrase(self, key: Key) -> str:
+        """How a message names `key`: the name given it by name_keys, else `key 'emb'`."""
+        return self._key_names.get(key) or f"key {key!r}"
+
+    _key_names: Mapping[Key, str] = {}
+
     def close(self) -> None:
         """Leave cleanly and release sockets and threads; a store is unusable afterwards."""
 

@@ -126,9 +126,9 @@ class DistStore(RowSparseKeys, KVStore):
 
     _named = 0  # keys numbered from parts.NAMED_KEY_BASE so far
 
-    def _key_name(self, kid: int) -> Hashable:
-        """The caller's name for key id `kid` (for messages)."""
-        return next((k for k, i in self._ids.items() if i == kid), kid)
+    def _key_name(self, kid: int) -> str:
+        """What messages call key id `kid`: its key as the caller gave it, or the name given it."""
+        return self.key_phrase(next((k for k, i in self._ids.items() if i == kid), kid))
 
     def _layout(self, key: Hashable) -> tuple[int, Layout]:
         kid = self._ids.get(key) if type(key) is int or type(key) is str else None

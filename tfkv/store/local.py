@@ -81,7 +81,7 @@ class LocalStore(KVStore):
                 raise ValueError(f"key {k!r} is already initialised")
             value = values[0]
             if isinstance(value, sparse.Table):  # refused before TensorFlow runs out of memory drawing it
-                sparse.check_room(k, value, TABLE_COPIES, memory.available())
+                sparse.check_room(self.key_phrase(k), value, TABLE_COPIES, memory.available())
             if sparse.is_sparse_init(value):
                 value = tf_rows.initial(k, value)
                 self._sparse.add(k)

@@ -264,24 +264,20 @@ def densify(key: Hashable, value: Any, shape: Sequence[int]) -> np.ndarray:
 
 
 class TableTooLarge(ConfigError, MemoryError):
-    """A Table the store cannot hold in the memory it has: refused before any of it is made.
-    `reason` says it without naming the key (the trainer names the layer instead)."""
-
-    def __init__(self, key: Hashable, reason: str) -> None:
-        super().__init__(f"init of key {key!r}: {reason}")
-        self.reason = reason
+    """A Table the store cannot hold in the memory it has: refused before any of it is made,
+    naming it as the store's messages name its key (`key 'emb'`, or a trainer's layer)."""
 
 
-def check_room(key: Hashable, table: Table, copies: int, available: int) -> None:
+def check_room(phrase: str, table: Table, copies: int, available: int) -> None:
     """TableTooLarge unless `copies` whole copies of `table` (a local store's draw and its
     variable) fit in `available` bytes; the dist_* stores' servers each hold a part of one."""
     nbytes = 4 * math.prod(table.shape)
     if copies * nbytes > available:
-        raise TableTooLarge(key, f"a table of {table.shape[0]} rows of {math.prod(table.shape[1:])} values "
-                                 f"({_size(nbytes)}) is made whole in this process, {copies} copies while it is "
-                                 f"drawn ({_size(copies * nbytes)}), more than the {_size(available)} of memory "
-                                 "available: spread it over parameter servers (kvstore=dist_sync cluster=local "
-                                 "cluster.num_servers=N) or make it smaller")
+        raise TableTooLarge(f"{phrase}: a table of {table.shape[0]} rows of {math.prod(table.shape[1:])} values "
+                            f"({_size(nbytes)}) is made whole in this process, {copies} copies while it is "
+                            f"drawn ({_size(copies * nbytes)}), more than the {_size(available)} of memory "
+                            "available: spread it over parameter servers (kvstore=dist_sync cluster=local "
+                            "cluster.num_servers=N) or make it smaller")
 
 
 def _size(nbytes: int) -> str:
