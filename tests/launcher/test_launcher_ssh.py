@@ -237,6 +237,39 @@ def test_teardown_terminates_the_others_over_ssh_while_still_listening(netns_hos
     assert not _no_leftovers(env[TAG]), "processes of the job left behind"
 
 
+@pytest.mark.slow
+def test_ctrl_c_reaches_worker_0_over_ssh_once_and_the_teardown_waits_for_it(loopback_host, ssh_site, tmp_path):
+    """Issue 40, point 14: a terminal's Ctrl-C to `tfkv-launch --launcher ssh` is passed on as
+    SIGINT to worker 0's remote group only, once, over its connection; the teardown waits until
+    worker 0 ended (it finishes what it is doing: here a line 2 s after the INT), then ends the
+    rest; status 130, nothing left."""
+    work = _workdir(tmp_path, ["local"])
+    env = {**_tag(tmp_path), **ssh_site.env()}
+    role = ('if [ "$TFKV_RANK_HINT" = 0 ]; then trap "echo got INT; sleep 2; echo finished; exit 130" INT; '
+            'else trap "echo got INT" INT; fi; echo $$ > ready$TFKV_RANK_HINT; while :; do sleep 0.1; done')
+    launcher = subprocess.Popen(
+        [shutil.which("tfkv-launch"), "-n", "2", "-s", "1", "-H", "hosts", "--launcher", "ssh", "--python", PY,
+         "--run-dir", str(tmp_path / "run"), "--", "sh", "-c", role],
+        cwd=work, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not ((work / "ready0").is_file() and (work / "ready1").is_file()):
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[0][-3000:]
+            time.sleep(0.1)
+        time.sleep(1)  # the wrappers' group ids are back
+        os.killpg(launcher.pid, signal.SIGINT)  # Ctrl-C at the terminal
+        out, _ = launcher.communicate(timeout=90)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 130, out[-3000:]
+    assert out.count("got INT") == 1 and "[worker 0 @local] got INT" in out, out[-3000:]
+    assert "[worker 0 @local] finished" in out, out[-3000:]  # not torn down under it
+    assert not _no_leftovers(env[TAG]), "processes of the job left behind"
+
+
 def _wait_for_pid(path: Path, launcher: subprocess.Popen, seconds: float = 90) -> int:
     """The pid a `hang` worker wrote once it joined the job."""
     deadline = time.monotonic() + seconds
