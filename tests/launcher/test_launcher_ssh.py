@@ -270,6 +270,48 @@ def test_ctrl_c_reaches_worker_0_over_ssh_once_and_the_teardown_waits_for_it(loo
     assert not _no_leftovers(env[TAG]), "processes of the job left behind"
 
 
+def _descendants(pid: int) -> list[int]:
+    children = [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+                for c in (task / "children").read_text().split()]
+    return children + [d for c in children for d in _descendants(c)]
+
+
+@pytest.mark.slow
+def test_a_ctrl_c_for_a_host_that_stopped_answering_is_given_up_within_its_deadlines(loopback_host, ssh_site):
+    """Issue 40, point 14: the Ctrl-C passed on to worker 0 over ssh never holds the launcher's
+    teardown: a host whose sshd stopped answering (frozen with SIGSTOP) is given up within the
+    channel's and the command's deadlines, and not counted as reached (so nothing waits for it);
+    a host that answers delivers it."""
+    from tfkv.launcher.backends.ssh_connect import CHANNEL_TIMEOUT, connect, run
+    from tfkv.launcher.backends.ssh_remote import INTERRUPT_TIMEOUT, interrupt_group
+    from tfkv.launcher.hosts import Host
+
+    conn = connect(Host(loopback_host.alias), str(ssh_site.config))
+    groups = [subprocess.Popen(["sleep", "60"], start_new_session=True) for _ in range(2)]
+    try:
+        assert interrupt_group(conn, groups[0].pid)
+        assert groups[0].wait(timeout=10) == -signal.SIGINT
+        assert run(conn, "true", 20).exited == 0
+        frozen = _descendants(int((ssh_site.dir / "sshd_loopback.pid").read_text()))  # this connection's sshd
+        assert frozen
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            assert not interrupt_group(conn, groups[1].pid)
+            took = time.monotonic() - t0
+            assert groups[1].poll() is None
+        finally:
+            for pid in frozen:
+                os.kill(pid, signal.SIGCONT)
+        assert took < CHANNEL_TIMEOUT + INTERRUPT_TIMEOUT + 2, f"took {took:.1f} s"
+    finally:
+        for g in groups:
+            g.kill()
+            g.wait()
+        conn.close()
+
+
 def _wait_for_pid(path: Path, launcher: subprocess.Popen, seconds: float = 90) -> int:
     """The pid a `hang` worker wrote once it joined the job."""
     deadline = time.monotonic() + seconds
