@@ -13,12 +13,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
 from cluster_daemons import slurm  # noqa: F401
-from cluster_hosts import netns_hosts, ssh_site  # noqa: F401
-from conftest import tfkv_run
+from cluster_hosts import loopback_host, netns_hosts, ssh_site  # noqa: F401
+from conftest import TAG, tagged_pids, tfkv_run
 from hydra import compose, initialize_config_dir
 
 from tfkv import check, checkpoint, cli
@@ -116,6 +117,7 @@ def test_policy_counts_steps_and_minutes():
 SAVER = """
 import sys, time, numpy as np
 from pathlib import Path
+from typing import Callable
 from tfkv import checkpoint
 
 def slow_optimizer(path):
@@ -410,43 +412,41 @@ def test_ctrl_c_while_a_checkpoint_is_written_publishes_it_exits_130_and_the_run
 DIST_BIG = ["kvstore=dist_sync", "cluster=local", "cluster.num_workers=2", "cluster.num_servers=1", *BIG]
 
 
-@pytest.mark.slow
-def test_ctrl_c_while_worker_0_of_a_dist_sync_job_writes_a_checkpoint_publishes_it_exits_130_and_resumes(tmp_path):
-    """Issue 40, point 14: a terminal's Ctrl-C (SIGINT to the launcher's process group) while
-    worker 0 is writing a checkpoint, before it pulled the servers' optimizer state: the launcher
-    passes it on to the workers and tears the job down only once they ended, so the servers still
-    answer and the checkpoint is published whole; status 130, no process left; the same command
-    goes on from it."""
-    run = tmp_path / "run"
-    job = subprocess.Popen(["tfkv-run", "epochs=3", *DIST_BIG], cwd=tmp_path, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        while not (run / "checkpoints").is_dir():
-            assert job.poll() is None, job.communicate()
-            time.sleep(0.01)
-        worker0 = _worker_pid(job, 0)
-        roles = [int(c) for task in Path(f"/proc/{job.pid}/task").iterdir()
-                 for c in (task / "children").read_text().split()]
-        deadline = time.monotonic() + 240
-        while True:  # worker 0 stopped with the servers' optimizer state still to pull
-            assert job.poll() is None and time.monotonic() < deadline, "no checkpoint was caught being written"
-            staged = list((run / "checkpoints").glob(".epoch-*.tmp"))
-            if staged:
-                os.kill(worker0, signal.SIGSTOP)
-                if staged[0].is_dir() and not (staged[0] / "optimizer.npz").exists():
-                    name = staged[0].name[1:-len(".tmp")]
-                    break
-                os.kill(worker0, signal.SIGCONT)
-                while staged[0].exists() and job.poll() is None:
-                    time.sleep(0.001)
-            time.sleep(0.001)
-        os.killpg(job.pid, signal.SIGINT)  # Ctrl-C at the terminal
-        time.sleep(1)  # the launcher's teardown would have ended the servers by now
-        with contextlib.suppress(ProcessLookupError):  # (or worker 0 itself: the defect)
+def _ctrl_c_while_worker_0_writes(job: subprocess.Popen, run: Path,
+                                  worker_0: Callable[[], int]) -> tuple[str, str, str]:
+    """A terminal's Ctrl-C (SIGINT to the launcher's process group) to a dist job while worker 0
+    (`worker_0()`, once the job has a checkpoints directory) is stopped (SIGSTOP) writing a
+    checkpoint, before it pulled the servers' optimizer state; worker 0 is let go on 1 s later,
+    when a teardown that did not wait for it would have ended the servers. The checkpoint's
+    name, the job's output and its errors."""
+    deadline = time.monotonic() + 300
+    while not (run / "checkpoints").is_dir():
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+        time.sleep(0.01)
+    worker0 = worker_0()
+    while True:  # worker 0 stopped with the servers' optimizer state still to pull
+        assert job.poll() is None and time.monotonic() < deadline, "no checkpoint was caught being written"
+        staged = list((run / "checkpoints").glob(".epoch-*.tmp"))
+        if staged:
+            os.kill(worker0, signal.SIGSTOP)
+            if staged[0].is_dir() and not (staged[0] / "optimizer.npz").exists():
+                name = staged[0].name[1:-len(".tmp")]
+                break
             os.kill(worker0, signal.SIGCONT)
-        out, err = job.communicate(timeout=120)
-    finally:
-        _kill(job)
+            while staged[0].exists() and job.poll() is None:
+                time.sleep(0.001)
+        time.sleep(0.001)
+    os.killpg(job.pid, signal.SIGINT)  # Ctrl-C at the terminal
+    time.sleep(1)  # the launcher's teardown would have ended the servers by now
+    with contextlib.suppress(ProcessLookupError):  # (or worker 0 itself: the defect)
+        os.kill(worker0, signal.SIGCONT)
+    out, err = job.communicate(timeout=120)
+    return name, out, err
+
+
+def _published_whole(job: subprocess.Popen, run: Path, name: str, out: str, err: str) -> checkpoint.Checkpoint:
+    """The checkpoint `name` that a Ctrl-C caught being written (_ctrl_c_while_worker_0_writes):
+    published whole, with the servers' optimizer state, the job ended with status 130."""
     assert job.returncode == 130, (out + err)[-3000:]
     written = run / "checkpoints" / name
     assert written.is_dir(), f"{name} was dropped: {sorted(p.name for p in written.parent.iterdir())}\n{out}\n{err}"
@@ -456,15 +456,76 @@ def test_ctrl_c_while_worker_0_of_a_dist_sync_job_writes_a_checkpoint_publishes_
         assert np.abs(state["0/momentum"]).sum() > 0
     assert not list((run / "checkpoints").glob(".*"))
     assert "finishing the checkpoint being written first" in out, out[-3000:]
+    return ckpt
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_worker_0_of_a_dist_sync_job_writes_a_checkpoint_publishes_it_exits_130_and_resumes(tmp_path):
+    """Issue 40, point 14: a terminal's Ctrl-C while worker 0 is writing a checkpoint, before it
+    pulled the servers' optimizer state: the launcher passes it on to the workers and tears the
+    job down only once they ended, so the servers still answer and the checkpoint is published
+    whole; status 130, no process left; the same command goes on from it."""
+    run = tmp_path / "run"
+    job = subprocess.Popen(["tfkv-run", "epochs=3", *DIST_BIG], cwd=tmp_path, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    roles: list[int] = []
+
+    def worker_0() -> int:
+        roles.extend(int(c) for task in Path(f"/proc/{job.pid}/task").iterdir()
+                     for c in (task / "children").read_text().split())
+        return _worker_pid(job, 0)
+
+    try:
+        name, out, err = _ctrl_c_while_worker_0_writes(job, run, worker_0)
+    finally:
+        _kill(job)
+    ckpt = _published_whole(job, run, name, out, err)
     assert f"checkpoint {name} is in" in [ln for ln in err.splitlines() if ln.startswith("tfkv-run:")][-1], err
     for group in roles:  # no process of the job is left, in any of its groups
         with pytest.raises(ProcessLookupError):
             os.killpg(group, 0)
     epoch = ckpt.epoch + 1
     again = tfkv_run(f"epochs={epoch}", *DIST_BIG, cwd=tmp_path, timeout=600)
-    assert f"resumed from {written}" in again.stdout + again.stderr, again.stdout[-3000:]
+    assert f"resumed from {run / 'checkpoints' / name}" in again.stdout + again.stderr, again.stdout[-3000:]
     metrics = json.loads((run / "metrics.json").read_text())
     assert [h["epoch"] for h in metrics["history"]] == list(range(1, epoch + 1))
+
+
+def _remote_worker_pid(tag: str, rank: int) -> int:
+    """The process of worker `rank` of the ssh job tagged `tag` (not its wrapper, whose command
+    line carries the role's too)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if (b"tfkv.worker" in cmdline and b"tfkv-ssh" not in cmdline and f"{TAG}={tag}".encode() in environ
+                and f"TFKV_RANK_HINT={rank}".encode() in environ):
+            return int(proc.name)
+    raise AssertionError(f"worker {rank} is not running")
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_worker_0_of_a_dist_sync_job_over_ssh_writes_a_checkpoint_publishes_it_and_exits_130(
+        loopback_host, ssh_site, tmp_path):  # noqa: F811
+    """Issue 40, point 14, on the ssh launcher (real sshd on 127.0.0.1): the Ctrl-C reaches worker
+    0's remote group as SIGINT over ssh, and the teardown waits for it, so the checkpoint it is
+    writing is published whole; status 130, no process left on the host."""
+    tag = f"ctrlc-ssh-{tmp_path.name}-{os.getpid()}"
+    (tmp_path / "hosts").write_text(f"{loopback_host.alias}\n")
+    run = tmp_path / "run"
+    job = subprocess.Popen(
+        ["tfkv-run", "epochs=3", "kvstore=dist_sync", "cluster=ssh", "cluster.hostfile=hosts",
+         "cluster.num_workers=2", "cluster.num_servers=1", f"cluster.python={sys.executable}", *BIG],
+        cwd=tmp_path, env={**os.environ, **ssh_site.env(), TAG: tag}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        name, out, err = _ctrl_c_while_worker_0_writes(job, run, lambda: _remote_worker_pid(tag, 0))
+    finally:
+        _kill(job)
+    _published_whole(job, run, name, out, err)
+    assert not tagged_pids(tag, wait=15), "processes of the job left behind"
 
 
 # -- a Slurm batch job preempted (SIGUSR1 ahead of it), requeued, and continued -------------------

@@ -237,6 +237,81 @@ def test_teardown_terminates_the_others_over_ssh_while_still_listening(netns_hos
     assert not _no_leftovers(env[TAG]), "processes of the job left behind"
 
 
+@pytest.mark.slow
+def test_ctrl_c_reaches_worker_0_over_ssh_once_and_the_teardown_waits_for_it(loopback_host, ssh_site, tmp_path):
+    """Issue 40, point 14: a terminal's Ctrl-C to `tfkv-launch --launcher ssh` is passed on as
+    SIGINT to worker 0's remote group only, once, over its connection; the teardown waits until
+    worker 0 ended (it finishes what it is doing: here a line 2 s after the INT), then ends the
+    rest; status 130, nothing left."""
+    work = _workdir(tmp_path, ["local"])
+    env = {**_tag(tmp_path), **ssh_site.env()}
+    role = ('if [ "$TFKV_RANK_HINT" = 0 ]; then trap "echo got INT; sleep 2; echo finished; exit 130" INT; '
+            'else trap "echo got INT" INT; fi; echo $$ > ready$TFKV_RANK_HINT; while :; do sleep 0.1; done')
+    launcher = subprocess.Popen(
+        [shutil.which("tfkv-launch"), "-n", "2", "-s", "1", "-H", "hosts", "--launcher", "ssh", "--python", PY,
+         "--run-dir", str(tmp_path / "run"), "--", "sh", "-c", role],
+        cwd=work, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not ((work / "ready0").is_file() and (work / "ready1").is_file()):
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[0][-3000:]
+            time.sleep(0.1)
+        time.sleep(1)  # the wrappers' group ids are back
+        os.killpg(launcher.pid, signal.SIGINT)  # Ctrl-C at the terminal
+        out, _ = launcher.communicate(timeout=90)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 130, out[-3000:]
+    assert out.count("got INT") == 1 and "[worker 0 @local] got INT" in out, out[-3000:]
+    assert "[worker 0 @local] finished" in out, out[-3000:]  # not torn down under it
+    assert not _no_leftovers(env[TAG]), "processes of the job left behind"
+
+
+def _descendants(pid: int) -> list[int]:
+    children = [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+                for c in (task / "children").read_text().split()]
+    return children + [d for c in children for d in _descendants(c)]
+
+
+@pytest.mark.slow
+def test_a_ctrl_c_for_a_host_that_stopped_answering_is_given_up_within_its_deadlines(loopback_host, ssh_site):
+    """Issue 40, point 14: the Ctrl-C passed on to worker 0 over ssh never holds the launcher's
+    teardown: a host whose sshd stopped answering (frozen with SIGSTOP) is given up within the
+    channel's and the command's deadlines, and not counted as reached (so nothing waits for it);
+    a host that answers delivers it."""
+    from tfkv.launcher.backends.ssh_connect import CHANNEL_TIMEOUT, connect, run
+    from tfkv.launcher.backends.ssh_remote import INTERRUPT_TIMEOUT, interrupt_group
+    from tfkv.launcher.hosts import Host
+
+    conn = connect(Host(loopback_host.alias), str(ssh_site.config))
+    groups = [subprocess.Popen(["sleep", "60"], start_new_session=True) for _ in range(2)]
+    try:
+        assert interrupt_group(conn, groups[0].pid)
+        assert groups[0].wait(timeout=10) == -signal.SIGINT
+        assert run(conn, "true", 20).exited == 0
+        frozen = _descendants(int((ssh_site.dir / "sshd_loopback.pid").read_text()))  # this connection's sshd
+        assert frozen
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            assert not interrupt_group(conn, groups[1].pid)
+            took = time.monotonic() - t0
+            assert groups[1].poll() is None
+        finally:
+            for pid in frozen:
+                os.kill(pid, signal.SIGCONT)
+        assert took < CHANNEL_TIMEOUT + INTERRUPT_TIMEOUT + 2, f"took {took:.1f} s"
+    finally:
+        for g in groups:
+            g.kill()
+            g.wait()
+        conn.close()
+
+
 def _wait_for_pid(path: Path, launcher: subprocess.Popen, seconds: float = 90) -> int:
     """The pid a `hang` worker wrote once it joined the job."""
     deadline = time.monotonic() + seconds

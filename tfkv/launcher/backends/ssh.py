@@ -28,6 +28,9 @@ pty outlives its closed ssh channel:
    (also at a normal end, for whatever a role left behind in its group); Ctrl-C does it at once;
 2. the launcher dies or its connection drops: the wrapper sees its stdin (the channel) close
    and kills its own group.
+The first Ctrl-C is passed on first: SIGINT to worker 0's group over its own connection (within
+a few seconds, or not at all for a host that does not answer), so that it finishes the checkpoint
+it is writing; the teardown follows once it ended (tfkv.launcher.supervisor.finish_workers).
 Every ssh step has a deadline (ssh_connect: connect, banner, login, channel open, a connection
 that stops answering; a command's own timeout here and in ssh_remote), and the hosts are torn
 down side by side: a host cut off from the network holds neither the others' teardown nor the
@@ -62,7 +65,7 @@ from tfkv.launcher.base import Backend, Job, Result
 from tfkv.launcher.hosts import Host
 from tfkv.launcher.plan import Process
 from tfkv.launcher.backends.ssh_connect import connect, connect_problem, run, ssh_config_path
-from tfkv.launcher.backends.ssh_remote import RemoteRole, remote_command, stop_groups
+from tfkv.launcher.backends.ssh_remote import RemoteRole, interrupt_group, remote_command, stop_groups
 from tfkv.launcher.backends.ssh_sync import copy_back, remote_spec, rsync
 
 if TYPE_CHECKING:
@@ -193,9 +196,16 @@ class SSHLauncher(Backend):
                     ends.ended(r.name, r.code)
             return all(r.ended.is_set() for r in roles)
 
+        def interrupt() -> list[str]:
+            # Ctrl-C to worker 0's group, the one that writes checkpoints (as the local launcher
+            # does): it finishes the one in progress, then the teardown ends the rest.
+            return [r.name for r in roles
+                    if r.process.role == "worker" and r.process.rank == 0 and r.pgid is not None
+                    and not r.ended.is_set() and interrupt_group(r.conn, r.pgid)]
+
         try:
             failure = supervisor.supervise(ends, over, lambda: unreached.update(self._teardown(roles, first_conn)),
-                                           start=start)
+                                           start=start, interrupt=interrupt)
             if failure and unreached:
                 failure += "".join(f"; {host} did not answer over ssh ({why}): is it down or cut off from the "
                                    "network?" for host, why in unreached.items())

@@ -47,8 +47,8 @@ if os.getpgid(0) != os.getpid():
     os.setsid()  # sshd already makes the remote command a group leader; elsewhere, become one
 group = os.getpid()
 print("\x1etfkv-ssh pgid", group, flush=True)
-for s in (signal.SIGTERM, signal.SIGHUP):  # a TERM or the teardown's HUP to the group is for the role; report it
-    signal.signal(s, lambda *_: None)
+for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # a TERM, the teardown's HUP or the launcher's
+    signal.signal(s, lambda *_: None)  # Ctrl-C (interrupt) to the group is for the role; report how it ends
 gone = threading.Event()
 def watch():  # stdin is the ssh channel: EOF means the launcher is gone, so goes the job
     while os.read(0, 65536):  # (not sys.stdin: its lock would abort the exit of a busy thread)
@@ -134,6 +134,22 @@ class RemoteRole:
             status = -1
         self.code = reported if reported is not None else (status if status >= 0 else LOST)
         self.ended.set()
+
+
+INTERRUPT_TIMEOUT = 5  # seconds for the Ctrl-C passed on to a role to start and end, once its channel is open
+
+
+def interrupt_group(conn: Connection, pgid: int) -> bool:
+    """SIGINT to one remote group over its role's own connection (the launcher's first Ctrl-C,
+    passed on to worker 0: it finishes the checkpoint it is writing). Whether it was delivered;
+    never longer than the connection's deadlines and INTERRUPT_TIMEOUT (a host cut off answers
+    False, and the teardown follows at once)."""
+    if not conn.is_connected:
+        return False
+    try:
+        return run(conn, f"kill -INT -{pgid}", INTERRUPT_TIMEOUT).exited == 0
+    except Exception:  # noqa: BLE001 - an unreachable host: the teardown says so
+        return False
 
 
 STOP_TIMEOUT = 15  # seconds for the teardown's command on a host to start and end, once its channel is open
