@@ -5,8 +5,8 @@ such a model on its first batch; before tfkv did, the store got no keys and noth
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import sys
 import textwrap
 from pathlib import Path
 
@@ -90,11 +90,11 @@ def project(tmp_path: Path) -> Path:
 
 
 def _userpkg(project: Path):
-    sys.path.insert(0, str(project))
-    try:
-        import userpkg
-    finally:
-        sys.path.remove(str(project))
+    """This test's userpkg.py, loaded from its file: other tests of the same pytest worker import
+    modules of their own named userpkg, and `import userpkg` would return theirs."""
+    spec = importlib.util.spec_from_file_location(f"userpkg_{project.name}", project / "userpkg.py")
+    userpkg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(userpkg)
     return userpkg
 
 
