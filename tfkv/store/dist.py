@@ -44,21 +44,21 @@ from typing import Any, Hashable, Iterator, Sequence
 
 import numpy as np
 
-from tfkv import optim
 from tfkv.errors import EXIT_PEER_FAILED
-from tfkv.ps import compression, dtypes, memory, node, parts
+from tfkv.ps import dtypes, memory, node, parts
 from tfkv.ps.feedback import Sender
 from tfkv.ps import protocol as P
 from tfkv.ps.cluster_env import ClusterEnv
 from tfkv.ps.parts import Layout, Pull, RowPlacement
 from tfkv.ps.scheduler_link import SchedulerLink
 from tfkv.ps.worker import ServerLink
-from tfkv.store import dist_state, sparse
+from tfkv.store import sparse
 from tfkv.store.base import Key, KVStore, gpu_p2p, in_place, pairs
+from tfkv.store.dist_optimizer import ServerOptimizer
 from tfkv.store.dist_rows import RowSparseKeys, TableKey
 
 
-class DistStore(RowSparseKeys, KVStore):
+class DistStore(ServerOptimizer, RowSparseKeys, KVStore):
     type = "dist_sync"
     distributed = True
     async_pushpull = True
@@ -357,40 +357,6 @@ class DistStore(RowSparseKeys, KVStore):
                      for part in layout.parts])
         return pull
 
-    def set_gradient_compression(self, compression_params: Any) -> None:
-        """MXNet's API, e.g. {"type": "2bit", "threshold": 0.5}, or tfkv's {"type":
-        "2bit_momentum", ...}; every worker calls it (each keeps its residuals), worker 0 tells the
-        servers how to decode (the same words for both kinds) and, when the kind moves momentum
-        to the workers after an optimizer was set, sends the servers' optimizer again."""
-        setting = compression.parse(compression_params)
-        if setting != (self._sender and self._sender.setting):  # a new setting starts from nothing held back
-            self._sender = Sender(setting) if setting is not None else None
-        if self.rank == 0 and setting is not None:
-            for s in range(self.servers.count):
-                self.servers.request(s, P.Message(P.Type.SET_COMPRESSION,
-                                                  meta={"type": "2bit", "threshold": setting.threshold}))
-        if self._user_optimizer is not None:
-            self.set_optimizer(self._user_optimizer)
-            return
-        self.barrier()
-
-    def set_optimizer(self, optimizer: Any) -> None:
-        """The servers run `optimizer`, less its momentum when the compression applies it on the
-        workers (`compression.split_momentum`: the servers learn it from the optimizer they get)."""
-        served, momentum = compression.split_momentum(self._sender and self._sender.setting, optimizer)
-        if self._sender is not None:
-            self._sender.momentum = momentum
-        self._user_optimizer, self._optimizer = optimizer, served
-        if self.num_workers > 1:
-            # Every worker's requests so far are served by the optimizer they were made under:
-            # worker 0 must not swap it while another still pushes or reads its state.
-            self.barrier()
-        if self.rank == 0:
-            spec = {"optimizer": optim.to_dict(served)}
-            for s in range(self.servers.count):
-                self.servers.request(s, P.Message(P.Type.SET_OPTIMIZER, meta=spec))
-        self.barrier()
-
     def barrier(self) -> None:
         self.servers.settle()
         self.link.barrier()
@@ -401,21 +367,6 @@ class DistStore(RowSparseKeys, KVStore):
         if not self.sync or self.num_workers == 1:
             return bool(ok)
         return float(self.sum_over_workers([0.0 if ok else 1.0])[0]) == 0.0
-
-    def _require_optimizer(self) -> None:
-        # Asked before any request goes out, as the local store does: the servers would each
-        # answer with an error, and errors of requests not yet waited for surface in later calls.
-        if not self._has_optimizer:
-            raise RuntimeError("this store has no optimizer; call set_optimizer() first")
-
-    def save_optimizer_states(self, fname: str) -> None:
-        """Gather the optimizer state of every key from the servers into one npz file."""
-        self._require_optimizer()
-        dist_state.save(self, fname)
-
-    def load_optimizer_states(self, fname: str) -> None:
-        self._require_optimizer()
-        dist_state.load(self, fname)
 
     def close(self) -> None:
         if self._closed:
@@ -456,13 +407,7 @@ class DistStore(RowSparseKeys, KVStore):
             os._exit(1)  # an exception in an atexit hook would not change the exit status
 
     _closed = False
-    _optimizer: Any = None  # what the servers run
-    _user_optimizer: Any = None  # what set_optimizer was given
     _shown_before: BaseException | None = None
-
-    @property
-    def _has_optimizer(self) -> bool:
-        return self._user_optimizer is not None
 
 
 class DistAsync(DistStore):

@@ -1,0 +1,77 @@
+"""The servers' optimizer and gradient compression, as a dist store's worker sets them: the
+`ServerOptimizer` part of `tfkv.store.dist.DistStore` (MXNet's set_optimizer,
+set_gradient_compression, save_optimizer_states and load_optimizer_states). Worker 0 tells the
+servers; every worker waits at a barrier so that no request is served by an optimizer it was
+not made under. With the `2bit_momentum` compression the momentum is applied on the workers and
+the servers get the optimizer with momentum 0 (`compression.split_momentum`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tfkv import optim
+from tfkv.ps import compression
+from tfkv.ps import protocol as P
+from tfkv.ps.feedback import Sender
+from tfkv.store import dist_state
+
+
+class ServerOptimizer:
+    """What the servers run and how pushes are compressed; mixed into DistStore, whose
+    `servers`, `rank`, `num_workers`, `barrier` and `_sender` it uses."""
+
+    _optimizer: Any = None  # what the servers run
+    _user_optimizer: Any = None  # what set_optimizer was given
+
+    def set_gradient_compression(self, compression_params: Any) -> None:
+        """MXNet's API, e.g. {"type": "2bit", "threshold": 0.5}, or tfkv's {"type":
+        "2bit_momentum", ...}; every worker calls it (each keeps its residuals), worker 0 tells the
+        servers how to decode (the same words for both kinds) and, when the kind moves momentum
+        to the workers after an optimizer was set, sends the servers' optimizer again."""
+        setting = compression.parse(compression_params)
+        if setting != (self._sender and self._sender.setting):  # a new setting starts from nothing held back
+            self._sender = Sender(setting) if setting is not None else None
+        if self.rank == 0 and setting is not None:
+            for s in range(self.servers.count):
+                self.servers.request(s, P.Message(P.Type.SET_COMPRESSION,
+                                                  meta={"type": "2bit", "threshold": setting.threshold}))
+        if self._user_optimizer is not None:
+            self.set_optimizer(self._user_optimizer)
+            return
+        self.barrier()
+
+    def set_optimizer(self, optimizer: Any) -> None:
+        """The servers run `optimizer`, less its momentum when the compression applies it on the
+        workers (`compression.split_momentum`: the servers learn it from the optimizer they get)."""
+        served, momentum = compression.split_momentum(self._sender and self._sender.setting, optimizer)
+        if self._sender is not None:
+            self._sender.momentum = momentum
+        self._user_optimizer, self._optimizer = optimizer, served
+        if self.num_workers > 1:
+            # Every worker's requests so far are served by the optimizer they were made under:
+            # worker 0 must not swap it while another still pushes or reads its state.
+            self.barrier()
+        if self.rank == 0:
+            spec = {"optimizer": optim.to_dict(served)}
+            for s in range(self.servers.count):
+                self.servers.request(s, P.Message(P.Type.SET_OPTIMIZER, meta=spec))
+        self.barrier()
+
+    def _require_optimizer(self) -> None:
+        # Asked before any request goes out, as the local store does: the servers would each
+        # answer with an error, and errors of requests not yet waited for surface in later calls.
+        if not self._has_optimizer:
+            raise RuntimeError("this store has no optimizer; call set_optimizer() first")
+
+    def save_optimizer_states(self, fname: str) -> None:
+        """Gather the optimizer state of every key from the servers into one npz file."""
+        self._require_optimizer()
+        dist_state.save(self, fname)
+
+    def load_optimizer_states(self, fname: str) -> None:
+        self._require_optimizer()
+        dist_state.load(self, fname)
+
+    @property
+    def _has_optimizer(self) -> bool:
+        return self._user_optimizer is not None
