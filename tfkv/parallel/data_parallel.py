@@ -68,13 +68,13 @@ from tfkv.layers import serving_rows
 from tfkv.parallel import sparse
 from tfkv.parallel.base import Parallel
 from tfkv.parallel.criterion import Criterion, regularization
+from tfkv.parallel.portable import PortableWeights
 from tfkv.parallel.precision import LossScale, all_finite
-from tfkv.store import npz
 from tfkv.store.base import KVStore
 from tfkv.store.tf_updater import TFUpdater
 
 
-class DataParallel(Parallel):
+class DataParallel(PortableWeights, Parallel):
     def __init__(
         self,
         build_model: Callable[[], Any],
@@ -129,7 +129,13 @@ class DataParallel(Parallel):
         self.sparse = (sparse.Tables(found, self.replicas, store) if found else None)
         if initial_weights is not None:
             tables = self._set_portable_weights(list(initial_weights))
+        self._start_keys(optimizer, tables, evaluate_only)
+        self._compile(loss_scale, clipnorm, jit_compile)
 
+    def _start_keys(self, optimizer: optim.Optimizer, tables: dict[int, Any], evaluate_only: bool) -> None:
+        """The optimizer where updates happen, every copy from the first one's weights, the
+        tables put in the store (their initial weights where given)."""
+        store = self.store
         if self.update_on_kvstore:
             store.set_optimizer(optimizer)
         else:
@@ -146,6 +152,10 @@ class DataParallel(Parallel):
             self.sparse.init({j: v for j, v in tables.items() if v is not None}, read_only=evaluate_only)
         self._sync_non_trainable(source=0)
 
+    def _compile(self, loss_scale: LossScale | None, clipnorm: float | None, jit_compile: bool) -> None:
+        """The step's compiled functions, chosen once: one fused step where the store traces
+        into it, else gradients (pushing as backprop makes them) then assign and apply."""
+        store = self.store
         self.loss_scale = loss_scale
         self.clipnorm = clipnorm
         self.jit_compile = jit_compile
@@ -416,49 +426,6 @@ class DataParallel(Parallel):
             value = vs[source].numpy() if source is not None else np.mean([v.numpy() for v in vs], axis=0)
             for v in vs:
                 v.assign(value)
-
-    def get_weights(self) -> list[np.ndarray]:
-        """All variables of the first copy, in `model.weights` order: those of the model as built
-        without a store, so a row-sparse table is gathered whole from the store."""
-        return [np.concatenate(list(npz.pieces(w))) if isinstance(w, npz.Chunked) else w
-                for w in self.streamed_weights()]
-
-    def streamed_weights(self) -> list[Any]:
-        """`get_weights`, but each row-sparse table an `npz.Chunked`: its rows pulled from the
-        store piece by piece as they are written (what a checkpoint saves)."""
-        if self.sparse is None:
-            return [np.asarray(w) for w in self.replicas[0].get_weights()]
-        return [np.asarray(v.numpy()) if j is None else self.sparse.rows_of(self.sparse.tables[j])
-                for v, j in self._portable()]
-
-    def weight_names(self) -> list[str]:
-        return [f"{i:04d}/{v.path}" for i, (v, _) in enumerate(self._portable())]
-
-    def _portable(self) -> list[tuple[Any, int | None]]:
-        """(variable of the first copy, its table's index or None) for each weight of the model
-        as built without a store (a ShardedEmbedding's cache stands for its table; its row ids
-        are left out)."""
-        tables = self.sparse.tables if self.sparse is not None else []
-        out = []
-        for v in self.replicas[0].weights:
-            j = next((j for j, t in enumerate(tables) if v is t.variable(0)), None)
-            if j is None and any(t.sharded and v is t.copies[0].row_ids for t in tables):
-                continue
-            out.append((v, j))
-        return out
-
-    def _set_portable_weights(self, weights: list[np.ndarray]) -> dict[int, np.ndarray]:
-        """`weights` (get_weights' form) into the first copy; returns the tables' (by index)."""
-        slots = self._portable()
-        if len(weights) != len(slots):
-            raise ValueError(f"{len(weights)} weights for a model of {len(slots)} variables")
-        tables = {}
-        for (v, j), w in zip(slots, weights):
-            if j is None:
-                v.assign(w)
-            else:
-                tables[j] = w
-        return tables
 
 
 def _times(g: Any, factor: Any) -> Any:
