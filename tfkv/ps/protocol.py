@@ -230,6 +230,39 @@ def decode(frames: Sequence[Any], max_count: int | None = None) -> Message:
         raise ProtocolError(f"unknown message type {type_}")
     if flags & ~_FLAGS:
         raise ProtocolError(f"unknown flags 0x{flags:02x}")
+    nbytes = _payload_bytes(kind, flags, dtype, count, max_count)
+    expected = frames_of(flags)
+    if len(frames) != expected:
+        raise ProtocolError(f"{kind.name}: {len(frames)} frames, flags and count say {expected}")
+    msg = Message(kind, sender, seq, key, reply=bool(flags & FLAG_REPLY), want_ack=bool(flags & FLAG_ACK))
+    i = 1
+    if flags & FLAG_META:
+        msg.meta = _meta(kind, memoryview(frames[i]))
+        i += 1
+    if flags & FLAG_ROWS:
+        msg.rows = _rows(kind, memoryview(frames[i]), flags, count, max_count)
+        i += 1
+    if flags & FLAG_DATA:
+        raw = memoryview(frames[i])
+        if len(raw) != nbytes:
+            what = (f"{count} 2-bit values ({nbytes} bytes)" if dtype == DType.TWOBIT
+                    else f"{count} {_DTYPES[dtype][1].name}")
+            raise ProtocolError(f"{kind.name}: payload is {len(raw)} bytes, header says {what}")
+        msg.dtype, array_type = _DTYPES[dtype]
+        msg.data = np.frombuffer(raw, array_type)  # the received buffer itself: no copy
+        msg.count = count
+    try:
+        schema.check(_NAMES[kind], msg.reply, msg.meta, msg.data is not None)
+    except schema.SchemaError as e:
+        raise ProtocolError(f"{kind.name}: {e}") from None
+    except Exception as e:  # a check's own failure: still this message's fault, never the node's end
+        raise ProtocolError(f"{kind.name}: metadata refused ({type(e).__name__}: {e})") from None
+    return msg
+
+
+def _payload_bytes(kind: Type, flags: int, dtype: int, count: int, max_count: int | None) -> int:
+    """The payload's size in bytes as the header describes it (0 without one), after checking that
+    the header's dtype, count and row ids fit the message's type and the limit."""
     nbytes = 0
     if flags & FLAG_DATA:
         if dtype not in _DTYPES:
@@ -255,52 +288,35 @@ def decode(frames: Sequence[Any], max_count: int | None = None) -> Message:
             raise ProtocolError(f"{kind.name}: row ids are only for INIT, PUSH, PULL, GET_STATE and SET_STATE requests")
         if flags & FLAG_DATA and dtype not in (DType.FLOAT32, DType.FLOAT16):
             raise ProtocolError(f"{kind.name}: the rows of a row-sparse key are float32 or float16")
-    expected = frames_of(flags)
-    if len(frames) != expected:
-        raise ProtocolError(f"{kind.name}: {len(frames)} frames, flags and count say {expected}")
-    msg = Message(kind, sender, seq, key, reply=bool(flags & FLAG_REPLY), want_ack=bool(flags & FLAG_ACK))
-    i = 1
-    if flags & FLAG_META:
-        raw = memoryview(frames[i])
-        if len(raw) > MAX_META:
-            raise ProtocolError(f"{kind.name}: metadata of {len(raw)} bytes exceeds {MAX_META}")
-        try:
-            meta = json.loads(bytes(raw), parse_constant=_no_constant)
-        except RecursionError:
-            raise ProtocolError(f"{kind.name}: metadata is nested too deeply") from None
-        except ValueError as e:  # JSONDecodeError, bad UTF-8, an int of over 4300 digits, NaN
-            raise ProtocolError(f"{kind.name}: metadata is not JSON ({e})") from None
-        if not isinstance(meta, dict):
-            raise ProtocolError(f"{kind.name}: metadata must be a JSON object")
-        msg.meta = meta
-        i += 1
-    if flags & FLAG_ROWS:
-        raw = memoryview(frames[i])
-        if len(raw) % ROW_ID.itemsize:
-            raise ProtocolError(f"{kind.name}: a rows frame of {len(raw)} bytes is not a whole number of int64 ids")
-        nrows = len(raw) // ROW_ID.itemsize
-        if max_count is not None and nrows > max_count:
-            raise ProtocolError(f"{kind.name}: {nrows} row ids exceed the limit of {max_count}")
-        if flags & FLAG_DATA and (count % nrows if nrows else count):
-            raise ProtocolError(f"{kind.name}: {count} values cannot be {nrows} rows of one width")
-        msg.rows = np.frombuffer(raw, ROW_ID)  # checked against the key's rows by the server
-        i += 1
-    if flags & FLAG_DATA:
-        raw = memoryview(frames[i])
-        if len(raw) != nbytes:
-            what = (f"{count} 2-bit values ({nbytes} bytes)" if dtype == DType.TWOBIT
-                    else f"{count} {_DTYPES[dtype][1].name}")
-            raise ProtocolError(f"{kind.name}: payload is {len(raw)} bytes, header says {what}")
-        msg.dtype, array_type = _DTYPES[dtype]
-        msg.data = np.frombuffer(raw, array_type)  # the received buffer itself: no copy
-        msg.count = count
+    return nbytes
+
+
+def _meta(kind: Type, raw: memoryview) -> dict:
+    """A metadata frame as the JSON object it must be, within MAX_META bytes."""
+    if len(raw) > MAX_META:
+        raise ProtocolError(f"{kind.name}: metadata of {len(raw)} bytes exceeds {MAX_META}")
     try:
-        schema.check(_NAMES[kind], msg.reply, msg.meta, msg.data is not None)
-    except schema.SchemaError as e:
-        raise ProtocolError(f"{kind.name}: {e}") from None
-    except Exception as e:  # a check's own failure: still this message's fault, never the node's end
-        raise ProtocolError(f"{kind.name}: metadata refused ({type(e).__name__}: {e})") from None
-    return msg
+        meta = json.loads(bytes(raw), parse_constant=_no_constant)
+    except RecursionError:
+        raise ProtocolError(f"{kind.name}: metadata is nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, bad UTF-8, an int of over 4300 digits, NaN
+        raise ProtocolError(f"{kind.name}: metadata is not JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise ProtocolError(f"{kind.name}: metadata must be a JSON object")
+    return meta
+
+
+def _rows(kind: Type, raw: memoryview, flags: int, count: int, max_count: int | None) -> np.ndarray:
+    """A rows frame as its int64 ids (the received buffer), whole ids within the limit that the
+    payload's values divide into."""
+    if len(raw) % ROW_ID.itemsize:
+        raise ProtocolError(f"{kind.name}: a rows frame of {len(raw)} bytes is not a whole number of int64 ids")
+    nrows = len(raw) // ROW_ID.itemsize
+    if max_count is not None and nrows > max_count:
+        raise ProtocolError(f"{kind.name}: {nrows} row ids exceed the limit of {max_count}")
+    if flags & FLAG_DATA and (count % nrows if nrows else count):
+        raise ProtocolError(f"{kind.name}: {count} values cannot be {nrows} rows of one width")
+    return np.frombuffer(raw, ROW_ID)  # checked against the key's rows by the server
 
 
 def _no_constant(name: str) -> None:
