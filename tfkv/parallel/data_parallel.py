@@ -53,11 +53,9 @@ loss, what Keras's global_clipnorm bounds), is at most `clipnorm`, before they a
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import re
 import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -70,6 +68,7 @@ from tfkv.parallel.base import Parallel
 from tfkv.parallel.criterion import Criterion, regularization
 from tfkv.parallel.portable import PortableWeights
 from tfkv.parallel.precision import LossScale, all_finite
+from tfkv.parallel.xla import xla_refusal
 from tfkv.store.base import KVStore
 from tfkv.store.tf_updater import TFUpdater
 
@@ -194,7 +193,7 @@ class DataParallel(PortableWeights, Parallel):
         call, if known, whose table rows are requested while this batch computes."""
         with sparse.ids_refusal(self.replicas):  # an id past its table: one line, not TF's traceback
             if self.jit_compile and not self._compiled:
-                with _xla_refusal():  # the first step is where XLA compiles
+                with xla_refusal():  # the first step is where XLA compiles
                     self._step_once(x, y, upcoming)
                 self._compiled = True
                 return
@@ -438,18 +437,3 @@ def _times(g: Any, factor: Any) -> Any:
 def _row_values(rows: list[list[tuple[Any, Any]]]) -> list[Any]:
     """The row values of every device's tables' (rows, ids) (what a finiteness check reads)."""
     return [v for r in rows for v, _ in r]
-
-
-@contextlib.contextmanager
-def _xla_refusal() -> Iterator[None]:
-    """XLA's refusal to compile the step (an op it has no kernel for) as one line naming the op."""
-    try:
-        yield
-    except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as e:
-        text = str(e)
-        if "XLA" not in text:
-            raise
-        ops = re.findall(r"(\w+) \(No registered '\w+' OpKernel for XLA", text)
-        what = f"op {', '.join(dict.fromkeys(ops))}" if ops else text.strip().splitlines()[0][:200]
-        raise ConfigError(f"jit_compile=true: XLA cannot compile this model's step ({what}); "
-                          "set jit_compile=false") from None
