@@ -176,7 +176,7 @@ class Cluster:
         self.tag = f"{tmp_path.name}-{os.getpid()}"
         self.env = {**os.environ, TAG: self.tag, "PYTHONUNBUFFERED": "1", "DMLC_PS_ROOT_URI": "127.0.0.1",
                     "DMLC_PS_ROOT_PORT": str(free_port()), "DMLC_NUM_SERVER": str(num_servers),
-                    "DMLC_NUM_WORKER": str(num_workers), "TFKV_HEARTBEAT_TIMEOUT": "3", **(env or {})}
+                    "DMLC_NUM_WORKER": str(num_workers), "TFKV_HEARTBEAT_TIMEOUT": "8", **(env or {})}
         self.keys = None
         if self.env.get(job_keys.SECURE) != "0":
             self.keys = job_keys.new_keys()

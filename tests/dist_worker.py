@@ -669,7 +669,7 @@ if __name__ == "__main__":
         sys.last_value = RuntimeError("shown in an earlier cell")
     if scenario in ("train", "criterion_kinds", "overflow"):
         # TensorFlow's import holds the GIL for seconds while it loads its libraries; done after
-        # the store joins the job, it starves the heartbeat thread past the tests' 3 s timeout on
+        # the store joins the job, it starves the heartbeat thread past the tests' heartbeat timeout on
         # a loaded machine (CI saw this). tfkv-run imports TensorFlow before it creates a store.
         import tensorflow  # noqa: F401
     store = tfkv.store.create(kind)

@@ -40,7 +40,7 @@ def _start(c, seconds, kind):
 @pytest.mark.parametrize("victim", ["worker 1", "server 1", "scheduler"])
 @pytest.mark.parametrize("kind", ["dist_async", "dist_sync_device"])
 def test_kill_9_stops_the_rest_naming_the_node(cluster, kind, victim):
-    c = cluster(num_servers=2, num_workers=2)
+    c = cluster(num_servers=2, num_workers=2, TFKV_HEARTBEAT_TIMEOUT="3")  # timed: a short timeout
     _start(c, 120, kind)
     time.sleep(0.5)
     c.procs[victim].send_signal(signal.SIGKILL)
@@ -151,7 +151,7 @@ def _cut_job(cluster, passed: int, steps: int, **env: str) -> float:
     values; how many seconds after the cut the job ended."""
     nkeys, workers = 3, 2
     proxy_port = free_port()
-    c = cluster(num_servers=1, num_workers=workers, **env)
+    c = cluster(num_servers=1, num_workers=workers, **{"TFKV_HEARTBEAT_TIMEOUT": "3", **env})  # timed
     c.start("scheduler", "scheduler", [sys.executable, "-m", "tfkv.ps.node"])
     # The server registers the proxy's address: every worker's connection to it crosses the proxy.
     c.start("server 0", "server", [sys.executable, "-m", "tfkv.ps.node"], TFKV_RANK_HINT="0",

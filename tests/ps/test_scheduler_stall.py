@@ -81,3 +81,30 @@ def test_a_stalled_scheduler_blames_no_live_node_and_still_finds_a_silent_one(cl
     assert "server 0 failed (no heartbeat for" in c.output("scheduler")
     worker.read()
     assert any(m.type == P.Type.FAILED and m.meta["node"] == "server 0" for m in worker.heard), worker.heard
+
+
+@pytest.mark.slow
+def test_a_node_stalled_past_its_timeout_does_not_blame_the_scheduler_for_its_own_stall(cluster):
+    """The other side of the same rule: a server that got no CPU for longer than its heartbeat
+    timeout (SIGSTOP; on the CI machine, a sibling's TensorFlow import) finds no answer from the
+    scheduler waiting when it wakes, because it sent no heartbeat to be answered. It used to exit
+    at once, "the scheduler has been silent", failing a healthy job. Now it judges the scheduler's
+    silence only once a heartbeat sent after waking had an interval to be answered: the job ends
+    well. (The scheduler and the workers wait 30 s, so that only the server's own judgement is
+    under test.)"""
+    c = cluster(num_servers=1, num_workers=1, TFKV_HEARTBEAT_TIMEOUT="30")
+    c.start("scheduler", "scheduler", [sys.executable, "-m", "tfkv.ps.node"])
+    server = c.start("server 0", "server", [sys.executable, "-m", "tfkv.ps.node"], TFKV_RANK_HINT="0",
+                     TFKV_HEARTBEAT_TIMEOUT="2")
+    (out,) = c.start_workers("hang", "10")
+    deadline = time.monotonic() + 120
+    while not (out.exists() and out.stat().st_size):
+        assert time.monotonic() < deadline, c.outputs()
+        time.sleep(0.1)
+    time.sleep(1.0)
+    server.send_signal(signal.SIGSTOP)
+    time.sleep(4.0)  # twice the server's timeout
+    server.send_signal(signal.SIGCONT)
+    codes = c.wait(120)
+    assert all(code == 0 for code in codes.values()), f"{codes}\n{c.outputs()}"
+    assert "silent" not in c.output("server 0"), c.output("server 0")

@@ -123,7 +123,7 @@ if __name__ == "__main__":
     scenario, path = sys.argv[1], sys.argv[2]
     if scenario == "contract":
         # TensorFlow's import holds the GIL for seconds: done after joining the job it can starve the
-        # heartbeat thread past the tests' 3 s timeout (tests/dist_worker.py does the same)
+        # heartbeat thread past the tests' heartbeat timeout (tests/dist_worker.py does the same)
         import tensorflow  # noqa: F401
     store = tfkv.store.create(os.environ.get("TEST_KVSTORE", "dist_sync"))
     with open(path, "w") as f:

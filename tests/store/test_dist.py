@@ -158,7 +158,7 @@ def test_dist_sync_matches_local_at_the_global_batch(cluster, tf_devices, kind, 
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", ["worker 1", "server 0", "scheduler"])
 def test_a_dead_node_stops_every_other_node_fast(cluster, victim):
-    c = cluster(num_servers=2, num_workers=2)
+    c = cluster(num_servers=2, num_workers=2, TFKV_HEARTBEAT_TIMEOUT="3")  # timed: a short timeout
     c.start_servers()
     outs = c.start_workers("hang", "120")
     deadline = time.time() + 120
@@ -224,7 +224,7 @@ def test_a_round_or_barrier_a_finished_worker_never_joins_fails_at_once(cluster,
         assert error.startswith(f"DistError: server 0: key 0{also}: round 4 can never close: worker 0 left the job"), error
     assert "\n" not in error
     # At once: from worker 0's close, or worker 1's fourth if later, well inside the heartbeat
-    # timeout (3 s) that ends a dead peer.
+    # timeout that ends a dead peer.
     assert failed["at"] - max(closed["closing_at"], failed["acting_at"]) < 2.0, (failed, closed)
     assert error.split(": ", 1)[1] in c.output("worker 1")
 
@@ -362,7 +362,7 @@ def test_a_script_that_ends_without_close_leaves_cleanly(cluster):
 def test_a_lost_reply_fails_the_request_naming_server_and_request(cluster):
     """A reply that never arrives while the server keeps heartbeating: the worker asks the server
     what it still holds and fails within a few heartbeat timeouts, naming the server and request."""
-    c = cluster(num_servers=1, num_workers=1)
+    c = cluster(num_servers=1, num_workers=1, TFKV_HEARTBEAT_TIMEOUT="3")  # timed: a short timeout
     c.start_servers()
     (out,) = c.start_workers("lost_reply")
     codes = c.wait(timeout=40)
@@ -376,7 +376,7 @@ def test_a_lost_reply_fails_the_request_naming_server_and_request(cluster):
 def test_a_server_that_answers_nothing_fails_the_request_after_the_request_timeout(cluster):
     """Every message from the server is lost from the first pull on, the answer to the PING that
     asks about it too: the pull fails once TFKV_REQUEST_TIMEOUT has passed, naming both."""
-    c = cluster(num_servers=1, num_workers=1, TFKV_REQUEST_TIMEOUT="3")
+    c = cluster(num_servers=1, num_workers=1, TFKV_REQUEST_TIMEOUT="3", TFKV_HEARTBEAT_TIMEOUT="3")
     c.start_servers()
     (out,) = c.start_workers("lost_reply", "all")
     codes = c.wait(timeout=40)

@@ -165,11 +165,12 @@ class SchedulerLink:
         interval, timeout = self.env.heartbeat_interval, self.env.heartbeat_timeout
         last_sent = 0.0
         last_heard = time.monotonic()
+        judge = _Judge(interval, timeout)
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         while not self._closed:
-            now = time.monotonic()
+            now = judge.tick()
             if now - last_sent >= interval:
                 self._send(P.Message(P.Type.HEARTBEAT, sender=self.id))
                 last_sent = now
@@ -177,6 +178,7 @@ class SchedulerLink:
                 self._send(self._outbox.get())
                 self._outbox.task_done()
             ready = dict(poller.poll(min(interval, 0.05) * 1000))
+            judge.tick()
             if self._wake_r in ready:
                 try:
                     os.read(self._wake_r, 4096)
@@ -202,9 +204,41 @@ class SchedulerLink:
                 elif msg.type == P.Type.FAILED and not self._aborting:
                     meta = msg.meta or {}
                     self._die(f"{meta.get('node', 'a node')} failed ({meta.get('reason', 'no reason given')})")
-            elif self._sock not in ready and time.monotonic() - last_heard > timeout and not self.shutdown.is_set():
+            elif self._sock not in ready and not self.shutdown.is_set() and judge.silent(last_heard):
                 self._die(f"the scheduler at {self.env.scheduler_host}:{self.env.scheduler_port} "
                           f"has been silent for {timeout:.1f} s", EXIT_PEER_SILENT)
         self._sock.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
+
+
+class _Judge:
+    """When a node may judge the scheduler silent: not while its own loop is held up.
+
+    A loop that got no CPU (or no GIL: a sibling thread in a long C call) for a while sent no
+    heartbeat to be answered, so no answer waits for it when it wakes: the scheduler's silence is
+    judged once a heartbeat sent after waking had an interval to be answered (as the scheduler
+    judges its nodes, tfkv.ps.scheduler), unless hold-ups have kept it from judging for two
+    timeouts (a machine that never lets it catch up)."""
+
+    def __init__(self, interval: float, timeout: float):
+        self.interval, self.timeout = interval, timeout
+        self.last = self.judge_from = time.monotonic()
+        self.held_since: float | None = None
+
+    def tick(self) -> float:
+        """Note that the loop runs now; the time."""
+        now = time.monotonic()
+        if now - self.last > self.interval:
+            self.held_since = self.held_since or now
+            if now - self.held_since < 2 * self.timeout:
+                self.judge_from = now + self.interval
+        elif now >= self.judge_from:
+            self.held_since = None
+        self.last = now
+        return now
+
+    def silent(self, last_heard: float) -> bool:
+        """Whether the scheduler, last heard at `last_heard`, has been silent past the timeout."""
+        now = time.monotonic()
+        return now >= self.judge_from and now - last_heard > self.timeout
