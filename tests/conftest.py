@@ -201,7 +201,7 @@ class Cluster:
         outs = []
         for i in range(self.num_workers):
             out = self.dir / f"worker{i}.json"
-            self.start(f"worker {i}", "worker", [sys.executable, str(REPO / "tests" / "dist_worker.py"),
+            self.start(f"worker {i}", "worker", [sys.executable, str(REPO / "tests" / "workers" / "dist_worker.py"),
                                                    scenario, str(out), *args], TFKV_RANK_HINT=str(i), **env)
             outs.append(out)
         return outs

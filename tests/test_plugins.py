@@ -171,7 +171,7 @@ def test_a_plugin_launcher_runs_a_job(plugin_env, tmp_path):
     """tfkv-launch --launcher twin: the plug-in launcher (tfkv's local one under another name)
     starts a scheduler, a server and two workers that train through the parameter server."""
     proc = subprocess.run(["tfkv-launch", "-n", "2", "-s", "1", "--launcher", "twin", "--python", sys.executable,
-                           "--run-dir", "rec", "--", sys.executable, str(REPO / "tests" / "dist_worker.py"),
+                           "--run-dir", "rec", "--", sys.executable, str(REPO / "tests" / "workers" / "dist_worker.py"),
                            "updates", "out{rank}.json", "4"],
                           cwd=tmp_path, env=plugin_env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

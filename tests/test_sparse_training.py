@@ -324,7 +324,7 @@ def test_tfkv_run_trains_checkpoints_resumes_and_exports_row_sparse(sharded, tmp
 
 # -- a real dist job: 2 workers, 2 servers holding the tables by rows ---------------------------
 
-WORKER = Path(__file__).resolve().parent / "sparse_worker.py"
+WORKER = Path(__file__).resolve().parent / "workers" / "sparse_worker.py"
 
 
 def _start_workers(c, mode, *args, env=None):
@@ -493,7 +493,7 @@ def test_tfkv_run_dist_sync_job_trains_a_sharded_table_and_exports_it_whole(tmp_
     checkpoint, alone, gives the job's test loss."""
     from conftest import REPO, tfkv_run
 
-    env = {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
+    env = {"PYTHONPATH": f"{REPO}:{REPO / 'tests' / 'workers'}"}
     job = [*_args(tmp_path), "+model.sharded=true", *ADAM, "kvstore=dist_sync", "cluster=local",
            "cluster.num_workers=2", "cluster.num_servers=2"]
     tfkv_run(*job, "epochs=2", "hydra.run.dir=run", cwd=tmp_path, env=env, timeout=600)

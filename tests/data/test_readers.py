@@ -5,14 +5,18 @@ cardinality, Keras's folder conventions, flat memory for mapped arrays, and one 
 from __future__ import annotations
 
 import functools
+import inspect
 import os
+import re
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfkv.data import csv_reader, images, npy, tfrecord
-from tfkv.data.source import Split
+from tfkv import target
+from tfkv.data import csv_reader, images, npy, streaming, tfrecord
+from tfkv.data.base import Context
+from tfkv.data.source import PROVIDED, Split
 from tfkv.errors import ConfigError, DataError
 
 N = 37  # not a multiple of the batch or the worker count: remainders are where counts go wrong
@@ -345,6 +349,38 @@ def _images_run(tmp_path):
         tf.io.write_file(str(tmp_path / "img" / f"c{bright}" / f"{i}.png"), tf.io.encode_png(pixels.astype(np.uint8)))
     return ["dataset=image_folder", f"dataset.directory={tmp_path}/img", "dataset.image_size=[8,8]",
             "dataset.color_mode=grayscale", "dataset.validation_split=0.2"]
+
+
+
+def test_a_reader_takes_tfkvs_values_by_name_and_gets_them_as_one_checked_context():
+    """streaming.reader: tfkv sees a reader take split, seed, epoch, batch_size, rank and
+    num_workers by name (so it shards and batches itself), the reader gets them as one Context (a
+    reader's defaults where not given), and a split, a batch size or a rank that cannot be is one
+    line before the reader runs."""
+    seen = []
+
+    @streaming.reader
+    def load(files, label="y", *, context):
+        seen.append((files, label, context))
+        return "batches"
+
+    assert load("f", rank=1, num_workers=2, epoch=3) == "batches"
+    assert seen == [("f", "y", Context(split="train", seed=0, epoch=3, batch_size=32, rank=1, num_workers=2))]
+    assert all(target.accepts(load, name) for name in PROVIDED) and not target.accepts(load, "context")
+    for bad, message in [({"rank": 2, "num_workers": 2}, "rank=2 must be in [0, num_workers=2)"),
+                         ({"split": "valid"}, "split='valid' must be one of train, test"),
+                         ({"batch_size": 0}, "batch_size=0 must be at least 1")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load("f", **bad)
+    assert len(seen) == 1
+
+
+@pytest.mark.parametrize("reader", [images.load, npy.load, csv_reader.load, tfrecord.load],
+                         ids=["image_folder", "npy", "csv", "tfrecord"])
+def test_the_built_in_readers_take_tfkvs_values_with_a_readers_defaults(reader):
+    params = inspect.signature(reader).parameters
+    assert {name: params[name].default for name in PROVIDED} == {
+        "split": "train", "seed": 0, "epoch": 1, "batch_size": 32, "rank": 0, "num_workers": 1}
 
 
 @pytest.mark.slow

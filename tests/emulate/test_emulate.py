@@ -180,7 +180,7 @@ def test_a_hosts_cpu_budget_holds_for_what_it_starts_and_what_ssh_starts(tmp_pat
 
 def _bits_per_second(sender, receiver, port: int = 5001, seconds: float = 2) -> float:
     """A TCP transfer from one host to another, as the receiver measured it."""
-    script = str(HERE / "throughput.py")
+    script = str(HERE.parent / "workers" / "throughput.py")
     recv = receiver.popen([sys.executable, script, "recv", receiver.address, str(port)], stdout=subprocess.PIPE,
                           text=True)
     try:

@@ -63,7 +63,7 @@ def test_a_host_cut_off_mid_job_is_named_and_the_launcher_ends_within_the_heartb
     work.mkdir()
     tag = {TAG: f"cut-{tmp_path.name}-{os.getpid()}"}
     heartbeat_timeout = 4.0
-    worker = Path(__file__).parents[1] / "fault_worker.py"
+    worker = Path(__file__).parents[1] / "workers" / "fault_worker.py"
     with Cluster.up([HostSpec("node1"), HostSpec("node2")], tmp_path / "cl") as cluster:
         hosts = cluster.write_hosts(cluster.state_dir / "hosts")
         launcher = subprocess.Popen(

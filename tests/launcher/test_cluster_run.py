@@ -36,7 +36,7 @@ def test_one_command_runs_the_whole_job(tmp_path):
 
 @pytest.mark.slow
 # SIGINT (Ctrl-C, 130) of a local job is the launcher contract's (test_contract.py), checked here
-# through tfkv-run; SIGTERM is a preemption first (tests/test_long_jobs.py).
+# through tfkv-run; SIGTERM is a preemption first (tests/checkpoint/test_long_jobs.py).
 @pytest.mark.parametrize("sig, said, status", [("SIGINT", "interrupted (Ctrl-C)", 130)])
 def test_ctrl_c_ends_a_distributed_run_as_it_ends_a_single_one(tmp_path, sig, said, status):
     """Ctrl-C in the middle of training: the whole job stops, tfkv-run exits 130 as it does for a

@@ -44,7 +44,7 @@ from tfkv.launcher import base, spares
 from tfkv.launcher import job as launch_job
 from tfkv.launcher.ports import release_port
 
-WORKER = str(REPO / "tests" / "dist_worker.py")
+WORKER = str(REPO / "tests" / "workers" / "dist_worker.py")
 WORKERS, SERVERS, STEPS = 2, 1, 5
 # A worker that joins the job and then, if its rank is argv[1], fails; the others keep working
 # until the job tears them down. "working <tag>" shows that the test's tag reached the roles, so

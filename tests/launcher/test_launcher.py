@@ -191,7 +191,7 @@ def test_a_launcher_that_cannot_set_the_parent_death_signal_says_so_once(tmp_pat
     env = {**os.environ, TAG: f"pdeathsig-{tmp_path.name}"}
     get = "2" if refused == "set and get" else "1"  # PR_GET_PDEATHSIG, or PR_SET_PDEATHSIG again
     proc = subprocess.run([sys.executable, "-c", f"GET = {get}\n" + NO_PDEATHSIG, "tfkv-launch", "-n", "2", "-s", "1", "--launcher",
-                           "local", "--run-dir", "rec", "--", sys.executable, str(REPO / "tests" / "dist_worker.py"),
+                           "local", "--run-dir", "rec", "--", sys.executable, str(REPO / "tests" / "workers" / "dist_worker.py"),
                            "updates", "out{rank}.json", "2"], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=120)
     out = proc.stdout + proc.stderr

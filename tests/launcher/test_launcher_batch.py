@@ -30,7 +30,7 @@ from tfkv.launcher.backends import batch
 from tfkv.launcher.hosts import Host
 from tfkv.launcher.plan import make_plan
 
-WORKER = str(REPO / "tests" / "dist_worker.py")
+WORKER = str(REPO / "tests" / "workers" / "dist_worker.py")
 
 
 def _env(tag: str, **extra: str) -> dict[str, str]:
@@ -193,7 +193,7 @@ def test_a_stopped_worker_under_mpi_is_the_one_blamed(tmp_path):
     tag = f"mpi-stop-{tmp_path.name}"
     env = _env(tag, TFKV_HEARTBEAT_TIMEOUT="4")
     launching = Launching(["-n", "2", "-s", "2", "--launcher", "mpi", "--run-dir", "rec", "--python", sys.executable,
-                           "--", sys.executable, str(REPO / "tests" / "fault_worker.py"), "w{rank}.json", "120"],
+                           "--", sys.executable, str(REPO / "tests" / "workers" / "fault_worker.py"), "w{rank}.json", "120"],
                           tmp_path, env, timeout=120)
     deadline = time.time() + 90
     while not all((tmp_path / f"w{i}.json").exists() for i in range(2)):

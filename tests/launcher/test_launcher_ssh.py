@@ -42,7 +42,7 @@ def _workdir(tmp_path: Path, hosts: list[str]) -> Path:
     """A small working directory to sync: the worker script, a data file, things never synced."""
     work = tmp_path / "work"
     work.mkdir()
-    shutil.copy(REPO / "tests" / "dist_worker.py", work)
+    shutil.copy(REPO / "tests" / "workers" / "dist_worker.py", work)
     (work / "data.txt").write_text("data\n")
     (work / "gone.txt").write_text("deleted locally before the second sync\n")
     for skipped in ("outputs/old", ".git/x", "__pycache__/y"):

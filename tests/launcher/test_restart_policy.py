@@ -41,7 +41,7 @@ def test_a_roles_own_error_is_not_restarted_and_the_line_says_why(tmp_path, stat
 
 
 def test_a_role_killed_by_a_signal_is_restarted(tmp_path):
-    worker = f"{sys.executable} {TESTS / 'dist_worker.py'} updates out{{rank}}.json 2"
+    worker = f"{sys.executable} {TESTS / 'workers' / 'dist_worker.py'} updates out{{rank}}.json 2"
     proc = _launch(tmp_path, f'if [ "$(wc -l < attempts)" -eq 1 ]; then kill -9 $$; fi; exec {worker}')
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "tfkv: restart 1 of 2: worker 0 was killed by SIGKILL" in proc.stdout
@@ -62,7 +62,7 @@ def test_a_worker_that_left_a_dist_sync_job_early_is_named_once_and_not_restarte
     random ("server 0 exited with status 3") and cluster.max_restarts started the same job
     again, which failed the same way each time. Now the worker that left is named, with why and
     what to do, and the job is not restarted."""
-    worker = f"exec {sys.executable} {TESTS / 'dist_worker.py'} worker_left out{{rank}}.json push after"
+    worker = f"exec {sys.executable} {TESTS / 'workers' / 'dist_worker.py'} worker_left out{{rank}}.json push after"
     proc = _launch(tmp_path, worker, workers=2)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert _attempts(tmp_path) == 2 and "tfkv: restart" not in proc.stdout, proc.stdout  # one attempt: 2 workers
@@ -78,7 +78,7 @@ def test_a_worker_that_finishes_early_in_dist_async_is_no_failure(tmp_path):
     """dist_async has no rounds: worker 0 that finishes at once (uneven shards) leaves worker 1
     pushing for a second, and the job completes with every push of worker 1 applied once
     (SGD lr 0.01 on pushes of ones: -0.01 per push, summed in float32 as the server does)."""
-    worker = f"exec {sys.executable} {TESTS / 'fault_worker.py'} out{{rank}}.json {{rank}}"
+    worker = f"exec {sys.executable} {TESTS / 'workers' / 'fault_worker.py'} out{{rank}}.json {{rank}}"
     proc = _launch(tmp_path, worker, workers=2, TEST_KVSTORE="dist_async")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert _attempts(tmp_path) == 2

@@ -1,6 +1,6 @@
 """Failures and hostile input against real clusters: dead nodes in every dist type, and a live
 server and scheduler under a stream of random and mutated frames (a killed job's exact resume:
-tests/test_long_jobs.py)."""
+tests/checkpoint/test_long_jobs.py)."""
 
 import json
 import os
@@ -26,7 +26,7 @@ def _start(c, seconds, kind):
     outs = []
     for i in range(c.num_workers):
         out = c.dir / f"w{i}.json"
-        c.start(f"worker {i}", "worker", [sys.executable, str(REPO / "tests" / "fault_worker.py"), str(out),
+        c.start(f"worker {i}", "worker", [sys.executable, str(REPO / "tests" / "workers" / "fault_worker.py"), str(out),
                                            str(seconds)], TFKV_RANK_HINT=str(i), TEST_KVSTORE=kind)
         outs.append(out)
     deadline = time.time() + 60
@@ -240,7 +240,7 @@ def test_a_stopped_role_is_the_one_blamed(tmp_path, victim):
     # worker, and the victim was then looked up among another test's roles.
     env = {**os.environ, TAG: f"stop-{tmp_path.name}-{os.getpid()}", "TFKV_HEARTBEAT_TIMEOUT": "4"}
     launching = Launching(["-n", "2", "-s", "2", "--launcher", "local", "--run-dir", "rec", "--", sys.executable,
-                           str(REPO / "tests" / "fault_worker.py"), "w{rank}.json", "120"], tmp_path, env, timeout=120)
+                           str(REPO / "tests" / "workers" / "fault_worker.py"), "w{rank}.json", "120"], tmp_path, env, timeout=120)
     deadline = time.time() + 90
     while not all((tmp_path / f"w{i}.json").exists() for i in range(2)):
         assert time.time() < deadline and launching.proc.poll() is None, launching.out

@@ -1,5 +1,5 @@
 """Malformed messages from inside the job: a registered worker and a registered server send every
-message type with every field broken (tests/fuzz_peer.py), strangers send bad registrations
+message type with every field broken (tests/workers/fuzz_peer.py), strangers send bad registrations
 and, in plain TCP, JSON the decoder cannot take. Each is refused, no node goes down, and the
 job ends with exactly the values of a clean run."""
 
@@ -16,11 +16,10 @@ from conftest import expected
 from tfkv.ps import protocol as P
 from tfkv.ps import security
 
-sys.path.insert(0, str(REPO / "tests"))
-import fuzz_peer  # noqa: E402
+import fuzz_peer  # tests/workers, on pytest's pythonpath
 
-FUZZ = str(REPO / "tests" / "fuzz_peer.py")
-WORKER = str(REPO / "tests" / "dist_worker.py")
+FUZZ = str(REPO / "tests" / "workers" / "fuzz_peer.py")
+WORKER = str(REPO / "tests" / "workers" / "dist_worker.py")
 
 
 def _dealer(c, keys=True):

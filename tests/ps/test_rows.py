@@ -308,14 +308,9 @@ def test_requests_that_do_not_fit_a_table_are_refused_naming_the_key_and_the_ser
 
 
 def test_every_row_sparse_fuzz_case_is_refused_with_an_error_and_the_server_serves_on():
-    """tests/fuzz_peer.py's rows_cases (which a registered worker of a real job sends in
+    """tests/workers/fuzz_peer.py's rows_cases (which a registered worker of a real job sends in
     tests/ps/test_fuzz_registered.py), each through the server's own decoding and dispatch."""
-    import sys
-
-    from conftest import REPO
-
-    sys.path.insert(0, str(REPO / "tests"))
-    import fuzz_peer
+    import fuzz_peer  # tests/workers, on pytest's pythonpath
 
     srv = _server(2)
     srv.rounds.updater = NumpyUpdater(optim.SGD(schedule=optim.Schedule(lr=1.0)))

@@ -21,7 +21,7 @@ from tfkv.ps import protocol as P
 from tfkv import keys as job_keys
 from tfkv.ps import security
 
-WORKER = str(REPO / "tests" / "dist_worker.py")
+WORKER = str(REPO / "tests" / "workers" / "dist_worker.py")
 
 
 def _stranger_push(address: str, keys: job_keys.Keys | None, server_key: bytes | None) -> zmq.Socket:

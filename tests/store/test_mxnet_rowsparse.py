@@ -4,7 +4,7 @@ tfkv.store.RowSparse, `mx.kv.create` -> tfkv.store.create, MXNetError -> the Val
 TypeError tfkv raises). From tests/python/unittest/test_kvstore.py (local; also run on `device`),
 tests/python/gpu/test_kvstore_gpu.py (local and device, on the GPUs where there are any, else on
 CPU devices) and tests/nightly/dist_sync_kvstore.py (the row-sparse checks, run by
-tests/store/mxnet_dist_sync.py inside each worker of a real dist_sync job: slow). The float16
+tests/workers/mxnet_dist_sync.py inside each worker of a real dist_sync job: slow). The float16
 variants of MXNet's dist checks are tests of their own, named with float16.
 """
 
@@ -472,11 +472,11 @@ def test_rsp_push_pull_large_rowid(contexts):
 # -- tests/nightly/dist_sync_kvstore.py: its row-sparse checks in each worker of a real job -----------
 
 def _dist(cluster, kind, store="dist_sync"):
-    """Every worker's outcome of MXNet's `--type kind` checks (tests/store/mxnet_dist_sync.py) in a
+    """Every worker's outcome of MXNet's `--type kind` checks (tests/workers/mxnet_dist_sync.py) in a
     job of 2 servers and 2 workers: {check name: "ok" or the error's line}."""
     from test_sparse_dist import _job
 
-    return _job(cluster, kind, kind=store, worker=str(Path(__file__).parent / "mxnet_dist_sync.py"))
+    return _job(cluster, kind, kind=store, worker=str(Path(__file__).parents[1] / "workers" / "mxnet_dist_sync.py"))
 
 
 def _all_ok(outcomes):

@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from proxy import Proxy  # noqa: E402
 
 HERE = Path(__file__).parent
-WORKER = str(HERE / "sparse_dist_worker.py")
+WORKER = str(HERE.parent / "workers" / "sparse_dist_worker.py")
 
 
 def _job(cluster, scenario, *args, num_servers=2, num_workers=2, kind="dist_sync", worker=WORKER, **env):

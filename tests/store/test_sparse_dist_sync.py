@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-WORKER = str(Path(__file__).parent / "rows_sync_worker.py")
+WORKER = str(Path(__file__).parents[1] / "workers" / "rows_sync_worker.py")
 
 
 def _job(cluster, scenario, *args, num_servers, num_workers, timeout=120, **env):

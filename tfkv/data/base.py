@@ -1,4 +1,5 @@
-"""The in-memory `DataSet` record and the MXNet-style per-worker split of its training set."""
+"""The in-memory `DataSet` record, the MXNet-style per-worker split of its training set, and the
+`Context` a data factory is called in."""
 
 from __future__ import annotations
 
@@ -30,6 +31,26 @@ class DataSet:
     @property
     def input_shape(self) -> tuple[int, ...]:
         return tuple(int(d) for d in self.x_train.shape[1:])
+
+
+@dataclass(frozen=True)
+class Context:
+    """What tfkv passes to a data factory that takes a parameter of the same name (tfkv.data.source),
+    and what a built-in reader gets as one value (`streaming.reader`): which split, the (seed,
+    epoch) its random streams come from, its batch size, and its share of the records (worker
+    `rank` of `num_workers`). The defaults are a reader's called by hand: the training split's
+    first epoch, on one worker."""
+
+    split: str = "train"  # "train" | "test"
+    seed: int = 0
+    epoch: int = 1  # 1-based; 1 for the test split
+    batch_size: int = 32  # this worker's (the test split: eval_batch_size)
+    rank: int = 0
+    num_workers: int = 1
+
+    @property
+    def train(self) -> bool:
+        return self.split == "train"
 
 
 def input_scale(x: np.ndarray) -> float:

@@ -20,6 +20,7 @@ from typing import Any, Mapping, Sequence
 import tensorflow as tf
 
 from tfkv.data import streaming
+from tfkv.data.base import Context
 from tfkv.errors import ConfigError, DataError, with_article
 
 DTYPES = {"int64": tf.int64, "float32": tf.float32, "string": tf.string}
@@ -109,6 +110,7 @@ def count_rows(path: str, header: bool, delimiter: str) -> int:
         _COUNTS, path, lambda: sum(1 for _ in _rows(path, delimiter)) - int(header), header, delimiter)
 
 
+@streaming.reader
 def load(
     files: Any,
     label: str,
@@ -119,20 +121,15 @@ def load(
     pack: bool = True,
     delimiter: str = ",",
     shuffle_buffer: int = 10_000,
-    split: str = "train",
-    seed: int = 0,
-    epoch: int = 1,
-    batch_size: int = 32,
-    rank: int = 0,
-    num_workers: int = 1,
+    *,
+    context: Context,
 ) -> Any:
     """This worker's batches of (x, y) for one epoch of `split`.
 
     `files`: a glob (or list of globs), or {train: glob, test: glob}; every file has the same
     columns (`header`: the first line names them, else give `column_names`).
     """
-    streaming.check_context(split, batch_size, rank, num_workers)
-    paths = streaming.match_files(streaming.for_split(files, split, "files"), "files")
+    paths = streaming.match_files(streaming.for_split(files, context.split, "files"), "files")
     if header:
         names = _header(paths[0], delimiter)
         for p in paths[1:]:
@@ -164,9 +161,9 @@ def load(
         raise ConfigError(f"dataset.select: column(s) {', '.join(text)} hold text and cannot join the float "
                           "vector x; drop them from dataset.select or set dataset.pack=false")
 
-    train = split == "train"
+    train = context.train
     total = sum(count_rows(p, header, delimiter) for p in paths)
-    ordered = [paths[i] for i in streaming.epoch_order(len(paths), seed, epoch, train)]
+    ordered = [paths[i] for i in streaming.epoch_order(len(paths), context.seed, context.epoch, train)]
     wanted = sorted(names.index(n) for n in [*chosen, label])  # CsvDataset yields them in file order
     rows = tf.data.experimental.CsvDataset(ordered, [DTYPES[types[names[i]]] for i in wanted], header=header,
                                            field_delim=delimiter, select_cols=wanted)
@@ -179,7 +176,7 @@ def load(
             x = {n: by_name[n] for n in chosen}
         return x, by_name[label]
 
-    data = streaming.deal(rows, total, to_xy, train, seed, epoch, batch_size, rank, num_workers, shuffle_buffer)
+    data = streaming.deal(rows, total, to_xy, context, shuffle_buffer)
     return streaming.locating(data, lambda: damaged(ordered, names, types, wanted, header, delimiter))
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfkv.data import streaming
+from tfkv.data.base import Context
 from tfkv.data.source import Split
 from tfkv.errors import ConfigError, DataError
 
@@ -56,6 +57,7 @@ def index_directory(directory: str, class_names: Sequence[str] | None = None,
     return paths, np.asarray(labels, np.int32), names
 
 
+@streaming.reader
 def load(
     directory: Any,
     image_size: Sequence[int] = (256, 256),
@@ -66,12 +68,8 @@ def load(
     interpolation: str = "bilinear",
     follow_links: bool = False,
     scale: float | None = None,
-    split: str = "train",
-    seed: int = 0,
-    epoch: int = 1,
-    batch_size: int = 32,
-    rank: int = 0,
-    num_workers: int = 1,
+    *,
+    context: Context,
 ) -> Any:
     """This worker's batches of (images, labels) for one epoch of `split`, and the number of classes.
 
@@ -79,7 +77,6 @@ def load(
     `validation_split`, the test split is that fraction of its images (picked by `seed`, the
     same for every epoch), as keras's `subset="validation"` is.
     """
-    streaming.check_context(split, batch_size, rank, num_workers)
     if color_mode not in CHANNELS:
         raise ConfigError(f"dataset.color_mode={color_mode!r} must be one of {', '.join(CHANNELS)}")
     if label_mode not in LABEL_MODES:
@@ -93,12 +90,12 @@ def load(
             raise ConfigError("dataset.validation_split takes one dataset.directory; with {train, test} "
                               "folders drop validation_split")
         paths, labels, names = index_directory(os.fspath(directory), class_names, follow_links)
-        order = np.random.default_rng([seed, 0]).permutation(len(paths))  # fixed for the run, not per epoch
+        order = np.random.default_rng([context.seed, 0]).permutation(len(paths))  # fixed for the run, not per epoch
         cut = len(paths) - int(validation_split * len(paths))
-        keep = order[:cut] if split == "train" else order[cut:]
+        keep = order[:cut] if context.train else order[cut:]
         paths, labels = [paths[i] for i in np.sort(keep)], labels[np.sort(keep)]
     else:
-        folder = os.fspath(streaming.for_split(directory, split, "directory"))
+        folder = os.fspath(streaming.for_split(directory, context.split, "directory"))
         paths, labels, names = index_directory(folder, class_names, follow_links)
     if label_mode == "binary" and len(names) != 2:
         raise ConfigError(f"dataset.label_mode=binary needs 2 classes, {len(names)} found ({', '.join(names)}); "
@@ -109,9 +106,8 @@ def load(
     if problem:
         raise DataError(problem)
 
-    train = split == "train"
-    order = streaming.epoch_order(len(paths), seed, epoch, train)[rank::num_workers]
-    batches = streaming.batch_count(len(order), batch_size, train)
+    train = context.train
+    order, batches = streaming.share(len(paths), context)
 
     def read(path: tf.Tensor, label: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         image = tf.io.decode_image(tf.io.read_file(path), channels=channels, expand_animations=False)
@@ -128,7 +124,7 @@ def load(
     mine = [paths[i] for i in order]
     data = (tf.data.Dataset.from_tensor_slices((np.asarray(mine), labels[order]))
             .map(read, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-            .batch(batch_size, drop_remainder=train)
+            .batch(context.batch_size, drop_remainder=train)
             .apply(tf.data.experimental.assert_cardinality(batches))
             .prefetch(tf.data.AUTOTUNE))
     return Split(streaming.locating(data, lambda: unreadable(mine, channels)), num_classes=len(names))

@@ -23,6 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfkv.data import streaming
+from tfkv.data.base import Context
 from tfkv.errors import ConfigError, DataError
 
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # zip local file header (zipfile.structFileHeader)
@@ -87,6 +88,7 @@ def map_npz_member(path: str, member: str, key: str) -> np.ndarray:
                         f"({e}); write the archive again") from None
 
 
+@streaming.reader
 def load(
     x: Any = None,
     y: Any = None,
@@ -94,12 +96,8 @@ def load(
     x_key: Any = None,
     y_key: Any = None,
     scale: float | None = None,
-    split: str = "train",
-    seed: int = 0,
-    epoch: int = 1,
-    batch_size: int = 32,
-    rank: int = 0,
-    num_workers: int = 1,
+    *,
+    context: Context,
 ) -> Any:
     """This worker's batches of (x, y) for one epoch of `split`, gathered from memory maps.
 
@@ -107,7 +105,7 @@ def load(
     of archives) with members `x_key`/`y_key` (default x_<split>, y_<split>). `scale`: x is
     cast to float32 and divided by it (255 for uint8 pixels).
     """
-    streaming.check_context(split, batch_size, rank, num_workers)
+    split = context.split
     if npz is not None:
         if x is not None or y is not None:
             raise ConfigError("dataset: give either x and y (.npy files) or npz (an archive), not both")
@@ -131,14 +129,13 @@ def load(
     if scale is not None and (not isinstance(scale, (int, float)) or scale <= 0):
         raise ConfigError(f"dataset.scale={scale!r} must be a positive number (x is divided by it)")
 
-    train = split == "train"
-    order = streaming.epoch_order(len(xs), seed, epoch, train)[rank::num_workers]
-    batches = streaming.batch_count(len(order), batch_size, train)
+    train, rows = context.train, context.batch_size
+    order, batches = streaming.share(len(xs), context)
     if train:
-        order = order[: batches * batch_size].reshape(batches, batch_size)
+        order = order[: batches * rows].reshape(batches, rows)
         index = tf.data.Dataset.from_tensor_slices(order)
     else:
-        index = tf.data.Dataset.from_tensor_slices(order).batch(batch_size)
+        index = tf.data.Dataset.from_tensor_slices(order).batch(rows)
 
     def gather(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         idx = np.sort(idx)  # ascending reads; the set in the batch is what matters, not its order
@@ -149,9 +146,9 @@ def load(
 
     def to_xy(idx: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         xb, yb = tf.numpy_function(gather, [idx], [tf.as_dtype(xs.dtype), tf.as_dtype(ys.dtype)], stateful=False)
-        rows = batch_size if train else None
-        xb = tf.ensure_shape(xb, (rows, *xs.shape[1:]))
-        yb = tf.ensure_shape(yb, (rows, *ys.shape[1:]))
+        known = rows if train else None
+        xb = tf.ensure_shape(xb, (known, *xs.shape[1:]))
+        yb = tf.ensure_shape(yb, (known, *ys.shape[1:]))
         return (xb if scale is None else tf.cast(xb, tf.float32) / float(scale)), yb
 
     data = (index.map(to_xy, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)

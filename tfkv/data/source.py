@@ -43,7 +43,7 @@ import numpy as np
 
 from tfkv import target
 from tfkv.data import streaming
-from tfkv.data.base import DataSet, input_scaling, steps_per_epoch
+from tfkv.data.base import Context, DataSet, input_scaling, steps_per_epoch
 from tfkv.errors import ConfigError, DataError
 
 log = logging.getLogger("tfkv")
@@ -51,18 +51,6 @@ log = logging.getLogger("tfkv")
 # The keys of the dataset node that describe the data rather than being the factory's
 # arguments (when the factory does not take them itself).
 DESCRIPTION_KEYS = ("num_classes",)
-
-
-@dataclass(frozen=True)
-class Context:
-    """What tfkv passes to a data factory that takes a parameter of the same name."""
-
-    split: str  # "train" | "test"
-    seed: int
-    epoch: int  # 1-based; 1 for the test split
-    batch_size: int  # this worker's (the test split: eval_batch_size)
-    rank: int
-    num_workers: int
 
 
 PROVIDED = tuple(Context.__dataclass_fields__)

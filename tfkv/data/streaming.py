@@ -10,6 +10,9 @@ worker holds at most a shuffle buffer and a few batches, never the whole set.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
 import logging
 import os
 import re
@@ -18,6 +21,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from tfkv.data.base import Context
 from tfkv.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -30,14 +34,32 @@ _WARNED: set[str] = set()
 _LOCATORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def check_context(split: str, batch_size: int, rank: int, num_workers: int) -> None:
+def reader(load: Callable[..., Any]) -> Callable[..., Any]:
+    """A built-in reader's `load(..., context: Context)` as the factory tfkv calls: it takes
+    `Context`'s values by name, with a reader's defaults (so tfkv sees that it shards and batches
+    itself: tfkv.data.source), and hands them to `load` as one checked `Context`."""
+    own = [p for name, p in inspect.signature(load).parameters.items() if name != "context"]
+    given = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+             for f in dataclasses.fields(Context)]
+
+    @functools.wraps(load)
+    def factory(*args: Any, **kwargs: Any) -> Any:
+        context = Context(**{p.name: kwargs.pop(p.name) for p in given if p.name in kwargs})
+        check_context(context)
+        return load(*args, context=context, **kwargs)
+
+    factory.__signature__ = inspect.signature(load).replace(parameters=[*own, *given])  # type: ignore[attr-defined]
+    return factory
+
+
+def check_context(context: Context) -> None:
     """The injected parameters make sense (a direct caller may pass anything)."""
-    if split not in SPLITS:
-        raise ConfigError(f"split={split!r} must be one of {', '.join(SPLITS)}")
-    if batch_size < 1:
-        raise ConfigError(f"batch_size={batch_size} must be at least 1")
-    if num_workers < 1 or not 0 <= rank < num_workers:
-        raise ConfigError(f"rank={rank} must be in [0, num_workers={num_workers})")
+    if context.split not in SPLITS:
+        raise ConfigError(f"split={context.split!r} must be one of {', '.join(SPLITS)}")
+    if context.batch_size < 1:
+        raise ConfigError(f"batch_size={context.batch_size} must be at least 1")
+    if context.num_workers < 1 or not 0 <= context.rank < context.num_workers:
+        raise ConfigError(f"rank={context.rank} must be in [0, num_workers={context.num_workers})")
 
 
 def for_split(value: Any, split: str, key: str) -> Any:
@@ -85,6 +107,13 @@ def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
     return np.random.default_rng([seed, epoch, FILE_ORDER]).permutation(n)
 
 
+def share(n: int, context: Context) -> tuple[np.ndarray, int]:
+    """This worker's records of `n` indexed ones, in the epoch's order (shuffled for training), and
+    the batches they make."""
+    order = epoch_order(n, context.seed, context.epoch, context.train)[context.rank::context.num_workers]
+    return order, batch_count(len(order), context.batch_size, context.train)
+
+
 def shard_count(n: int, num_workers: int, rank: int) -> int:
     """Records worker `rank` gets of `n` when the records are dealt round robin."""
     return len(range(rank, n, num_workers))
@@ -108,20 +137,20 @@ def cached_by_stat(cache: dict, path: str, compute: Callable[[], Any], *extra: A
 
 
 
-def deal(records: Any, total: int, convert: Callable[..., Any], train: bool, seed: int, epoch: int,
-         batch_size: int, rank: int, num_workers: int, shuffle_buffer: int) -> Any:
+def deal(records: Any, total: int, convert: Callable[..., Any], context: Context, shuffle_buffer: int) -> Any:
     """This worker's batches of a stream of `total` raw records that every worker reads in the same
     order: its round-robin share, kept raw until then (the others' records cost no decoding),
     shuffled through a bounded buffer by (seed, epoch) for training, batched, and `convert`ed a
     batch at a time in a parallel map, with the exact batch count asserted."""
     import tensorflow as tf
 
-    records = records.shard(num_workers, rank)
-    if train:
-        records = records.shuffle(shuffle_buffer, seed=stream_seed(seed, epoch, RECORDS),
+    c = context
+    records = records.shard(c.num_workers, c.rank)
+    if c.train:
+        records = records.shuffle(shuffle_buffer, seed=stream_seed(c.seed, c.epoch, RECORDS),
                                   reshuffle_each_iteration=False)
-    batches = batch_count(shard_count(total, num_workers, rank), batch_size, train)
-    return (records.batch(batch_size, drop_remainder=train)
+    batches = batch_count(shard_count(total, c.num_workers, c.rank), c.batch_size, c.train)
+    return (records.batch(c.batch_size, drop_remainder=c.train)
             .map(convert, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
             .apply(tf.data.experimental.assert_cardinality(batches))
             .prefetch(tf.data.AUTOTUNE))

@@ -26,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfkv.data import streaming
+from tfkv.data.base import Context
 from tfkv.errors import ConfigError, DataError
 
 DTYPES = {"float32": tf.float32, "int64": tf.int64, "string": tf.string}
@@ -201,18 +202,15 @@ def _first_example(path: str, compression: str | None) -> tf.train.Example | Non
         raise DataError(f"dataset.files: the records of {path} are not tf.train.Example messages") from None
 
 
+@streaming.reader
 def load(
     files: Any,
     features: Mapping[str, Any],
     label: str,
-    split: str = "train",
-    seed: int = 0,
-    epoch: int = 1,
-    batch_size: int = 32,
-    rank: int = 0,
-    num_workers: int = 1,
     shuffle_buffer: int = 10_000,
     compression: str | None = None,
+    *,
+    context: Context,
 ) -> Any:
     """This worker's batches of (x, y) for one epoch of `split`.
 
@@ -221,7 +219,6 @@ def load(
     scale: divisor}. `label`: the feature that is y (a `num_classes` key beside them tells the model).
     Training batches are full and shuffled by (seed, epoch); test batches keep file order.
     """
-    streaming.check_context(split, batch_size, rank, num_workers)
     if not isinstance(features, Mapping) or not features:
         raise ConfigError("dataset.features must map each feature name to {shape: [...], dtype: ...}")
     spec = [Feature(str(name), entry) for name, entry in features.items()]
@@ -232,16 +229,16 @@ def load(
         raise ConfigError(f"dataset.features has only the label {label!r}; add the input feature(s)")
     if compression not in (None, "", "GZIP", "ZLIB"):
         raise ConfigError(f"dataset.compression={compression!r} must be null, GZIP or ZLIB")
-    paths = streaming.match_files(streaming.for_split(files, split, "files"), "files")
+    paths = streaming.match_files(streaming.for_split(files, context.split, "files"), "files")
     example = _first_example(paths[0], compression)
     if example is None:
         raise DataError(f"dataset.files: {paths[0]} holds no record; remove it or write records to it")
     for feature in spec:
         feature.check(example, paths[0])
 
-    train = split == "train"
+    train = context.train
     total = sum(count_records(p, compression) for p in paths)
-    ordered = [paths[i] for i in streaming.epoch_order(len(paths), seed, epoch, train)]
+    ordered = [paths[i] for i in streaming.epoch_order(len(paths), context.seed, context.epoch, train)]
     records = tf.data.TFRecordDataset(ordered, compression_type=compression or None,
                                       num_parallel_reads=min(len(ordered), READERS))
     parse_spec = {f.name: f.parse_spec() for f in spec}
@@ -252,7 +249,7 @@ def load(
         y = out.pop(label)
         return (next(iter(out.values())) if len(out) == 1 else out), y
 
-    data = streaming.deal(records, total, parse, train, seed, epoch, batch_size, rank, num_workers, shuffle_buffer)
+    data = streaming.deal(records, total, parse, context, shuffle_buffer)
     return streaming.locating(data, lambda: damaged(ordered, compression))
 
 

@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 import numpy as np
 
@@ -111,7 +112,8 @@ def wire(kv, out):
 
 def contract(kv, out):
     """H1's row-sparse contract (tests/store/sparse_contract.py) as this worker of the job."""
-    import sparse_contract  # tests/store, this script's directory
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "store"))
+    import sparse_contract  # tests/store/sparse_contract.py
 
     with tempfile.TemporaryDirectory() as d:
         json.dump(sparse_contract.run(kv, int(os.environ.get("TEST_DEVICES", "2")), d), out)
@@ -123,7 +125,7 @@ if __name__ == "__main__":
     scenario, path = sys.argv[1], sys.argv[2]
     if scenario == "contract":
         # TensorFlow's import holds the GIL for seconds: done after joining the job it can starve the
-        # heartbeat thread past the tests' heartbeat timeout (tests/dist_worker.py does the same)
+        # heartbeat thread past the tests' heartbeat timeout (tests/workers/dist_worker.py does the same)
         import tensorflow  # noqa: F401
     store = tfkv.store.create(os.environ.get("TEST_KVSTORE", "dist_sync"))
     with open(path, "w") as f:

@@ -149,7 +149,7 @@ def test_kill_9_while_a_checkpoint_is_written_leaves_the_previous_one_valid(tmp_
 
 def test_tfkv_launch_max_restarts_starts_a_failed_job_again_and_records_why(tmp_path):
     """Any command: the first attempt's worker fails, the restarted job runs to its end."""
-    worker = f"{sys.executable} {Path(__file__).parent / 'dist_worker.py'} updates out{{rank}}.json 2"
+    worker = f"{sys.executable} {Path(__file__).parents[1] / 'workers' / 'dist_worker.py'} updates out{{rank}}.json 2"
     proc = subprocess.run(["tfkv-launch", "-n", "1", "--launcher", "local", "--run-dir", "rec", "--max-restarts", "2",
                            "--", "sh", "-c", f"if [ -e tried ]; then exec {worker}; fi; touch tried; exit 5"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
@@ -695,7 +695,7 @@ def test_a_host_that_failed_twice_is_replaced_by_a_spare_over_ssh(netns_hosts, s
     the host is node1 (its own hostname); after its second failure the third attempt runs every
     role on node2 and the job ends well."""
     (tmp_path / "hosts").write_text("node1\n")
-    shutil.copy(Path(__file__).parent / "dist_worker.py", tmp_path)
+    shutil.copy(Path(__file__).parents[1] / "workers" / "dist_worker.py", tmp_path)
     worker = f'[ "$(hostname)" = node1 ] && exit 5; exec {sys.executable} dist_worker.py updates out{{rank}}.json 2'
     proc = subprocess.run(["tfkv-launch", "-n", "1", "-s", "1", "-H", "hosts", "--launcher", "ssh", "--python",
                            sys.executable, "--run-dir", "rec", "--max-restarts", "2", "--spare-hosts", "node2", "--",

@@ -153,9 +153,10 @@ def test_checkpoint_files_are_fsynced_before_the_rename(tmp_path):
         if os.environ.get("CI"):
             pytest.fail("strace is not installed, and CI must run this test: .ci/run installs it")
         pytest.skip("strace is not installed (apt-get install strace)")
-    code = ("import sys, numpy as np; sys.path.insert(0, %r)\n"
+    here = Path(__file__).parent  # this module, and tests/ for the conftest it imports
+    code = ("import sys, numpy as np; sys.path[:0] = [%r, %r]\n"
             "from test_checkpoint import _save; from pathlib import Path; _save(Path(%r), 1)\n"
-            % (str(Path(__file__).parent), str(tmp_path)))
+            % (str(here), str(here.parent), str(tmp_path)))
     log = tmp_path / "strace.log"
     subprocess.run(["strace", "-f", "-e", "trace=openat,fsync,rename,renameat,renameat2", "-o", str(log),
                     sys.executable, "-c", code], check=True, timeout=120)

@@ -550,7 +550,7 @@ def criterion_kinds(kv, out):
     and after, both copies' weights after the epoch-end BatchNorm averaging."""
     import keras
 
-    sys.path.insert(0, str(Path(__file__).parent / "parallel"))  # the tests mirror the package
+    sys.path.insert(0, str(Path(__file__).parents[1] / "parallel"))  # test_criterion's model, in tests/parallel
     from test_criterion import TWO_HEADED_LOSS, TWO_HEADED_METRICS, two_headed, two_headed_data
     from tfkv.parallel import devices
     from tfkv.parallel.criterion import Criterion

@@ -22,7 +22,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from tfkv import optim  # noqa: E402
 from tfkv.ps import protocol as P  # noqa: E402
-from dist_worker import answer  # noqa: E402  (tests/ is this script's directory)
+from dist_worker import answer  # noqa: E402  (tests/workers is this script's directory)
 
 T = P.Type
 
