@@ -19,7 +19,7 @@ DIRECTIONS = ("maximize", "minimize")
 # Parts of a name that make its value better when higher: Keras 2's callbacks' "acc" in the name
 # (or a name starting with fmeasure), widened to the metrics Keras 3 declares `direction="up"`
 # (AUC, precision, recall, IoU (Keras names it io_u), F-scores, R2, correlations, cosine
-# similarity, ...; tests/test_config.py checks them against Keras's) and tfkv's throughput.
+# similarity, ...; tests/check/test_config.py checks them against Keras's) and tfkv's throughput.
 HIGHER_IS_BETTER = ("acc", "auc", "precision", "recall", "iou", "io_u", "f1", "fbeta", "r2", "correlation",
                     "cosine_similarity", "specificity", "sensitivity", "samples_per_sec")
 
