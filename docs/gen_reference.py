@@ -370,7 +370,8 @@ def _hydra_section() -> str:
 
 
 def config_page() -> str:
-    from tfkv.config import CLUSTER_SCHEMAS, OPTIMIZER_SCHEMAS, Config, KVStoreConfig
+    from tfkv.config import OPTIMIZER_SCHEMAS, Config, KVStoreConfig
+    from tfkv.launcher.base import schemas
 
     hints = typing.get_type_hints(Config)
     nested = {f.name for f in dataclasses.fields(Config) if dataclasses.is_dataclass(hints[f.name])}
@@ -390,9 +391,10 @@ def config_page() -> str:
                         "The KVStore: where gradients are summed and the optimizer runs. "
                         "The backend knobs among these keys are also listed on the [knobs page](knobs.md)."),
         "### kvstore= options\n\n" + _option_table("kvstore"),
-        _union_section("cluster", CLUSTER_SCHEMAS,
+        _union_section("cluster", schemas(),
                        "How a parameter-server job is started. Which keys exist depends on `cluster=` "
-                       "(schemas: `schema/cluster/<option>`, tfkv/config/cluster.py)."),
+                       "(schemas: `schema/cluster/<option>`, tfkv/config/cluster.py and each backend's "
+                       "module under tfkv/launcher/backends/)."),
         "### cluster= options\n\n" + _option_table("cluster"),
     ]
     for name in sorted(nested - {"kvstore"}):
@@ -481,7 +483,8 @@ def _hydra_flags() -> list[tuple[str, ...]]:
 def cli_page() -> str:
     from tfkv import cli as tfkv_cli
     from tfkv import versions
-    from tfkv.config import CLUSTER_SCHEMAS, cluster
+    from tfkv.config import cluster
+    from tfkv.launcher.base import schemas
     from tfkv.emulate import cli as emulate_cli
     from tfkv.launcher import cli as launch_cli
 
@@ -495,9 +498,9 @@ def cli_page() -> str:
         "Every other argument is an override: see the [config keys](config.md).",
         table(("Flag", "Meaning"), run_rows),
     ])
-    own = {"--" + f.name.replace("_", "-") for f in cluster.options(*CLUSTER_SCHEMAS.values())}
+    own = {"--" + f.name.replace("_", "-") for f in cluster.options(*schemas().values())}
     own |= {"--run-dir", "--help", "--version"}
-    launchers = sorted(set(CLUSTER_SCHEMAS) - {"none"})
+    launchers = sorted(set(schemas()) - {"none"})
 
     def keep(a: argparse.Action) -> bool:
         return not a.option_strings or any(s in own for s in a.option_strings)

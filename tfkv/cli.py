@@ -134,7 +134,7 @@ def _launch(cfg: Any, run_dir: Path, overrides: list[str], cwd: Path) -> float:
     from tfkv.trainer import objective
 
     c = cfg.cluster
-    # the settings this launcher has (config.CLUSTER_SCHEMAS); Options' defaults for the rest
+    # the settings this launcher has (its declared schema: tfkv.launcher.base.schemas); Options' defaults for the rest
     opts = job.Options(**{f.name: c[f.name] for f in dataclasses.fields(job.Options) if f.name in c})
     # resume=true means an earlier run of this command here, where its outputs are; the workers
     # get the checkpoint's path as they see it (under sync_dst_dir on the hosts of a synced tree).
@@ -150,6 +150,9 @@ def _launch(cfg: Any, run_dir: Path, overrides: list[str], cwd: Path) -> float:
     hc = HydraConfig.get()
     env = worker.record(cfg, run_dir, hc)
     python = sys.executable if base.traits(c.launcher).runs_here else c.get("python", "python3")
+    if opts.dry_run:  # every command and script printed, no role started: there is no objective
+        job.dry_run(opts, [python, "-m", "tfkv.worker"], cwd, run_dir, sys.stdout, env, settings=knobs.settings(cfg))
+        return float("nan")
     # SIGUSR1 here (a batch system's warning): worker 0 checkpoints at the end of a step and stops the job
     asked = signal.signal(preemption.SIGNAL, lambda *_: preemption.ask(run_dir))
 

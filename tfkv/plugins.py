@@ -69,16 +69,30 @@ def load() -> None:
                 store.store(group=group, name=ep.name, node=node)
 
 
+def register_schemas() -> None:
+    """tfkv's launchers' settings as `schema/cluster/<name>` in Hydra's ConfigStore, which
+    conf/cluster/<name>.yaml extends: the schema each backend's class declares (`config`, in its
+    module), read through the launcher registry as a plug-in's is (`_cluster_node`). Called when
+    Hydra scans its plug-ins (hydra_plugins/tfkv_launchers), before any config is composed."""
+    from hydra.core.config_store import ConfigStore
+
+    from tfkv.launcher import base
+
+    store = ConfigStore.instance()
+    for name in base.REGISTRY.own():
+        store.store(group="schema/cluster", name=name, node=base.settings(name))
+
+
 def _cluster_node(ep: importlib.metadata.EntryPoint, name: str) -> Any:
     """A plug-in launcher's option: the settings schema its class declares (`config`, else every
     launcher's), typed as tfkv's own options are, so each of its settings is overridden without
     `+` and any other key is refused. The class is imported for it: launchers are light."""
     from omegaconf import OmegaConf
 
-    from tfkv.config import ClusterConfig
+    from tfkv.launcher.base import settings
 
     try:
-        node = OmegaConf.structured(getattr(resolve(ep, f"launcher {name!r}"), "config", None) or ClusterConfig)
+        node = OmegaConf.structured(settings(name))
         node.launcher = name
     except ConfigError as e:  # the plug-in's module fails to import
         warn(ep, f"{e}; the plug-in is ignored")

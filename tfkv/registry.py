@@ -51,6 +51,10 @@ class Registry:
         self._load_plugins()
         return dict(self._from_plugin)
 
+    def own(self) -> list[str]:
+        """tfkv's own names (and those registered at run time), in the order given; no plug-in is read."""
+        return [n for n in self._entries if n not in self._from_plugin]
+
     def names(self) -> list[str]:
         self._load_plugins()
         return sorted(self._entries)

@@ -225,7 +225,9 @@ def test_cluster_options_are_defined_once():
 
     from tfkv.launcher import cli as launch_cli, job
 
-    fields = {f.name: f for schema in config.CLUSTER_SCHEMAS.values() for f in dataclasses.fields(schema)}
+    from tfkv.launcher import base
+
+    fields = {f.name: f for schema in base.schemas().values() for f in dataclasses.fields(schema)}
     assert {f.name: f.default for f in dataclasses.fields(job.Options)} == {n: f.default for n, f in fields.items()}
     actions = {a.dest: a for a in launch_cli.parser()._actions}
     for name, f in fields.items():
@@ -283,7 +285,9 @@ def test_every_backend_knob_has_one_row_and_one_reader():
 def test_knobs_are_config_keys_the_environment_overrides():
     from tfkv import knobs
 
-    schemas = {"kvstore": config.KVStoreConfig, "cluster": config.CLUSTER_SCHEMAS}
+    from tfkv.launcher import base
+
+    schemas = {"kvstore": config.KVStoreConfig, "cluster": base.schemas()}
     for k in knobs.KNOBS:
         group, setting = k.key.split(".", 1)
         found = ([schemas[group]] if group == "kvstore" else list(schemas[group].values()))

@@ -54,8 +54,15 @@ STAND_IN = "expanded"
 COMMANDS = ("tfkv-run", "tfkv-launch", "tfkv-emulate")
 # Dataset and model keys that name the reader's files (a glob, a path, or {train: ..., test: ...}).
 _PATH_KEYS = {"dataset": ("root", "files", "directory", "x", "y", "npz"), "model": ("path",)}
-# The programs a launcher runs on this machine to start a job (tfkv.launcher.backends).
-_PROGRAMS = {"ssh": "ssh", "mpi": "mpirun", "slurm": "srun", "sge": "qsub", "yarn": "yarn"}
+
+
+def _program(launcher: str) -> str | None:
+    """The program launcher `launcher` starts its job with, as its backend declares it (the first
+    of its `programs` trait, tfkv.launcher.base.Backend); None for one that runs none (local)."""
+    from tfkv.launcher.base import REGISTRY, backend_class
+
+    programs = backend_class(launcher).programs if launcher in REGISTRY else ()
+    return programs[0].name if programs else None
 
 
 @dataclass
@@ -260,9 +267,9 @@ def check_needs(command: Command, task: object) -> None:
                         raise CommandFailed(f"{group}.{key}={path} is not here; mark the block "
                                             "<!-- check: needs data --> and say where the data comes from")
     launcher = str(OmegaConf.select(task, "cluster.launcher", default="none"))
-    if "needs cluster" not in command.marker and launcher in _PROGRAMS:
+    program = _program(launcher)
+    if "needs cluster" not in command.marker and program is not None:
         hostfile = OmegaConf.select(task, "cluster.hostfile", default=None)
-        program = _PROGRAMS[launcher]
         if hostfile is not None and not Path(os.path.expanduser(str(hostfile))).is_file():
             raise CommandFailed(f"cluster.hostfile={hostfile} is not here; mark the block <!-- check: needs cluster -->"
                                 " and say which hosts it needs")

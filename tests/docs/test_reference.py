@@ -131,9 +131,10 @@ def missing_options(text: str) -> list[str]:
 
 def _plugin_flags() -> set[str]:
     """Flags that an installed plug-in launcher's settings add to tfkv-launch (not on the page)."""
-    from tfkv.config import CLUSTER_SCHEMAS, cluster
+    from tfkv.config import cluster
+    from tfkv.launcher.base import schemas
 
-    ours = {"--" + f.name.replace("_", "-") for f in cluster.options(*CLUSTER_SCHEMAS.values())}
+    ours = {"--" + f.name.replace("_", "-") for f in cluster.options(*schemas().values())}
     from tfkv.launcher import cli as launch
 
     return {s for a in launch.parser()._actions for s in a.option_strings

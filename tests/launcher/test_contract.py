@@ -12,6 +12,12 @@ run for real against each backend this machine can run, through `tfkv-launch` as
    hands it the job's keys and checks its options by the traits alone, and constructs it with its
    declared settings (test_a_backend_is_planned_as_its_traits_declare, every registered backend,
    without running anything).
+6. what it runs is what it says: its request (tfkv.launcher.request: every command, with its
+   environment, and every script, as `tfkv-launch --dry-run` prints it) for one fixed small job
+   is its golden file, tests/launcher/golden/<backend>.txt, with this interpreter's path and
+   root's mpirun flag normalised (test_a_backend_s_request_is_its_golden_file, every backend of
+   tfkv's, without running anything). After a change to what a backend runs, regenerate them with
+   `UPDATE_GOLDEN=1 pytest tests/launcher/test_contract.py -k golden` and review the diff.
 
 A new backend gets the suite by adding one entry to BACKENDS (how to launch with it here, which
 session fixtures it needs), or to NOT_RUNNABLE with the reason; test_every_backend_is_covered
@@ -37,7 +43,6 @@ from cluster_hosts import loopback_host, ssh_site  # noqa: F401  (session fixtur
 from conftest import REPO, SHARED_HOSTS, TAG, Launching, tagged_pids
 
 from tfkv import keys
-from tfkv.config import CLUSTER_SCHEMAS
 from tfkv.config.device_specs import LOCAL_RANK
 from tfkv.errors import ConfigError
 from tfkv.launcher import base, spares
@@ -237,9 +242,45 @@ def test_a_backend_is_planned_as_its_traits_declare(name, tmp_path):
             _planned(tmp_path, name, hosts=None)
     else:
         assert len(_planned(tmp_path, name, hosts=None)) == 4
-    # its settings: an instance of the schema it declares (tfkv's own: the config's cluster schema)
+    # its settings: an instance of the schema it declares, the one the config's check reads for it
     assert isinstance(launch_job.backend(launch_job.Options(name, 2, 1)).settings, cls.config)
-    assert cls.config is CLUSTER_SCHEMAS.get(name, cls.config)
+    from tfkv.check import cluster_schema
+
+    assert cluster_schema(name) is cls.config
+
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def golden_request(name: str, hostfile: Path) -> str:
+    """Launcher `name`'s request for a fixed job (2 workers, 1 server, port 9000, a fixed working
+    and run directory; ssh and mpi on the hosts of `hostfile`, ssh syncing the tree), from an
+    empty launching environment, as its golden file holds it."""
+    from tfkv import knobs
+
+    places = base.traits(name).places_roles
+    opts = launch_job.Options(name, 2, 1, str(hostfile) if places else None,
+                              "/remote/job" if name == "ssh" else None, port=9000, dry_run=True)
+    job = launch_job.plan_job(opts, ["python3", "train.py", "--rank={rank}"], Path("/work/job"),
+                              Path("/work/job/run"), values=knobs.resolve({}, {}))
+    backend = launch_job.backend(opts, knobs.resolve({}, {}))
+    text = backend.request(job, Path("/work/job/run/launch") / name, f"tfkv-{name}-golden", environ={}).text()
+    return text.replace(sys.executable, "<python>").replace("--allow-run-as-root ", "")
+
+
+@pytest.mark.parametrize("name", base.REGISTRY.own())
+def test_a_backend_s_request_is_its_golden_file(name, tmp_path):
+    """Every command (argv, environment, where it runs) and script a backend's launch would start
+    for one fixed job, as `tfkv-launch --dry-run` prints them; a change shows as a diff to review."""
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node1\nnode2\n")
+    text = golden_request(name, hostfile)
+    # the job's keys never show: where a command's environment has them, as a stand-in
+    assert all(ln.endswith("='<secret>'") for ln in text.splitlines() if "TFKV_CURVE_SECRET=" in ln)
+    golden = GOLDEN / f"{name}.txt"
+    if os.environ.get("UPDATE_GOLDEN"):
+        golden.write_text(text)
+    assert text == golden.read_text(), f"{name}'s request changed; see the module's docstring (item 6)"
 
 
 @pytest.mark.parametrize("job", _params(), indirect=True)

@@ -236,7 +236,7 @@ def test_slurm_job_inside_an_allocation_runs_one_srun(slurm, tmp_path):  # noqa:
 # apt registries), so these tests check the exact submission commands instead of running them.
 
 def test_yarn_submits_servers_and_workers_as_distributed_shell_applications():
-    from tfkv.config.cluster import YarnCluster
+    from tfkv.launcher.backends.yarn import YarnCluster
     from tfkv.launcher.backends.yarn import submissions
 
     plan = make_plan(3, 2, ["python3", "train.py", "--kv-store", "dist_sync"], ["python3", "-m", "tfkv.ps.node"],

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from tfkv.check import rules
 from tfkv.config import objective as objectives
-from tfkv.config.cluster import CLUSTER_SCHEMAS, ClusterConfig
+from tfkv.config.cluster import NoCluster
 from tfkv.config.schema import ALWAYS_REPORTED, LOGGERS, OPTIMIZER_SCHEMAS, PRECISIONS, Config
 from tfkv.errors import ConfigError
 
@@ -95,15 +95,16 @@ def tables(cfg: Any) -> None:
 
 
 def cluster_schema(launcher: str) -> type:
-    """The settings of `cluster.launcher`: its own schema, or (a plug-in's) the declared or common one."""
-    if launcher in CLUSTER_SCHEMAS:
-        return CLUSTER_SCHEMAS[launcher]
-    from tfkv.launcher.base import REGISTRY as LAUNCHERS
+    """The settings of `cluster.launcher`: the schema its backend declares (tfkv's or a plug-in's),
+    else the common one."""
+    from tfkv.launcher.base import REGISTRY as LAUNCHERS, settings
 
+    if launcher == "none":
+        return NoCluster
     if launcher in LAUNCHERS:
-        return getattr(LAUNCHERS.get(launcher), "config", None) or ClusterConfig
+        return settings(launcher)
     raise ConfigError(f"cluster.launcher={launcher!r} is not known; choose one of "
-                      f"{', '.join(sorted(set(CLUSTER_SCHEMAS) | set(LAUNCHERS.names())))} (e.g. cluster=local)")
+                      f"{', '.join(sorted({'none', *LAUNCHERS.names()}))} (e.g. cluster=local)")
 
 
 def option_settings(group: str, node: Any) -> tuple[str, list[str]]:
@@ -203,6 +204,9 @@ def _cluster(cfg: Any) -> None:
     elif c.launcher != "none":
         raise ConfigError(f"cluster={c.launcher} starts a parameter-server job, but kvstore={kind} is a "
                           "single-machine store; use kvstore=dist_sync (or dist_async, ...) or drop cluster=")
+    if c.get("dry_run") and cfg.eval_only:
+        raise ConfigError("cluster.dry_run=true prints the job a launcher would start, but eval_only=true evaluates "
+                          "in this process and starts none; drop one of them")
     _compression(cfg, can.compression)
     _row_sharding(cfg)
     rules.cluster_sizes(c)

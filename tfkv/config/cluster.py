@@ -1,10 +1,15 @@
-"""`cluster.*`: how a parameter-server job is started, the one definition of every cluster option.
+"""`cluster.*`: how a parameter-server job is started: the settings every launcher has, and how a
+setting is declared.
 
 Each setting is a dataclass field whose metadata carries its one-line help (and, for the options
-`tfkv-launch` has always spelled with one letter, that letter). The `cluster=` config options
-(conf/cluster/*.yaml extend these schemas), the job options (`tfkv.launcher.job.Options`) and the
-`tfkv-launch` flags (`tfkv.launcher.cli`) are all derived from these fields, so a new setting
-is written once, here.
+`tfkv-launch` has always spelled with one letter, that letter). These are the schemas every
+launcher's settings derive from: cluster=none's (`NoCluster`), cluster=local's (`ClusterConfig`) and
+those of launchers that reach other hosts (`RemoteCluster`). A backend's own settings are defined
+in its module beside it (tfkv.launcher.backends.ssh's `SSHCluster`, ...), as a plug-in's are, and
+reach Hydra's ConfigStore through the launcher registry (tfkv.plugins.register_schemas). The
+`cluster=` config options (conf/cluster/*.yaml extend `schema/cluster/<name>`), the job options
+(`tfkv.launcher.job.Options`) and the `tfkv-launch` flags (`tfkv.launcher.cli`) are all derived
+from these fields, so a new setting is written once, in its schema.
 """
 
 from __future__ import annotations
@@ -58,54 +63,19 @@ class ClusterConfig(NoCluster):
     workers_per_host: Optional[int] = setting(None, "workers on each host, filling the hosts in hosts-file order "
                                                     "(e.g. one per GPU with devices=[gpu:{local_rank}]); default: "
                                                     "round robin, or the hosts file's slots=")
+    dry_run: bool = setting(False, "print every command and script the job would run, and start nothing "
+                                   "(no pre-flight, no keys written)")
 
 
 @dataclass
 class RemoteCluster(ClusterConfig):
-    """Launchers that start roles on other hosts (mpi, slurm, sge, yarn)."""
+    """Launchers that start roles on other hosts (ssh, mpi, slurm, sge, yarn)."""
 
     hostfile: Optional[str] = setting(None, "hosts file, one host per line: host, host:port or user@host "
                                             "(required by ssh; mpi without one runs on this machine)", "-H")
     python: str = setting("python3", "the Python interpreter on the hosts")
     spare_hosts: Optional[List[str]] = setting(None, "hosts that take the place of a host whose roles failed "
                                                      "twice, on a restart (cluster.max_restarts; ssh and mpi)")
-
-
-@dataclass
-class SSHCluster(RemoteCluster):
-    sync_dst_dir: Optional[str] = setting(None, "rsync the current directory to this path on every host first")
-    ssh_config: Optional[str] = knob("cluster.ssh_config")
-
-
-@dataclass
-class MPICluster(RemoteCluster):
-    mpirun_args: str = knob("cluster.mpirun_args")
-
-
-@dataclass
-class SlurmCluster(RemoteCluster):
-    srun_args: str = knob("cluster.srun_args")
-    sbatch_args: str = knob("cluster.sbatch_args")
-
-
-@dataclass
-class SGECluster(RemoteCluster):
-    qsub_args: str = knob("cluster.qsub_args")
-
-
-@dataclass
-class YarnCluster(RemoteCluster):
-    yarn_memory_mb: int = knob("cluster.yarn_memory_mb")
-    yarn_server_memory_mb: int = knob("cluster.yarn_server_memory_mb")
-    yarn_vcores: int = knob("cluster.yarn_vcores")
-    yarn_queue: Optional[str] = knob("cluster.yarn_queue")
-
-
-# cluster.launcher -> the settings that launcher has (a launcher from a plug-in: ClusterConfig's,
-# or the schema its class declares as `config`)
-CLUSTER_SCHEMAS: dict[str, type] = {"none": NoCluster, "local": ClusterConfig, "ssh": SSHCluster,
-                                    "mpi": MPICluster, "slurm": SlurmCluster, "sge": SGECluster,
-                                    "yarn": YarnCluster}
 
 
 def options(*schemas: type, first: tuple[str, ...] = ()) -> list[dataclasses.Field]:

@@ -1,8 +1,9 @@
 """The structured-config schema of a `tfkv-run` config, registered in Hydra's ConfigStore.
 
 The dataclasses are the single place where the shape and types of a run's configuration are
-declared (`cluster.*` in tfkv.config.cluster); OmegaConf rejects unknown keys and wrong types
-while Hydra composes the tree.
+declared (`cluster.*`: every launcher's in tfkv.config.cluster, each backend's own beside it in
+tfkv.launcher.backends, registered as `schema/cluster/<name>` by tfkv.plugins.register_schemas when
+Hydra scans its plug-ins); OmegaConf rejects unknown keys and wrong types while Hydra composes the tree.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from tfkv import knobs
-from tfkv.config.cluster import CLUSTER_SCHEMAS
+from tfkv.config.cluster import NoCluster
 
 
 @dataclass
@@ -159,7 +160,7 @@ class Config:
     direction: str = "auto"
     optimizer: Any = MISSING  # one of OPTIMIZER_SCHEMAS, by optimizer.name
     kvstore: KVStoreConfig = MISSING  # chosen by kvstore=<option>
-    cluster: Any = field(default_factory=lambda: {"launcher": "none"})  # one of CLUSTER_SCHEMAS
+    cluster: Any = field(default_factory=lambda: {"launcher": "none"})  # one launcher's settings (tfkv.launcher.base.schemas)
     # the devices this process trains on: cpu:N, gpu:N, or gpu:{local_rank} (a launched worker's own GPU)
     devices: List[str] = field(default_factory=lambda: ["cpu:0"])
     work_load_list: Optional[List[float]] = None  # each device's share of the batch (null: equal shares)
@@ -198,9 +199,10 @@ def register() -> None:
     store.store(name="tfkv_schema", node=Config)
     # Each option's schema, which its yaml (conf/optimizer/adam.yaml, ...) extends in its defaults
     # list: every setting the option has can be overridden without `+`, others are refused by Hydra.
-    for group, schemas in (("optimizer", OPTIMIZER_SCHEMAS), ("cluster", CLUSTER_SCHEMAS)):
-        for option, schema in schemas.items():
-            store.store(group=f"schema/{group}", name=option, node=schema)
+    for option, schema in OPTIMIZER_SCHEMAS.items():
+        store.store(group="schema/optimizer", name=option, node=schema)
+    # cluster=none's here; each launcher's, which the launcher layer declares, by tfkv.plugins.register_schemas
+    store.store(group="schema/cluster", name="none", node=NoCluster)
 
 
 

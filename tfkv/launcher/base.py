@@ -9,21 +9,28 @@ What a backend is, the shared core (tfkv.launcher.job, spares, the sweeps' launc
 class, never of its name: each declares its traits (`Traits`: places roles on the hosts file's
 hosts, lets a resource manager choose the nodes, knows each worker's local rank, gets the job's
 keys by environment, runs on this machine, requeues itself), as store types declare their
-capabilities, and its settings schema (`config`, a dataclass of tfkv.config.cluster, as a Hydra
-launcher plug-in declares its config); it is constructed with those settings, validated once.
+capabilities; the programs it runs on this machine, each with how to install it (`programs`: the
+refusal when one is missing, and the docs' command checker, read it); and its settings schema
+(`config`, a dataclass derived from tfkv.config.cluster.ClusterConfig and defined in the backend's
+own module, as a Hydra launcher plug-in declares its config). tfkv's backends and installed
+packages' are found the same way, through `REGISTRY`, and so are their settings (`schemas`: Hydra's
+`schema/cluster/<name>` nodes, the job's options, tfkv-launch's flags). A backend is constructed
+with its settings, validated once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, ClassVar, Mapping
 
-from tfkv.config.cluster import ClusterConfig
+from tfkv.config.cluster import ClusterConfig, NoCluster
 from tfkv.errors import ConfigError
 from tfkv.launcher.hosts import Host
 from tfkv.launcher.plan import Process
+from tfkv.launcher.request import Request
 from tfkv.registry import Registry
 
 
@@ -75,10 +82,25 @@ class Traits:
         return cls(**{f.name: bool(getattr(backend, f.name, f.default)) for f in dataclasses.fields(cls)})
 
 
+@dataclass(frozen=True)
+class Program:
+    """A program a backend runs on this machine, and how its user gets it."""
+
+    name: str
+    hint: str  # e.g. "install Open MPI (apt-get install openmpi-bin) or load your MPI module"
+
+    def need(self) -> str:
+        """Its name, as a user types it; a ConfigError line when it is not on PATH."""
+        if not shutil.which(self.name):
+            raise ConfigError(f"{self.name} is not on PATH; {self.hint}")
+        return self.name
+
+
 class Backend:
-    """What every launcher is: its name, its traits (class attributes, see Traits), its settings
-    schema, and the two steps of a job. Constructed with its settings, an instance of `config`
-    (tfkv.launcher.job.backend builds it from the job's options and knob values)."""
+    """What every launcher is: its name, its traits (class attributes, see Traits), the programs
+    it runs here (`programs`), its settings schema, and the steps of a job: `preflight`, `request`
+    (what it would run, by a pure function) and `launch` (run it). Constructed with its settings,
+    an instance of `config` (tfkv.launcher.job.backend builds it from the job's options and knob values)."""
 
     name: ClassVar[str]
     config: ClassVar[type] = ClusterConfig
@@ -88,6 +110,8 @@ class Backend:
     needs_hostfile: ClassVar[bool] = False
     secrets_by_env: ClassVar[bool] = False
     runs_here: ClassVar[bool] = False
+    # What it runs on this machine (the first: the one that starts the job), each with its install hint.
+    programs: ClassVar[tuple[Program, ...]] = ()
 
     def __init__(self, settings: Any = None) -> None:
         self.settings = settings if settings is not None else self.config()
@@ -98,14 +122,28 @@ class Backend:
         slurm backend's batch job requeues itself)."""
         return False
 
+    @classmethod
+    def need(cls, *names: str) -> str:
+        """Refuse, one line each, the programs of `programs` named (all when none is) that are not
+        on PATH; the first name."""
+        found = [p.need() for p in cls.programs if not names or p.name in names]
+        return found[0] if found else ""
+
     def preflight(self, job: Job) -> dict[str, dict[str, Any]]:
         """Check what the backend needs (binaries, hosts) before anything starts, raising a
         ConfigError with one line per problem; return the tfkv/TF/Python versions per host and
         fill `job.addresses` with what the hosts say their addresses are."""
         raise NotImplementedError
 
+    def request(self, job: Job, files: Path, name: str = "tfkv", environ: Mapping[str, str] | None = None) -> Request:
+        """What `launch` runs for `job`, by a pure function (no process started, no file written):
+        its commands and the scripts it would write into `files` (the job's directory for them);
+        `name`: the job's unique name (tfkv.launcher.backends.batch.job_name); `environ`: the
+        launching shell's environment (None: this process's)."""
+        raise NotImplementedError(f"the {self.name} launcher cannot say what it would run (no `request`)")
+
     def launch(self, job: Job, out: IO[str]) -> Result:
-        """Start every process of `job.plan`, stream its output to `out`, wait for the end."""
+        """Start every process of `job.plan` (its `request`), stream its output to `out`, wait for the end."""
         raise NotImplementedError
 
 
@@ -118,6 +156,27 @@ REGISTRY = Registry("launcher", {
     "yarn": "tfkv.launcher.backends.yarn:YarnLauncher",
 }, plugins="tfkv.launchers")  # and installed packages' launchers (tfkv.plugins)
 REGISTRY.reserve("none")  # cluster.launcher=none: no launcher
+
+
+def schemas(plugins: bool = False) -> dict[str, type]:
+    """Each launcher's settings, by `cluster.launcher` (none: NoCluster): tfkv's in REGISTRY's order
+    and, with `plugins`, what installed launchers declare (one whose class fails to import is
+    left out here and refused when chosen)."""
+    found: dict[str, type] = {"none": NoCluster}
+    for name in REGISTRY.own():
+        found[name] = settings(name)
+    for name in REGISTRY.plugins() if plugins else ():
+        try:
+            found[name] = settings(name)
+        except (ConfigError, AttributeError):
+            continue
+    return found
+
+
+def settings(name: str) -> type:
+    """The settings schema launcher `name` declares (`config`; a plug-in without one: every
+    launcher's, ClusterConfig)."""
+    return getattr(backend_class(name), "config", None) or ClusterConfig
 
 
 def backend_class(name: str) -> type[Backend]:

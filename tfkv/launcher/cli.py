@@ -20,6 +20,7 @@ examples:
   tfkv-launch -n 2 --launcher local -- tfkv-run kvstore=dist_sync
   tfkv-launch -n 2 -s 2 -H hosts --launcher ssh --sync-dst-dir /tmp/job -- python3 train.py
   tfkv-launch -n 4 -H hosts --launcher mpi -- python3 train.py --kv-store dist_async
+  tfkv-launch -n 2 --launcher slurm --dry-run -- python3 train.py   (print what it would run)
 
 Placement, as MXNet's launch.py: the scheduler on the first host; servers, then workers, cycle
 through the hosts file (5 hosts, -n 3: servers on hosts 1-3, workers on hosts 4, 5 and 1).
@@ -49,8 +50,8 @@ at their next step and end the job, and tfkv-launch exits 75 (resumable); a seco
 
 # tfkv-launch's own defaults, where they differ from a config's (MXNet's launch.py: -n always
 # given, as many servers as workers, ssh); names, types, defaults and help otherwise come from
-# the launchers' settings schemas (tfkv.config.cluster, and a plug-in launcher's declared
-# `config`: tfkv.launcher.job.schemas), the one definition.
+# the launchers' settings schemas (the `config` each backend declares, tfkv's and a plug-in's:
+# tfkv.launcher.job.schemas), the one definition.
 LAUNCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "num_workers": {"required": True, "default": None},
     "num_servers": {"default": None, "help_more": " (default: -n)"},
@@ -98,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
     from tfkv.launcher import job
 
     run_dir = Path(args.run_dir or f"outputs/launch-{time.strftime('%Y-%m-%d_%H-%M-%S')}")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if not args.dry_run:  # a dry run writes nothing
+        run_dir.mkdir(parents=True, exist_ok=True)
     opts = job.Options(**{f.name: getattr(args, f.name) for f in dataclasses.fields(job.Options)})
     opts.num_servers = args.num_servers or args.num_workers
     try:

@@ -29,19 +29,13 @@ log = logging.getLogger("tfkv")
 
 
 def schemas() -> list[type]:
-    """Every launcher's settings schema: tfkv's (tfkv.config.cluster) and what the installed
-    plug-in launchers declare (`config`); one that fails to import is refused when chosen."""
-    found = list(cluster.CLUSTER_SCHEMAS.values())
-    for name in base.REGISTRY.plugins():
-        try:
-            found.append(base.backend_class(name).config)
-        except (ConfigError, AttributeError):
-            continue
-    return found
+    """Every launcher's settings schema: tfkv's and what the installed plug-in launchers declare
+    (`config`, tfkv.launcher.base.schemas); one that fails to import is refused when chosen."""
+    return list(base.schemas(plugins=True).values())
 
 
-# The job's options: every launcher's cluster settings, defined once in the structured config
-# (tfkv.config.cluster) or a plug-in's declared schema; launcher, num_workers, num_servers,
+# The job's options: every launcher's cluster settings, defined once in its schema (tfkv.config.cluster,
+# a backend's module, a plug-in's); launcher, num_workers, num_servers,
 # hostfile, sync_dst_dir and interface lead, in the order callers pass them positionally.
 Options = dataclasses.make_dataclass("Options", [
     (f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata))
@@ -100,8 +94,9 @@ def place_workers(opts: Options, hosts: list[Host], traits: base.Traits) -> list
     return worker_hosts(opts.num_workers, opts.num_servers, [h.name for h in hosts], per_host, slots, source)
 
 
-def _secrets(opts: Options, traits: base.Traits, workdir: Path, run_dir: Path) -> dict[str, str]:
-    """The variables that give every role the job's keys (or say there are none)."""
+def _secrets(opts: Options, traits: base.Traits, workdir: Path, run_dir: Path, write: bool = True) -> dict[str, str]:
+    """The variables that give every role the job's keys (or say there are none); `write`: false
+    for a dry run, which names the key file without writing it."""
     if not opts.secure:
         log.warning(jobkeys.INSECURE_WARNING)
         return {jobkeys.SECURE: "0"}
@@ -112,14 +107,16 @@ def _secrets(opts: Options, traits: base.Traits, workdir: Path, run_dir: Path) -
         return jobkeys.keys_env(keys)
     # mpirun/srun/qsub/yarn may put environment values on command lines: a file only the
     # user can read, on the run directory (shared by the hosts with these launchers).
-    path = jobkeys.write_keyfile(Path(run_dir) / "launch" / "curve.key", keys)
+    path = Path(run_dir) / "launch" / "curve.key"
+    path = jobkeys.write_keyfile(path, keys) if write else path
     return {jobkeys.KEYFILE: remote_path(opts, workdir, path)}
 
 
 def plan_job(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path,
              env: Mapping[str, str] | None = None, values: Mapping[str, Any] | None = None) -> base.Job:
     """The job's plan; `env` goes to every role (tfkv-run: the workers' config), and so do the
-    role knobs of `values` (the job's knob values, `knob_values`; resolved here when not given)."""
+    role knobs of `values` (the job's knob values, `knob_values`; resolved here when not given).
+    A dry run's (`opts.dry_run`) writes no key file."""
     traits = base.traits(opts.launcher)
     if opts.hostfile:
         hosts = read_hosts(opts.hostfile)
@@ -133,7 +130,7 @@ def plan_job(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path
     port = opts.port or free_port(opts.host if here else "0.0.0.0")
     values = knob_values(opts) if values is None else values
     extra = {**(env or {}), **knobs.environment(values), RUN_DIR: remote_path(opts, workdir, run_dir),
-             **_secrets(opts, traits, workdir, run_dir)}
+             **_secrets(opts, traits, workdir, run_dir, write=not opts.dry_run)}
     # Only a backend that places roles on the hosts file's hosts names them; a resource manager chooses its own.
     placed = bool(opts.hostfile) and traits.places_roles
     workers = place_workers(opts, hosts, traits)
@@ -178,6 +175,27 @@ def describe(job: base.Job) -> str:
     return "; ".join(f"{host}: {', '.join(names)}" for host, names in by_host.items())
 
 
+def dry_run(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path, out: IO[str],
+            env: Mapping[str, str] | None = None, settings: Mapping[str, Any] | None = None) -> base.Result:
+    """What `launch` would run, printed to `out`: the plan, then the backend's request (every
+    command, with its environment, and every script; the job's keys shown as a stand-in). Nothing
+    starts and nothing is written: no pre-flight, no record, no key file."""
+    opts = dataclasses.replace(opts, dry_run=True)
+    values = knob_values(opts, settings)
+    launcher = backend(opts, values)
+    job = plan_job(opts, worker_argv, workdir, run_dir, env, values)
+    try:
+        request = launcher.request(job, Path(run_dir) / "launch" / opts.launcher, f"tfkv-{opts.launcher}-dry-run")
+    except NotImplementedError as e:
+        raise ConfigError(f"{e}; drop --dry-run / cluster.dry_run") from None
+    finally:
+        release_port(int(job.plan[0].env["DMLC_PS_ROOT_PORT"]))
+    out.write(f"tfkv: dry run of a {opts.launcher} job, {opts.num_servers} server(s), {opts.num_workers} worker(s) - "
+              f"{describe(job)}; nothing is started\n{request.text()}")
+    out.flush()
+    return base.Result(0, None)
+
+
 def launch(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path, argv: Sequence[str],
            out: IO[str], env: Mapping[str, str] | None = None,
            settings: Mapping[str, Any] | None = None,
@@ -198,7 +216,9 @@ def launch(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path, 
     cause and an entry of launch/restarts.json. `again(result)` gives the roles' `env` for the
     next attempt (tfkv-run: the newest checkpoint to resume), or None for no restart. A host
     whose roles failed twice is left out of the next attempt for one of `opts.spare_hosts`
-    (tfkv.launcher.spares), said in the restart's line and entry."""
+    (tfkv.launcher.spares), said in the restart's line and entry. With `opts.dry_run`: `dry_run`."""
+    if opts.dry_run:
+        return dry_run(opts, worker_argv, workdir, run_dir, out, env, settings)
     spare = spares.Spares(spares.check(opts.launcher, opts.hostfile, opts.spare_hosts))
     hosts = [h.name for h in read_hosts(opts.hostfile)] if spare.left else []
     values = knob_values(opts, settings)  # once per launch: every attempt's roles and backend, knobs.json

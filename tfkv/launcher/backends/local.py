@@ -15,12 +15,14 @@ import signal
 import subprocess
 import sys
 import threading
-from typing import IO
+from pathlib import Path
+from typing import IO, Mapping
 
-from tfkv.launcher import supervisor
 from tfkv.config.cluster import ClusterConfig
+from tfkv.launcher import supervisor
 from tfkv.launcher.base import Backend, Job, Result
 from tfkv.launcher.plan import NOT_FORWARDED, Process
+from tfkv.launcher.request import Command, Request
 from tfkv.launcher.process import die_with_parent, signal_group, warn_without_parent_death
 from tfkv.launcher.record import local_versions
 
@@ -45,8 +47,20 @@ class LocalLauncher(Backend):
     def preflight(self, job: Job) -> dict[str, dict[str, str]]:
         return {"localhost": local_versions()}
 
+    def request(self, job: Job, files: Path | None = None, name: str = "tfkv",
+                environ: Mapping[str, str] | None = None) -> Request:
+        return Request(commands(job.plan, str(job.workdir)))
+
     def launch(self, job: Job, out: IO[str]) -> Result:
-        return run(job.plan, cwd=str(job.workdir), out=out)
+        return run(job.plan, out=out, request=self.request(job))
+
+
+def commands(plan: list[Process], cwd: str | None = None) -> list[Command]:
+    """Each role as a process here: this machine's whole environment, less what the plan decides
+    (plan.NOT_FORWARDED), so that the plan's variables and the forwarded ones are those an ssh
+    role gets; unbuffered, so that its lines come as they are written."""
+    return [Command(p.name, list(p.argv), {**p.env, "PYTHONUNBUFFERED": "1"}, tuple(sorted(NOT_FORWARDED)), cwd)
+            for p in plan]
 
 
 def _preexec() -> None:
@@ -57,8 +71,11 @@ def _preexec() -> None:
     die_with_parent(signal.SIGKILL)
 
 
-def run(plan: list[Process], cwd: str | None = None, out: IO[str] | None = None) -> Result:
-    """Start every process of `plan` here and wait for the job to end (tfkv.launcher.supervisor)."""
+def run(plan: list[Process], cwd: str | None = None, out: IO[str] | None = None,
+        request: Request | None = None) -> Result:
+    """Start every process of `plan` here (as `request` says: its commands, one per process in
+    plan order; by default `commands(plan, cwd)`) and wait for the job to end (tfkv.launcher.supervisor)."""
+    started = (request or Request(commands(plan, cwd))).commands
     out = out or sys.stdout
     lock = threading.Lock()
     children: dict[str, subprocess.Popen] = {}
@@ -66,12 +83,9 @@ def run(plan: list[Process], cwd: str | None = None, out: IO[str] | None = None)
     warn_without_parent_death()
 
     def start() -> None:
-        for p in plan:
-            # This machine's whole environment, less what the plan decides (plan.NOT_FORWARDED), so
-            # that the plan's variables and the forwarded ones are those an ssh role gets.
-            env = {k: v for k, v in os.environ.items() if k not in NOT_FORWARDED}
+        for p, c in zip(plan, started):
             child = subprocess.Popen(
-                p.argv, cwd=cwd, env={**env, **p.env, "PYTHONUNBUFFERED": "1"},
+                c.argv, cwd=c.cwd, env=c.environ(os.environ),
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True, preexec_fn=_preexec)
             children[p.name] = child

@@ -28,31 +28,24 @@ import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
-from typing import IO
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Mapping
 
-from tfkv.config.cluster import MPICluster
+from tfkv.config.cluster import RemoteCluster, knob
 from tfkv.errors import ConfigError
 from tfkv.launcher import role
 from tfkv.launcher.backends import batch
-from tfkv.launcher.base import Backend, Job, Result
+from tfkv.launcher.base import Backend, Job, Program, Result
 from tfkv.launcher.hosts import Host
 from tfkv.launcher.process import status_text
 from tfkv.launcher.plan import Process, forwarded_env
 from tfkv.launcher.record import local_versions
+from tfkv.launcher.request import Command, Request
 
 TEARDOWN = 10.0  # seconds mpirun gets to kill its ranks after SIGTERM
 PREFLIGHT_TIMEOUT = 60  # seconds for one process on every host (ssh logins included)
-
-
-def _need_mpirun() -> str:
-    # By name, as a user types it: Open MPI run by an absolute path acts as if given --prefix and
-    # puts that prefix's bin first on the ranks' PATH, which changes which python3 they run.
-    if not shutil.which("mpirun"):
-        raise ConfigError("mpirun is not on PATH; install Open MPI (apt-get install openmpi-bin) or load your "
-                          "MPI module")
-    return "mpirun"
 
 
 def _rsh_args(hosts: list[Host]) -> list[str]:
@@ -83,7 +76,7 @@ def _contexts(plan: list[Process]) -> list[tuple[int, str, list[Process]]]:
     return runs
 
 
-def mpirun_argv(job: Job, mpirun: str = "mpirun", environ: dict[str, str] | None = None,
+def mpirun_argv(job: Job, mpirun: str = "mpirun", environ: Mapping[str, str] | None = None,
                 mpirun_args: str = "") -> list[str]:
     """The one mpirun command line that runs the whole plan (`mpirun_args`: cluster.mpirun_args)."""
     if job.sync_dst_dir:
@@ -116,16 +109,27 @@ def _why(text: str) -> str:
     return (ranks or lines or ["no output"])[-1]
 
 
+
+@dataclass
+class MPICluster(RemoteCluster):
+    """cluster=mpi's settings: those of launchers that reach other hosts, and mpirun's own flags."""
+
+    mpirun_args: str = knob("cluster.mpirun_args")
+
+
 class MPILauncher(Backend):
     """The job as one mpirun; the MPI rank decides the role."""
 
     name = "mpi"
     config = MPICluster
     places_roles = True
+    # By name, as a user types it: Open MPI run by an absolute path acts as if given --prefix and
+    # puts that prefix's bin first on the ranks' PATH, which changes which python3 they run.
+    programs = (Program("mpirun", "install Open MPI (apt-get install openmpi-bin) or load your MPI module"),)
 
     def preflight(self, job: Job) -> dict[str, dict[str, str]]:
         """mpirun is here, the hosts file suits it, and every host runs tfkv: their versions."""
-        mpirun = _need_mpirun()
+        mpirun = self.need()
         mpirun_argv(job, mpirun, mpirun_args=self.settings.mpirun_args)  # the hosts file and options are usable
         versions = {"localhost": local_versions()}
         hosts = list(dict.fromkeys(p.host for p in job.plan))
@@ -164,10 +168,17 @@ class MPILauncher(Backend):
         versions.update(found)
         return versions
 
+    def request(self, job: Job, files: Path | None = None, name: str = "tfkv",
+                environ: Mapping[str, str] | None = None) -> Request:
+        """One mpirun, here, that runs the whole plan (`mpirun_argv`)."""
+        argv = mpirun_argv(job, self.programs[0].name, environ, self.settings.mpirun_args)
+        return Request([Command("mpirun", argv, {"PYTHONUNBUFFERED": "1"}, cwd=str(job.workdir))])
+
     def launch(self, job: Job, out: IO[str]) -> Result:
-        argv = mpirun_argv(job, _need_mpirun(), mpirun_args=self.settings.mpirun_args)
+        self.need()
+        mpirun = self.request(job).command("mpirun")
         output = batch.Output(out, [p.name for p in job.plan])
-        proc = batch.start(argv, env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=str(job.workdir))
+        proc = batch.start(mpirun.argv, env=mpirun.environ(os.environ), cwd=mpirun.cwd)
         output.pump(proc.stdout)  # the helpers' prefixed lines
         output.pump(proc.stderr, "[mpirun] ")  # mpirun's own messages
         # mpirun waits for every rank; the launcher ends the job once a failure's grace is over.

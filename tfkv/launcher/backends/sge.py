@@ -24,28 +24,21 @@ from __future__ import annotations
 
 import os
 import shlex
-import shutil
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Mapping
 
-from tfkv.config.cluster import SGECluster
-from tfkv.errors import ConfigError
+from tfkv.config.cluster import RemoteCluster, knob
 from tfkv.launcher import role, supervisor
 from tfkv.launcher.backends import batch
-from tfkv.launcher.base import Backend, Job, Result
+from tfkv.launcher.base import Backend, Job, Program, Result
 from tfkv.launcher.process import status_text
 from tfkv.launcher.record import local_versions
+from tfkv.launcher.request import Command, Request
 
 TEARDOWN = 30.0  # seconds Grid Engine gets to end the job after qdel
-
-
-def _need(*names: str) -> None:
-    for name in names:
-        if not shutil.which(name):
-            raise ConfigError(f"{name} is not on PATH; install the Grid Engine client (apt-get install "
-                              "gridengine-client) or source $SGE_ROOT/$SGE_CELL/common/settings.sh")
 
 
 def task_script(job: Job) -> str:
@@ -62,6 +55,14 @@ def qsub_argv(job: Job, name: str, script: str, logs: Path, qsub_args: str = "")
             *shlex.split(qsub_args), script]
 
 
+
+@dataclass
+class SGECluster(RemoteCluster):
+    """cluster=sge's settings: those of launchers that reach other hosts, and qsub's flags."""
+
+    qsub_args: str = knob("cluster.qsub_args")
+
+
 class SGELauncher(Backend):
     """The scheduler here; servers and workers as the tasks of one Grid Engine array job."""
 
@@ -69,31 +70,41 @@ class SGELauncher(Backend):
     config = SGECluster
     chooses_nodes = True
     local_ranks = False  # Grid Engine gives a task no index on its host
+    programs = tuple(Program(name, "install the Grid Engine client (apt-get install gridengine-client) or source "
+                                   "$SGE_ROOT/$SGE_CELL/common/settings.sh") for name in ("qsub", "qdel"))
 
     def preflight(self, job: Job) -> dict[str, dict[str, str]]:
-        _need("qsub", "qdel")
+        self.need()
         return {"localhost": local_versions()}
 
+    def request(self, job: Job, files: Path, name: str = "tfkv",
+                environ: Mapping[str, str] | None = None) -> Request:
+        """The array job's script in `files`; the scheduler here, then the qsub that queues the rest."""
+        script = files / "job.sh"
+        env, cwd = {**role.common_env(job.plan), "PYTHONUNBUFFERED": "1"}, str(job.workdir)
+        return Request([Command("scheduler", role.helper_argv(sys.executable, job.plan[:1], index=0), env, cwd=cwd),
+                        Command("qsub", qsub_argv(job, name, str(script), files, self.settings.qsub_args), env,
+                                cwd=cwd)],
+                       {str(script): task_script(job)})
+
     def launch(self, job: Job, out: IO[str]) -> Result:
-        _need("qsub", "qdel")
+        self.need()
         name = batch.job_name("sge")
         files = batch.job_files(job.run_dir, "sge")
-        script = files / "job.sh"
-        script.write_text(task_script(job))
+        request = self.request(job, files, name)
+        request.write()
         tasks = len(job.plan) - 1
         for i in range(1, tasks + 1):
             (files / f"task-{i}.log").unlink(missing_ok=True)
-        env = {**os.environ, **role.common_env(job.plan), "PYTHONUNBUFFERED": "1"}
+        env = request.command("qsub").environ(os.environ)
         output = batch.Output(out, [p.name for p in job.plan])
         done = threading.Event()
         for i in range(1, tasks + 1):
             output.tail(files / f"task-{i}.log", done)
-        scheduler = batch.start(role.helper_argv(sys.executable, job.plan[:1], index=0), env=env,
-                               cwd=str(job.workdir))
+        scheduler = batch.start(request.command("scheduler").argv, env=env, cwd=str(job.workdir))
         output.pump(scheduler.stdout)
         output.pump(scheduler.stderr, "[scheduler] ")
-        qsub = batch.start(qsub_argv(job, name, str(script), files, self.settings.qsub_args), env=env,
-                           cwd=str(job.workdir))
+        qsub = batch.start(request.command("qsub").argv, env=env, cwd=str(job.workdir))
         output.pump(qsub.stdout, "[qsub] ")
         output.pump(qsub.stderr, "[qsub] ")
 

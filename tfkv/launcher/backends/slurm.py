@@ -39,32 +39,26 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Mapping
 
 from tfkv import preempt
-from tfkv.config.cluster import SlurmCluster
+from tfkv.config.cluster import RemoteCluster, knob
 from tfkv.errors import ConfigError
 from tfkv.keys import KEYFILE
 from tfkv.launcher import requeue, role, supervisor
 from tfkv.launcher.backends import batch
-from tfkv.launcher.base import Backend, Job, Result
+from tfkv.launcher.base import Backend, Job, Program, Result
 from tfkv.launcher.process import signal_group, status_text
 from tfkv.launcher.record import local_versions
+from tfkv.launcher.request import Command, Request
 
 TEARDOWN = 15.0  # seconds Slurm gets to end the step or job after we ask
-
-
-def _need(*names: str) -> None:
-    for name in names:
-        if not shutil.which(name):
-            raise ConfigError(f"{name} is not on PATH; install the Slurm client (apt-get install slurm-client) "
-                              "or run on a Slurm login node")
 
 
 # What srun reads from the environment of a step to shape its tasks: inherited from the step that
@@ -127,7 +121,7 @@ def check_allocation(job: Job, environ: dict[str, str] | None = None) -> None:
         f"e.g. salloc -n {tasks}, or with hydra/launcher=submitit_slurm hydra.launcher.cpus_per_task={tasks}")
 
 
-def srun_argv(job: Job, name: str, environ: dict[str, str] | None = None, srun_args: str = "") -> list[str]:
+def srun_argv(job: Job, name: str, environ: Mapping[str, str] | None = None, srun_args: str = "") -> list[str]:
     """The one srun that runs every role of the plan as a task of one step (`srun_args`: cluster.srun_args)."""
     environ = os.environ if environ is None else environ
     overlap = ["--overlap"] if in_step(environ) else []
@@ -136,7 +130,7 @@ def srun_argv(job: Job, name: str, environ: dict[str, str] | None = None, srun_a
             *role.helper_argv(job.python, job.plan, rank_var="SLURM_PROCID", scheduler_host="slurm")]
 
 
-def batch_script(job: Job, name: str, environ: dict[str, str] | None = None, srun_args: str = "") -> str:
+def batch_script(job: Job, name: str, environ: Mapping[str, str] | None = None, srun_args: str = "") -> str:
     """The batch job: the srun of every role. Slurm's warning ahead of a preemption or the time
     limit (`--signal=B:USR1@N` in cluster.sbatch_args) comes to this script alone, which leaves
     the run directory's preemption flag for worker 0 (tfkv.preempt): it
@@ -167,6 +161,15 @@ def sbatch_argv(job: Job, name: str, script: str, output: str, sbatch_args: str 
             "--export=ALL", *shlex.split(sbatch_args), script]
 
 
+
+@dataclass
+class SlurmCluster(RemoteCluster):
+    """cluster=slurm's settings: those of launchers that reach other hosts, and srun's and sbatch's flags."""
+
+    srun_args: str = knob("cluster.srun_args")
+    sbatch_args: str = knob("cluster.sbatch_args")
+
+
 class SlurmLauncher(Backend):
     """The job as one srun step, in this allocation or in a batch job of its own."""
 
@@ -174,6 +177,8 @@ class SlurmLauncher(Backend):
     config = SlurmCluster
     chooses_nodes = True
     local_ranks = False  # the role helper finds it (SLURM_LOCALID)
+    programs = tuple(Program(name, "install the Slurm client (apt-get install slurm-client) or run on a Slurm login "
+                                   "node") for name in ("srun", "scontrol", "sbatch", "squeue", "scancel"))
 
     @classmethod
     def requeues_itself(cls, environ: dict[str, str] | None = None) -> bool:
@@ -181,27 +186,42 @@ class SlurmLauncher(Backend):
         return not in_allocation(environ)
 
     def preflight(self, job: Job) -> dict[str, dict[str, str]]:
-        _need("srun", "scontrol")
+        self.need("srun", "scontrol")
         if in_allocation():
             check_allocation(job)
         else:
-            _need("sbatch", "squeue", "scancel")
+            self.need("sbatch", "squeue", "scancel")
         return {"localhost": local_versions()}
+
+    def request(self, job: Job, files: Path, name: str = "tfkv",
+                environ: Mapping[str, str] | None = None) -> Request:
+        """Inside an allocation: the srun of every role (a step beside this one from inside a step,
+        without the variables that shaped it: STEP_SHAPE). Outside: the batch script in `files`,
+        which runs that srun, and the sbatch that submits it."""
+        environ = os.environ if environ is None else environ
+        env, cwd = {**role.common_env(job.plan), "PYTHONUNBUFFERED": "1"}, str(job.workdir)
+        if in_allocation(environ):
+            return Request([Command("srun", srun_argv(job, name, environ, self.settings.srun_args), env,
+                                    STEP_SHAPE if in_step(environ) else (), cwd)])
+        script, log = files / "job.sh", files / "job.log"
+        return Request([Command("sbatch", sbatch_argv(job, name, str(script), str(log), self.settings.sbatch_args),
+                                env, cwd=cwd)],
+                       {str(script): batch_script(job, name, environ, self.settings.srun_args)})
 
     def launch(self, job: Job, out: IO[str]) -> Result:
         name = batch.job_name("slurm")
-        env = {**os.environ, **role.common_env(job.plan), "PYTHONUNBUFFERED": "1"}
         names = [p.name for p in job.plan]
         if in_allocation():
-            if in_step():
-                env = {k: v for k, v in env.items() if k not in STEP_SHAPE}
+            srun = self.request(job, Path(job.workdir), name).command("srun")
+            env = srun.environ(os.environ)
             out.write(f"tfkv: the job's {len(job.plan)} tasks run as one srun step in Slurm job {job_label(env)}\n")
-            return self._step(job, name, env, batch.Output(out, names))
-        return self._batch(job, name, env, batch.Output(out, names, watch=r"Submitted batch job (\d+)"))
+            return self._step(srun, env, batch.Output(out, names))
+        files = batch.job_files(job.run_dir, "slurm")
+        return self._batch(job, name, files, self.request(job, files, name), batch.Output(out, names, watch=r"Submitted batch job (\d+)"))
 
-    def _step(self, job: Job, name: str, env: dict[str, str], output: batch.Output) -> Result:
+    def _step(self, srun: Command, env: dict[str, str], output: batch.Output) -> Result:
         """srun inside the allocation we run in."""
-        proc = batch.start(srun_argv(job, name, srun_args=self.settings.srun_args), env=env, cwd=str(job.workdir))
+        proc = batch.start(srun.argv, env=env, cwd=srun.cwd)
         output.pump(proc.stdout)  # the helpers' prefixed lines
         output.pump(proc.stderr, "[srun] ")
 
@@ -213,14 +233,14 @@ class SlurmLauncher(Backend):
         failure = batch.supervise(proc, output, TEARDOWN, interrupt)
         return self._result(failure, output, proc.returncode, "srun", "[srun] ")
 
-    def _batch(self, job: Job, name: str, env: dict[str, str], output: batch.Output) -> Result:
+    def _batch(self, job: Job, name: str, files: Path, request: Request, output: batch.Output) -> Result:
         """sbatch a script that runs the srun; follow its output file; scancel on the way out."""
-        files = batch.job_files(job.run_dir, "slurm")
-        script, log = files / "job.sh", files / "job.log"
-        script.write_text(batch_script(job, name, srun_args=self.settings.srun_args))
+        sbatch = request.command("sbatch")
+        env = sbatch.environ(os.environ)
+        log = files / "job.log"  # sbatch -o
+        request.write()
         log.unlink(missing_ok=True)
-        proc = batch.start(sbatch_argv(job, name, str(script), str(log), self.settings.sbatch_args), env=env,
-                           cwd=str(job.workdir))
+        proc = batch.start(sbatch.argv, env=env, cwd=sbatch.cwd)
         output.pump(proc.stdout, "[sbatch] ")
         output.pump(proc.stderr, "[sbatch] ")
         done = threading.Event()

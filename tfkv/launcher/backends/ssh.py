@@ -56,17 +56,21 @@ import logging
 import shlex
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import IO, TYPE_CHECKING, Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, Mapping, Optional
 
-from tfkv.config.cluster import SSHCluster
+from tfkv.config.cluster import RemoteCluster, knob, setting
 from tfkv.errors import ConfigError
 from tfkv.launcher import signals, supervisor
 from tfkv.launcher.base import Backend, Job, Result
 from tfkv.launcher.hosts import Host
 from tfkv.launcher.plan import Process
+from tfkv.launcher.request import Command, Request
 from tfkv.launcher.backends.ssh_connect import connect, connect_problem, run, ssh_config_path
 from tfkv.launcher.backends.ssh_remote import RemoteRole, interrupt_group, remote_command, stop_groups
-from tfkv.launcher.backends.ssh_sync import copy_back, remote_spec, rsync
+from tfkv.launcher.backends import ssh_sync
+from tfkv.launcher.backends.ssh_sync import RSYNC, SSH, copy_back, remote_spec, run_rsync, sync_argv
 
 if TYPE_CHECKING:
     from fabric import Connection
@@ -99,8 +103,7 @@ def check_host(host: Host, job: Job, rsync_lock: threading.Lock,
                 return f"{host}: {job.sync_dst_dir} is not writable ({why}); pick another --sync-dst-dir"
             with rsync_lock:  # hosts may share a filesystem: two rsyncs into one directory collide
                 log.info("rsync %s/ -> %s", job.workdir, remote_spec(host, job.sync_dst_dir))
-                problem = rsync(f"{job.workdir}/", remote_spec(host, job.sync_dst_dir.rstrip("/") + "/"), host, True,
-                                ssh_config)
+                problem = run_rsync(sync_argv(job, host, ssh_config))
             if problem:
                 return (f"{host}: rsync of {job.workdir} to {job.sync_dst_dir} failed ({problem}); check that "
                         f"`ssh {host}` works without a prompt and that rsync is installed there")
@@ -125,6 +128,15 @@ def check_host(host: Host, job: Job, rsync_lock: threading.Lock,
         conn.close()
 
 
+
+@dataclass
+class SSHCluster(RemoteCluster):
+    """cluster=ssh's settings: those of launchers that reach other hosts, the tree's copy and the ssh config."""
+
+    sync_dst_dir: Optional[str] = setting(None, "rsync the current directory to this path on every host first")
+    ssh_config: Optional[str] = knob("cluster.ssh_config")
+
+
 class SSHLauncher(Backend):
     """Every role over ssh on the hosts of the hosts file (MXNet's `--launcher ssh`)."""
 
@@ -133,6 +145,7 @@ class SSHLauncher(Backend):
     places_roles = True
     needs_hostfile = True
     secrets_by_env = True  # sent over the channel's stdin into the role's environment, never a command line
+    programs = (SSH, RSYNC)
 
     def preflight(self, job: Job) -> dict[str, dict[str, Any]]:
         """Check (and sync) every host; their versions, or a ConfigError with a line per bad host."""
@@ -152,13 +165,24 @@ class SSHLauncher(Backend):
                 job.addresses.setdefault(h.name, address)
         return {str(h): v for h, v in zip(hosts, results)}
 
+    def request(self, job: Job, files: Path | None = None, name: str = "tfkv",
+                environ: Mapping[str, str] | None = None) -> Request:
+        """The pre-flight's rsync of the tree to every host (with --sync-dst-dir); each role's
+        command, which its host's login shell runs (the job's keys go on the channel's stdin, never
+        in it); worker 0's run directory copied back at the end (ssh_sync.commands)."""
+        there, back = ssh_sync.commands(job, ssh_config_path(self.settings.ssh_config))
+        cwd = job.sync_dst_dir or str(job.workdir)
+        roles = [Command(p.name, ["sh", "-c", remote_command(p, cwd, job.python, environ)], host=p.host)
+                 for p in job.plan]
+        return Request(there + roles + back)
+
     def launch(self, job: Job, out: IO[str]) -> Result:
         import paramiko
 
         lock = threading.Lock()
         ssh_config = ssh_config_path(self.settings.ssh_config)
+        commands = {c.name: c.argv[2] for c in self.request(job).commands if c.host}
         by_name = {h.name: h for h in reversed(job.hosts)}  # the first line of a name wins
-        cwd = job.sync_dst_dir or str(job.workdir)
         roles: list[RemoteRole] = []
         conns: list[Connection] = []
         first_conn: dict[str, Connection] = {}
@@ -185,7 +209,7 @@ class SSHLauncher(Backend):
             for p in job.plan:  # in plan order: the scheduler first
                 roles.append(RemoteRole(p, *where[id(p)]))
                 try:
-                    roles[-1].start(remote_command(p, cwd, job.python), out, lock)
+                    roles[-1].start(commands[p.name], out, lock)
                 except (OSError, EOFError, paramiko.SSHException) as e:
                     return f"{p.name} could not start ({type(e).__name__}: {e})"
             return None

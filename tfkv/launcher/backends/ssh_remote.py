@@ -18,7 +18,7 @@ import json
 import os
 import shlex
 import threading
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Mapping
 
 from tfkv.launcher.hosts import Host
 from tfkv.launcher.plan import Process, forwarded_env
@@ -79,17 +79,18 @@ def secret_env(p: Process) -> dict[str, str]:
     return {k: v for k, v in p.env.items() if k in SECRET_NAMES}
 
 
-def _remote_env(p: Process) -> dict[str, str]:
-    env = {**forwarded_env(os.environ), **{k: v for k, v in p.env.items() if k not in SECRET_NAMES},
+def _remote_env(p: Process, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = {**forwarded_env(os.environ if environ is None else environ), **{k: v for k, v in p.env.items() if k not in SECRET_NAMES},
            "PYTHONUNBUFFERED": "1"}
     if secret_env(p):
         env["TFKV_SECRETS_ON_STDIN"] = "1"
     return env
 
 
-def remote_command(p: Process, cwd: str, python: str) -> str:
-    """The shell command that runs `p` on its host: cd, export its environment, start the wrapper."""
-    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in _remote_env(p).items())
+def remote_command(p: Process, cwd: str, python: str, environ: Mapping[str, str] | None = None) -> str:
+    """The shell command that runs `p` on its host: cd, export its environment (the plan's and
+    what `environ`, the launching shell's, forwards), start the wrapper."""
+    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in _remote_env(p, environ).items())
     return (f"cd {shlex.quote(cwd)} && export {exports} && "
             f"exec {shlex.quote(python)} -c {shlex.quote(WRAPPER)} {shlex.join(p.argv)} 2>&1")
 

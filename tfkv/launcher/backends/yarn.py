@@ -31,19 +31,20 @@ import glob
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Mapping, Optional
 
-from tfkv.config.cluster import YarnCluster
+from tfkv.config.cluster import RemoteCluster, knob
 from tfkv.errors import ConfigError
 from tfkv.launcher import role, supervisor
 from tfkv.launcher.backends import batch
-from tfkv.launcher.base import Backend, Job, Result
+from tfkv.launcher.base import Backend, Job, Program, Result
 from tfkv.launcher.plan import Process, forwarded_env
 from tfkv.launcher.record import local_versions
+from tfkv.launcher.request import Command, Request
 
 JAR_GLOB = "share/hadoop/yarn/hadoop-yarn-applications-distributedshell-*.jar"
 TIMEOUT_MS = 2**31 - 1  # the client kills its application after -timeout ms (default 10 min)
@@ -53,7 +54,7 @@ _APP_ID = re.compile(r"\b(application_\d+_\d+)\b")  # what the client logs once 
 
 
 
-def find_jar(environ: dict[str, str] | None = None) -> str:
+def find_jar(environ: Mapping[str, str] | None = None) -> str:
     """The distributed shell's jar under $HADOOP_HOME (or HADOOP_YARN_HOME)."""
     e = os.environ if environ is None else environ
     for home in (e.get("HADOOP_YARN_HOME"), e.get("HADOOP_HOME")):
@@ -80,7 +81,7 @@ def _groups(plan: list[Process]) -> list[tuple[str, list[Process]]]:
 
 
 def submissions(job: Job, jar: str, name: str = "tfkv", settings: YarnCluster | None = None,
-                environ: dict[str, str] | None = None) -> list[tuple[str, list[str]]]:
+                environ: Mapping[str, str] | None = None) -> list[tuple[str, list[str]]]:
     """The `yarn jar ...` command lines that submit the servers and the workers: (label, argv);
     containers' memory, cores and queue from `settings` (cluster.yarn_*)."""
     res = settings or YarnCluster()
@@ -108,10 +109,15 @@ def submissions(job: Job, jar: str, name: str = "tfkv", settings: YarnCluster | 
     return subs
 
 
-def _need_yarn() -> None:
-    if not shutil.which("yarn"):
-        raise ConfigError("yarn is not on PATH; install Hadoop (not packaged for Debian) and put $HADOOP_HOME/bin "
-                          "on PATH")
+
+@dataclass
+class YarnCluster(RemoteCluster):
+    """cluster=yarn's settings: those of launchers that reach other hosts, and the containers' resources."""
+
+    yarn_memory_mb: int = knob("cluster.yarn_memory_mb")
+    yarn_server_memory_mb: int = knob("cluster.yarn_server_memory_mb")
+    yarn_vcores: int = knob("cluster.yarn_vcores")
+    yarn_queue: Optional[str] = knob("cluster.yarn_queue")
 
 
 class YarnLauncher(Backend):
@@ -121,19 +127,34 @@ class YarnLauncher(Backend):
     config = YarnCluster
     chooses_nodes = True
     local_ranks = False  # the distributed shell gives a container no index on its host
+    programs = (Program("yarn", "install Hadoop (not packaged for Debian) and put $HADOOP_HOME/bin on PATH"),)
 
     def preflight(self, job: Job) -> dict[str, dict[str, str]]:
-        _need_yarn()
+        self.need()
         submissions(job, find_jar(), settings=self.settings)  # the commands can be built
         return {"localhost": local_versions()}
 
+    def request(self, job: Job, files: Path | None = None, name: str = "tfkv",
+                environ: Mapping[str, str] | None = None) -> Request:
+        """The scheduler here, then one distributed-shell client per group (`submissions`); the
+        jar found under $HADOOP_HOME, else named by its pattern (a dry run without Hadoop)."""
+        try:
+            jar = find_jar(environ)
+        except ConfigError:
+            jar = f"$HADOOP_HOME/{JAR_GLOB}"
+        env, cwd = {"PYTHONUNBUFFERED": "1"}, str(job.workdir)
+        return Request([Command("scheduler", role.helper_argv(sys.executable, job.plan[:1], index=0), env, cwd=cwd)]
+                       + [Command(f"yarn {label}", argv, env, cwd=cwd)
+                          for label, argv in submissions(job, jar, name, self.settings, environ)])
+
     def launch(self, job: Job, out: IO[str]) -> Result:
-        _need_yarn()
-        subs = submissions(job, find_jar(), batch.job_name("yarn"), self.settings)
+        self.need()
+        find_jar()  # refused here, not named by its pattern
+        request = self.request(job, name=batch.job_name("yarn"))
+        subs = [(c.name.split(" ", 1)[1], c.argv) for c in request.commands[1:]]
         output = batch.Output(out, [p.name for p in job.plan], watch=_APP_ID.pattern)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        scheduler = batch.start(role.helper_argv(sys.executable, job.plan[:1], index=0), env=env,
-                               cwd=str(job.workdir))
+        env = request.command("scheduler").environ(os.environ)
+        scheduler = batch.start(request.command("scheduler").argv, env=env, cwd=str(job.workdir))
         output.pump(scheduler.stdout)
         output.pump(scheduler.stderr, "[scheduler] ")
         clients: dict[str, subprocess.Popen] = {}
