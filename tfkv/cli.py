@@ -101,9 +101,10 @@ def _train(cfg: Any, run_dir: Path, hc: Any) -> float:
     from tfkv.parallel import binding
 
     cfg.devices = binding.bind(cfg.devices)  # {local_rank}: this process's GPU, before TensorFlow sees any
+    from tfkv.sweep import pruning
     from tfkv.trainer import objective, train
 
-    final = train(cfg, run_dir, list(hc.overrides.task), search_root=Path(hc.runtime.cwd))
+    final = train(cfg, run_dir, list(hc.overrides.task), search_root=Path(hc.runtime.cwd), trackers=[pruning.build])
     return objective(cfg, final, run_dir)
 
 

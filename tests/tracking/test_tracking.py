@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -254,3 +255,29 @@ def test_sweep_is_one_hparams_table_and_one_mlflow_run_per_trial(tmp_path):
     for run in runs:
         lr = float(run.data.params["optimizer.lr"])
         assert run.data.metrics["test_accuracy"] == pytest.approx(finals[lr]["test_accuracy"])
+
+
+def test_the_entry_layer_passes_its_trackers_in_after_the_packages_own(tmp_path):
+    """for_run builds tfkv.tracking's own trackers, then the builders the entry layer passes (a
+    sweep's pruner: tfkv-run and tfkv.worker pass tfkv.sweep.pruning.build), in that order; one
+    that is not wanted (None) is left out. The package names no tracker above it."""
+    from tfkv import tracking
+    from tfkv.sweep import pruning
+    from tfkv.tracking import tensorboard
+
+    seen = []
+
+    class Marker(tracking.Hook):
+        pass
+
+    def wanted(cfg, run_dir):
+        seen.append(run_dir)
+        return Marker()
+
+    built = tracking.for_run(_cfg(), tmp_path / "run", [lambda cfg, run_dir: None, wanted, pruning.build])
+    assert [type(t) for t in built] == [tensorboard.TensorBoard, Marker]  # no trial: no pruner
+    assert seen == [tmp_path / "run"]
+    tracking.close(built, None)
+    package = Path(tracking.__file__).parent
+    upward = re.compile(r"[\"']tfkv\.(sweep|cli|worker)|(import|from) tfkv\.(sweep|cli|worker)")  # by string or import
+    assert not [f.name for f in package.glob("*.py") if upward.search(f.read_text())]

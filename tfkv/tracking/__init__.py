@@ -1,25 +1,25 @@
 """What a run reports as it trains, beyond metrics.json: the hooks the trainer calls, and the
-trackers among them (TensorBoard, MLflow, a sweep's pruner) that worker 0 builds from its config.
+trackers among them (TensorBoard, MLflow) that worker 0 builds from its config.
 
 A `Hook` has Keras' callback shape: `epoch_begin`, `step` after every step, `epoch` after every
 epoch's record (trackers: once it is written), `end` once the model is exported, and `close`
 always, with the exception that ended the run, if any. A hook may stop the run from `step` or
 `epoch` by raising (a checkpoint's preemption, `tfkv.errors.TrialPruned`). Each tracker module
 has `build(cfg, run_dir) -> Hook | None` (None: not wanted by this config) and is listed in
-BUILDERS.
+BUILDERS. The entry layer passes the builders of its own trackers in (`for_run`'s `more`: a
+sweep's pruner, tfkv.sweep.pruning), so that this layer names nothing above it.
 """
 
 from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
-# module:function of every tracker builder, in the order they are called
+# module:function of every tracker builder of this package, in the order they are called
 BUILDERS = (
     "tfkv.tracking.tensorboard:build",  # scalars and the HParams session (always)
     "tfkv.tracking.mlflow_log:build",  # logger=mlflow
-    "tfkv.sweep.pruning:build",  # a trial of the tfkv_optuna sweeper: per-epoch values to its pruner
 )
 
 
@@ -68,6 +68,10 @@ class Hook:
         """Always last; `error` ended the run early (None: it finished)."""
 
 
+#: a tracker's builder: (cfg, run_dir) -> its hook, or None where the config does not want it
+Builder = Callable[[Any, Path], Optional[Hook]]
+
+
 class Hooks(Hook):
     """Several hooks as one, each called in turn in the order given."""
 
@@ -94,21 +98,26 @@ class Hooks(Hook):
         close(self.hooks, error)
 
 
-def for_run(cfg: Any, run_dir: Path) -> list[Hook]:
-    """The trackers this run's config asks for. When one cannot be built (an MLflow store that
+def for_run(cfg: Any, run_dir: Path, more: Sequence[Builder] = ()) -> list[Hook]:
+    """The trackers this run's config asks for: BUILDERS', then those of `more` (the entry
+    layer's, e.g. a sweep's pruner), in that order. When one cannot be built (an MLflow store that
     refuses), those already built are closed with that error before it is raised, so that their
     runs end failed instead of staying open."""
     trackers: list[Hook] = []
     try:
-        for spec in BUILDERS:
-            module, fn = spec.split(":")
-            tracker = getattr(importlib.import_module(module), fn)(cfg, Path(run_dir))
+        for build in [*map(_builder, BUILDERS), *more]:
+            tracker = build(cfg, Path(run_dir))
             if tracker is not None:
                 trackers.append(tracker)
     except BaseException as e:
         close(trackers, e)
         raise
     return trackers
+
+
+def _builder(spec: str) -> Builder:
+    module, fn = spec.split(":")
+    return getattr(importlib.import_module(module), fn)
 
 
 def close(hooks: list[Hook], error: BaseException | None) -> None:

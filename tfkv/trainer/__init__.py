@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from tfkv.errors import ConfigError
 
 log = logging.getLogger("tfkv")
 
 
-def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | None = None) -> dict[str, Any]:
-    """Train as `cfg` (a validated `tfkv.config.Config`) says; return the final metrics."""
+def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | None = None, *,
+          trackers: Sequence[Callable[[Any, Path], Any]] = ()) -> dict[str, Any]:
+    """Train as `cfg` (a validated `tfkv.config.Config`) says; return the final metrics.
+    `trackers`: the entry layer's tracker builders (tfkv.tracking.Builder, e.g. a sweep's pruner),
+    built on worker 0 after tfkv.tracking's own."""
     from tfkv.tfimport import import_tensorflow
 
     import_tensorflow()  # first, before keras imports it: without TF's load-time log lines
@@ -33,12 +36,13 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
     before = keras.mixed_precision.global_policy().name
     precision.set_policy(cfg.precision)
     try:
-        return _train(cfg, run_dir, overrides, search_root)
+        return _train(cfg, run_dir, overrides, search_root, trackers)
     finally:
         precision.set_policy(before)
 
 
-def _train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | None) -> dict[str, Any]:
+def _train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | None,
+           trackers: Sequence[Callable[[Any, Path], Any]]) -> dict[str, Any]:
     from tfkv import checkpoint, export
     from tfkv.tracking import Hooks
     from tfkv.trainer import hooks as chief_hooks, loop, parts
@@ -58,7 +62,7 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | No
             final = export.evaluate(cfg, run.source, run.parallel, run.ckpt, run_dir)
             kvstore.close()
             return final
-        hooks = Hooks(chief_hooks.for_chief(run, preemption))
+        hooks = Hooks(chief_hooks.for_chief(run, preemption, trackers))
         final = loop.fit(run, hooks)
         weights = _trained_weights(run) if run.chief else None
     except BaseException as e:

@@ -10,7 +10,7 @@ the trackers have it, unless that was the last epoch.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from tfkv import checkpoint, tracking
 from tfkv.errors import Preempted
@@ -21,15 +21,15 @@ from tfkv.trainer.loop import summary
 from tfkv.trainer.parts import Run
 
 
-def for_chief(run: Run, preemption: checkpoint.Preemption) -> list[Hook]:
+def for_chief(run: Run, preemption: checkpoint.Preemption, trackers: Sequence[tracking.Builder] = ()) -> list[Hook]:
     """Worker 0's hooks, in the order they are called: its checkpoint is decided first at the end
     of a step, and each epoch's record is on disk before the trackers see it (a pruned trial keeps
-    its epochs); none on the other workers."""
+    its epochs); none on the other workers. `trackers`: the entry layer's, after tfkv.tracking's."""
     if not run.chief:
         return []
     preemption.clear()
     progress = [Progress(run)] if run.cfg.progress else []
-    return [Checkpoints(run, preemption), *progress, *tracking.for_run(run.cfg, run.run_dir),
+    return [Checkpoints(run, preemption), *progress, *tracking.for_run(run.cfg, run.run_dir, trackers),
             StopWhenPreempted(run, preemption)]
 
 
