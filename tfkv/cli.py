@@ -265,7 +265,7 @@ def _run() -> None:
     sys.argv[1:] = [expand_home(a) for a in sys.argv[1:]]
     from tfkv.launcher.plan import worker_overrides
 
-    sys.argv += worker_overrides(sys.argv[1:], os.environ)  # a launched job's worker: its run directory
+    sys.argv += worker_overrides(sys.argv[1:], os.environ, node.role())  # a launched job's worker: its run directory
     app = _hydra_app()
     from tfkv.sweep import summary
 

@@ -47,6 +47,29 @@ def test_a_role_reads_each_knob_from_its_variables():
     assert ClusterEnv("server", "127.0.0.1", 1, 1, 3, bigarray_bound=5).bigarray_bound == 5
 
 
+def test_no_module_but_cluster_env_reads_a_process_s_role():
+    """DMLC_ROLE/TFKV_ROLE are read in tfkv/ps/cluster_env.py (ClusterEnv.role_of, asked by
+    tfkv.ps.node.role) alone; the cli, the checks and the launcher's worker overrides ask node.role
+    or are given its answer. (tfkv/launcher/role.py reads the role in the plan of a process it is
+    about to start, not its own.)"""
+    import ast
+    from pathlib import Path
+
+    import tfkv
+
+    names = {"DMLC_ROLE", "TFKV_ROLE"}
+
+    def reads(node):
+        if isinstance(node, ast.Call):
+            return any(isinstance(a, ast.Constant) and a.value in names for a in node.args)
+        return (isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load)
+                and isinstance(node.slice, ast.Constant) and node.slice.value in names)
+
+    root = Path(tfkv.__file__).parent
+    found = {str(f.relative_to(root)) for f in root.rglob("*.py") if any(map(reads, ast.walk(ast.parse(f.read_text()))))}
+    assert found == {"ps/cluster_env.py", "launcher/role.py"}
+
+
 def test_one_place_reads_the_role_and_dispatches(monkeypatch):
     assert (node.role({"DMLC_ROLE": "Server"}), node.role({}), node.role({"TFKV_ROLE": "worker", "DMLC_ROLE": "x"})) == (
         "server", None, "worker")

@@ -188,10 +188,11 @@ def _cluster(cfg: Any) -> None:
     """The store type and the cluster fit each other (the type's declared capabilities), and the
     compression setting parses and is one the type takes."""
     from tfkv import store
+    from tfkv.ps import node
 
     c, kind = cfg.cluster, cfg.kvstore.type
     can = store.capabilities(kind)
-    in_job = bool(os.environ.get("TFKV_ROLE") or os.environ.get("DMLC_ROLE"))
+    in_job = node.role() is not None
     if can.distributed:
         if c.launcher == "none" and not in_job:
             raise ConfigError(

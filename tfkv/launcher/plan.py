@@ -118,14 +118,15 @@ def make_plan(num_workers: int, num_servers: int, worker_argv: list[str], node_a
     return plan
 
 
-def worker_overrides(argv: Sequence[str], environ: Mapping[str, str]) -> list[str]:
+def worker_overrides(argv: Sequence[str], environ: Mapping[str, str], role: str | None) -> list[str]:
     """The Hydra overrides that make tfkv-run, as the workers' command of `tfkv-launch -- tfkv-run
     ...`, write into the job's run directory (metrics, checkpoints from worker 0; `worker<rank>.log`
     each) and not into one of its own; only those `argv` does not set itself. Empty outside a
-    launched job. (The workers of `tfkv-run cluster=...` itself run tfkv.worker instead: the
-    launcher's recorded config, no Hydra of their own.)"""
+    launched job. `role`: the role this process plays (tfkv.ps.node.role, which reads it). (The
+    workers of `tfkv-run cluster=...` itself run tfkv.worker instead: the launcher's recorded
+    config, no Hydra of their own.)"""
     run_dir = environ.get(RUN_DIR)
-    if not run_dir or (environ.get("TFKV_ROLE") or environ.get("DMLC_ROLE") or "").lower() != "worker":
+    if not run_dir or role != "worker":
         return []
     wanted = {"hydra.run.dir": run_dir, "hydra.output_subdir": "null",
               "hydra.job.name": f"worker{environ.get('TFKV_RANK_HINT', '')}"}

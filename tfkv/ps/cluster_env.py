@@ -85,7 +85,7 @@ class ClusterEnv:
             except (TypeError, ValueError):
                 raise ClusterEnvError(f"{name}={value!r} is not {with_article(kind.__name__)}") from None
 
-        role = need("TFKV_ROLE", "DMLC_ROLE").lower()
+        role = cls.role_of(env) or need("TFKV_ROLE", "DMLC_ROLE")  # need: the line naming what is unset
         if role not in ROLES:
             raise ClusterEnvError(f"DMLC_ROLE={role!r} must be one of {', '.join(ROLES)}")
         hint = _get(env, "TFKV_RANK_HINT")
