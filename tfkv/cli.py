@@ -66,7 +66,7 @@ def _job(cfg: Any) -> float:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
-    from tfkv import check, checkpoint, knobs, rundir, store
+    from tfkv import check, checkpoint, knobs, rundir, store, worker
     from tfkv.checkpoint import lock
     from tfkv.ps import node
 
@@ -84,19 +84,19 @@ def _job(cfg: Any) -> float:
         if not in_job:
             if cfg.eval_only:  # its record never over a run's results: eval/<checkpoint>/ beside them
                 run_dir = rundir.evaluation_dir(cfg, run_dir, Path(hc.runtime.cwd), list(hc.overrides.task))
-            (run_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
             if store.capabilities(cfg.kvstore.type).distributed and not cfg.eval_only:  # eval_only: here, alone
                 check.tables(cfg)  # what only the model shows, before any role starts
-                # its launcher resolves the knobs, records them (knobs.json) and hands them to every role
+                # its launcher records the config its workers run (config_resolved.yaml: tfkv.worker.record)
+                # and the knobs (knobs.json), and hands both to every role
                 return _launch(cfg, run_dir, list(hc.overrides.task), Path(hc.runtime.cwd))
+            (run_dir / worker.RECORD).write_text(OmegaConf.to_yaml(cfg, resolve=True))
         values = knobs.resolve(knobs.settings(cfg), os.environ)  # the environment wins over the config
         if not in_job:  # a role of a job: its launcher's record
             knobs.record(run_dir, values)
-        with knobs.exported(values):  # read where a launched role reads them (its store, its ClusterEnv)
-            return _train(cfg, run_dir, hc)
+        return _train(cfg, run_dir, hc, values)  # to its store and the store's ClusterEnv
 
 
-def _train(cfg: Any, run_dir: Path, hc: Any) -> float:
+def _train(cfg: Any, run_dir: Path, hc: Any, knobs: dict[str, Any]) -> float:
     """Train in this process: a single run, or a worker of a job started by hand or by tfkv-launch."""
     from tfkv.parallel import binding
 
@@ -104,7 +104,8 @@ def _train(cfg: Any, run_dir: Path, hc: Any) -> float:
     from tfkv.sweep import pruning
     from tfkv.trainer import objective, train
 
-    final = train(cfg, run_dir, list(hc.overrides.task), search_root=Path(hc.runtime.cwd), trackers=[pruning.build])
+    final = train(cfg, run_dir, list(hc.overrides.task), search_root=Path(hc.runtime.cwd), knobs=knobs,
+                  trackers=[pruning.build])
     return objective(cfg, final, run_dir)
 
 

@@ -10,20 +10,21 @@ launching shell overrides the key.
 
 One route: the process that starts a job resolves the knobs once (`resolve`), records them in
 the run directory (`record`, knobs.json) and hands the role knobs to every role's environment
-(`environment`); a role reads its environment (`get`), whoever started it. A run that starts
-no job is its own launcher (`exported`). Process wiring (DMLC_ROLE, the scheduler's address,
-the job's keys, the run directory) is not a knob. Imports nothing of tfkv but errors.
+(`environment`, the child processes' only). A process that trains resolves them once too (its
+config and its environment) and passes the values down to its store and the store's ClusterEnv
+(`value`: the passed value); what is given no values, e.g. an MXNet-style script that sets the
+variables itself, reads its environment (`get`). Process wiring (DMLC_ROLE, the scheduler's
+address, the job's keys, the run directory) is not a knob. Imports nothing of tfkv but errors.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Collection, Iterator, Mapping, MutableMapping, Optional
+from typing import Any, Collection, Mapping, Optional
 
 from tfkv.errors import ConfigError, with_article
 
@@ -167,6 +168,15 @@ def get(name: str, env: Mapping[str, str] | None = None) -> Any:
     return k.default
 
 
+def value(name: str, values: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> Any:
+    """The knob's value in `values` (resolved, by config key: `resolve`), its default where they
+    lack it; without values (None), the environment's (`get`), as a process started by hand reads it."""
+    if values is None:
+        return get(name, env)
+    k = knob(name)
+    return values.get(k.key, k.default)
+
+
 def resolve(settings: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
     """Every knob's effective value, by config key: the environment's, else `settings` (config
     key -> value, e.g. from the config's kvstore and cluster nodes), else the default."""
@@ -204,23 +214,6 @@ def environment(values: Mapping[str, Any]) -> dict[str, str]:
         if k.role and value is not None:
             out[k.env] = ("1" if value else "0") if k.type is bool else str(value)
     return out
-
-
-@contextlib.contextmanager
-def exported(values: Mapping[str, Any], environ: MutableMapping[str, str] = os.environ) -> Iterator[None]:
-    """The role knobs in this process's environment while the block runs, as a launcher puts
-    them in its roles': a run that starts no job reads its knobs where a role does. The
-    variables are as they were afterwards (the next job of a sweep resolves its own)."""
-    before = {n: environ.get(n) for k in KNOBS for n in k.names}
-    environ.update(environment(values))
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                environ.pop(name, None)
-            else:
-                environ[name] = value
 
 
 def record(run_dir: Path, values: Mapping[str, Any]) -> Path:

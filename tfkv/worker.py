@@ -122,13 +122,16 @@ def run(environ: MutableMapping[str, str] = os.environ) -> dict[str, Any]:
 
     from omegaconf import OmegaConf
 
+    from tfkv import knobs
     from tfkv.sweep import pruning
     from tfkv.trainer import objective, train
 
     cfg = OmegaConf.create(config)
     OmegaConf.set_struct(cfg, True)  # a key the trainer misspells is an error, as under Hydra
+    # the values the launcher resolved, which it put in this role's environment (which wins)
+    values = knobs.resolve(knobs.settings(cfg), environ)
     # resume is the launcher's decision already (a checkpoint's path, or false): no search here
-    final = train(cfg, run_dir_path, [], search_root=Path(project), trackers=[pruning.build])
+    final = train(cfg, run_dir_path, [], search_root=Path(project), knobs=values, trackers=[pruning.build])
     objective(cfg, final, run_dir_path)
     return final
 

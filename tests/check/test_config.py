@@ -333,31 +333,56 @@ def test_a_job_hands_its_knobs_to_every_role(tmp_path, monkeypatch):
     assert recorded["kvstore.resend"] == {"env": "PS_RESEND", "value": True}
 
 
-def test_a_run_that_starts_no_job_reads_its_knobs_where_a_role_does(monkeypatch):
-    """tfkv-run without a job resolves the knobs once and puts the role knobs in its own
-    environment for the run, as a launcher puts them in its roles': the stores and a role
-    started by hand read them there; afterwards the environment is as it was (a sweep's next
-    trial resolves its own)."""
-    from tfkv import knobs
-    from tfkv.store.base import gpu_p2p
+def test_a_run_passes_its_knobs_to_its_store_and_cluster_env_and_leaves_the_environment_alone(monkeypatch):
+    """tfkv-run and tfkv.worker resolve the knobs once (the shell's variable wins over the config)
+    and pass the values down: the store the trainer makes (tfkv.trainer.parts.store) and its
+    ClusterEnv take them, and this process's environment stays as it was. Given no values (an
+    MXNet-style script that sets the variables itself), both read the environment; a plug-in
+    store whose constructor takes no `knobs` is made without them and reads it too."""
+    from tfkv import knobs, store
+    from tfkv.ps.cluster_env import ClusterEnv
+    from tfkv.store.local import LocalStore
+    from tfkv.trainer import parts
 
     for k in knobs.KNOBS:
         for name in k.names:
             monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TFKV_CHUNK_BYTES", "1024")  # the shell's wins over the config's
+    before = dict(os.environ)
     values = knobs.resolve({"kvstore.gpu_p2p": False, "kvstore.chunk_bytes": 64, "cluster.heartbeat_timeout": 9.0},
                            os.environ)
-    assert gpu_p2p() and knobs.get("cluster.heartbeat_timeout") == 4.0  # the config's only once handed on
-    with knobs.exported(values):
-        assert not gpu_p2p()
-        assert (knobs.get("kvstore.chunk_bytes"), knobs.get("cluster.heartbeat_timeout")) == (1024, 9.0)
-        assert "TFKV_SSH_CONFIG" not in os.environ  # a launcher's knob is no role's
-    assert gpu_p2p() and knobs.get("cluster.heartbeat_timeout") == 4.0 and os.environ["TFKV_CHUNK_BYTES"] == "1024"
-    assert not [n for k in knobs.KNOBS for n in k.names if n in os.environ and n != "TFKV_CHUNK_BYTES"]
+    wiring = {"DMLC_ROLE": "worker", "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "9",
+              "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": "1", "TFKV_CHUNK_BYTES": "1024"}
+    given = ClusterEnv.from_env(wiring, knobs=values)
+    assert (given.chunk_bytes, given.heartbeat_timeout) == (1024, 9.0)
+    plain = ClusterEnv.from_env({**wiring, "TFKV_HEARTBEAT_TIMEOUT": "3"})  # MXNet-style: the variables
+    assert (plain.chunk_bytes, plain.heartbeat_timeout) == (1024, 3.0)
+    cfg = _compose("kvstore=device", "kvstore.gpu_p2p=false")
+    assert not parts.store(cfg, ["/cpu:0"], values)._sum_on_home  # the config's value reached the store
+    assert parts.store(cfg, ["/cpu:0"])._sum_on_home  # no values: the environment's (unset: the default)
+    monkeypatch.setenv("MXNET_ENABLE_GPU_P2P", "0")
+    assert not store.create("device", devices=["/cpu:0"])._sum_on_home
+    monkeypatch.delenv("MXNET_ENABLE_GPU_P2P")
+
+    class Documented(LocalStore):  # docs/development/extending.md's shape: devices alone
+        def __init__(self, devices=None):
+            super().__init__(devices)
+
+    store.register("knobless", f"{__name__}:Documented")
+    globals()["Documented"] = Documented
+    try:
+        plugged = _compose("kvstore=local")
+        plugged.kvstore.type = "knobless"
+        made = parts.store(plugged, ["/cpu:0"], values)
+        assert type(made).__name__ == "Documented" and made._sum_on_home  # made without them: the environment's
+    finally:
+        store.REGISTRY.unregister("knobless")
+        del globals()["Documented"]
+    assert dict(os.environ) == before
 
 
 # A model factory of the user's that writes what its worker's ClusterEnv says; and tfkv-run, in a
-# process that logs every opening of a knobs.json for writing.
+# process that logs every opening of a knobs.json or config_resolved.yaml for writing.
 KNOBBY = """
 import json, os
 import keras
@@ -379,7 +404,7 @@ log, opened = sys.argv.pop(1), io.open
 
 
 def counting(file, mode="r", *args, **kwargs):
-    if str(file).endswith("knobs.json") and set(mode) & set("wax"):
+    if str(file).endswith(("knobs.json", "config_resolved.yaml")) and set(mode) & set("wax"):
         with opened(log, "a") as f:
             f.write(str(file) + "\\n")
     return opened(file, mode, *args, **kwargs)
@@ -396,7 +421,7 @@ run()
 def test_a_launched_role_reads_the_knobs_its_config_sets_and_the_run_records_them_once(tmp_path):
     """kvstore.fusion_bytes and cluster.heartbeat_timeout set in the config, PS_RESEND_TIMEOUT in the
     shell: every launched worker's ClusterEnv has them (from the environment its launcher filled),
-    and the run's knobs.json is written once, by the launcher."""
+    and the run's knobs.json and config_resolved.yaml are written once each, by the launcher."""
     (tmp_path / "knobby.py").write_text(KNOBBY)
     (tmp_path / "counting.py").write_text(COUNTING)
     log = tmp_path / "knobs-writes.log"
@@ -411,7 +436,7 @@ def test_a_launched_role_reads_the_knobs_its_config_sets_and_the_run_records_the
     for rank in (0, 1):
         seen = json.loads((run / f"cluster_env.{rank}").read_text())
         assert seen == {"fusion_bytes": 4096, "heartbeat_timeout": 6.0, "resend_timeout": 0.5, "request_timeout": 60.0}
-    assert log.read_text().splitlines() == [str(run / "knobs.json")]
+    assert sorted(log.read_text().splitlines()) == [str(run / "config_resolved.yaml"), str(run / "knobs.json")]
     recorded = json.loads((run / "knobs.json").read_text())
     assert (recorded["kvstore.fusion_bytes"]["value"], recorded["cluster.heartbeat_timeout"]["value"],
             recorded["kvstore.resend_timeout"]["value"]) == (4096, 6.0, 500.0)
@@ -478,3 +503,46 @@ def test_a_run_that_names_no_objective_returns_what_it_reports():
     assert (cfg.objective, cfg.direction) == ("test_mae", "maximize")
     with pytest.raises(ConfigError, match="direction='up' is not a direction"):
         check.validate(_compose("direction=up"))
+
+
+# The writes into a process's own environment that tfkv makes, each a start-up setting or a
+# launched role's environment (docs/development/architecture.md lists them): file -> variables.
+ENVIRON_WRITES = {
+    "cli.py": {"TF_CPP_MIN_LOG_LEVEL", "HYDRA_FULL_ERROR"},  # before TensorFlow; Hydra's errors to tfkv-run's handler
+    "worker.py": {"TFKV_CONFIG", "hydra.job.env_set", "TF_CPP_MIN_LOG_LEVEL"},  # taken out once read; Hydra's env_set
+    "sweep/launcher.py": {"TF_CPP_MIN_LOG_LEVEL"},  # a trial's process, before TensorFlow
+    "parallel/binding.py": {"CUDA_VISIBLE_DEVICES"},  # a worker's GPUs, before TensorFlow sees any
+    "launcher/backends/ssh_remote.py": {"TFKV_SECRETS_ON_STDIN", "the job's keys"},  # the remote role's own
+}
+
+
+def test_no_value_is_passed_through_the_process_s_own_environment():
+    """tfkv writes into os.environ only the start-up settings and a launched role's own variables
+    (ENVIRON_WRITES); knobs and the rest are passed down as values (a store's `knobs`,
+    ClusterEnv.from_env(knobs=), train(knobs=)), never put in the environment to be read back."""
+    import ast
+
+    def environ(node):
+        return (isinstance(node, ast.Name) and node.id == "environ") or (
+            isinstance(node, ast.Attribute) and node.attr == "environ")
+
+    def script(text):  # a string that is Python code (ssh's WRAPPER), else None
+        try:
+            return ast.parse(text) if "os.environ" in text else None
+        except SyntaxError:
+            return None
+
+    writes = {}
+    for f in TFKV.rglob("*.py"):
+        tree = ast.parse(f.read_text())
+        strings = (c.value for c in ast.walk(tree) if isinstance(c, ast.Constant) and isinstance(c.value, str))
+        trees = [tree, *filter(None, map(script, strings))]
+        for node in (n for tree in trees for n in ast.walk(tree)):
+            call = isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            if call and (node.func.attr in ("update", "setdefault", "pop", "clear", "popitem") and environ(node.func.value)
+                         or node.func.attr in ("putenv", "unsetenv")):
+                writes.setdefault(str(f.relative_to(TFKV)), []).append(ast.unparse(node)[:60])
+            if isinstance(node, ast.Subscript) and isinstance(node.ctx, (ast.Store, ast.Del)) and environ(node.value):
+                writes.setdefault(str(f.relative_to(TFKV)), []).append(ast.unparse(node)[:60])
+    assert set(writes) == set(ENVIRON_WRITES), writes
+    assert sum(map(len, writes.values())) == 9, writes  # one each, as listed

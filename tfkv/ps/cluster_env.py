@@ -68,7 +68,9 @@ class ClusterEnv:
         return role.lower() if role else None
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> "ClusterEnv":
+    def from_env(cls, env: Mapping[str, str] | None = None, knobs: Mapping[str, Any] | None = None) -> "ClusterEnv":
+        """The role's wiring from `env` (os.environ unless given); its knob attributes from `knobs`
+        (the run's resolved values by config key, tfkv.knobs.resolve) or, without them, from `env`."""
         env = os.environ if env is None else env
 
         def need(*names: str) -> str:
@@ -102,7 +104,7 @@ class ClusterEnv:
             num_servers=int(number(int, need("TFKV_NUM_SERVER", "DMLC_NUM_SERVER"), "DMLC_NUM_SERVER")),
             num_workers=int(number(int, need("TFKV_NUM_WORKER", "DMLC_NUM_WORKER"), "DMLC_NUM_WORKER")),
             rank_hint=int(number(int, hint, "TFKV_RANK_HINT")) if hint else None,
-            **knob_values(env),
+            **knob_values(env, knobs),
         )
 
     def enable_logging(self) -> None:
@@ -118,13 +120,14 @@ class ClusterEnv:
         return route_address(self.scheduler_host, self.scheduler_port)
 
 
-def knob_values(env: Mapping[str, str]) -> dict[str, Any]:
-    """ClusterEnv's knob attributes as `env` sets them (tfkv.knobs.get: the variable, else the
-    row's default); a variable its type does not take is a ClusterEnvError naming it."""
+def knob_values(env: Mapping[str, str], values: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """ClusterEnv's knob attributes as `values` (resolved, by config key) give them, else as `env`
+    sets them (tfkv.knobs.value: the value, the variable, else the row's default); a variable its
+    type does not take is a ClusterEnvError naming it."""
     out = {}
     for k in knobs.read_by(knobs.PS):
         try:
-            value = knobs.get(k.key, env)
+            value = knobs.value(k.key, values, env)
         except ValueError as e:
             raise ClusterEnvError(str(e)) from None
         out[k.setting] = None if value is None else k.in_cluster_env(value)

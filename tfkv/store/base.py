@@ -84,12 +84,12 @@ def in_place(key: Key | Sequence[Key], value: Any) -> Any:
     return [v for v in values if writable(v)]
 
 
-def gpu_p2p(env: Mapping[str, str] | None = None) -> bool:
+def gpu_p2p(env: Mapping[str, str] | None = None, values: Mapping[str, Any] | None = None) -> bool:
     """kvstore.gpu_p2p, TFKV_ENABLE_GPU_P2P / MXNET_ENABLE_GPU_P2P (default 1): the `device` types
     sum a key's device values device-to-device; 0: through host memory (copied to the CPU, summed there).
-    Read from this process's environment, where its launcher (or tfkv-run, for a run it does not
-    launch: tfkv.knobs.exported) put the resolved value of the config's key."""
-    return bool(knobs.get("kvstore.gpu_p2p", env))
+    From the run's resolved knob `values` that the trainer passes a store (its `knobs`); without
+    them, from this process's environment (`env`, os.environ unless given), as MXNet's scripts set it."""
+    return bool(knobs.value("kvstore.gpu_p2p", values, env))
 
 
 class KVStore(ABC):

@@ -40,7 +40,7 @@ import atexit
 import logging
 import os
 import sys
-from typing import Any, Hashable, Iterator, Sequence
+from typing import Any, Hashable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -66,8 +66,11 @@ class DistStore(ServerOptimizer, RowSparseKeys, KVStore):
     compression = True
     on_device = False
 
-    def __init__(self, devices: Sequence[str] | None = None, env: ClusterEnv | None = None):
-        env = env or ClusterEnv.from_env()
+    def __init__(self, devices: Sequence[str] | None = None, env: ClusterEnv | None = None,
+                 knobs: Mapping[str, Any] | None = None):
+        """`env`: this worker's ClusterEnv, else read from the environment with the knob values
+        `knobs` (the run's, by config key: tfkv.knobs.resolve) or, without them, the environment's."""
+        env = env or ClusterEnv.from_env(knobs=knobs)
         node.run_unless_worker(env)
         RowPlacement(1, 1, env.row_sharding)  # an unknown kvstore.row_sharding refused before the job forms
         self.env = env
@@ -84,7 +87,7 @@ class DistStore(ServerOptimizer, RowSparseKeys, KVStore):
         self._tables: dict[int, TableKey] = {}  # row-sparse keys, by id
         self.push_bytes = 0  # payload bytes of every PUSH sent (measures compression), row ids included
         self.pull_bytes = 0  # payload bytes asked for by pulls (the values, and row ids sent), replies' values
-        self.sum_on_device = self.on_device and gpu_p2p()
+        self.sum_on_device = self.on_device and gpu_p2p(values=knobs)
         # MXNet's store leaves in its destructor, and its scripts end without a teardown call:
         # this one leaves when the interpreter exits (close() unregisters it). An exception left in
         # sys.last_value already (IPython sets it for every traceback it displays) is not the one

@@ -54,7 +54,9 @@ class LocalStore(KVStore):
     type = "local"
     traceable = True
 
-    def __init__(self, devices: Sequence[str] | None = None):
+    def __init__(self, devices: Sequence[str] | None = None, knobs: Mapping[str, Any] | None = None):
+        """`knobs`: the run's resolved knob values by config key (tfkv.knobs.resolve), as the
+        trainer passes them; None: this process's environment's (MXNET_ENABLE_GPU_P2P, ...)."""
         self._devices = list(devices) if devices else ["/device:CPU:0"]
         self._values: dict[Hashable, tf.Variable] = {}
         self._home: dict[Hashable, str] = {}
@@ -62,7 +64,7 @@ class LocalStore(KVStore):
         self._updater: TFUpdater | None = None
         self._py_updater: Updater | None = None  # MXNet's _set_updater: a Python callable
         # Read once: the choice is traced into the step's graph.
-        self._sum_on_home = gpu_p2p()
+        self._sum_on_home = gpu_p2p(values=knobs)
 
     def _place(self, key: Hashable, value: Any) -> str:
         return "/device:CPU:0"
@@ -248,8 +250,8 @@ class DeviceStore(LocalStore):
     type = "device"
     compression = True
 
-    def __init__(self, devices: Sequence[str] | None = None):
-        super().__init__(devices)
+    def __init__(self, devices: Sequence[str] | None = None, knobs: Mapping[str, Any] | None = None):
+        super().__init__(devices, knobs)
         self._load = {d: 0 for d in self._devices}
 
     def _place(self, key: Hashable, value: Any) -> str:

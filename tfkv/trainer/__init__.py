@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from tfkv.errors import ConfigError
 
@@ -20,10 +20,11 @@ log = logging.getLogger("tfkv")
 
 
 def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | None = None, *,
-          trackers: Sequence[Callable[[Any, Path], Any]] = ()) -> dict[str, Any]:
+          knobs: Mapping[str, Any] | None = None, trackers: Sequence[Callable[[Any, Path], Any]] = ()) -> dict[str, Any]:
     """Train as `cfg` (a validated `tfkv.config.Config`) says; return the final metrics.
-    `trackers`: the entry layer's tracker builders (tfkv.tracking.Builder, e.g. a sweep's pruner),
-    built on worker 0 after tfkv.tracking's own."""
+    `knobs`: the run's resolved knob values by config key (tfkv.knobs.resolve), handed to its store
+    (None: the store reads this process's environment). `trackers`: the entry layer's tracker
+    builders (tfkv.tracking.Builder, e.g. a sweep's pruner), built on worker 0 after tfkv.tracking's own."""
     from tfkv.tfimport import import_tensorflow
 
     import_tensorflow()  # first, before keras imports it: without TF's load-time log lines
@@ -36,12 +37,12 @@ def train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | Non
     before = keras.mixed_precision.global_policy().name
     precision.set_policy(cfg.precision)
     try:
-        return _train(cfg, run_dir, overrides, search_root, trackers)
+        return _train(cfg, run_dir, overrides, search_root, knobs, trackers)
     finally:
         precision.set_policy(before)
 
 
-def _train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | None,
+def _train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | None, knobs: Mapping[str, Any] | None,
            trackers: Sequence[Callable[[Any, Path], Any]]) -> dict[str, Any]:
     from tfkv import checkpoint, export
     from tfkv.tracking import Hooks
@@ -49,7 +50,7 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], search_root: Path | No
 
     run_dir = Path(run_dir)
     tf_devices = parts.devices(cfg)
-    kvstore = parts.store(cfg, tf_devices)
+    kvstore = parts.store(cfg, tf_devices, knobs)
     # SIGUSR1 (a batch system's warning) or SIGTERM (its stop) to any process of the job: worker 0
     # checkpoints at the end of a step and stops the job, resumable (tfkv.checkpoint.preemption);
     # not SIGTERM in a trial of a sweep.

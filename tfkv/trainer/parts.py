@@ -14,7 +14,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -79,13 +79,19 @@ def devices(cfg: Any) -> list[str]:
     return tf_devices
 
 
-def store(cfg: Any, tf_devices: list[str]) -> Any:
-    """The run's KVStore. eval_only of a dist_* config runs here alone, with no job: it pushes
-    nothing (device: a store of this process that takes the job's compression settings)."""
+def store(cfg: Any, tf_devices: list[str], knobs: Mapping[str, Any] | None = None) -> Any:
+    """The run's KVStore, given the run's resolved `knobs` (tfkv.knobs.resolve) where its class
+    takes them (tfkv's own do; a plug-in's constructor that does not reads its environment). eval_only
+    of a dist_* config runs here alone, with no job: it pushes nothing (device: a store of this
+    process that takes the job's compression settings)."""
     from tfkv import store as stores
+    from tfkv.target import parameters
 
     alone = cfg.eval_only and stores.capabilities(cfg.kvstore.type).distributed
-    return stores.create("device" if alone else cfg.kvstore.type, devices=tf_devices)
+    kind = "device" if alone else cfg.kvstore.type
+    named, any_keyword = parameters(stores.REGISTRY.get(stores.canonical(kind)))
+    given = {"knobs": knobs} if knobs is not None and ("knobs" in named or any_keyword) else {}
+    return stores.create(kind, devices=tf_devices, **given)
 
 
 def build(cfg: Any, run_dir: Path, kvstore: Any, tf_devices: list[str], overrides: list[str],
