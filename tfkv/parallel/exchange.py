@@ -190,6 +190,8 @@ class AfterBackpropExchange(_Replied):
     def __init__(self, replicas: Replicas, backprop: Backprop, loss_scale: LossScale | None) -> None:
         super().__init__(replicas, backprop, loss_scale)
         self._grads = tf.function(self._checked_gradients)
+        # Without a loss scale every step's gradients go: nothing to vote on.
+        self._agreed_finite: Callable[[Any], bool] = self._vote if loss_scale is not None else (lambda finite: True)
 
     def step(self, x: Any, y: Any, upcoming: Any) -> None:
         self.tables.before(x, upcoming)
@@ -215,12 +217,9 @@ class AfterBackpropExchange(_Replied):
         finite = all_finite(grads + row_values(rows)) if self.loss_scale is not None else tf.constant(True)
         return grads, rows, finite
 
-    def _agreed_finite(self, finite: Any) -> bool:
-        """Without a loss scale, always; with one, whether every worker's gradients were finite
-        (dist_sync: every worker skips the same steps, so the weights stay alike), the scale
-        updated by the answer."""
-        if self.loss_scale is None:
-            return True
+    def _vote(self, finite: Any) -> bool:
+        """Whether every worker's gradients were finite (dist_sync: every worker skips the same
+        steps, so the weights stay alike); the loss scale updated by the answer."""
         agreed = self.store.all_workers(bool(finite))
         self.loss_scale.update(agreed)
         return agreed
