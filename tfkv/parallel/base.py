@@ -1,9 +1,11 @@
 """What data and model parallelism share: the interface the trainer drives, and the end of a step
 that goes through a KVStore.
 
-A subclass builds its copies of the model, its updaters (when the workers update their own
-weights) and two compiled calls, `_set_weights(values)` and `_apply(grads)`; `_finish_step`
-takes the store's replies as they arrive and hands them, in key order, to the one that applies.
+A subclass builds its copies of the model and its updaters (when the workers update their own
+weights). ModelParallel also builds two compiled calls, `_set_weights(values)` and
+`_apply(grads)`; `_finish_step` takes the store's replies as they arrive (`arrived`) and hands
+them, in key order, to the one that applies. DataParallel's exchange (tfkv.parallel.exchange)
+takes them through `arrived` too.
 The loss and metrics are the criterion's (`tfkv.parallel.criterion`); their running values are
 kept inside the compiled step, one `tfkv.parallel.metrics.Tally` per phase, read back on request.
 """
@@ -26,6 +28,15 @@ from tfkv.store.base import KVStore
 from tfkv.store.tf_updater import TFUpdater
 
 log = logging.getLogger("tfkv")
+
+
+def arrived(store: KVStore, keys: list[int], pending: list[Any]) -> tuple[list[Any], float]:
+    """The replies to `pending` (pushpull_async's requests), taken as they arrive, in `keys`'
+    order, and the seconds spent waiting for them."""
+    t = time.perf_counter()
+    values = dict(store.arrivals(pending))
+    return [values[k] for k in keys], time.perf_counter() - t
+
 
 class Parallel:
     store: KVStore
@@ -51,10 +62,7 @@ class Parallel:
         """Take the replies to `pending` (pushpull_async's requests) as they arrive, then write
         them: weights with update_on_kvstore, else summed gradients for the local updaters.
         Returns the seconds spent waiting for the replies."""
-        t = time.perf_counter()
-        values = dict(self.store.arrivals(pending))
-        pulled = [values[k] for k in self.keys]
-        waited = time.perf_counter() - t
+        pulled, waited = arrived(self.store, self.keys, pending)
         if self.update_on_kvstore:
             self._set_weights(pulled)
         else:
