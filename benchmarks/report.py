@@ -1,11 +1,12 @@
 """Write the performance page from the result files: docs/performance.md and docs/performance/*.png.
 
-Each benchmarks/bench_<name>.py gets a section: what it measures and against which baseline, the
-table of its latest record (benchmarks/results/<name>.json), a plot, the date, commit and machine,
-and the command that reruns it. A script without a record gets a section that says so.
+Each benchmark (benchmarks/suites/<name>.py) gets a section: what it measures and against which
+baseline, the table of its latest record (benchmarks/results/<name>.json), a plot, the date, commit
+and machine, and the command that reruns it (`python -m benchmarks <name> ...`). A benchmark without
+a record gets a section that says so.
 
-    python benchmarks/report.py            # rewrite the page and its plots
-    python benchmarks/report.py --check    # exit 1 if the committed page differs from the records
+    python -m benchmarks report            # rewrite the page and its plots
+    python -m benchmarks report --check    # exit 1 if the committed page differs from the records
 
 The page is a function of the records only (no time of generation), so `--check` can hold it to
 them. `--check` compares the Markdown and that every plot it names exists; it does not compare the
@@ -23,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from benchmarks.suites import SUITES
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
@@ -39,11 +42,11 @@ class Spec:
     unit: str
     columns: list[str] | None = None  # None: every field whose values are scalars
     select: Callable[[list[dict]], list[dict]] = field(default=lambda rows: rows)
-    rerun: str = ""  # the command when there is no record yet ("" : the script alone)
+    rerun: str = ""  # the command when there is no record yet ("" : the benchmark alone)
 
 
 def _largest_setting(rows: list[dict]) -> list[dict]:
-    """bench_cluster: the largest host count without a straggler, where the contenders differ most."""
+    """The cluster suite: the largest host count without a straggler, where the contenders differ most."""
     most = max((r["hosts"] for r in rows), default=0)
     return sorted((r for r in rows if r["hosts"] == most and not r.get("straggler")), key=lambda r: r["model"])
 
@@ -120,12 +123,12 @@ SPECS: dict[str, Spec] = {
         "Sweeps: one by one or two at once",
         "Wall time of a 4-trial learning-rate sweep with Hydra's basic launcher (one by one) against joblib "
         "running two trials at once, same run.",
-        ["launcher"], ["seconds"], "seconds", rerun="python benchmarks/bench_sweep.py"),
+        ["launcher"], ["seconds"], "seconds", rerun="python -m benchmarks sweep"),
     "failfast": Spec(
         "Failing fast",
         "Seconds from `kill -9` (SIGKILL) or SIGSTOP of a worker, a server or the scheduler to the whole job "
         "down with the role named; a hang against a death (`hang/death`).",
-        ["victim"], ["SIGKILL_s", "SIGSTOP_s"], "seconds", rerun="python benchmarks/bench_failfast.py --load 2"),
+        ["victim"], ["SIGKILL_s", "SIGSTOP_s"], "seconds", rerun="python -m benchmarks failfast --load 2"),
     "control_plane": Spec(
         "Control plane at scale",
         "Start-up, barrier latency, the scheduler's memory and heartbeat load, and shut-down of jobs of 8 to "
@@ -160,18 +163,23 @@ SPECS: dict[str, Spec] = {
 }
 
 
-def scripts(bench_dir: Path = HERE) -> list[str]:
-    """Every benchmark: bench_<name>.py -> name, in the page's order (unknown ones last, by name)."""
-    names = sorted(p.stem[len("bench_"):] for p in bench_dir.glob("bench_*.py"))
-    return [n for n in SPECS if n in names] + [n for n in names if n not in SPECS]
+def scripts() -> list[str]:
+    """Every benchmark (benchmarks.suites.SUITES), in the page's order."""
+    return list(SUITES)
 
 
-def spec_of(name: str, bench_dir: Path = HERE) -> Spec:
+def spec_of(name: str) -> Spec:
     if name in SPECS:
         return SPECS[name]
-    doc = (bench_dir / f"bench_{name}.py").read_text().split('"""')
-    first = doc[1].strip().splitlines()[0] if len(doc) > 2 else f"bench_{name}.py"
-    return Spec(f"bench_{name}.py", first, [], [], "")
+    doc = (HERE / "suites" / f"{name}.py").read_text().split('"""')
+    first = doc[1].strip().splitlines()[0] if len(doc) > 2 else name
+    return Spec(name, first, [], [], "")
+
+
+def rerun_command(command: str) -> str:
+    """The command that reruns a record today: a record made before the benchmarks were a package
+    says `python benchmarks/bench_<name>.py ...`, now `python -m benchmarks <name> ...`."""
+    return re.sub(r"^python benchmarks/bench_(\w+)\.py\b", r"python -m benchmarks \1", command)
 
 
 def fmt(v: Any) -> str:
@@ -227,13 +235,13 @@ def plottable(spec: Spec, rows: list[dict]) -> bool:
                                      for r in rows for v in spec.values)
 
 
-def section(name: str, rec: dict | None, bench_dir: Path = HERE) -> str:
-    spec = spec_of(name, bench_dir)
-    out = [f"## {spec.title}", "", f"`benchmarks/bench_{name}.py`. {spec.what}", ""]
-    rerun = (rec or {}).get("command") or spec.rerun or f"python benchmarks/bench_{name}.py"
+def section(name: str, rec: dict | None) -> str:
+    spec = spec_of(name)
+    out = [f"## {spec.title}", "", f"`python -m benchmarks {name}` (`benchmarks/suites/{name}.py`). {spec.what}", ""]
+    rerun = rerun_command((rec or {}).get("command") or spec.rerun or f"python -m benchmarks {name}")
     if rec is None:
         out += ["Not yet recorded: no result file. Run it and regenerate this page:", "",
-                "```bash", rerun, "python benchmarks/report.py", "```", ""]
+                "```bash", rerun, "python -m benchmarks report", "```", ""]
         return "\n".join(out)
     rows = spec.select(rec.get("rows") or [])
     out += [table(spec, rows), ""]
@@ -257,7 +265,7 @@ This page shows the latest result of every benchmark in `benchmarks/`: what it m
 and plot, where and when it ran, and how to rerun it. Every ratio compares two contenders measured
 in the same run, on the same machine.
 
-The page is generated from `benchmarks/results/*.json` by `python benchmarks/report.py`; do not
+The page is generated from `benchmarks/results/*.json` by `python -m benchmarks report`; do not
 edit it by hand. [Running the benchmarks](development/benchmarks.md) says how long each takes and
 where its result goes. Figures marked "transcribed" were copied from an earlier README with the
 date and machine it gave; rerun the benchmark to replace them with a full record.
@@ -274,14 +282,14 @@ def load_records(results: Path, names: list[str]) -> dict[str, dict | None]:
     return got
 
 
-def page(records: dict[str, dict | None], bench_dir: Path = HERE) -> str:
+def page(records: dict[str, dict | None]) -> str:
     index = ["| benchmark | measured | on |", "|---|---|---|"]
     for n, rec in records.items():
-        anchor = spec_of(n, bench_dir).title
+        anchor = spec_of(n).title
         when = (rec or {}).get("date", "not yet recorded")[:10] if rec else "not yet recorded"
         kind = "transcribed" if rec and "transcribed" in rec.get("source", "") else ("run" if rec else "-")
         index.append(f"| [{anchor}](#{slug(anchor)}) | {when} | {kind} |")
-    body = [section(n, rec, bench_dir) for n, rec in records.items()]
+    body = [section(n, rec) for n, rec in records.items()]
     return HEAD + "\n" + "\n".join(index) + "\n\n" + "\n".join(body).rstrip() + "\n"
 
 
@@ -290,9 +298,9 @@ def slug(title: str) -> str:
     return re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", title).strip().lower())
 
 
-def draw(name: str, rec: dict, out: Path, bench_dir: Path = HERE) -> Path | None:
+def draw(name: str, rec: dict, out: Path) -> Path | None:
     """Bars of the spec's values per labelled row; None where there is nothing to plot."""
-    spec = spec_of(name, bench_dir)
+    spec = spec_of(name)
     rows = spec.select(rec.get("rows") or [])
     if not plottable(spec, rows):
         return None
@@ -343,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"report: {target} is out of date with {args.results}", file=sys.stderr)
             for p in missing:
                 print(f"report: missing plot {p}", file=sys.stderr)
-            print("report: run `python benchmarks/report.py` and commit docs/performance.md and docs/performance/",
+            print("report: run `python -m benchmarks report` and commit docs/performance.md and docs/performance/",
                   file=sys.stderr)
             return 1
         print(f"report: {target} matches {args.results}")
