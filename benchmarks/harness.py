@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence, TypeVar
 
@@ -78,6 +79,25 @@ def samples_per_second(step: Callable[[], Any], batch: int, seconds: float, ever
 def medians(samples: Mapping[K, Iterable[float]]) -> dict[K, float]:
     """Each contender's median over its trials."""
     return {k: statistics.median(v) for k, v in samples.items()}
+
+
+# -- what a benchmark's section of the performance page shows ----------------------------------------
+
+@dataclass(frozen=True)
+class Report:
+    """How one benchmark's section reads (each suite's REPORT; benchmarks/report.py draws it): its
+    title, the sentence on what it measures against which baseline, which row fields name a row
+    (labels) and which are plotted (values), and which rows and columns show (a ratio is a column
+    the suite computed from two contenders of the same run)."""
+
+    title: str
+    what: str
+    labels: list[str]
+    values: list[str]
+    unit: str
+    columns: list[str] | None = None  # None: every field whose values are scalars
+    select: Callable[[list[dict]], list[dict]] = field(default=lambda rows: rows)
+    rerun: str = ""  # the command when there is no record yet ("": the benchmark alone)
 
 
 # -- child processes -------------------------------------------------------------------------------

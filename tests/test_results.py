@@ -65,6 +65,20 @@ def test_the_harness_alternates_times_and_takes_medians(record):
     assert harness.medians({"tfkv": [3.0, 1.0, 2.0], "raw": [4.0, 5.0]}) == {"tfkv": 2.0, "raw": 4.5}
 
 
+def test_every_benchmark_declares_its_section_without_tensorflow():
+    """Each suite declares its section of the page (REPORT: a title of its own, the fields that
+    name a row and the ones plotted); the page reads them without importing TensorFlow."""
+    code = ("import sys; from benchmarks import harness, report; "
+            "got = {n: report.spec_of(n) for n in report.scripts()}; "
+            "assert all(isinstance(r, harness.Report) and r.labels and r.values for r in got.values()), got; "
+            "assert len({r.title for r in got.values()}) == len(got); "
+            "assert 'tensorflow' not in sys.modules and 'keras' not in sys.modules, 'TensorFlow imported'; "
+            "print(len(got))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO,
+                          env=env_with_checkout())
+    assert proc.returncode == 0 and proc.stdout.strip() == str(len(SUITES)), proc.stdout + proc.stderr[-2000:]
+
+
 def test_a_record_says_when_where_how_and_what(record, tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["python -m benchmarks pushpull", "--sizes", "4K", "--trials", "1"])
     out = record.write(tmp_path / "deep" / "pushpull.json", "pushpull", {"trials": 1}, [{"size": "4 KiB", "ratio": 0.5}],

@@ -31,6 +31,15 @@ from pathlib import Path
 
 from benchmarks import harness
 
+
+# This benchmark's section of the performance page (benchmarks/report.py).
+REPORT = harness.Report(
+    "Checkpoint cost and restart time",
+    "Samples/s of the default job with step checkpoints (`checkpoint.every_steps=50`) against none, "
+    "runs alternating; and the seconds from `kill -9` of a worker to the restarted job training again.",
+    ["what"], ["samples/s"], "samples/s")
+
+
 OVERHEAD_JOB = ["progress=false", "batch_size=16", "resume=false"]  # 88 steps per epoch
 RESTART_JOB = ["kvstore=dist_sync", "cluster=local", "cluster.num_workers=2", "cluster.num_servers=1",
                "batch_size=16", "progress=false", "checkpoint.every_steps=4", "cluster.max_restarts=1",

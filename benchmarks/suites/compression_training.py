@@ -32,6 +32,14 @@ from benchmarks.jobs import Failed, run_job  # noqa: E402
 from benchmarks import harness
 
 
+# This benchmark's section of the performance page (benchmarks/report.py).
+REPORT = harness.Report(
+    "2-bit compression: throughput",
+    "Samples/s of a LeNet `dist_sync` job with 2-bit compressed pushes against the same job in float32 "
+    "(`vs float32`), and the bytes each pushes per step.",
+    ["workers", "contender"], ["samples/s"], "samples/s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=3.0)

@@ -56,6 +56,16 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from benchmarks import harness, jobs  # noqa: E402
 from benchmarks.jobs import MOMENTUM, TRAINING as MODELS, Failed, collect_roles as collect, run_plan, security_env  # noqa: E402
 
+
+# This benchmark's section of the performance page (benchmarks/report.py).
+REPORT = harness.Report(
+    "Distributed training against tf.distribute",
+    "Training samples/s of the whole job, 2 workers and 1 server (`dist_sync`, secure, and plain beside "
+    "it), against `local` at the global batch in one process, `MultiWorkerMirroredStrategy` and "
+    "`ParameterServerStrategy` with the same workers, in the same run.",
+    ["model"], ["local", "MWMS", "PSS", "dist_sync", "plain"], "samples/s")
+
+
 # -- the contenders' jobs (their processes' roles: benchmarks/jobs.py) ---------------------------
 
 def run_processes(envs: list[dict[str, str]], argv: list[str], timeout: float, what: str) -> None:

@@ -59,6 +59,19 @@ from benchmarks import harness, jobs  # noqa: E402
 from benchmarks.jobs import (CALIBRATION_STEPS, WARMUP_STEPS, Failed, check_agreement, measure, run_plan,  # noqa: E402
                              run_pss_server, security_env, weights_checksum)
 
+
+# This benchmark's section of the performance page (benchmarks/report.py).
+REPORT = harness.Report(
+    "Embedding tables larger than a worker",
+    "Samples/s, bytes per step (per worker) and every process's peak memory of a DLRM with a table of "
+    "10M+ rows trained by tfkv (`dist_sync`, row-sparse, `ShardedEmbedding`) against "
+    "`ParameterServerStrategy` with partitioned variables, 2 workers and 2 servers each, same run; the "
+    "network (emulated cluster or loopback) is the row's. PSS's bytes are an estimate.",
+    ["contender"], ["samples_per_sec"], "samples/s",
+    columns=["contender", "samples_per_sec", "bytes_per_step", "bytes_measured", "worker_peak_rss_mib",
+             "server_peak_rss_mib", "table_mib", "network"])
+
+
 WORKERS, SERVERS = 2, 2
 BOTTOM, TOP = [64], [64, 32]
 NUM_DENSE = 8

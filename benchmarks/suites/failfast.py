@@ -26,6 +26,15 @@ from pathlib import Path
 
 from benchmarks import harness
 
+
+# This benchmark's section of the performance page (benchmarks/report.py).
+REPORT = harness.Report(
+    "Failing fast",
+    "Seconds from `kill -9` (SIGKILL) or SIGSTOP of a worker, a server or the scheduler to the whole job "
+    "down with the role named; a hang against a death (`hang/death`).",
+    ["victim"], ["SIGKILL_s", "SIGSTOP_s"], "seconds", rerun="python -m benchmarks failfast --load 2")
+
+
 TAG = "TFKV_BENCH_FAILFAST"
 WORKER = """\
 import os, sys, time

@@ -36,6 +36,16 @@ from pathlib import Path
 
 from benchmarks import harness
 
+
+# This benchmark's section of the performance page (benchmarks/report.py).
+REPORT = harness.Report(
+    "GPU: tfkv-run against Keras fit",
+    "Samples/s of the `cifar_vgg11` experiment on synthetic data through `tfkv-run` against plain Keras "
+    "`fit` of the same model in the same run: float32, `mixed_bfloat16`, XLA, and two `dist_sync` workers "
+    "sharing the GPU. Run it first on a GPU machine.",
+    ["row"], ["tfkv-run", "keras fit"], "samples/s")
+
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 NUM_TEST = 512

@@ -22,19 +22,23 @@ from __future__ import annotations
 import argparse
 import os
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-from tfkv import models, optim, store  # noqa: E402
-from tfkv.parallel import devices, placement  # noqa: E402
-from tfkv.parallel.model_parallel import ModelParallel  # noqa: E402
 from benchmarks import harness
+
+# This benchmark's section of the performance page (benchmarks/report.py), which imports this module
+# for it alone: TensorFlow and tfkv are imported where they run.
+REPORT = harness.Report(
+    "Model parallelism",
+    "Samples/s of an LSTM language model split over logical devices, naive (one micro-batch) and "
+    "pipelined, against the whole model on one device (`vs 1dev`), in the same run.",
+    ["contender"], ["samples/s"], "samples/s")
 
 
 def contender(groups, specs, tf_by_spec, batch, micro, x, y, seq_len):
+    import keras
+
+    from tfkv import optim, store
+    from tfkv.parallel.model_parallel import ModelParallel
+
     keras.utils.set_random_seed(0)
     sgd = optim.SGD(schedule=optim.Schedule(lr=0.1), momentum=0.9)
     mp = ModelParallel(groups, [tf_by_spec[s] for s in specs], store.create("local"), sgd, batch,
@@ -56,6 +60,13 @@ def main() -> None:
                          "device behave like one core of its own, so stages can only gain by overlapping")
     harness.add_argument(ap, "model_parallel")
     args = ap.parse_args()
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import numpy as np
+    import tensorflow as tf
+
+    from tfkv import models
+    from tfkv.parallel import devices, placement
+
     if args.intra_op_threads:
         tf.config.threading.set_intra_op_parallelism_threads(args.intra_op_threads)
 

@@ -42,6 +42,16 @@ import zmq
 from benchmarks import harness
 from benchmarks.jobs import start_ps
 
+
+# This benchmark's section of the performance page (benchmarks/report.py).
+REPORT = harness.Report(
+    "Overlapping a model's pushes and pulls",
+    "GB/s of a push and pull of every ResNet18 parameter (62 keys, 44.7 MB) per iteration, blocking, "
+    "split, fused (`pushpull`), chunked and 2-bit, against raw pyzmq sending the same messages to an "
+    "echo process (`vs raw`: the faster raw run).",
+    ["contender"], ["GB/s"], "GB/s")
+
+
 # ResNet18 (CIFAR variant, tfkv.models "resnet18", 32x32x3 -> 10) trainable variable shapes, in
 # model order: tfkv.models.resnet.build_resnet18((32, 32, 3), 10).trainable_variables
 RESNET18 = [(3, 3, 3, 64), (64,), (64,)]

@@ -51,6 +51,16 @@ import zmq
 from benchmarks import harness
 from benchmarks.jobs import run_plan, security_env
 
+
+# This benchmark's section of the performance page (benchmarks/report.py).
+REPORT = harness.Report(
+    "Push and pull throughput",
+    "GB/s (both directions) of tfkv's `pushpull` of one array, or of a transformer-shaped key set, "
+    "against a raw pyzmq round trip of the same bytes between the same processes, in the same run. "
+    "The tfkv and raw columns are plain; `secure_1x1` is what a launched job runs by default.",
+    ["size"], ["raw_1x1", "tfkv_1x1", "secure_1x1"], "GB/s")
+
+
 BIGARRAY_BOUND = 1_000_000  # elements; tfkv's (and MXNet's) default MXNET_KVSTORE_BIGARRAY_BOUND
 CONTROL_KEY = 1 << 20
 # MXNet 1.9.1 ps-lite, 1 server / 1 worker, push+pull over raw ZeroMQ at the same size.

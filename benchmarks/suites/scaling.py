@@ -37,6 +37,15 @@ import time
 from benchmarks.jobs import MODELS, Failed, run_job  # noqa: E402
 from benchmarks import harness
 
+
+# This benchmark's section of the performance page (benchmarks/report.py).
+REPORT = harness.Report(
+    "Workers on one machine",
+    "Samples/s of a `dist_sync` job as workers are added on one machine, against one worker "
+    "(`speed-up`), with the milliseconds of each phase of a step.",
+    ["workers"], ["samples/s"], "samples/s")
+
+
 PHASES = ["compute", "push", "pull", "assign"]
 
 

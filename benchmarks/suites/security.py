@@ -26,6 +26,14 @@ import numpy as np
 from benchmarks import harness
 
 
+# This benchmark's section of the performance page (benchmarks/report.py).
+REPORT = harness.Report(
+    "What security costs",
+    "GB/s of one worker and one server on loopback, secure (the default: AEGIS data plane, CURVE control "
+    "plane) against plain (`TFKV_SECURE=0`), rounds alternating in fresh processes.",
+    ["size"], ["plain", "secure"], "GB/s")
+
+
 def run(secure: bool, sizes_mib: list[float], seconds: float, op: str = "push+pull") -> dict:
     from benchmarks.jobs import start_ps
 

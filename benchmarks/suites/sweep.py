@@ -26,6 +26,15 @@ from pathlib import Path
 
 from benchmarks import harness
 
+
+# This benchmark's section of the performance page (benchmarks/report.py).
+REPORT = harness.Report(
+    "Sweeps: one by one or two at once",
+    "Wall time of a 4-trial learning-rate sweep with Hydra's basic launcher (one by one) against joblib "
+    "running two trials at once, same run.",
+    ["launcher"], ["seconds"], "seconds", rerun="python -m benchmarks sweep")
+
+
 LAUNCHERS = {
     "one by one (basic)": [],
     "two at once (joblib)": ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"],

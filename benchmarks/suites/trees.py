@@ -29,6 +29,17 @@ from pathlib import Path
 
 from benchmarks import harness
 
+
+# This benchmark's section of the performance page (benchmarks/report.py).
+REPORT = harness.Report(
+    "Two checkouts compared",
+    "The push/pull, security and distributed-training benchmarks run on two checkouts of tfkv, rounds "
+    "alternating: `new/base` is the later tree's median over the earlier tree's, `base spread` the "
+    "earlier tree's own spread between rounds.",
+    ["bench", "row", "figure"], ["new/base"], "new / base",
+    columns=["bench", "row", "figure", "base_median", "new_median", "new/base", "base_spread"])
+
+
 # Per benchmark: its arguments here, the first word of its table's header line, and the names of
 # the table's columns (the header itself has names with spaces in them).
 SETTINGS = {
