@@ -1,4 +1,4 @@
-"""bench_cluster.py's rows read back, compared and drawn: the table, the issue's targets as ratios
+"""The cluster benchmark's rows read back, compared and drawn: the table, the issue's targets as ratios
 measured in one run, and the PNG plots. Rows of different runs are never compared: `load` refuses
 them (one line, exit 2).
 
@@ -25,11 +25,11 @@ def load(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
         try:
             got = json.loads(Path(path).read_text())
         except (OSError, ValueError) as e:
-            refuse(f"cannot read {path} ({e}); give bench_cluster.py --json files")
-        if isinstance(got, dict):  # a result record (benchmarks/record.py): its rows
+            refuse(f"cannot read {path} ({e}); give `python -m benchmarks cluster --json` files")
+        if isinstance(got, dict):  # a result record (benchmarks/harness.py): its rows
             got = got.get("rows")
         if not isinstance(got, list) or not all(isinstance(r, dict) and all(k in r for k in REQUIRED) for r in got):
-            refuse(f"{path} is not a bench_cluster.py --json file (a list of rows with {', '.join(REQUIRED)})")
+            refuse(f"{path} is not a `python -m benchmarks cluster --json` file (a list of rows with {', '.join(REQUIRED)})")
         rows += got
     runs = sorted({r["run"] for r in rows})
     if len(runs) > 1:

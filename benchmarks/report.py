@@ -1,11 +1,13 @@
 """Write the performance page from the result files: docs/performance.md and docs/performance/*.png.
 
-Each benchmarks/bench_<name>.py gets a section: what it measures and against which baseline, the
-table of its latest record (benchmarks/results/<name>.json), a plot, the date, commit and machine,
-and the command that reruns it. A script without a record gets a section that says so.
+Each benchmark (benchmarks/suites/<name>.py) gets the section it declares (its REPORT, a
+harness.Report): what it measures and against which baseline, the table of its latest record
+(benchmarks/results/<name>.json), a plot, the date, commit and machine, and the command that
+reruns it (`python -m benchmarks <name> ...`). A benchmark without a record gets a section that
+says so.
 
-    python benchmarks/report.py            # rewrite the page and its plots
-    python benchmarks/report.py --check    # exit 1 if the committed page differs from the records
+    python -m benchmarks report            # rewrite the page and its plots
+    python -m benchmarks report --check    # exit 1 if the committed page differs from the records
 
 The page is a function of the records only (no time of generation), so `--check` can hold it to
 them. `--check` compares the Markdown and that every plot it names exists; it does not compare the
@@ -15,163 +17,41 @@ PNG bytes, which depend on the matplotlib and FreeType versions that drew them.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import re
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+
+from benchmarks.harness import Report
+from benchmarks.suites import SUITES
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
 
-@dataclass(frozen=True)
-class Spec:
-    """How one benchmark's section reads: its title, the sentence on what it measures, which row
-    fields name a row (labels) and which are plotted (values), and which rows and columns show."""
-
-    title: str
-    what: str
-    labels: list[str]
-    values: list[str]
-    unit: str
-    columns: list[str] | None = None  # None: every field whose values are scalars
-    select: Callable[[list[dict]], list[dict]] = field(default=lambda rows: rows)
-    rerun: str = ""  # the command when there is no record yet ("" : the script alone)
+def scripts() -> list[str]:
+    """Every benchmark (benchmarks.suites.SUITES), in the page's order."""
+    return list(SUITES)
 
 
-def _largest_setting(rows: list[dict]) -> list[dict]:
-    """bench_cluster: the largest host count without a straggler, where the contenders differ most."""
-    most = max((r["hosts"] for r in rows), default=0)
-    return sorted((r for r in rows if r["hosts"] == most and not r.get("straggler")), key=lambda r: r["model"])
+def spec_of(name: str) -> Report:
+    """The section the benchmark declares (its module's REPORT); one without: its docstring's
+    first line and a table of every scalar field."""
+    declared = getattr(importlib.import_module(f"benchmarks.suites.{name}"), "REPORT", None)
+    if declared is not None:
+        return declared
+    doc = (HERE / "suites" / f"{name}.py").read_text().split('"""')
+    first = doc[1].strip().splitlines()[0] if len(doc) > 2 else name
+    return Report(name, first, [], [], "")
 
 
-# The page's order: one process, then the parameter server, then jobs and clusters.
-SPECS: dict[str, Spec] = {
-    "local_step": Spec(
-        "Training step against plain TensorFlow",
-        "Samples/s of a tfkv `local` training step against a plain TensorFlow custom loop (GradientTape and "
-        "`apply_gradients` in one `tf.function`) on the same model, batch and device, trials alternating. "
-        "`ratio` is tfkv on one device over plain TF; the last column splits the CPU into 4 logical devices.",
-        ["case"], ["plain_tf", "tfkv_1", "tfkv_4"], "samples/s"),
-    "model_parallel": Spec(
-        "Model parallelism",
-        "Samples/s of an LSTM language model split over logical devices, naive (one micro-batch) and "
-        "pipelined, against the whole model on one device (`vs 1dev`), in the same run.",
-        ["contender"], ["samples/s"], "samples/s"),
-    "data_rss": Spec(
-        "Streaming data from TFRecords",
-        "Peak resident memory of a `tfkv-run dataset=tfrecord` worker over TFRecord sets of growing size (it "
-        "should stay flat), and samples/s from the TFRecord reader against the same records held in memory.",
-        ["set"], ["peak_rss_mib", "peak_rss_mib_run_2"], "MiB"),
-    "checkpoint": Spec(
-        "Checkpoint cost and restart time",
-        "Samples/s of the default job with step checkpoints (`checkpoint.every_steps=50`) against none, "
-        "runs alternating; and the seconds from `kill -9` of a worker to the restarted job training again.",
-        ["what"], ["samples/s"], "samples/s"),
-    "gpu": Spec(
-        "GPU: tfkv-run against Keras fit",
-        "Samples/s of the `cifar_vgg11` experiment on synthetic data through `tfkv-run` against plain Keras "
-        "`fit` of the same model in the same run: float32, `mixed_bfloat16`, XLA, and two `dist_sync` workers "
-        "sharing the GPU. Run it first on a GPU machine.",
-        ["row"], ["tfkv-run", "keras fit"], "samples/s"),
-    "pushpull": Spec(
-        "Push and pull throughput",
-        "GB/s (both directions) of tfkv's `pushpull` of one array, or of a transformer-shaped key set, "
-        "against a raw pyzmq round trip of the same bytes between the same processes, in the same run. "
-        "The tfkv and raw columns are plain; `secure_1x1` is what a launched job runs by default.",
-        ["size"], ["raw_1x1", "tfkv_1x1", "secure_1x1"], "GB/s"),
-    "security": Spec(
-        "What security costs",
-        "GB/s of one worker and one server on loopback, secure (the default: AEGIS data plane, CURVE control "
-        "plane) against plain (`TFKV_SECURE=0`), rounds alternating in fresh processes.",
-        ["size"], ["plain", "secure"], "GB/s"),
-    "overlap": Spec(
-        "Overlapping a model's pushes and pulls",
-        "GB/s of a push and pull of every ResNet18 parameter (62 keys, 44.7 MB) per iteration, blocking, "
-        "split, fused (`pushpull`), chunked and 2-bit, against raw pyzmq sending the same messages to an "
-        "echo process (`vs raw`: the faster raw run).",
-        ["contender"], ["GB/s"], "GB/s"),
-    "dist_training": Spec(
-        "Distributed training against tf.distribute",
-        "Training samples/s of the whole job, 2 workers and 1 server (`dist_sync`, secure, and plain beside "
-        "it), against `local` at the global batch in one process, `MultiWorkerMirroredStrategy` and "
-        "`ParameterServerStrategy` with the same workers, in the same run.",
-        ["model"], ["local", "MWMS", "PSS", "dist_sync", "plain"], "samples/s"),
-    "compression_training": Spec(
-        "2-bit compression: throughput",
-        "Samples/s of a LeNet `dist_sync` job with 2-bit compressed pushes against the same job in float32 "
-        "(`vs float32`), and the bytes each pushes per step.",
-        ["workers", "contender"], ["samples/s"], "samples/s"),
-    "compression_accuracy": Spec(
-        "2-bit compression: accuracy",
-        "Test accuracy of the default experiment as a 2-worker `dist_sync` job, uncompressed against MXNet's "
-        "2-bit and the accurate 2-bit (momentum on the workers), same seeds, same run.",
-        ["contender", "seed"], ["test_accuracy"], "test accuracy",
-        columns=["contender", "seed", "compression", "test_accuracy", "seconds"]),
-    "scaling": Spec(
-        "Workers on one machine",
-        "Samples/s of a `dist_sync` job as workers are added on one machine, against one worker "
-        "(`speed-up`), with the milliseconds of each phase of a step.",
-        ["workers"], ["samples/s"], "samples/s"),
-    "sweep": Spec(
-        "Sweeps: one by one or two at once",
-        "Wall time of a 4-trial learning-rate sweep with Hydra's basic launcher (one by one) against joblib "
-        "running two trials at once, same run.",
-        ["launcher"], ["seconds"], "seconds", rerun="python benchmarks/bench_sweep.py"),
-    "failfast": Spec(
-        "Failing fast",
-        "Seconds from `kill -9` (SIGKILL) or SIGSTOP of a worker, a server or the scheduler to the whole job "
-        "down with the role named; a hang against a death (`hang/death`).",
-        ["victim"], ["SIGKILL_s", "SIGSTOP_s"], "seconds", rerun="python benchmarks/bench_failfast.py --load 2"),
-    "control_plane": Spec(
-        "Control plane at scale",
-        "Start-up, barrier latency, the scheduler's memory and heartbeat load, and shut-down of jobs of 8 to "
-        "128 nodes (a quarter servers) on one machine, secure and plain, with workers that import no "
-        "TensorFlow.",
-        ["nodes", "secure"], ["startup_s"], "start-up seconds",
-        columns=["nodes", "workers", "servers", "secure", "startup_s", "protocol_s", "barrier_ms", "sched_rss_mib",
-                 "heartbeats_per_s", "shutdown_s", "false_failures"]),
-    "cluster": Spec(
-        "Emulated cluster against tf.distribute",
-        "Samples/s of tfkv's stores against `MultiWorkerMirroredStrategy` and `ParameterServerStrategy` on an "
-        "emulated cluster (network namespaces, a CPU budget per host, shaped links), every contender in the "
-        "same run. The table shows the largest host count without a straggler; the record has every setting.",
-        ["model", "link", "contender"], ["samples_per_sec"], "samples/s",
-        columns=["model", "hosts", "link", "contender", "samples_per_sec"], select=_largest_setting),
-    "embedding": Spec(
-        "Embedding tables larger than a worker",
-        "Samples/s, bytes per step (per worker) and every process's peak memory of a DLRM with a table of "
-        "10M+ rows trained by tfkv (`dist_sync`, row-sparse, `ShardedEmbedding`) against "
-        "`ParameterServerStrategy` with partitioned variables, 2 workers and 2 servers each, same run; the "
-        "network (emulated cluster or loopback) is the row's. PSS's bytes are an estimate.",
-        ["contender"], ["samples_per_sec"], "samples/s",
-        columns=["contender", "samples_per_sec", "bytes_per_step", "bytes_measured", "worker_peak_rss_mib",
-                 "server_peak_rss_mib", "table_mib", "network"]),
-    "trees": Spec(
-        "Two checkouts compared",
-        "The push/pull, security and distributed-training benchmarks run on two checkouts of tfkv, rounds "
-        "alternating: `new/base` is the later tree's median over the earlier tree's, `base spread` the "
-        "earlier tree's own spread between rounds.",
-        ["bench", "row", "figure"], ["new/base"], "new / base",
-        columns=["bench", "row", "figure", "base_median", "new_median", "new/base", "base_spread"]),
-}
-
-
-def scripts(bench_dir: Path = HERE) -> list[str]:
-    """Every benchmark: bench_<name>.py -> name, in the page's order (unknown ones last, by name)."""
-    names = sorted(p.stem[len("bench_"):] for p in bench_dir.glob("bench_*.py"))
-    return [n for n in SPECS if n in names] + [n for n in names if n not in SPECS]
-
-
-def spec_of(name: str, bench_dir: Path = HERE) -> Spec:
-    if name in SPECS:
-        return SPECS[name]
-    doc = (bench_dir / f"bench_{name}.py").read_text().split('"""')
-    first = doc[1].strip().splitlines()[0] if len(doc) > 2 else f"bench_{name}.py"
-    return Spec(f"bench_{name}.py", first, [], [], "")
+def rerun_command(command: str) -> str:
+    """The command that reruns a record today: a record made before the benchmarks were a package
+    says `python benchmarks/bench_<name>.py ...`, now `python -m benchmarks <name> ...`."""
+    return re.sub(r"^python benchmarks/bench_(\w+)\.py\b", r"python -m benchmarks \1", command)
 
 
 def fmt(v: Any) -> str:
@@ -191,7 +71,7 @@ def fmt(v: Any) -> str:
     return str(v).replace("|", "\\|")
 
 
-def columns_of(spec: Spec, rows: list[dict]) -> list[str]:
+def columns_of(spec: Report, rows: list[dict]) -> list[str]:
     if spec.columns:
         return [c for c in spec.columns if any(c in r for r in rows)]
     cols: list[str] = []
@@ -200,7 +80,7 @@ def columns_of(spec: Spec, rows: list[dict]) -> list[str]:
     return cols
 
 
-def table(spec: Spec, rows: list[dict]) -> str:
+def table(spec: Report, rows: list[dict]) -> str:
     cols = columns_of(spec, rows)
     lines = ["| " + " | ".join(c.replace("_", " ") for c in cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
@@ -222,18 +102,18 @@ def plot_name(name: str) -> str:
     return f"performance/{name}.png"
 
 
-def plottable(spec: Spec, rows: list[dict]) -> bool:
+def plottable(spec: Report, rows: list[dict]) -> bool:
     return bool(spec.values) and any(isinstance(r.get(v), (int, float)) and not isinstance(r.get(v), bool)
                                      for r in rows for v in spec.values)
 
 
-def section(name: str, rec: dict | None, bench_dir: Path = HERE) -> str:
-    spec = spec_of(name, bench_dir)
-    out = [f"## {spec.title}", "", f"`benchmarks/bench_{name}.py`. {spec.what}", ""]
-    rerun = (rec or {}).get("command") or spec.rerun or f"python benchmarks/bench_{name}.py"
+def section(name: str, rec: dict | None) -> str:
+    spec = spec_of(name)
+    out = [f"## {spec.title}", "", f"`python -m benchmarks {name}` (`benchmarks/suites/{name}.py`). {spec.what}", ""]
+    rerun = rerun_command((rec or {}).get("command") or spec.rerun or f"python -m benchmarks {name}")
     if rec is None:
         out += ["Not yet recorded: no result file. Run it and regenerate this page:", "",
-                "```bash", rerun, "python benchmarks/report.py", "```", ""]
+                "```bash", rerun, "python -m benchmarks report", "```", ""]
         return "\n".join(out)
     rows = spec.select(rec.get("rows") or [])
     out += [table(spec, rows), ""]
@@ -257,7 +137,7 @@ This page shows the latest result of every benchmark in `benchmarks/`: what it m
 and plot, where and when it ran, and how to rerun it. Every ratio compares two contenders measured
 in the same run, on the same machine.
 
-The page is generated from `benchmarks/results/*.json` by `python benchmarks/report.py`; do not
+The page is generated from `benchmarks/results/*.json` by `python -m benchmarks report`; do not
 edit it by hand. [Running the benchmarks](development/benchmarks.md) says how long each takes and
 where its result goes. Figures marked "transcribed" were copied from an earlier README with the
 date and machine it gave; rerun the benchmark to replace them with a full record.
@@ -274,14 +154,14 @@ def load_records(results: Path, names: list[str]) -> dict[str, dict | None]:
     return got
 
 
-def page(records: dict[str, dict | None], bench_dir: Path = HERE) -> str:
+def page(records: dict[str, dict | None]) -> str:
     index = ["| benchmark | measured | on |", "|---|---|---|"]
     for n, rec in records.items():
-        anchor = spec_of(n, bench_dir).title
+        anchor = spec_of(n).title
         when = (rec or {}).get("date", "not yet recorded")[:10] if rec else "not yet recorded"
         kind = "transcribed" if rec and "transcribed" in rec.get("source", "") else ("run" if rec else "-")
         index.append(f"| [{anchor}](#{slug(anchor)}) | {when} | {kind} |")
-    body = [section(n, rec, bench_dir) for n, rec in records.items()]
+    body = [section(n, rec) for n, rec in records.items()]
     return HEAD + "\n" + "\n".join(index) + "\n\n" + "\n".join(body).rstrip() + "\n"
 
 
@@ -290,9 +170,9 @@ def slug(title: str) -> str:
     return re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", title).strip().lower())
 
 
-def draw(name: str, rec: dict, out: Path, bench_dir: Path = HERE) -> Path | None:
+def draw(name: str, rec: dict, out: Path) -> Path | None:
     """Bars of the spec's values per labelled row; None where there is nothing to plot."""
-    spec = spec_of(name, bench_dir)
+    spec = spec_of(name)
     rows = spec.select(rec.get("rows") or [])
     if not plottable(spec, rows):
         return None
@@ -343,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"report: {target} is out of date with {args.results}", file=sys.stderr)
             for p in missing:
                 print(f"report: missing plot {p}", file=sys.stderr)
-            print("report: run `python benchmarks/report.py` and commit docs/performance.md and docs/performance/",
+            print("report: run `python -m benchmarks report` and commit docs/performance.md and docs/performance/",
                   file=sys.stderr)
             return 1
         print(f"report: {target} matches {args.results}")

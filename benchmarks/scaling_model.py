@@ -1,16 +1,16 @@
 """A cost model of a tfkv dist_sync step, from costs measured on this machine; its predictions
-for the emulated cluster (benchmarks/bench_cluster.py) and a projection past one machine.
+for the emulated cluster (benchmarks/suites/cluster.py) and a projection past one machine.
 
-    python benchmarks/scaling_model.py --measure      # costs -> benchmarks/results/scaling_costs.json
-    python benchmarks/scaling_model.py                # the model's tables -> results/scaling_model.{json,md}
-    python benchmarks/scaling_model.py --compare benchmarks/results/cluster.json   # predicted vs measured
+    python -m benchmarks scaling_model --measure      # costs -> benchmarks/results/scaling_costs.json
+    python -m benchmarks scaling_model                # the model's tables -> results/scaling_model.{json,md}
+    python -m benchmarks scaling_model --compare benchmarks/results/cluster.json   # predicted vs measured
 
 `--measure` needs root (a cgroup v1 CPU quota, tfkv.emulate.budget): every cost is measured with
 the processes inside a budget of --cpus cores (0.4, the emulated hosts'), as they run there:
   compute   a worker's forward and backward pass per model at the bench's per-worker batch (64),
             TensorFlow alone in the budget (GradientTape; the update runs on the servers);
   comm      push+pull (one pushpull) between 1 worker and 1 server sharing the budget, through
-            tfkv's real parameter server (benchmarks/bench_pushpull.run_tfkv), secure and plain, at
+            tfkv's real parameter server (benchmarks/suites/pushpull.py's run_tfkv), secure and plain, at
             4 KiB, 1 MiB and 16 MiB and the 196-key set: per message (a), per byte (b) and per
             small fused key (k) come from a fit of these points;
   server    numpy's sum of a push into a round and tfkv's server SGD-momentum update
@@ -37,22 +37,16 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-RESULTS = os.path.join(HERE, "results")
+from benchmarks import harness
+from benchmarks.jobs import TRAINING as MODELS  # the cluster suite's models, by its names
+
+RESULTS = str(harness.RESULTS)
 COSTS = os.path.join(RESULTS, "scaling_costs.json")
-BATCH = 64  # per worker, as bench_cluster.py's default
+BATCH = 64  # per worker, as the cluster suite's default
 WIRE_EFFICIENCY = 0.95  # a tc tbf link's measured share of its rate
 LINKS = {"1gbit": 1e9, "10gbit": 1e10, "25gbit": 25e9}
-# The bench's models (benchmarks/dist_job.py MODELS, bench_cluster.py's names).
-MODELS = {
-    "lenet": ({"_target_": "tfkv.models.lenet.build"}, (28, 28, 1)),
-    "mlp": ({"_target_": "tfkv.models.mlp.build", "hidden": [2048, 2048]}, (28, 28, 1)),
-    "resnet": ({"_target_": "tfkv.models.resnet.build_resnet18", "width": 8}, (32, 32, 3)),
-}
 BIGARRAY_BOUND = 1_000_000  # elements: a key this big is cut into one part per server
 FUSED_KEY_BYTES = 64 << 10  # tfkv.ps.worker: keys up to this size go together in one PUSHPULL per server
 TARGET = 0.20
@@ -91,7 +85,7 @@ def probe_compute(model: str, seconds: float) -> dict:
 
 
 def probe_comm(secure: bool, seconds: float) -> dict:
-    import bench_pushpull as bp
+    from benchmarks.suites import pushpull as bp  # its tfkv contender and key set
 
     sizes = [4 << 10, 1 << 20, 16 << 20, bp.KEYSET]
     runs = [bp.run_tfkv(1, 1, sizes, seconds, 300, secure=secure) for _ in range(3)]
@@ -133,19 +127,19 @@ def in_budget(cpus: float, argv: list[str]) -> dict:
     try:
         proc = subprocess.run(["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh", *argv],
                               capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                                  p for p in (os.path.dirname(HERE), os.environ.get("PYTHONPATH")) if p)})
+                                  p for p in (str(harness.REPO), os.environ.get("PYTHONPATH")) if p)})
     finally:
         budget.kill(lambda: budget.pids(group))
         budget.remove(group)
     if proc.returncode != 0:
-        raise RuntimeError(f"probe {argv[2:]} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+        raise RuntimeError(f"probe {argv[argv.index('--probe'):]} failed ({proc.returncode}): {proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def fit_comm(points: dict) -> dict:
     """Per message a, per byte b (s, for a pushpull's bytes each way) and per small fused key k
     from the 1x1 pushpull times of 4 KiB, 1 MiB, 16 MiB and the key set."""
-    import bench_pushpull as bp
+    from benchmarks.suites import pushpull as bp  # its tfkv contender and key set
 
     t4k, t1m, t16m = points[str(4 << 10)], points[str(1 << 20)], points[str(16 << 20)]
     b = (t16m - t1m) / ((16 << 20) - (1 << 20))
@@ -158,7 +152,7 @@ def fit_comm(points: dict) -> dict:
 
 
 def measure(cpus: float, seconds: float) -> dict:
-    me = [sys.executable, os.path.abspath(__file__), "--probe"]
+    me = [*harness.suite_argv("scaling_model"), "--probe"]
     costs: dict = {"cpus": cpus, "batch": BATCH, "cores": os.cpu_count(), "load_before": os.getloadavg()[0],
                    "wire_efficiency": WIRE_EFFICIENCY, "compute": {}, "comm": {}}
     for m in MODELS:
@@ -260,12 +254,12 @@ def compare(costs: dict, path: str) -> tuple[str, bool]:
     try:
         with open(path) as f:
             measured = json.load(f)
-        if isinstance(measured, dict):  # a result record (benchmarks/record.py): its rows
+        if isinstance(measured, dict):  # a result record (benchmarks/harness.py): its rows
             measured = measured.get("rows") or []
         rows = [r for r in measured if r.get("contender") in ("tfkv", "tfkv_plain") and not r.get("straggler")
                 and r.get("samples_per_sec") and r.get("model") in MODELS]
     except (OSError, ValueError, AttributeError) as e:
-        raise SystemExit(f"scaling_model: cannot read {path} ({e}); expected bench_cluster.py's JSON list of rows")
+        raise SystemExit(f"scaling_model: cannot read {path} ({e}); expected the cluster benchmark's JSON list of rows")
     if not rows:
         raise SystemExit(f"scaling_model: {path} has no tfkv or tfkv_plain row of {', '.join(MODELS)}")
     if any(abs(r.get("cpus", costs["cpus"]) - costs["cpus"]) > 1e-9 for r in rows):
@@ -291,7 +285,7 @@ def main() -> None:
     ap.add_argument("--cpus", type=float, default=0.4, help="the budget the costs are measured in, in cores")
     ap.add_argument("--seconds", type=float, default=3.0, help="per compute probe (half per comm and server point)")
     ap.add_argument("--costs", default=COSTS)
-    ap.add_argument("--compare", metavar="CLUSTER_JSON", help="predicted vs measured for bench_cluster.py's rows")
+    ap.add_argument("--compare", metavar="CLUSTER_JSON", help="predicted vs measured for the cluster benchmark's rows")
     ap.add_argument("--out", default=os.path.join(RESULTS, "scaling_model.json"))
     ap.add_argument("--probe", choices=["compute", "comm", "server"], help=argparse.SUPPRESS)
     ap.add_argument("--model", choices=list(MODELS), help=argparse.SUPPRESS)
@@ -326,7 +320,7 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump({"costs": args.costs, "emulated": rows, "projection": proj}, f, indent=1)
     with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
-        f.write(f"# Scaling model\n\n`python benchmarks/scaling_model.py` (costs: `--measure --cpus "
+        f.write(f"# Scaling model\n\n`python -m benchmarks scaling_model` (costs: `--measure --cpus "
                 f"{costs['cpus']:g}`)\n\n{md}\n")
 
 

@@ -1,23 +1,19 @@
-"""benchmarks/bench_cluster.py end to end on a tiny emulated cluster (2 hosts; tfkv through its ssh
+"""The cluster benchmark (`python -m benchmarks cluster`) end to end on a tiny emulated cluster (2 hosts; tfkv through its ssh
 launcher against MultiWorkerMirroredStrategy; the figures are not checked: this machine is shared),
 its JSON rows' schema, its plots, and its refusals: rows of different runs, a cluster this machine
 cannot hold, each one line and exit 2."""
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO, need_root
+from benchmark_cli import run_benchmark
+from conftest import need_root
 
-SCRIPT = str(REPO / "benchmarks" / "bench_cluster.py")
 
-
-def bench(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(REPO)})
+def bench(*args: str, timeout: float = 60):
+    return run_benchmark("cluster", *args, timeout=timeout)
 
 
 def test_a_cluster_this_machine_cannot_hold_is_one_line(tmp_path):
@@ -39,20 +35,20 @@ def test_rows_of_different_runs_are_refused(tmp_path):
     assert "samples/s" not in proc.stdout  # no table of mixed rows
     (tmp_path / "c.json").write_text(json.dumps([{"model": "mlp"}]))
     proc = bench("--plot", str(tmp_path / "c.json"))
-    assert proc.returncode == 2 and "not a bench_cluster.py --json file" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "not a `python -m benchmarks cluster --json` file" in proc.stderr, proc.stderr
 
 
 @pytest.mark.slow
 @pytest.mark.bench
 def test_bench_cluster_runs_end_to_end(tmp_path):
-    need_root("bench_cluster.py (an emulated cluster)")
+    need_root("the cluster benchmark (an emulated cluster)")
     out = tmp_path / "rows.json"
     proc = bench("--hosts", "2", "--link", "1gbit", "--cpus", "0.5", "--models", "lenet", "--contenders",
                  "tfkv,tfkv_2bit,mwms,local", "--seconds", "0.3", "--no-straggler", "--json", str(out), timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     first = proc.stdout.splitlines()[0]
     assert "per-host budget 0.5 core(s)" in first and "1gbit" in first, first
-    rows = json.loads(out.read_text())["rows"]  # a benchmarks/record.py record
+    rows = json.loads(out.read_text())["rows"]  # a benchmarks/harness.py record
     assert {r["contender"] for r in rows} == {"tfkv", "tfkv_2bit", "mwms", "local"}
     assert len({r["run"] for r in rows}) == 1
     for r in rows:

@@ -1,15 +1,14 @@
-"""benchmarks/bench_embedding.py runs both contenders to the end with tiny tables, on loopback and on
+"""The embedding benchmark (`python -m benchmarks embedding`) runs both contenders to the end with tiny tables, on loopback and on
 a 2-host emulated cluster, prints its table and writes its record with the rows the issue names
 (the figures are not checked: a shared machine). Multi-process (two jobs of five processes each):
 slow, and `bench` as the other training benchmarks."""
 
 import json
-import os
-import subprocess
 import sys
 
 import pytest
 
+from benchmark_cli import env_with_checkout, run_benchmark
 from conftest import REPO, need_root
 
 
@@ -24,17 +23,15 @@ def test_bench_embedding_runs(tmp_path, where):
         python.write_text(f"#!/bin/sh\nPYTHONPATH={REPO} exec {sys.executable} \"$@\"\n")
         python.chmod(0o755)
         extra = ["--emulate", "10gbit", "--cpus", "0.9", "--python", str(python)]
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_embedding.py"), "--tables", "20000,500",
-                           "--dim", "8", "--batch", "64", "--pool", "4", "--seconds", "0.5", *extra],
-                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
-                          env={**os.environ, "TFKV_BENCH_RESULTS": str(tmp_path), "PYTHONPATH": str(REPO)})
+    proc = run_benchmark("embedding", "--tables", "20000,500", "--dim", "8", "--batch", "64", "--pool", "4",
+                         "--seconds", "0.5", *extra, timeout=300, env=env_with_checkout(TFKV_BENCH_RESULTS=str(tmp_path)))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "tfkv/PSS samples/s" in proc.stdout, proc.stdout[-3000:]
     got = json.loads((tmp_path / "embedding.json").read_text())
     assert got["benchmark"] == "embedding" and got["network"].startswith(
         "loopback" if where == "loopback" else "emulated cluster"), got["network"]
     assert got["network"] in proc.stdout
-    assert got["command"].startswith("python benchmarks/bench_embedding.py ")
+    assert got["command"].startswith("python -m benchmarks embedding ")
     rows = {r["contender"]: r for r in got["rows"]}
     assert set(rows) == {"tfkv", "pss"}
     for r in rows.values():

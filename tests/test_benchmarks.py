@@ -1,40 +1,39 @@
-"""Every benchmark script runs to the end, prints its table and writes its result record, with tiny
+"""Every benchmark (`python -m benchmarks NAME`) runs to the end, prints its table and writes its result record, with tiny
 settings (the figures themselves are not checked here: these machines are shared and noisy). The
 records go to a temporary directory ($TFKV_BENCH_RESULTS): a smoke run never replaces a committed
 figure in benchmarks/results.
 
-The scripts that start jobs or train models are marked `bench` as well: CI leaves them out (each
+The benchmarks that start jobs or train models are marked `bench` as well: CI leaves them out (each
 costs 20-50 s of its 20 minutes); `pytest -m bench` runs them, before a benchmark is changed or
 its figures quoted."""
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
+from benchmark_cli import env_with_checkout, run_benchmark
 from conftest import REPO
 
 CASES = [
-    pytest.param("bench_local_step.py", ["--seconds", "0.2", "--trials", "1"], "plain TF", marks=pytest.mark.bench),
-    ("bench_pushpull.py", ["--seconds", "0.2", "--trials", "1", "--sizes", "4K,1M"], "ratio = tfkv / raw"),
-    ("bench_security.py", ["--seconds", "0.2", "--rounds", "1", "--sizes", "1M"], "secure/plain"),
-    ("bench_overlap.py", ["--seconds", "0.2", "--trials", "1"], "raw chunked"),
-    pytest.param("bench_scaling.py", ["--seconds", "0.3", "--trials", "1", "--workers", "2"], "secure/plain", marks=pytest.mark.bench),
-    pytest.param("bench_compression_training.py", ["--seconds", "0.3", "--trials", "1", "--workers", "2", "--overlap-ab"],
+    pytest.param("local_step", ["--seconds", "0.2", "--trials", "1"], "plain TF", marks=pytest.mark.bench),
+    ("pushpull", ["--seconds", "0.2", "--trials", "1", "--sizes", "4K,1M"], "ratio = tfkv / raw"),
+    ("security", ["--seconds", "0.2", "--rounds", "1", "--sizes", "1M"], "secure/plain"),
+    ("overlap", ["--seconds", "0.2", "--trials", "1"], "raw chunked"),
+    pytest.param("scaling", ["--seconds", "0.3", "--trials", "1", "--workers", "2"], "secure/plain", marks=pytest.mark.bench),
+    pytest.param("compression_training", ["--seconds", "0.3", "--trials", "1", "--workers", "2", "--overlap-ab"],
      "pushed after backward", marks=pytest.mark.bench),
-    pytest.param("bench_compression_accuracy.py", ["--seeds", "0", "--epochs", "1"], "vs uncompressed (points)",
+    pytest.param("compression_accuracy", ["--seeds", "0", "--epochs", "1"], "vs uncompressed (points)",
                  marks=pytest.mark.bench),
-    pytest.param("bench_dist_training.py", ["--seconds", "0.3", "--trials", "1", "--models", "lenet", "--no-pss"], "dist/MWMS", marks=pytest.mark.bench),
-    pytest.param("bench_model_parallel.py", ["--seconds", "0.2", "--trials", "1", "--hidden", "32,32", "--vocab", "200",
+    pytest.param("dist_training", ["--seconds", "0.3", "--trials", "1", "--models", "lenet", "--no-pss"], "dist/MWMS", marks=pytest.mark.bench),
+    pytest.param("model_parallel", ["--seconds", "0.2", "--trials", "1", "--hidden", "32,32", "--vocab", "200",
                                  "--batch", "16", "--seq-len", "5"], "pipelined / naive", marks=pytest.mark.bench),
-    pytest.param("bench_sweep.py", ["--lrs", "0.1", "--epochs", "1"], "ratio one-by-one / two-at-once", marks=pytest.mark.bench),
-    pytest.param("bench_gpu.py", ["--device", "cpu:0", "--rows", "float32", "--epochs", "2", "--num-train", "128", "--width", "4",
+    pytest.param("sweep", ["--lrs", "0.1", "--epochs", "1"], "ratio one-by-one / two-at-once", marks=pytest.mark.bench),
+    pytest.param("gpu", ["--device", "cpu:0", "--rows", "float32", "--epochs", "2", "--num-train", "128", "--width", "4",
                       "--batch", "32", "--trials", "1"], "tfkv/fit", marks=pytest.mark.bench),
-    pytest.param("bench_checkpoint.py", ["--what", "overhead", "--trials", "1", "--epochs", "2"],
+    pytest.param("checkpoint", ["--what", "overhead", "--trials", "1", "--epochs", "2"],
                  "ratio every_steps=50 / none", marks=pytest.mark.bench),
-    pytest.param("bench_failfast.py", ["--roles", "worker 1"], "ratio hang/death", marks=pytest.mark.bench),
+    pytest.param("failfast", ["--roles", "worker 1"], "ratio hang/death", marks=pytest.mark.bench),
 ]
 
 
@@ -44,29 +43,24 @@ def _committed_results() -> dict[str, tuple[int, int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script,args,expected", CASES, ids=[getattr(c, "values", c)[0] for c in CASES])
-def test_benchmark_runs(script, args, expected, tmp_path):
+@pytest.mark.parametrize("bench,args,expected", CASES, ids=[getattr(c, "values", c)[0] for c in CASES])
+def test_benchmark_runs(bench, args, expected, tmp_path):
     before = _committed_results()
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *args], capture_output=True,
-                          text=True, timeout=240, stdin=subprocess.DEVNULL,
-                          env={**os.environ, "TFKV_BENCH_RESULTS": str(tmp_path)})
+    proc = run_benchmark(bench, *args, env=env_with_checkout(TFKV_BENCH_RESULTS=str(tmp_path)))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert expected in proc.stdout, proc.stdout[-3000:]
-    bench = script[len("bench_"):-len(".py")]
     got = json.loads((tmp_path / f"{bench}.json").read_text())
-    assert got["benchmark"] == bench and got["rows"] and got["command"].startswith(f"python benchmarks/{script} ")
+    assert got["benchmark"] == bench and got["rows"] and got["command"].startswith(f"python -m benchmarks {bench} ")
     assert got["machine"]["logical_cores"] == os.cpu_count() and got["date"].endswith("Z"), got
     assert _committed_results() == before, "a smoke run wrote into benchmarks/results"
 
 
 @pytest.mark.slow
 def test_control_plane_benchmark_writes_a_row_per_job(tmp_path):
-    """bench_control_plane.py with one job size (8 nodes: 6 workers, 2 servers), secure and plain:
+    """The control_plane benchmark with one job size (8 nodes: 6 workers, 2 servers), secure and plain:
     every row's figures are there and plausible, the job ended clean, the table is written beside."""
     out = tmp_path / "cp.json"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_control_plane.py"), "--nodes", "8",
-                           "--barriers", "3", "--idle", "0.5", "--json", str(out)],
-                          capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
+    proc = run_benchmark("control_plane", "--nodes", "8", "--barriers", "3", "--idle", "0.5", "--json", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [(r["nodes"], r["workers"], r["servers"], r["secure"]) for r in rows] == [(8, 6, 2, True), (8, 6, 2, False)]
@@ -80,9 +74,8 @@ def test_control_plane_benchmark_writes_a_row_per_job(tmp_path):
     assert "no false failure met" in proc.stdout
 
 
-def _scaling_model(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "benchmarks" / "scaling_model.py"), *args], capture_output=True,
-                          text=True, timeout=60, stdin=subprocess.DEVNULL)
+def _scaling_model(*args: str):
+    return run_benchmark("scaling_model", *args, timeout=60)
 
 
 def test_scaling_model_compares_its_predictions_with_a_cluster_run(tmp_path):
@@ -120,14 +113,11 @@ def test_scaling_model_compares_its_predictions_with_a_cluster_run(tmp_path):
     assert proc.returncode != 0 and "cannot read" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_bench_trees_reads_the_three_tables():
-    """bench_trees compares figures it reads from each benchmark's printed table: a header whose
+def test_bench_trees_reads_the_three_tables(monkeypatch):
+    """The trees benchmark compares figures it reads from each benchmark's printed table: a header whose
     names have spaces, size labels with a unit ("4 KiB"), parameter counts with commas, '-' cells."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import bench_trees
-    finally:
-        sys.path.pop(0)
+    monkeypatch.syspath_prepend(str(REPO))
+    from benchmarks.suites import trees as bench_trees
     pushpull = ("    size  raw 1x1 tfkv 1x1  ratio    raw 2x2 tfkv 2x2  ratio   MXNet 1.9.1 ratio 1x1   secure 1x1 "
                 "secure/plain\n   4 KiB    0.050    0.030  0.600      0.080    0.040  0.500                       -"
                 "        0.020        0.667\n  keyset    1.000    0.900  0.900      1.500    1.200  0.800   "

@@ -13,7 +13,7 @@ momentum 0.9), the loss being the mean over the global batch of 2 x b examples:
     MWMS       tf.distribute.MultiWorkerMirroredStrategy, 2 worker processes (b each; TF_CONFIG
                with two 127.0.0.1 ports, gRPC + ring all-reduce), the model built inside
                strategy.scope(), a custom loop: tf.function(strategy.run(step)) with GradientTape
-               and keras SGD.apply_gradients (the loop bench_local_step.py uses as its baseline).
+               and keras SGD.apply_gradients (the loop the local_step benchmark uses as its baseline).
                model.fit is no alternative: with Keras 3 it fails under MWMS ("Attempt to convert
                a value (PerReplica...) to a Tensor", keras-team/keras#20585)
     PSS        tf.distribute.ParameterServerStrategy: a chief (the coordinator) schedules steps on
@@ -26,7 +26,7 @@ momentum 0.9), the loss being the mean over the global batch of 2 x b examples:
 
 Models: LeNet (tfkv `lenet`) and an MLP of ~5.8M parameters (tfkv `mlp`, hidden [2048, 2048]),
 28x28x1 inputs, 10 classes, b = 64 per worker (and `resnet`, ResNet-18 at 1/8 width on 32x32x3,
-with --models: dist_job.TRAINING_MODELS). The MWMS and PSS roles serve bench_cluster.py too,
+with --models: jobs.TRAINING_MODELS). The MWMS and PSS roles (benchmarks/jobs.py) serve the cluster benchmark too,
 with one worker per emulated host. Each process traces and warms up, times a few
 calibration steps, and then runs a fixed number of steps lasting about `--seconds` (the workers of
 a job must run the same count, so rank 0 picks it and writes it to a file the others wait for).
@@ -35,7 +35,7 @@ steps both workers' weights are compared (they must agree), so a baseline that s
 synchronising cannot win. Trials alternate between contenders (order reversed every other trial)
 and the median is reported, because this machine is shared and noisy.
 
-    python benchmarks/bench_dist_training.py [--seconds 2] [--trials 4] [--models lenet,mlp] [--no-pss]
+    python -m benchmarks dist_training [--seconds 2] [--trials 4] [--models lenet,mlp] [--no-pss]
                                              [--batch 64] [--worker-threads 0]
 
 Every process runs in its own process group under a timeout and is killed with its group when it
@@ -47,178 +47,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import dist_job  # noqa: E402
-import record  # noqa: E402 - benchmarks/record.py
-from dist_job import (CALIBRATION_STEPS, LR, MOMENTUM, WARMUP_STEPS, Failed, check_agreement,  # noqa: E402
-                      measure, report, run_plan, security_env, set_threads, synthetic, weights_checksum)
-
-# name: (model node, as conf/model/*.yaml, input shape): lenet, mlp (5.8M parameters), resnet (small)
-MODELS = {name: dist_job.MODELS[job_name] for name, job_name in dist_job.TRAINING_MODELS.items()}
-
-# -- inside a worker process ------------------------------------------------------------------
-
-def run_tfkv(args: argparse.Namespace, kind: str) -> None:
-    """`local` (one process, batch 2b) or one `dist_sync` worker (batch b)."""
-    import keras
-
-    from tfkv import optim, store
-    from tfkv.models import build
-    from tfkv.parallel import devices
-    from tfkv.parallel.data_parallel import DataParallel
-
-    set_threads(args.worker_threads if kind == "dist_sync" else 0)
-    tf_devices = devices.setup(["cpu:0"])
-    kv = store.create(kind, devices=tf_devices)
-    try:
-        rank, workers = kv.rank, kv.num_workers
-        reports = {}
-        for name in args.models.split(","):
-            cfg, shape = MODELS[name]
-            x, y = synthetic(2 * args.batch, shape)
-            if kind == "dist_sync":
-                x, y = x[rank * args.batch:(rank + 1) * args.batch], y[rank * args.batch:(rank + 1) * args.batch]
-            keras.utils.set_random_seed(0)
-            sgd = optim.SGD(schedule=optim.Schedule(lr=LR), momentum=MOMENTUM)
-            dp = DataParallel(lambda: build(cfg, input_shape=shape, num_classes=10), tf_devices, kv, sgd, [len(x)])
-            n, elapsed = measure(lambda: dp.step(x, y), rank, args.seconds, args.sync_dir, f"{kind}-{name}")
-            reports[name] = report(dp, n, elapsed, len(x) * workers)
-        with open(os.path.join(args.out, f"{kind}-{rank}.json"), "w") as f:
-            json.dump(reports, f)
-    except BaseException:
-        kv.abort("bench_dist_training worker failed")
-        raise
-    kv.close()
+from benchmarks import harness, jobs  # noqa: E402
+from benchmarks.jobs import MOMENTUM, TRAINING as MODELS, Failed, collect_roles as collect, run_plan, security_env  # noqa: E402
 
 
-def run_mwms(args: argparse.Namespace) -> None:
-    """One MultiWorkerMirroredStrategy worker; TF_CONFIG is set by the parent."""
-    import tensorflow as tf
-    import keras
-
-    from tfkv.models import build
-
-    set_threads(args.worker_threads)
-    rank = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    workers = strategy.num_replicas_in_sync
-    reports = {}
-    for name in args.models.split(","):
-        cfg, shape = MODELS[name]
-        x, y = synthetic(workers * args.batch, shape)
-        x, y = x[rank * args.batch:(rank + 1) * args.batch], y[rank * args.batch:(rank + 1) * args.batch]
-        x, y = tf.constant(x), tf.constant(y)
-        global_batch = args.batch * workers
-        keras.utils.set_random_seed(0)
-        with strategy.scope():
-            model = build(cfg, input_shape=shape, num_classes=10)
-            opt = keras.optimizers.SGD(learning_rate=LR, momentum=MOMENTUM)
-            opt.build(model.trainable_variables)
-        loss_sum = tf.Variable(0.0, dtype=tf.float64, trainable=False)
-
-        def replica_step(x, y):
-            with tf.GradientTape() as tape:
-                logits = model(x, training=True)
-                losses = tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits)
-                loss = tf.reduce_sum(losses) / global_batch
-            grads = tape.gradient(loss, model.trainable_variables)
-            opt.apply_gradients(zip(grads, model.trainable_variables))  # all-reduces the gradients
-            return tf.reduce_sum(tf.cast(losses, tf.float64))
-
-        @tf.function
-        def train_step(x, y):
-            loss_sum.assign_add(strategy.experimental_local_results(strategy.run(replica_step, args=(x, y)))[0])
-
-        n, elapsed = measure(lambda: train_step(x, y), rank, args.seconds, args.sync_dir, f"mwms-{name}")
-        seen = (WARMUP_STEPS + CALIBRATION_STEPS + 1 + n) * args.batch
-        reports[name] = {"steps": n, "seconds": elapsed, "batch": global_batch, "loss": float(loss_sum.numpy()) / seen,
-                         "params": int(model.count_params()),
-                         "checksum": weights_checksum([v.numpy() for v in model.trainable_variables])}
-    with open(os.path.join(args.out, f"mwms-{rank}.json"), "w") as f:
-        json.dump(reports, f)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # MWMS's gRPC server can keep a process alive after the work is done
+# This benchmark's section of the performance page (benchmarks/report.py).
+REPORT = harness.Report(
+    "Distributed training against tf.distribute",
+    "Training samples/s of the whole job, 2 workers and 1 server (`dist_sync`, secure, and plain beside "
+    "it), against `local` at the global batch in one process, `MultiWorkerMirroredStrategy` and "
+    "`ParameterServerStrategy` with the same workers, in the same run.",
+    ["model"], ["local", "MWMS", "PSS", "dist_sync", "plain"], "samples/s")
 
 
-def run_pss_server(args: argparse.Namespace) -> None:
-    """A ParameterServerStrategy worker or ps task: a TF server until the chief says it is done."""
-    import tensorflow as tf
-
-    set_threads(args.worker_threads)
-    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
-    tf.distribute.Server(resolver.cluster_spec(), job_name=resolver.task_type, task_index=resolver.task_id,
-                         protocol="grpc", start=True)
-    done = os.path.join(args.sync_dir, "pss-done")
-    while not os.path.exists(done):
-        time.sleep(0.2)
-    os._exit(0)  # a TF server has no clean stop
-
-
-def run_pss(args: argparse.Namespace) -> None:
-    """The ParameterServerStrategy chief: builds the model on the ps, schedules steps on the workers."""
-    import tensorflow as tf
-
-    from tfkv.models import build
-
-    set_threads(args.worker_threads)
-    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
-    strategy = tf.distribute.ParameterServerStrategy(resolver)
-    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-    reports = {}
-    try:
-        for name in args.models.split(","):
-            cfg, shape = MODELS[name]
-            x, y = synthetic(args.batch, shape)
-            with strategy.scope():
-                model = build(cfg, input_shape=shape, num_classes=10)
-                velocity = [tf.Variable(tf.zeros_like(v), trainable=False) for v in model.trainable_variables]
-            batches = iter(coordinator.create_per_worker_dataset(
-                lambda: tf.data.Dataset.from_tensors((x, y)).repeat()))
-
-            @tf.function
-            def step(iterator):
-                def replica(xb, yb):
-                    with tf.GradientTape() as tape:
-                        losses = tf.nn.sparse_softmax_cross_entropy_with_logits(yb, model(xb, training=True))
-                        loss = tf.reduce_mean(losses)
-                    for w, v, g in zip(model.trainable_variables, velocity,
-                                       tape.gradient(loss, model.trainable_variables)):
-                        v.assign(MOMENTUM * v - LR * g)
-                        w.assign_add(v)
-                    return loss
-                return strategy.run(replica, args=next(iterator))
-
-            def steps(n: int) -> float:
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    last = coordinator.schedule(step, args=(batches,))
-                coordinator.join()
-                steps.loss = float(last.fetch())
-                return time.perf_counter() - t0
-
-            steps(WARMUP_STEPS * 2)
-            per_step = steps(CALIBRATION_STEPS * 2) / (CALIBRATION_STEPS * 2)
-            n = max(4, int(args.seconds / per_step))
-            elapsed = steps(n)
-            reports[name] = {"steps": n, "seconds": elapsed, "batch": args.batch, "loss": steps.loss,
-                             "params": int(model.count_params())}
-        with open(os.path.join(args.out, "pss-0.json"), "w") as f:
-            json.dump(reports, f)
-    finally:
-        open(os.path.join(args.sync_dir, "pss-done"), "w").close()
-    sys.stdout.flush()
-    os._exit(0)
-
-
-# -- the parent: launching, timeouts, teardown ------------------------------------------------
+# -- the contenders' jobs (their processes' roles: benchmarks/jobs.py) ---------------------------
 
 def run_processes(envs: list[dict[str, str]], argv: list[str], timeout: float, what: str) -> None:
     """One process per env, run as a job by tfkv.launcher (its supervisor names the first failure
@@ -268,24 +116,9 @@ def job_dist_sync(args, tmp: str, model: str, secure: bool = True) -> None:
 
 
 def worker_argv(args, role: str, tmp: str, models: str | None = None) -> list[str]:
-    return [sys.executable, os.path.abspath(__file__), "--role", role, "--out", tmp, "--sync-dir", tmp,
+    return [*harness.suite_argv("dist_training"), "--role", role, "--out", tmp, "--sync-dir", tmp,
             "--models", models or args.models, "--batch", str(args.batch), "--seconds", str(args.seconds),
             "--worker-threads", str(args.worker_threads)]
-
-
-def collect(tmp: str, kind: str, ranks: int) -> dict[str, dict]:
-    """{model: {samples_s, params, loss}} of one job; checks that the workers agree."""
-    reports = []
-    for r in range(ranks):
-        with open(os.path.join(tmp, f"{kind}-{r}.json")) as f:
-            reports.append(json.load(f))
-    out = {}
-    for name in reports[0]:
-        rs = [rep[name] for rep in reports]
-        check_agreement(rs, f"{kind} {name}")
-        out[name] = {"samples_s": rs[0]["batch"] * rs[0]["steps"] / max(r["seconds"] for r in rs),
-                     "params": rs[0]["params"], "loss": rs[0]["loss"]}
-    return out
 
 
 def main() -> None:
@@ -301,19 +134,19 @@ def main() -> None:
     ap.add_argument("--role", choices=["local", "dist_sync", "mwms", "pss", "pss_server"], help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--sync-dir", help=argparse.SUPPRESS)
-    record.add_argument(ap, "dist_training")
+    harness.add_argument(ap, "dist_training")
     args = ap.parse_args()
     for m in args.models.split(","):
         if m not in MODELS:
             ap.error(f"unknown model {m!r}; known: {', '.join(MODELS)}")
     if args.role == "mwms":
-        return run_mwms(args)
+        return jobs.run_mwms(args)
     if args.role == "pss":
-        return run_pss(args)
+        return jobs.run_pss(args)
     if args.role == "pss_server":
-        return run_pss_server(args)
+        return jobs.run_pss_server(args)
     if args.role:
-        return run_tfkv(args, args.role)
+        return jobs.run_tfkv(args, args.role)
 
     models = args.models.split(",")
     print(f"training samples/s (whole job), median of {args.trials} trials of ~{args.seconds:g} s; "
@@ -326,7 +159,7 @@ def main() -> None:
     t_start = time.monotonic()
     try:
         for trial in range(args.trials):
-            for kind in (contenders if trial % 2 == 0 else contenders[::-1]):
+            for kind in harness.alternating(contenders, trial):
                 with tempfile.TemporaryDirectory(prefix="bench_dist_training_") as tmp:
                     if kind == "local":
                         job_local(args, tmp)
@@ -350,7 +183,7 @@ def main() -> None:
         print(f"bench_dist_training: FAILED: {e}", file=sys.stderr)
         sys.exit(1)
 
-    med = {k: statistics.median(v) for k, v in samples.items()}
+    med = harness.medians(samples)
     pss = "pss" in contenders
     print(f"{'model':<6} {'params':>10} {'local':>9} {'MWMS':>9} " + (f"{'PSS':>9} " if pss else "")
           + f"{'dist_sync':>10} {'plain':>9} {'dist/MWMS':>10} " + (f"{'dist/PSS':>9} " if pss else "")
@@ -379,7 +212,7 @@ def main() -> None:
           f"secure costs <= 10%, secure/plain >= 0.9).")
     print("per-trial samples/s: " + "; ".join(
         f"{k} {m} " + "/".join(f"{v:.0f}" for v in samples[(k, m)]) for m in models for k in contenders))
-    record.write(args.result, "dist_training", record.settings_of(args), rows)
+    harness.write(args.result, "dist_training", harness.settings_of(args), rows)
 
 
 if __name__ == "__main__":

@@ -5,16 +5,16 @@ Each setting (hosts x link) is one emulated cluster: hosts with their own networ
 sshd, hostname, CPU budget (a cgroup quota of --cpus cores each) and link rate (tc tbf, both
 directions; no added latency: netem is not in this kernel). On it every contender trains the same
 models on the same synthetic data with the same global batch (hosts x --batch) and the same
-threads (benchmarks/cluster_jobs.py says how each is started and placed). The straggler setting
+threads (benchmarks/jobs.py says how each is started and placed). The straggler setting
 (the largest host count, the fastest link) gives the last host half the others' CPU and runs
 tfkv dist_sync and dist_async, for the claim that async is faster there.
 
-    python benchmarks/bench_cluster.py [--hosts 1,2,4] [--link 1gbit,10gbit] [--cpus 0.4]
+    python -m benchmarks cluster [--hosts 1,2,4] [--link 1gbit,10gbit] [--cpus 0.4]
         [--models lenet,mlp,resnet] [--contenders tfkv,tfkv_plain,...] [--seconds S] [--trials T]
         [--json OUT] [--plots DIR] [--no-straggler]
-    python benchmarks/bench_cluster.py --quick      # 2 hosts, 1gbit, mlp; tfkv, tfkv_plain, tfkv_2bit, mwms
-    python benchmarks/bench_cluster.py --table OUT.json...   # the table and targets of a run's rows
-    python benchmarks/bench_cluster.py --plot OUT.json...    # its PNGs (into --plots)
+    python -m benchmarks cluster --quick      # 2 hosts, 1gbit, mlp; tfkv, tfkv_plain, tfkv_2bit, mwms
+    python -m benchmarks cluster --table OUT.json...   # the table and targets of a run's rows
+    python -m benchmarks cluster --plot OUT.json...    # its PNGs (into --plots)
 
 Needs root (namespaces, cgroups, tc); a cluster this machine cannot hold is refused in one line
 (exit 2) before anything runs. Rows of different runs are never compared (exit 2). A failed job
@@ -24,7 +24,6 @@ is a row with its error, and the exit status is 1.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -32,16 +31,28 @@ import time
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmarks import cluster_report, harness, jobs
+from benchmarks.jobs import TRAINING as MODELS, Failed
 
-import cluster_jobs  # noqa: E402
-import cluster_report  # noqa: E402
-import record  # noqa: E402
-from bench_dist_training import MODELS  # noqa: E402
-from dist_job import Failed  # noqa: E402
+
+def largest_setting(rows: list[dict]) -> list[dict]:
+    """The page's rows: the largest host count without a straggler, where the contenders differ most."""
+    most = max((r["hosts"] for r in rows), default=0)
+    return sorted((r for r in rows if r["hosts"] == most and not r.get("straggler")), key=lambda r: r["model"])
+
+
+# This benchmark's section of the performance page (benchmarks/report.py).
+REPORT = harness.Report(
+    "Emulated cluster against tf.distribute",
+    "Samples/s of tfkv's stores against `MultiWorkerMirroredStrategy` and `ParameterServerStrategy` on an "
+    "emulated cluster (network namespaces, a CPU budget per host, shaped links), every contender in the "
+    "same run. The table shows the largest host count without a straggler; the record has every setting.",
+    ["model", "link", "contender"], ["samples_per_sec"], "samples/s",
+    columns=["model", "hosts", "link", "contender", "samples_per_sec"], select=largest_setting)
+
 
 # tfkv_async runs in the straggler setting, where its claim is; name it to run it everywhere
-DEFAULT_CONTENDERS = [c for c in cluster_jobs.CONTENDERS if c != "tfkv_async"]
+DEFAULT_CONTENDERS = [c for c in jobs.CONTENDERS if c != "tfkv_async"]
 # with one host nothing is compressed across a link or waited for: the variants are left out there
 ONE_HOST = ("tfkv", "mwms", "pss")
 QUICK = {"hosts": "2", "link": "1gbit", "models": "mlp", "contenders": "tfkv,tfkv_plain,tfkv_2bit,mwms",
@@ -55,7 +66,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--cpus", type=float, default=0.4, help="CPU budget of each host, in cores")
     ap.add_argument("--models", default="lenet,mlp,resnet", help=f"of {', '.join(MODELS)}")
     ap.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS),
-                    help=f"of {', '.join(cluster_jobs.CONTENDERS)} (the straggler setting runs tfkv and tfkv_async)")
+                    help=f"of {', '.join(jobs.CONTENDERS)} (the straggler setting runs tfkv and tfkv_async)")
     ap.add_argument("--seconds", type=float, default=3.0, help="timed steps per model, contender and trial")
     ap.add_argument("--trials", type=int, default=1, help="jobs per contender and setting (the median is kept)")
     ap.add_argument("--batch", type=int, default=64, help="per worker")
@@ -64,7 +75,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--straggler", action=argparse.BooleanOptionalAction, default=True,
                     help="also the straggler setting (async against sync)")
     ap.add_argument("--job-timeout", type=float, default=300.0)
-    record.add_argument(ap, "cluster", "--json", "--result")
+    harness.add_argument(ap, "cluster", "--json", "--result")
     ap.add_argument("--plots", help="where the PNGs go (default: --json's directory; none with --json none)")
     ap.add_argument("--quick", action="store_true", help=f"the short run: {QUICK}")
     ap.add_argument("--table", nargs="+", metavar="FILE", help="print the table and targets of a run's JSON rows")
@@ -81,7 +92,7 @@ def parse() -> argparse.Namespace:
     except (ValueError, AssertionError):
         ap.error(f"--hosts {args.hosts} must be host counts of at least 1, e.g. 1,2,4")
     args.link, args.models, args.contenders = (v.split(",") for v in (args.link, args.models, args.contenders))
-    for what, given, known in (("model", args.models, MODELS), ("contender", args.contenders, cluster_jobs.CONTENDERS)):
+    for what, given, known in (("model", args.models, MODELS), ("contender", args.contenders, jobs.CONTENDERS)):
         bad = [g for g in given if g not in known]
         if bad:
             ap.error(f"unknown {what} {bad[0]!r}; known: {', '.join(known)}")
@@ -130,7 +141,7 @@ def run_setting(args, run_id: str, n: int, link: str, straggler: bool, with_loca
     from tfkv.emulate import Cluster
 
     names = contenders_of(args, n, straggler) + (["local"] if with_local else [])
-    job = cluster_jobs.Settings(args.models, args.batch, args.seconds, args.threads, args.job_timeout)
+    job = jobs.Settings(args.models, args.batch, args.seconds, args.threads, args.job_timeout)
     got: dict[str, list[dict]] = {c: [] for c in names}
     errors: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="bench_cluster_") as state:
@@ -138,13 +149,13 @@ def run_setting(args, run_id: str, n: int, link: str, straggler: bool, with_loca
             hosts_file = Path(state) / "hosts"
             cluster.write_hosts(hosts_file)
             for trial in range(args.trials):
-                for c in (names if trial % 2 == 0 else names[::-1]):
+                for c in harness.alternating(names, trial):
                     if c in errors:
                         continue
                     t0 = time.monotonic()
                     with tempfile.TemporaryDirectory(prefix=f"bench_cluster_{c}_", dir="/tmp") as tmp:
                         try:
-                            got[c].append(cluster_jobs.run(c, cluster, hosts_file, job, Path(tmp)))
+                            got[c].append(jobs.run(c, cluster, hosts_file, job, Path(tmp)))
                         except (Failed, OSError, ValueError, KeyError) as e:
                             errors[c] = str(e)
                             print(f"  {c}: FAILED: {e}", file=sys.stderr, flush=True)
@@ -198,7 +209,7 @@ def main() -> None:
         print(f"setting {n} hosts {link}{' straggler' if straggler else ''} done "
               f"({time.monotonic() - t_start:.0f} s in all)", flush=True)
     cluster_report.add_ratios(rows)
-    record.write(args.result, "cluster", record.settings_of(args), rows, run=run_id)
+    harness.write(args.result, "cluster", harness.settings_of(args), rows, run=run_id)
     show(rows, args.plots)
     if any(r["samples_per_sec"] is None for r in rows):
         sys.exit(1)

@@ -11,7 +11,7 @@ training waits, so the ratio is what a save costs against the steps between two.
 SIGKILL; printed: the seconds from the kill to the restart line (the teardown), and to the
 restarted job's resume line (training again).
 
-    python benchmarks/bench_checkpoint.py [--what overhead,restart] [--trials 3] [--epochs 10]
+    python -m benchmarks checkpoint [--what overhead,restart] [--trials 3] [--epochs 10]
 
 On a shared machine both move with the load: run it on a quiet one for figures to quote.
 """
@@ -24,14 +24,21 @@ import os
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import record  # noqa: E402 - benchmarks/record.py
+from benchmarks import harness
+
+
+# This benchmark's section of the performance page (benchmarks/report.py).
+REPORT = harness.Report(
+    "Checkpoint cost and restart time",
+    "Samples/s of the default job with step checkpoints (`checkpoint.every_steps=50`) against none, "
+    "runs alternating; and the seconds from `kill -9` of a worker to the restarted job training again.",
+    ["what"], ["samples/s"], "samples/s")
+
 
 OVERHEAD_JOB = ["progress=false", "batch_size=16", "resume=false"]  # 88 steps per epoch
 RESTART_JOB = ["kvstore=dist_sync", "cluster=local", "cluster.num_workers=2", "cluster.num_servers=1",
@@ -114,7 +121,7 @@ def main() -> None:
     p.add_argument("--what", default="overhead,restart", help="overhead, restart or both (comma-separated)")
     p.add_argument("--trials", type=int, default=3, help="runs of each contender (overhead)")
     p.add_argument("--epochs", type=int, default=10, help="epochs of each run (overhead)")
-    record.add_argument(p, "checkpoint")
+    harness.add_argument(p, "checkpoint")
     a = p.parse_args()
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench-checkpoint-") as d:
@@ -122,7 +129,7 @@ def main() -> None:
             rows += overhead(a.trials, a.epochs, Path(d))
         if "restart" in a.what:
             rows += restart(Path(d))
-    record.write(a.result, "checkpoint", record.settings_of(a), rows)
+    harness.write(a.result, "checkpoint", harness.settings_of(a), rows)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,14 @@
 """The transport's benchmarks on two source trees in the same run: what a refactor did to speed.
 
 A change to the parameter server or the store (issue 30's redesign, say) must keep the figures of
-bench_pushpull, bench_security and bench_dist_training. This machine is shared and noisy, so
-figures from another day say little: this script runs each benchmark from each tree (its own
-script, its own `tfkv` first on PYTHONPATH, its own processes) in alternating order, round after
+the pushpull, security and dist_training benchmarks. This machine is shared and noisy, so
+figures from another day say little: this runs each benchmark from each tree (its own
+benchmark: `python -m benchmarks NAME`, or `benchmarks/bench_NAME.py` in a checkout from before the
+package; its own `tfkv` first on PYTHONPATH, its own processes) in alternating order, round after
 round (base, new, new, base, ...), and reports for every figure the median of each tree and
 new/base, beside the spread between the base tree's own rounds (the noise a ratio must clear).
 
-    python benchmarks/bench_trees.py --base /path/to/old/checkout [--new .] [--rounds 2]
+    python -m benchmarks trees --base /path/to/old/checkout [--new .] [--rounds 2]
                                      [--only pushpull,security,dist_training] [--out results/trees]
 
 The base tree is any checkout of tfkv (`git worktree add --detach /tmp/base <commit>`). Each
@@ -26,8 +27,18 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import record  # noqa: E402 - benchmarks/record.py
+from benchmarks import harness
+
+
+# This benchmark's section of the performance page (benchmarks/report.py).
+REPORT = harness.Report(
+    "Two checkouts compared",
+    "The push/pull, security and distributed-training benchmarks run on two checkouts of tfkv, rounds "
+    "alternating: `new/base` is the later tree's median over the earlier tree's, `base spread` the "
+    "earlier tree's own spread between rounds.",
+    ["bench", "row", "figure"], ["new/base"], "new / base",
+    columns=["bench", "row", "figure", "base_median", "new_median", "new/base", "base_spread"])
+
 
 # Per benchmark: its arguments here, the first word of its table's header line, and the names of
 # the table's columns (the header itself has names with spaces in them).
@@ -72,13 +83,22 @@ def parse_table(text: str, first: str, columns: list[str]) -> dict[str, dict[str
     return rows
 
 
+def command(tree: Path, bench: str) -> list[str]:
+    """How `tree` runs one of its benchmarks: `python -m benchmarks NAME` where the tree has the
+    package, its script by path in a checkout from before (benchmarks/bench_NAME.py)."""
+    if (tree / "benchmarks" / "__main__.py").exists():
+        return harness.suite_argv(bench)
+    return [sys.executable, str(tree / "benchmarks" / f"bench_{bench}.py")]
+
+
 def run_one(tree: Path, bench: str) -> dict[str, dict[str, float]]:
     args, first, columns = SETTINGS[bench]
     with tempfile.TemporaryDirectory(prefix="bench_trees_") as records:
-        # the runs' own records go to a scratch folder: a comparison must not replace a tree's results
-        env = {**os.environ, "PYTHONPATH": str(tree), record.ENV: records}
-        done = subprocess.run([sys.executable, str(tree / "benchmarks" / f"bench_{bench}.py"), *args], cwd=tree,
-                              env=env, capture_output=True, text=True, timeout=1800)
+        # the runs' own records go to a scratch folder: a comparison must not replace a tree's results;
+        # the tree first on PYTHONPATH: its own tfkv (and its own benchmarks package)
+        env = {**os.environ, "PYTHONPATH": str(tree), harness.ENV: records}
+        done = subprocess.run([*command(tree, bench), *args], cwd=tree, env=env, capture_output=True, text=True,
+                              timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"bench_{bench} on {tree} exited {done.returncode}: {done.stderr.strip()[-800:]}")
     return parse_table(done.stdout, first, columns)
@@ -102,10 +122,10 @@ def summarise(runs: dict[str, list[dict]], bench: str) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", required=True, type=Path, help="the tree before (a checkout of tfkv)")
-    ap.add_argument("--new", type=Path, default=Path(__file__).resolve().parent.parent, help="the tree after")
+    ap.add_argument("--new", type=Path, default=harness.REPO, help="the tree after")
     ap.add_argument("--rounds", type=int, default=2, help="runs of every benchmark per tree")
     ap.add_argument("--only", default=",".join(SETTINGS), help="comma-separated: " + ", ".join(SETTINGS))
-    ap.add_argument("--out", type=Path, default=record.default_path("trees").with_suffix(""),
+    ap.add_argument("--out", type=Path, default=harness.default_path("trees").with_suffix(""),
                     help="where the results go: OUT.json (the record) and OUT.md")
     a = ap.parse_args()
     benches = a.only.split(",")
@@ -124,7 +144,7 @@ def main() -> None:
         for bench in benches:
             runs: dict[str, list[dict]] = {"base": [], "new": []}
             for r in range(a.rounds):
-                for name in (["base", "new"] if r % 2 == 0 else ["new", "base"]):
+                for name in harness.alternating(["base", "new"], r):
                     runs[name].append(run_one(trees[name], bench))
                     print(f"  {bench} round {r + 1}/{a.rounds} {name} done ({time.monotonic() - t0:.0f} s)",
                           flush=True)
@@ -141,7 +161,7 @@ def main() -> None:
     print(head)
     print("\n".join(table))
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    record.write(a.out.with_suffix(".json"), "trees", {b: SETTINGS[b][0] for b in benches}, rows, commits=commits,
+    harness.write(a.out.with_suffix(".json"), "trees", {b: SETTINGS[b][0] for b in benches}, rows, commits=commits,
                  rounds=a.rounds)
     a.out.with_suffix(".md").write_text(f"# bench_trees\n\n{head}\n\n" + "\n".join(table) + "\n")
 

@@ -31,7 +31,7 @@ interpreter competes for 2 cores, so `startup` carries N x import_cpu / 2 of Pyt
 hosts of their own would run in parallel; the table gives the protocol part apart, and the
 target is judged on a host's own start (import_cpu of one role) + the protocol part as well.
 
-    python benchmarks/bench_control_plane.py [--nodes 8,32,128] [--barriers 20] [--idle 3]
+    python -m benchmarks control_plane [--nodes 8,32,128] [--barriers 20] [--idle 3]
                                              [--json benchmarks/results/control_plane.json]
 
 Writes the JSON (a list of rows) and a Markdown table beside it (.md). Exits non-zero if a job fails.
@@ -48,9 +48,20 @@ import sys
 import threading
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import record  # noqa: E402 - benchmarks/record.py
+from benchmarks import harness
+
+
+# This benchmark's section of the performance page (benchmarks/report.py).
+REPORT = harness.Report(
+    "Control plane at scale",
+    "Start-up, barrier latency, the scheduler's memory and heartbeat load, and shut-down of jobs of 8 to "
+    "128 nodes (a quarter servers) on one machine, secure and plain, with workers that import no "
+    "TensorFlow.",
+    ["nodes", "secure"], ["startup_s"], "start-up seconds",
+    columns=["nodes", "workers", "servers", "secure", "startup_s", "protocol_s", "barrier_ms", "sched_rss_mib",
+             "heartbeats_per_s", "shutdown_s", "false_failures"])
+
+
 KEY_FLOATS = 256  # 1 KiB keys: the control plane, not the bytes, is measured
 STARTUP_TARGET = 10.0
 
@@ -172,7 +183,7 @@ def within(samples: list, t0: float, t1: float) -> list:
 
 
 def run_job(nodes: int, secure: bool, args: argparse.Namespace, tmp: str) -> dict:
-    from dist_job import Failed, run_plan, security_env
+    from benchmarks.jobs import Failed, run_plan, security_env
     from tfkv.launcher.plan import make_plan
     from tfkv.launcher.ports import free_port
 
@@ -180,7 +191,7 @@ def run_job(nodes: int, secure: bool, args: argparse.Namespace, tmp: str) -> dic
     workers = nodes - servers
     out = os.path.join(tmp, f"n{nodes}-{'secure' if secure else 'plain'}")
     os.makedirs(out)
-    me = [sys.executable, os.path.abspath(__file__), "--out", out]
+    me = [*harness.suite_argv("control_plane"), "--out", out]
     worker = [*me, "--role", "worker", "--steps", str(args.steps), "--barriers", str(args.barriers),
               "--idle", str(args.idle)]
     plan = make_plan(workers, servers, worker, [*me, "--role", "node"], ["127.0.0.1"], "127.0.0.1",
@@ -280,7 +291,7 @@ def main() -> None:
     ap.add_argument("--barriers", type=int, default=20)
     ap.add_argument("--idle", type=float, default=3.0, help="seconds of heartbeats only, for their load")
     ap.add_argument("--job-timeout", type=float, default=300.0)
-    record.add_argument(ap, "control_plane", "--json", "--result")
+    harness.add_argument(ap, "control_plane", "--json", "--result")
     ap.add_argument("--role", choices=["node", "worker"], help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -314,9 +325,9 @@ def main() -> None:
                          if "startup_s" in r else f"FAILED: {r['exit']}"), flush=True)
     text = table(rows) + "\n\n" + verdict(rows) + "\n"
     print(text)
-    if record.write(args.result, "control_plane", record.settings_of(args), rows):
+    if harness.write(args.result, "control_plane", harness.settings_of(args), rows):
         with open(os.path.splitext(args.result)[0] + ".md", "w") as f:
-            f.write(f"# Control plane at scale\n\n`python benchmarks/bench_control_plane.py --nodes {args.nodes}"
+            f.write(f"# Control plane at scale\n\n`python -m benchmarks control_plane --nodes {args.nodes}"
                     f" --barriers {args.barriers} --idle {args.idle:g}`\n\n{text}")
     if any("startup_s" not in r for r in rows):
         sys.exit(1)

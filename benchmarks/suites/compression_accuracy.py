@@ -8,7 +8,7 @@ job's own metrics.json must agree). Prints one row per seed and contender, and t
 difference from uncompressed in points; `--json OUT` also writes the rows and the settings
 (benchmarks/results/compression_accuracy.json holds the committed figures).
 
-    python benchmarks/bench_compression_accuracy.py [--seeds 0,1,2] [--workers 2] [--threshold 0.5]
+    python -m benchmarks compression_accuracy [--seeds 0,1,2] [--workers 2] [--threshold 0.5]
                                                     [--epochs 10] [--json OUT]
 
 Exits non-zero if a job fails.
@@ -27,8 +27,17 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import record  # noqa: E402 - benchmarks/record.py
+from benchmarks import harness
+
+
+# This benchmark's section of the performance page (benchmarks/report.py).
+REPORT = harness.Report(
+    "2-bit compression: accuracy",
+    "Test accuracy of the default experiment as a 2-worker `dist_sync` job, uncompressed against MXNet's "
+    "2-bit and the accurate 2-bit (momentum on the workers), same seeds, same run.",
+    ["contender", "seed"], ["test_accuracy"], "test accuracy",
+    columns=["contender", "seed", "compression", "test_accuracy", "seconds"])
+
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -76,7 +85,7 @@ def main() -> None:
     ap.add_argument("--threshold", type=float, default=0.5)
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--job-timeout", type=float, default=600.0)
-    record.add_argument(ap, "compression_accuracy", "--json", "--result")
+    harness.add_argument(ap, "compression_accuracy", "--json", "--result")
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     print(f"default experiment (digits MLP, SGD lr 0.1 momentum 0.9), dist_sync, {args.workers} workers, 1 server, "
@@ -103,7 +112,7 @@ def main() -> None:
                          "mean_points_vs_uncompressed": statistics.mean(diffs), "worst_points": min(diffs)}
         print(f"{name:<42} {summary[kind]['mean_accuracy']:>13.4f} {statistics.mean(diffs):>+25.2f} "
               f"{min(diffs):>+20.2f}")
-    record.write(args.result, "compression_accuracy",
+    harness.write(args.result, "compression_accuracy",
                  {"experiment": "tfkv-run default (digits, mlp, sgd lr 0.1 momentum 0.9 wd 1e-4, batch 64 per worker)",
                   "kvstore": "dist_sync", "workers": args.workers, "servers": 1, "epochs": args.epochs,
                   "threshold": args.threshold, "seeds": seeds}, rows, summary=summary)

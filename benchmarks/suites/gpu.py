@@ -17,7 +17,7 @@ tfkv-run does, so that neither inherits the other's policy or GPU memory. The di
 the work per step) and is compared with the float32 `fit`. Trials alternate and medians are printed,
 with the GPU's name, because a lent machine is shared too.
 
-    python benchmarks/bench_gpu.py [--device gpu:0] [--epochs 3] [--num-train 8192] [--trials 3]
+    python -m benchmarks gpu [--device gpu:0] [--epochs 3] [--num-train 8192] [--trials 3]
                                    [--batch 128] [--width 64] [--rows all]
 
 `--device cpu:0 --width 8 --num-train 256` runs the same table on a CPU (smoke test).
@@ -30,13 +30,21 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import record  # noqa: E402 - benchmarks/record.py
+from benchmarks import harness
+
+
+# This benchmark's section of the performance page (benchmarks/report.py).
+REPORT = harness.Report(
+    "GPU: tfkv-run against Keras fit",
+    "Samples/s of the `cifar_vgg11` experiment on synthetic data through `tfkv-run` against plain Keras "
+    "`fit` of the same model in the same run: float32, `mixed_bfloat16`, XLA, and two `dist_sync` workers "
+    "sharing the GPU. Run it first on a GPU machine.",
+    ["row"], ["tfkv-run", "keras fit"], "samples/s")
+
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -85,7 +93,7 @@ def keras_fit(args: argparse.Namespace) -> None:
 
 
 def run_fit(args: argparse.Namespace, precision: str, jit: bool) -> float:
-    argv = [sys.executable, __file__, "--keras-fit", "--precision", precision, "--device", args.device,
+    argv = [*harness.suite_argv("gpu"), "--keras-fit", "--precision", precision, "--device", args.device,
             "--epochs", str(args.epochs), "--num-train", str(args.num_train), "--batch", str(args.batch),
             "--width", str(args.width)] + (["--jit"] if jit else [])
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout, stdin=subprocess.DEVNULL)
@@ -130,7 +138,7 @@ def main() -> None:
     ap.add_argument("--keras-fit", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--precision", default="float32", help=argparse.SUPPRESS)
     ap.add_argument("--jit", action="store_true", help=argparse.SUPPRESS)
-    record.add_argument(ap, "gpu")
+    harness.add_argument(ap, "gpu")
     args = ap.parse_args()
     if args.keras_fit:
         return keras_fit(args)
@@ -145,7 +153,7 @@ def main() -> None:
     ours: dict[str, list[float]] = {r: [] for r in rows}
     with tempfile.TemporaryDirectory() as tmp:
         for trial in range(args.trials):
-            order = rows if trial % 2 == 0 else rows[::-1]
+            order = harness.alternating(rows, trial)
             for row in order:
                 precision, jit, workers = ROWS[row]
                 if workers == 1 or (precision, jit) not in fits:
@@ -157,7 +165,7 @@ def main() -> None:
         a, b = statistics.median(ours[row]), statistics.median(fits[(precision, jit)])
         print(f"{row:<14} {a:>10.0f} {b:>10.0f} {a / b:>9.3f}")
         table.append({"row": row, "tfkv-run": a, "keras fit": b, "tfkv/fit": a / b})
-    record.write(args.result, "gpu", record.settings_of(args), table, device_name=gpu_name(args.device))
+    harness.write(args.result, "gpu", harness.settings_of(args), table, device_name=gpu_name(args.device))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ epoch)), `--steps` steps per epoch; the figure is the second epoch's samples/s (
 traces the step). Trials alternate between the two and the median is reported, because this
 machine is shared and noisy.
 
-    python benchmarks/bench_data_rss.py [--sizes 100M,1G,2G] [--dir /tmp] [--steps 100] [--trials 5]
+    python -m benchmarks data_rss [--sizes 100M,1G,2G] [--dir /tmp] [--steps 100] [--trials 5]
                                         [--batch 128]
 
 Targets (issue 13): RSS within 200 MiB from the smallest to the largest size; TFRecord / memory
@@ -40,7 +40,16 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
 
-import record  # noqa: E402 - benchmarks/record.py, beside this script
+from benchmarks import harness
+
+
+# This benchmark's section of the performance page (benchmarks/report.py).
+REPORT = harness.Report(
+    "Streaming data from TFRecords",
+    "Peak resident memory of a `tfkv-run dataset=tfrecord` worker over TFRecord sets of growing size (it "
+    "should stay flat), and samples/s from the TFRecord reader against the same records held in memory.",
+    ["set"], ["peak_rss_mib", "peak_rss_mib_run_2"], "MiB")
+
 
 SHAPE = (32, 32, 3)
 CLASSES = 10
@@ -49,7 +58,6 @@ TEST_RECORDS = 2048
 POOL = 4096  # distinct images; records cycle through them (the content does not matter here)
 RSS_TARGET_MIB = 200
 RATE_TARGET = 0.9
-HERE = os.path.dirname(os.path.abspath(__file__))
 FEATURES = {"image": {"shape": list(SHAPE), "dtype": "string", "decode": "uint8", "scale": 255},
             "label": {"shape": [], "dtype": "int64"}}
 
@@ -104,7 +112,8 @@ def memory(folder: str, split: str) -> tuple[np.ndarray, np.ndarray]:
 def tfkv_run(cwd: str, args: list[str]) -> tuple[dict, float]:
     """`tfkv-run args` in `cwd` (alone, no launcher: the process is the worker); (its last epoch's
     metrics, its peak RSS in MiB from wait4)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")]))}
+    # the in-memory contender's data set is this module's `memory`: the repository root on the path
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(harness.REPO), os.environ.get("PYTHONPATH")]))}
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen([shutil.which("tfkv-run") or "tfkv-run", *args, "progress=false"], cwd=cwd,
                                 stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -133,7 +142,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--steps", type=int, default=100, help="steps per epoch of the rate test")
     ap.add_argument("--trials", type=int, default=5)
-    record.add_argument(ap, "data_rss")
+    harness.add_argument(ap, "data_rss")
     args = ap.parse_args()
 
     sizes = sorted(parse_size(s) for s in args.sizes.split(","))
@@ -171,7 +180,7 @@ def main() -> None:
     tfr, mem = (statistics.median(rates[k]) for k in ("tfrecord", "memory"))
     print(f"samples/s (lenet, batch {args.batch}, {args.steps} steps, 2nd epoch, median of {args.trials}): "
           f"tfrecord {tfr:.0f}, memory {mem:.0f}, ratio = tfrecord / memory {tfr / mem:.3f} (target >= {RATE_TARGET})")
-    record.write(args.result, "data_rss", record.settings_of(args), rows, rss_growth_mib=growth,
+    harness.write(args.result, "data_rss", harness.settings_of(args), rows, rss_growth_mib=growth,
                  samples_per_sec={"tfrecord": tfr, "memory": mem, "tfrecord/memory": tfr / mem})
 
 
@@ -180,12 +189,12 @@ def rate(cwd: str, folder: str, args: argparse.Namespace, common: list[str]) -> 
     conf = os.path.join(cwd, "conf", "dataset")
     os.makedirs(conf, exist_ok=True)
     with open(os.path.join(conf, "bench_memory.yaml"), "w") as f:
-        f.write(f"_target_: bench_data_rss.memory\nfolder: {folder}\n")
+        f.write(f"_target_: benchmarks.suites.data_rss.memory\nfolder: {folder}\n")
     contenders = {"tfrecord": tfrecord_args(folder), "memory": ["--config-dir", "conf", "dataset=bench_memory"]}
     shared = ["model=lenet", "epochs=2", f"steps_per_epoch={args.steps}", *common]
     results: dict[str, list[float]] = {k: [] for k in contenders}
     for t in range(args.trials):
-        for k in (list(contenders) if t % 2 == 0 else list(contenders)[::-1]):
+        for k in harness.alternating(list(contenders), t):
             results[k].append(tfkv_run(cwd, [*contenders[k], *shared])[0]["samples_per_sec"])
     return results
 

@@ -14,46 +14,36 @@ Trials alternate between contenders and the median is reported, because this mac
 and noisy. Logical CPU devices share the host's cores, so overlap can only use cores that one
 stage leaves idle; on separate GPUs each stage has its own.
 
-    python benchmarks/bench_model_parallel.py [--seconds 1] [--trials 5] [--micro 4]
+    python -m benchmarks model_parallel [--seconds 1] [--trials 5] [--micro 4]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from benchmarks import harness
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-from tfkv import models, optim, store  # noqa: E402
-from tfkv.parallel import devices, placement  # noqa: E402
-from tfkv.parallel.model_parallel import ModelParallel  # noqa: E402
-import record  # noqa: E402 - benchmarks/record.py
+# This benchmark's section of the performance page (benchmarks/report.py), which imports this module
+# for it alone: TensorFlow and tfkv are imported where they run.
+REPORT = harness.Report(
+    "Model parallelism",
+    "Samples/s of an LSTM language model split over logical devices, naive (one micro-batch) and "
+    "pipelined, against the whole model on one device (`vs 1dev`), in the same run.",
+    ["contender"], ["samples/s"], "samples/s")
 
 
 def contender(groups, specs, tf_by_spec, batch, micro, x, y, seq_len):
+    import keras
+
+    from tfkv import optim, store
+    from tfkv.parallel.model_parallel import ModelParallel
+
     keras.utils.set_random_seed(0)
     sgd = optim.SGD(schedule=optim.Schedule(lr=0.1), momentum=0.9)
     mp = ModelParallel(groups, [tf_by_spec[s] for s in specs], store.create("local"), sgd, batch,
                        micro_batches=micro)  # a token's loss: the mean over the sequence
     return lambda: mp.step(x, y)
-
-
-def rate(step, batch, seconds):
-    """Steps run back to back for at least `seconds` (after two untimed ones that trace)."""
-    step()
-    step()
-    n, t0 = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - t0) < seconds:
-        for _ in range(5):
-            step()
-        n += 5
-    return batch * n / elapsed
 
 
 def main() -> None:
@@ -68,8 +58,15 @@ def main() -> None:
     ap.add_argument("--intra-op-threads", type=int, default=0,
                     help="threads per op (0: TensorFlow's default, all cores); 1 makes a logical "
                          "device behave like one core of its own, so stages can only gain by overlapping")
-    record.add_argument(ap, "model_parallel")
+    harness.add_argument(ap, "model_parallel")
     args = ap.parse_args()
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import numpy as np
+    import tensorflow as tf
+
+    from tfkv import models
+    from tfkv.parallel import devices, placement
+
     if args.intra_op_threads:
         tf.config.threading.set_intra_op_parallelism_threads(args.intra_op_threads)
 
@@ -99,8 +96,8 @@ def main() -> None:
     results: dict[str, list[float]] = {k: [] for k in steps}
     for _ in range(args.trials):
         for name, step in steps.items():
-            results[name].append(rate(step, args.batch, args.seconds))
-    med = {k: statistics.median(v) for k, v in results.items()}
+            results[name].append(harness.samples_per_second(step, args.batch, args.seconds, every=5))
+    med = harness.medians(results)
 
     print(f"\n{'contender':<16} {'samples/s':>10} {'vs 1dev':>8}")
     for name in steps:
@@ -109,7 +106,7 @@ def main() -> None:
     print(f"  pipelined / naive, 2 devices : {med['2dev-auto-pipe'] / med['2dev-auto-m1']:.3f}")
     print(f"  pipelined / naive, 4 devices : {med['4dev-auto-pipe'] / med['4dev-auto-m1']:.3f}")
     print(f"  balanced / unbalanced, 2 dev : {med['2dev-auto-pipe'] / med['2dev-unbal-pipe']:.3f}")
-    record.write(args.result, "model_parallel", record.settings_of(args),
+    harness.write(args.result, "model_parallel", harness.settings_of(args),
                  [{"contender": name, "samples/s": med[name], "vs 1dev": med[name] / med["1dev"]} for name in steps])
 
 

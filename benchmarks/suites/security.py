@@ -2,7 +2,7 @@
 the job's keys, AEGIS-128X4 data plane), secure on AES-256-GCM (the data plane where `aeg` is
 missing: the job's processes run with it hidden) and plain (TFKV_SECURE=0), in the same run.
 
-    python3 benchmarks/bench_security.py [--sizes 4K,1M,16M,64M] [--seconds 1] [--rounds 3]
+    python -m benchmarks security [--sizes 4K,1M,16M,64M] [--seconds 1] [--rounds 3]
                                          [--op push+pull|pushpull] [--gcm]
 
 Each round starts a scheduler and a server (python -m tfkv.ps.node) on loopback for each mode, and
@@ -18,18 +18,24 @@ import json
 import statistics
 import os
 import subprocess
-import sys
 import tempfile
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import record  # noqa: E402 - benchmarks/record.py
+from benchmarks import harness
+
+
+# This benchmark's section of the performance page (benchmarks/report.py).
+REPORT = harness.Report(
+    "What security costs",
+    "GB/s of one worker and one server on loopback, secure (the default: AEGIS data plane, CURVE control "
+    "plane) against plain (`TFKV_SECURE=0`), rounds alternating in fresh processes.",
+    ["size"], ["plain", "secure"], "GB/s")
 
 
 def run(secure: bool, sizes_mib: list[float], seconds: float, op: str = "push+pull") -> dict:
-    from dist_job import start_ps  # benchmarks/, this script's directory
+    from benchmarks.jobs import start_ps
 
     procs, env = start_ps(secure, quiet=True)
     os.environ.clear()
@@ -75,7 +81,7 @@ def _label(mib: float) -> str:
     return f"{mib * 1024:g} KiB" if mib < 1 else f"{mib:g} MiB"
 
 
-if __name__ == "__main__":
+def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="4K,1M,16M,64M", help="comma-separated sizes, K or M suffix")
     ap.add_argument("--seconds", type=float, default=1.0, help="per size, mode and round")
@@ -84,7 +90,7 @@ if __name__ == "__main__":
     ap.add_argument("--gcm", action="store_true", help="also measure secure with aeg hidden (AES-256-GCM)")
     ap.add_argument("--op", choices=["push+pull", "pushpull"], default="push+pull",
                     help="an iteration: push then pull (two requests), or one pushpull (training's)")
-    record.add_argument(ap, "security")
+    harness.add_argument(ap, "security")
     a = ap.parse_args()
     sizes = [_size(s) for s in a.sizes.split(",")]
     if a.mode == "both":  # each mode in a fresh process: one ZeroMQ context, one environment
@@ -95,11 +101,11 @@ if __name__ == "__main__":
         with open(os.path.join(hidden, "aeg", "__init__.py"), "w") as f:
             f.write("raise ImportError('aeg hidden by bench_security.py --gcm')\n")
         for r in range(a.rounds):
-            for mode in (modes[::-1] if r % 2 else modes):
+            for mode in harness.alternating(modes, r):
                 env = dict(os.environ)
                 if mode == "gcm":
                     env["PYTHONPATH"] = os.pathsep.join([hidden, env.get("PYTHONPATH", "")])
-                lines = subprocess.run([sys.executable, __file__, "--mode", "plain" if mode == "plain" else "secure",
+                lines = subprocess.run([*harness.suite_argv("security"), "--mode", "plain" if mode == "plain" else "secure",
                                         "--seconds", str(a.seconds), "--sizes", a.sizes, "--op", a.op], check=True,
                                        capture_output=True, text=True, env=env).stdout
                 got[mode].append(json.loads(lines.strip().splitlines()[-1]))
@@ -120,7 +126,11 @@ if __name__ == "__main__":
                          **({"gcm/plain": gbs["gcm"] / gbs["plain"]} if a.gcm else {})})
         print("secure = the default (job keys: AEGIS-128X4 data plane, CURVE control plane); plain = TFKV_SECURE=0; "
               "gcm = secure where aeg is missing (AES-256-GCM). Target: secure/plain >= 0.7 from 1 MiB up.")
-        record.write(a.result, "security", record.settings_of(a), rows, unit="GB/s")
+        harness.write(a.result, "security", harness.settings_of(a), rows, unit="GB/s")
     else:  # the child: its figures as one JSON line
         print(json.dumps({k if isinstance(k, str) else f"{k:g}": v
                           for k, v in run(a.mode == "secure", sizes, a.seconds, a.op).items()}))
+
+
+if __name__ == "__main__":
+    main()

@@ -8,7 +8,7 @@ keeps N busy processes running meanwhile (a loaded machine). The target (issue 2
 down within 10 s, the right role named. Prints one line per try, then per role the median
 seconds for each signal and the ratio hang / death.
 
-    python benchmarks/bench_failfast.py --repeat 2 --load 2
+    python -m benchmarks failfast --repeat 2 --load 2
 """
 
 from __future__ import annotations
@@ -24,8 +24,16 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import record  # noqa: E402 - benchmarks/record.py
+from benchmarks import harness
+
+
+# This benchmark's section of the performance page (benchmarks/report.py).
+REPORT = harness.Report(
+    "Failing fast",
+    "Seconds from `kill -9` (SIGKILL) or SIGSTOP of a worker, a server or the scheduler to the whole job "
+    "down with the role named; a hang against a death (`hang/death`).",
+    ["victim"], ["SIGKILL_s", "SIGSTOP_s"], "seconds", rerun="python -m benchmarks failfast --load 2")
+
 
 TAG = "TFKV_BENCH_FAILFAST"
 WORKER = """\
@@ -100,7 +108,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--load", type=int, default=0, help="busy processes kept running meanwhile")
     ap.add_argument("--roles", default="worker 1,server 0,scheduler")
-    record.add_argument(ap, "failfast")
+    harness.add_argument(ap, "failfast")
     args = ap.parse_args()
     load = [multiprocessing.Process(target=_busy, daemon=True) for _ in range(args.load)]
     for p in load:
@@ -128,7 +136,7 @@ def main() -> None:
               f"target SIGSTOP <= 10 s: {'met' if max(times[(victim, 'SIGSTOP')]) <= 10 else 'MISSED'}")
         rows.append({"victim": victim, "SIGKILL_s": kill, "SIGSTOP_s": stop, "hang/death": stop / kill})
     print(f"every failure line named the role: {named_all}")
-    record.write(args.result, "failfast", record.settings_of(args), rows, every_line_named_the_role=named_all)
+    harness.write(args.result, "failfast", harness.settings_of(args), rows, every_line_named_the_role=named_all)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ two alternating over `--trials` repetitions; the medians and their ratio are pri
 `--dist` makes every trial a dist_sync job on this machine (`cluster=local`: scheduler, a
 server and two workers per trial), the kind of trial whose ports must not collide.
 
-    python benchmarks/bench_sweep.py [--lrs 0.2,0.1,0.05,0.02] [--epochs 3] [--trials 1] [--dist]
+    python -m benchmarks sweep [--lrs 0.2,0.1,0.05,0.02] [--epochs 3] [--trials 1] [--dist]
 
 A ratio above 1 is the time two-at-once saves; on a machine with fewer cores than two trials
 use, the trials share the cores and the gain is what overlapping start-up and I/O gives.
@@ -18,15 +18,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import record  # noqa: E402 - benchmarks/record.py
+from benchmarks import harness
+
+
+# This benchmark's section of the performance page (benchmarks/report.py).
+REPORT = harness.Report(
+    "Sweeps: one by one or two at once",
+    "Wall time of a 4-trial learning-rate sweep with Hydra's basic launcher (one by one) against joblib "
+    "running two trials at once, same run.",
+    ["launcher"], ["seconds"], "seconds", rerun="python -m benchmarks sweep")
+
 
 LAUNCHERS = {
     "one by one (basic)": [],
@@ -56,7 +63,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--trials", type=int, default=1, help="repetitions of each sweep (median reported)")
     ap.add_argument("--dist", action="store_true", help="every trial a dist_sync job with cluster=local")
-    record.add_argument(ap, "sweep")
+    harness.add_argument(ap, "sweep")
     args = ap.parse_args()
     times: dict[str, list[float]] = {name: [] for name in LAUNCHERS}
     with tempfile.TemporaryDirectory(prefix="bench_sweep.") as tmp:
@@ -68,13 +75,13 @@ def main() -> None:
     n = len(args.lrs.split(","))
     kind = "dist_sync cluster=local" if args.dist else "kvstore=local"
     print(f"\n{n}-trial sweep, {kind}, epochs={args.epochs}, median of {args.trials}:")
-    medians = {name: statistics.median(t) for name, t in times.items()}
+    medians = harness.medians(times)
     for name, m in medians.items():
         print(f"  {name:22s} {m:7.1f} s")
     one, two = medians.values()
     print(f"  ratio one-by-one / two-at-once = {one / two:.2f}")
     print(json.dumps({"trials": n, "kind": kind, "seconds": medians, "ratio": one / two}))
-    record.write(args.result, "sweep", record.settings_of(args),
+    harness.write(args.result, "sweep", harness.settings_of(args),
                  [{"launcher": name, "seconds": m, "vs one-by-one": m / one} for name, m in medians.items()],
                  trials=n, kind=kind)
 

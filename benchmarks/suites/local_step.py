@@ -5,26 +5,25 @@ inside one tf.function, on the same model, batch and device. tfkv runs the same 
 DataParallel + KVStore(local) on 1 device, then on k logical CPU devices. Trials alternate
 between the contenders and the median is reported, because this machine is shared and noisy.
 
-    python benchmarks/bench_local_step.py [--seconds 1] [--trials 5] [--devices 4]
+    python -m benchmarks local_step [--seconds 1] [--trials 5] [--devices 4]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from benchmarks import harness
 
-import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
+# This benchmark's section of the performance page (benchmarks/report.py), which imports this module
+# for it alone: TensorFlow and tfkv are imported where they run.
+REPORT = harness.Report(
+    "Training step against plain TensorFlow",
+    "Samples/s of a tfkv `local` training step against a plain TensorFlow custom loop (GradientTape and "
+    "`apply_gradients` in one `tf.function`) on the same model, batch and device, trials alternating. "
+    "`ratio` is tfkv on one device over plain TF; the last column splits the CPU into 4 logical devices.",
+    ["case"], ["plain_tf", "tfkv_1", "tfkv_4"], "samples/s")
 
-from tfkv import optim, store  # noqa: E402
-from tfkv.models import build  # noqa: E402
-from tfkv.parallel import devices  # noqa: E402
-from tfkv.parallel.data_parallel import DataParallel  # noqa: E402
-import record  # noqa: E402 - benchmarks/record.py, beside this script
 
 CASES = {
     # name: (model node, as conf/model/*.yaml, input shape, batch)
@@ -35,6 +34,9 @@ CASES = {
 
 
 def plain_tf(make, x, y, lr):
+    import keras
+    import tensorflow as tf
+
     model = make()
     opt = keras.optimizers.SGD(learning_rate=lr, momentum=0.9)
 
@@ -50,6 +52,9 @@ def plain_tf(make, x, y, lr):
 
 
 def tfkv_step(make, x, y, lr, tf_devices, kind="local"):
+    from tfkv import optim, store
+    from tfkv.parallel.data_parallel import DataParallel
+
     batch = int(x.shape[0])
     k = len(tf_devices)
     sizes = [batch // k] * k
@@ -59,26 +64,21 @@ def tfkv_step(make, x, y, lr, tf_devices, kind="local"):
     return lambda: dp.step(x, y)
 
 
-def rate(step, batch, seconds):
-    """Steps run back to back for at least `seconds`; each call returns when its step is done."""
-    step()  # trace
-    step()
-    n, t0 = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - t0) < seconds:
-        for _ in range(10):
-            step()
-        n += 10
-    return batch * n / elapsed
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=1.0, help="per trial and contender")
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--devices", type=int, default=4)
     ap.add_argument("--cases", default=",".join(CASES))
-    record.add_argument(ap, "local_step")
+    harness.add_argument(ap, "local_step")
     args = ap.parse_args()
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import keras
+    import tensorflow as tf
+
+    from tfkv.models import build
+    from tfkv.parallel import devices
+
     tf_devices = devices.setup([f"cpu:{i}" for i in range(args.devices)])
     print(f"{'case':<12} {'plain TF':>10} {'tfkv x1':>10} {'ratio':>6}   "
           f"{'tfkv x' + str(args.devices):>10} {'vs x1':>6}  (samples/s, median of {args.trials})")
@@ -97,14 +97,14 @@ def main() -> None:
         results = {k: [] for k in contenders}
         for _ in range(args.trials):
             for k, step in contenders.items():
-                results[k].append(rate(step, batch, args.seconds))
-        med = {k: statistics.median(v) for k, v in results.items()}
+                results[k].append(harness.samples_per_second(step, batch, args.seconds, every=10))
+        med = harness.medians(results)
         print(f"{name:<12} {med['plain']:>10.0f} {med['x1']:>10.0f} {med['x1'] / med['plain']:>6.3f}   "
               f"{med['xk']:>10.0f} {med['xk'] / med['x1']:>6.3f}")
         rows.append({"case": name, "batch": batch, "plain_tf": med["plain"], "tfkv_1": med["x1"],
                      "ratio": med["x1"] / med["plain"], f"tfkv_{args.devices}": med["xk"],
                      f"{args.devices}_vs_1": med["xk"] / med["x1"]})
-    record.write(args.result, "local_step", record.settings_of(args), rows)
+    harness.write(args.result, "local_step", harness.settings_of(args), rows)
 
 
 if __name__ == "__main__":

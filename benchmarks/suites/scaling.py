@@ -3,7 +3,7 @@ of the whole job and where a worker's step time goes.
 
 A small model, so that communication and Python matter: the MLP [256, 128] (tfkv `mlp`) on one
 synthetic 8x8x1 batch, b=32 per worker, SGD (lr 0.01, momentum 0.9) on the server. Each job is
-the one in benchmarks/dist_job.py (time-based steps, workers' weights checked to agree). Inside
+the one in benchmarks/jobs.py (time-based steps, workers' weights checked to agree). Inside
 every worker DataParallel.timings splits the step, averaged over the workers:
 
     compute   the gradient tf.function (forward + backward), with the pushes made from inside it
@@ -18,7 +18,7 @@ default: the table's figures) and plain (TFKV_SECURE=0, beside it); trials go th
 in alternating order and the median is reported. All processes share this machine's cores, so beyond the core count more
 workers mean more waiting, not more throughput.
 
-    python benchmarks/bench_scaling.py [--seconds 2] [--trials 2] [--workers 1,2,4,8]
+    python -m benchmarks scaling [--seconds 2] [--trials 2] [--workers 1,2,4,8]
                                        [--model mlp|lenet] [--batch 32]
 
 Exits non-zero if any job failed or hung.
@@ -33,10 +33,18 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from dist_job import MODELS, Failed, run_job  # noqa: E402
-import record  # noqa: E402 - benchmarks/record.py
+from benchmarks.jobs import MODELS, Failed, run_job  # noqa: E402
+from benchmarks import harness
+
+
+# This benchmark's section of the performance page (benchmarks/report.py).
+REPORT = harness.Report(
+    "Workers on one machine",
+    "Samples/s of a `dist_sync` job as workers are added on one machine, against one worker "
+    "(`speed-up`), with the milliseconds of each phase of a step.",
+    ["workers"], ["samples/s"], "samples/s")
+
 
 PHASES = ["compute", "push", "pull", "assign"]
 
@@ -49,7 +57,7 @@ def main() -> None:
     ap.add_argument("--model", choices=list(MODELS), default="mlp")
     ap.add_argument("--batch", type=int, default=32, help="per worker")
     ap.add_argument("--job-timeout", type=float, default=300.0)
-    record.add_argument(ap, "scaling")
+    harness.add_argument(ap, "scaling")
     args = ap.parse_args()
     counts = [int(w) for w in args.workers.split(",")]
     print(f"{args.model} {MODELS[args.model][0]} on {'x'.join(map(str, MODELS[args.model][1]))}, dist_sync, "
@@ -60,8 +68,8 @@ def main() -> None:
     t_start = time.monotonic()
     try:
         for trial in range(args.trials):
-            for w in (counts if trial % 2 == 0 else counts[::-1]):
-                for secure in ((True, False) if trial % 2 == 0 else (False, True)):
+            for w in harness.alternating(counts, trial):
+                for secure in harness.alternating((True, False), trial):
                     with tempfile.TemporaryDirectory(prefix="bench_scaling_") as tmp:
                         r = run_job(w, args.model, args.batch, args.seconds, tmp, "job", args.job_timeout, secure=secure)
                     (got if secure else plain).setdefault(w, []).append(r)
@@ -89,7 +97,7 @@ def main() -> None:
                      **{f"{p if p != 'pull' else 'wait+pull'}_ms": v for p, v in zip(PHASES, ph)}})
     print("per-trial samples/s: " + "; ".join(f"{w}w " + "/".join(f"{r['samples_s']:.0f}" for r in got[w])
                                              for w in counts))
-    record.write(args.result, "scaling", record.settings_of(args), rows)
+    harness.write(args.result, "scaling", harness.settings_of(args), rows)
 
 
 if __name__ == "__main__":

@@ -29,12 +29,12 @@ with plain SGD (lr `--lr`, lazy: only the rows a batch touched change), 2 worker
 Peak memory: each process's VmHWM (/proc/<pid>/status), polled by this script every 50 ms
 (workers and the chief also report their own at the end); the table itself is `table_bytes`.
 
-    python benchmarks/bench_embedding.py [--tables 10000000,100000] [--dim 64] [--batch 4096]
+    python -m benchmarks embedding [--tables 10000000,100000] [--dim 64] [--batch 4096]
         [--seconds 10] [--trials 1] [--contenders tfkv,pss,tfkv_plain] [--emulate 10gbit --cpus 0.9] [--json OUT]
 
 Where: on loopback (127.0.0.1, every process on this machine), or with --emulate LINK on an
 emulated cluster (tfkv.emulate, needs root): 2 hosts of --cpus cores and LINK links, each a worker
-and a server (tfkv: tfkv-launch --launcher ssh, as bench_cluster.py; PSS: a ps and a worker per
+and a server (tfkv: tfkv-launch --launcher ssh, as the cluster benchmark; PSS: a ps and a worker per
 host, the chief on the first). The output and the record's `network` say which.
 """
 
@@ -53,14 +53,24 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import cluster_jobs  # noqa: E402 - how jobs run on the emulated hosts
-import record  # noqa: E402 - benchmarks/record.py
-from bench_dist_training import run_pss_server  # noqa: E402 - a TF server until the chief is done
-from dist_job import (CALIBRATION_STEPS, WARMUP_STEPS, Failed, check_agreement, measure, run_plan,  # noqa: E402
-                      security_env, weights_checksum)
+from benchmarks import harness, jobs  # noqa: E402
+from benchmarks.jobs import (CALIBRATION_STEPS, WARMUP_STEPS, Failed, check_agreement, measure, run_plan,  # noqa: E402
+                             run_pss_server, security_env, weights_checksum)
+
+
+# This benchmark's section of the performance page (benchmarks/report.py).
+REPORT = harness.Report(
+    "Embedding tables larger than a worker",
+    "Samples/s, bytes per step (per worker) and every process's peak memory of a DLRM with a table of "
+    "10M+ rows trained by tfkv (`dist_sync`, row-sparse, `ShardedEmbedding`) against "
+    "`ParameterServerStrategy` with partitioned variables, 2 workers and 2 servers each, same run; the "
+    "network (emulated cluster or loopback) is the row's. PSS's bytes are an estimate.",
+    ["contender"], ["samples_per_sec"], "samples/s",
+    columns=["contender", "samples_per_sec", "bytes_per_step", "bytes_measured", "worker_peak_rss_mib",
+             "server_peak_rss_mib", "table_mib", "network"])
+
 
 WORKERS, SERVERS = 2, 2
 BOTTOM, TOP = [64], [64, 32]
@@ -209,7 +219,7 @@ def job_pss(args: argparse.Namespace, tmp: str, cluster: Any = None) -> None:
         spec = {"chief": [f"127.0.0.1:{free_port()}"], "worker": [f"127.0.0.1:{free_port()}" for _ in range(WORKERS)],
                 "ps": [f"127.0.0.1:{free_port()}" for _ in range(SERVERS)]}
     else:
-        port = cluster_jobs.TF_PORT
+        port = jobs.TF_PORT
         spec = {"chief": [f"{cluster.hosts[0].address}:{port + 2}"],
                 "worker": [f"{h.address}:{port}" for h in cluster.hosts],
                 "ps": [f"{h.address}:{port + 1}" for h in cluster.hosts]}
@@ -220,7 +230,7 @@ def job_pss(args: argparse.Namespace, tmp: str, cluster: Any = None) -> None:
         run_plan([Process(f"PSS {t} {i}", "worker", rank, "127.0.0.1", argv[t], env[(t, i)])
                   for rank, (t, i) in enumerate(tasks)], args.job_timeout, "ParameterServerStrategy")
     else:
-        cluster_jobs.supervise([(cluster.hosts[i], argv[t], env[(t, i)]) for t, i in tasks], args.job_timeout,
+        jobs.supervise([(cluster.hosts[i], argv[t], env[(t, i)]) for t, i in tasks], args.job_timeout,
                                "pss", Path(tmp))
 
 
@@ -287,7 +297,7 @@ def job_tfkv(args: argparse.Namespace, tmp: str, secure: bool = True, cluster: A
     what = f"tfkv dist_sync{'' if secure else ' (plain)'}"
     worker = role_argv(args, "tfkv", tmp)
     if cluster is not None:
-        cluster_jobs.launch_tfkv(cluster, args.hosts_file, [args.python, *worker[1:]], secure, Path(tmp, "launch"),
+        jobs.launch_tfkv(cluster, args.hosts_file, [args.python, *worker[1:]], secure, Path(tmp, "launch"),
                                  args.job_timeout, what, python=args.python)
         return
     plan = make_plan(WORKERS, SERVERS, worker, [sys.executable, "-m", "tfkv.ps.node"],
@@ -372,7 +382,7 @@ def _age(pid: str) -> float:
 
 
 def role_argv(args: argparse.Namespace, role: str, tmp: str) -> list[str]:
-    return [sys.executable, os.path.abspath(__file__), "--role", role, "--out", tmp, "--sync-dir", tmp,
+    return [*harness.suite_argv("embedding"), "--role", role, "--out", tmp, "--sync-dir", tmp,
             "--tables", args.tables, "--dim", str(args.dim), "--batch", str(args.batch), "--pool", str(args.pool),
             "--lr", str(args.lr), "--seconds", str(args.seconds), "--worker-threads", str(args.worker_threads)]
 
@@ -402,7 +412,7 @@ def run_trials(args: argparse.Namespace, contenders: list[str], cluster: Any) ->
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in contenders}
     failed = False
     for trial in range(args.trials):
-        for contender in (contenders if trial % 2 == 0 else contenders[::-1]):
+        for contender in harness.alternating(contenders, trial):
             try:
                 got = run_contender(args, contender, cluster)
             except Failed as e:
@@ -441,7 +451,7 @@ def main() -> None:
     ap.add_argument("--role", choices=["tfkv", "pss", "pss_server"], help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--sync-dir", help=argparse.SUPPRESS)
-    record.add_argument(ap, "embedding", "--json", "--result")
+    harness.add_argument(ap, "embedding", "--json", "--result")
     args = ap.parse_args()
     try:
         args.table_rows = [int(r) for r in args.tables.split(",")]
@@ -510,9 +520,9 @@ def main() -> None:
     print("worker peak RSS / table: target well below 1")
     print("* estimated: PSS rows gathered + scattered and dense weights + gradients, 4 bytes a float; "
           f"tfkv: the store's push_bytes + pull_bytes. Network: {network}.", flush=True)
-    settings = record.settings_of(args)
+    settings = harness.settings_of(args)
     settings.pop("hosts_file", None)  # the emulated cluster's, gone with it
-    record.write(args.result, "embedding", settings, rows, network=network)
+    harness.write(args.result, "embedding", settings, rows, network=network)
     if failed:
         sys.exit(1)
 

@@ -27,7 +27,7 @@ GB/s counts float32 bytes out and back (2 x model bytes per iteration), also for
 "effective" rate: what it would take float32 pushes to deliver). Trials alternate contenders;
 medians are reported. The machine is shared, so expect noise.
 
-    python benchmarks/bench_overlap.py [--seconds 1.5] [--trials 3] [--chunk 4M]
+    python -m benchmarks overlap [--seconds 1.5] [--trials 3] [--chunk 4M]
 """
 
 from __future__ import annotations
@@ -36,12 +36,21 @@ import argparse
 import dataclasses
 import multiprocessing as mp
 import statistics
-import time
 
 import numpy as np
 import zmq
-from dist_job import start_ps  # benchmarks/, this script's directory
-import record  # benchmarks/record.py
+from benchmarks import harness
+from benchmarks.jobs import start_ps
+
+
+# This benchmark's section of the performance page (benchmarks/report.py).
+REPORT = harness.Report(
+    "Overlapping a model's pushes and pulls",
+    "GB/s of a push and pull of every ResNet18 parameter (62 keys, 44.7 MB) per iteration, blocking, "
+    "split, fused (`pushpull`), chunked and 2-bit, against raw pyzmq sending the same messages to an "
+    "echo process (`vs raw`: the faster raw run).",
+    ["contender"], ["GB/s"], "GB/s")
+
 
 # ResNet18 (CIFAR variant, tfkv.models "resnet18", 32x32x3 -> 10) trainable variable shapes, in
 # model order: tfkv.models.resnet.build_resnet18((32, 32, 3), 10).trainable_variables
@@ -74,7 +83,7 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--chunk", default="4M", help="TFKV_CHUNK_BYTES for the chunked contenders (the default is 16M)")
     ap.add_argument("--threshold", type=float, default=0.5)
-    record.add_argument(ap, "overlap")
+    harness.add_argument(ap, "overlap")
     args = ap.parse_args()
     chunk = parse_size(args.chunk)
 
@@ -148,17 +157,14 @@ def main() -> None:
         compressing = {"+2bit"}
         results: dict[str, list[float]] = {name: [] for name in contenders}
         for trial in range(args.trials):
-            order = list(contenders) if trial % 2 == 0 else list(reversed(contenders))
+            order = harness.alternating(list(contenders), trial)
             for name in order:
                 fn = contenders[name]
                 # Compression is a store-wide setting: on only for the +2bit contender.
                 store._threshold = args.threshold if name in compressing else None
-                fn()  # warm-up
-                n, t0 = 0, time.perf_counter()
-                while time.perf_counter() - t0 < args.seconds:
-                    fn()
-                    n += 1
-                results[name].append(2 * model_bytes * n / (time.perf_counter() - t0) / 1e9)
+                harness.warm_up(fn, 1)
+                n, elapsed = harness.timed(fn, args.seconds)
+                results[name].append(2 * model_bytes * n / elapsed / 1e9)
         raw_gbs = max(statistics.median(results["raw per key"]), statistics.median(results["raw chunked"]))
         print(f"\n{'contender':<18}{'GB/s':>8}{'vs raw':>9}   (median of {args.trials} trials of {args.seconds} s)")
         rows = []
@@ -180,7 +186,7 @@ def main() -> None:
               "plain, TFKV_SECURE=0, as raw is)")
         store.close()
         secure.close()
-        record.write(args.result, "overlap", record.settings_of(args), rows,
+        harness.write(args.result, "overlap", harness.settings_of(args), rows,
                      pushed_bytes_per_step={"float32": plain, "2bit": store.push_bytes})
     finally:
         from tfkv.launcher.supervisor import stop_groups

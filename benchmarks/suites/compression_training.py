@@ -7,13 +7,13 @@ LeNet (tfkv `lenet`) on one synthetic 28x28x1 batch, b=32 per worker, SGD (lr 0.
 exists, as the trainer does; pulls stay float32); and the accurate 2-bit
 (`kvstore.compression.type=2bit`: the momentum
 applied on the workers before quantising, the servers' SGD without it), the one speed targets
-are measured with. Their accuracy: bench_compression_accuracy.py. Each job is the one in
-benchmarks/dist_job.py (time-based steps, workers' weights checked to agree). Trials alternate
+are measured with. Their accuracy: the compression_accuracy benchmark. Each job is the one in
+benchmarks/jobs.py (time-based steps, workers' weights checked to agree). Trials alternate
 the contenders (order reversed every other trial); medians are reported. `--overlap-ab` adds a
 float32 contender that pushes every key after the whole backward pass instead of from inside it
 as each gradient is ready (the A/B for DataParallel's overlap).
 
-    python benchmarks/bench_compression_training.py [--seconds 3] [--trials 2] [--workers 2,4]
+    python -m benchmarks compression_training [--seconds 3] [--trials 2] [--workers 2,4]
                                                     [--threshold 0.5] [--overlap-ab]
 
 Exits non-zero if any job failed or hung.
@@ -22,16 +22,22 @@ Exits non-zero if any job failed or hung.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from dist_job import Failed, run_job  # noqa: E402
-import record  # noqa: E402 - benchmarks/record.py
+from benchmarks.jobs import Failed, run_job  # noqa: E402
+from benchmarks import harness
+
+
+# This benchmark's section of the performance page (benchmarks/report.py).
+REPORT = harness.Report(
+    "2-bit compression: throughput",
+    "Samples/s of a LeNet `dist_sync` job with 2-bit compressed pushes against the same job in float32 "
+    "(`vs float32`), and the bytes each pushes per step.",
+    ["workers", "contender"], ["samples/s"], "samples/s")
 
 
 def main() -> None:
@@ -44,12 +50,12 @@ def main() -> None:
     ap.add_argument("--overlap-ab", action="store_true",
                     help="also run float32 pushing every key after the whole backward pass")
     ap.add_argument("--job-timeout", type=float, default=240.0)
-    record.add_argument(ap, "compression_training")
+    harness.add_argument(ap, "compression_training")
     args = ap.parse_args()
     counts = [int(w) for w in args.workers.split(",")]
     # Every job is secure (the job's keys), as launched jobs are by default; "plain" is the float32
     # job with TFKV_SECURE=0, what security costs beside what compression saves.
-    # config names (dist_job.config_compression): 2bit is the accurate one, 2bit_mxnet MXNet's exact one
+    # config names (jobs.config_compression): 2bit is the accurate one, 2bit_mxnet MXNet's exact one
     compressions = {"2bit (accurate)": "2bit", "2bit (MXNet's)": "2bit_mxnet"}
     contenders = ["float32", *compressions, "float32, plain (secure=false)"] + (
         ["float32, pushed after backward"] if args.overlap_ab else [])
@@ -60,7 +66,7 @@ def main() -> None:
     try:
         for trial in range(args.trials):
             for w in counts:
-                for c in (contenders if trial % 2 == 0 else contenders[::-1]):
+                for c in harness.alternating(contenders, trial):
                     with tempfile.TemporaryDirectory(prefix="bench_compression_") as tmp:
                         r = run_job(w, "lenet", args.batch, args.seconds, tmp, "job", args.job_timeout,
                                     compression=compressions.get(c, "none"), threshold=args.threshold,
@@ -87,7 +93,7 @@ def main() -> None:
                          "pushed B/step": b, "bytes ratio": base_b / b})
     print("per-trial samples/s: " + "; ".join(
         f"{w}w {c} " + "/".join(f"{r['samples_s']:.0f}" for r in got[(w, c)]) for w in counts for c in contenders))
-    record.write(args.result, "compression_training", record.settings_of(args), rows)
+    harness.write(args.result, "compression_training", harness.settings_of(args), rows)
 
 
 if __name__ == "__main__":

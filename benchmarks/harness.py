@@ -1,9 +1,16 @@
-"""The result file every benchmark writes: benchmarks/results/<bench>.json.
+"""The one harness every benchmark runs on: trials, warm-up, timing, contenders, medians, records.
 
-A record holds what was measured (`rows`), how (`command`, `settings`), when (`date`, UTC), on what
-code (`commit`) and on which machine (`machine`). benchmarks/report.py turns the latest record of
-each benchmark into docs/performance.md. The scripts run as `python benchmarks/bench_x.py`, so
-this file's directory is on sys.path and they `import record`.
+A suite (benchmarks/suites/<name>.py, run as `python -m benchmarks <name>`) declares what it
+measures and its contenders; this module runs them the same way everywhere:
+
+- contenders alternate (`alternating`): the order is reversed every other trial, so that neither
+  side of a ratio always runs first on a warm or a cold machine;
+- a timed loop (`timed`) steps back to back, after untimed warm-up steps (`warm_up`), for at least
+  a given time; a figure is the median over trials (`medians`), since these machines are shared;
+- the result record: benchmarks/results/<name>.json holds what was measured (`rows`), how
+  (`command`, `settings`), when (`date`, UTC), on what code (`commit`) and on which machine
+  (`machine`). benchmarks/report.py (`python -m benchmarks report`) turns the latest record of each benchmark into
+  docs/performance.md.
 
 Where a record goes: `--result PATH` if given; else the directory in $TFKV_BENCH_RESULTS (the tests
 set it, so a smoke run never overwrites a committed figure); else benchmarks/results/.
@@ -18,10 +25,13 @@ import os
 import platform
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence, TypeVar
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -29,6 +39,81 @@ RESULTS = HERE / "results"
 ENV = "TFKV_BENCH_RESULTS"
 # argparse destinations that are plumbing between a script and its own child processes, not settings
 PLUMBING = {"result", "role", "out", "worker", "sync_dir", "keras_fit", "precision", "jit"}
+
+T = TypeVar("T")
+K = TypeVar("K", bound=Hashable)
+
+
+# -- trials, warm-up, timing, medians ------------------------------------------------------------
+
+def alternating(contenders: Sequence[T], trial: int) -> list[T]:
+    """The contenders in their order on even trials, reversed on odd ones: neither side of a ratio
+    always runs first (on a machine warmed or drifting during the run)."""
+    return list(contenders) if trial % 2 == 0 else list(contenders)[::-1]
+
+
+def warm_up(step: Callable[[], Any], steps: int = 2) -> None:
+    """Untimed steps first: the first traces (tf.function), the next fills caches and pools."""
+    for _ in range(steps):
+        step()
+
+
+def timed(step: Callable[[], Any], seconds: float, every: int = 1) -> tuple[int, float]:
+    """`step()` back to back, `every` calls between looks at the clock, until `seconds` have
+    passed: (steps run, seconds they took). Each call returns when its step is done."""
+    n, t0 = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - t0) < seconds:
+        for _ in range(every):
+            step()
+        n += every
+    return n, elapsed
+
+
+def samples_per_second(step: Callable[[], Any], batch: int, seconds: float, every: int = 1) -> float:
+    """A training step's samples/s: two untimed steps (the first traces), then `timed`."""
+    warm_up(step)
+    n, elapsed = timed(step, seconds, every)
+    return batch * n / elapsed
+
+
+def medians(samples: Mapping[K, Iterable[float]]) -> dict[K, float]:
+    """Each contender's median over its trials."""
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+# -- what a benchmark's section of the performance page shows ----------------------------------------
+
+@dataclass(frozen=True)
+class Report:
+    """How one benchmark's section reads (each suite's REPORT; benchmarks/report.py draws it): its
+    title, the sentence on what it measures against which baseline, which row fields name a row
+    (labels) and which are plotted (values), and which rows and columns show (a ratio is a column
+    the suite computed from two contenders of the same run)."""
+
+    title: str
+    what: str
+    labels: list[str]
+    values: list[str]
+    unit: str
+    columns: list[str] | None = None  # None: every field whose values are scalars
+    select: Callable[[list[dict]], list[dict]] = field(default=lambda rows: rows)
+    rerun: str = ""  # the command when there is no record yet ("": the benchmark alone)
+
+
+# -- child processes -------------------------------------------------------------------------------
+
+def suite_argv(name: str, python: str = sys.executable) -> list[str]:
+    """The command line that runs a suite in a child process (a job's role, a fresh process per
+    round): `python -m benchmarks <name>`, from the repository root or with it on PYTHONPATH."""
+    return [python, "-m", "benchmarks", name]
+
+
+def module_argv(module: str, python: str = sys.executable) -> list[str]:
+    """The command line of a module of this package run as a process (benchmarks.jobs' worker)."""
+    return [python, "-m", f"benchmarks.{module}"]
+
+
+# -- records ---------------------------------------------------------------------------------------
 
 
 def default_path(bench: str) -> Path:
@@ -109,14 +194,10 @@ def machine() -> dict[str, Any]:
     }
 
 
-def command() -> str:
-    """The command as run, from the repository root: `python benchmarks/bench_x.py --flag value`."""
-    script = Path(sys.argv[0]).resolve()
-    try:
-        script = script.relative_to(REPO)
-    except ValueError:
-        pass
-    return shlex.join(["python", str(script), *sys.argv[1:]])
+def command(bench: str) -> str:
+    """The command as run, from the repository root: `python -m benchmarks <bench> --flag value`
+    (benchmarks/__main__.py leaves the suite's own arguments in sys.argv[1:])."""
+    return shlex.join(["python", "-m", "benchmarks", bench, *sys.argv[1:]])
 
 
 def make(bench: str, settings: dict[str, Any], rows: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
@@ -124,7 +205,7 @@ def make(bench: str, settings: dict[str, Any], rows: list[dict[str, Any]], **ext
     return {
         "benchmark": bench,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "command": command(),
+        "command": command(bench),
         "commit": commit(),
         "machine": machine(),
         "settings": settings,
@@ -146,7 +227,7 @@ def write(path: str | Path | None, bench: str, settings: dict[str, Any], rows: l
 
 
 def load(path: str | Path) -> dict[str, Any]:
-    """A record; a file holding only a list of rows (what bench_cluster.py and bench_control_plane.py
+    """A record; a file holding only a list of rows (what the cluster and control_plane benchmarks
     wrote before records) is read as a record with just those rows."""
     got = json.loads(Path(path).read_text())
     return {"rows": got} if isinstance(got, list) else got

@@ -29,7 +29,7 @@ Each point runs a fixed count of iterations chosen from a calibration so that it
 synchronous job). Trials alternate between the contenders (in reversed order every other trial)
 and the median is reported, because this machine is shared and noisy.
 
-    python benchmarks/bench_pushpull.py [--seconds 1] [--trials 5] [--sizes 4K,1M,16M,64M,keyset]
+    python -m benchmarks pushpull [--seconds 1] [--trials 5] [--sizes 4K,1M,16M,64M,keyset]
                                         [--op pushpull|push+pull]
 
 Exits non-zero if a job fails, hangs (--job-timeout), or a pulled value is wrong.
@@ -42,15 +42,24 @@ import json
 import math
 import multiprocessing as mp
 import os
-import statistics
 import sys
 import tempfile
 import time
 
 import numpy as np
 import zmq
-from dist_job import run_plan, security_env  # benchmarks/, this script's directory
-import record  # benchmarks/record.py
+from benchmarks import harness
+from benchmarks.jobs import run_plan, security_env
+
+
+# This benchmark's section of the performance page (benchmarks/report.py).
+REPORT = harness.Report(
+    "Push and pull throughput",
+    "GB/s (both directions) of tfkv's `pushpull` of one array, or of a transformer-shaped key set, "
+    "against a raw pyzmq round trip of the same bytes between the same processes, in the same run. "
+    "The tfkv and raw columns are plain; `secure_1x1` is what a launched job runs by default.",
+    ["size"], ["raw_1x1", "tfkv_1x1", "secure_1x1"], "GB/s")
+
 
 BIGARRAY_BOUND = 1_000_000  # elements; tfkv's (and MXNet's) default MXNET_KVSTORE_BIGARRAY_BOUND
 CONTROL_KEY = 1 << 20
@@ -189,7 +198,7 @@ def run_tfkv(num_servers: int, num_workers: int, sizes: list[int], seconds: floa
 
     with tempfile.TemporaryDirectory(prefix="bench_pushpull_") as tmp:
         outs = [os.path.join(tmp, f"worker{i}.json") for i in range(num_workers)]
-        worker = [sys.executable, os.path.abspath(__file__), "--worker", "--seconds", str(seconds), "--op", op,
+        worker = [*harness.suite_argv("pushpull"), "--worker", "--seconds", str(seconds), "--op", op,
                   "--sizes", ",".join(str(s) for s in sizes), "--out"]
         plan = make_plan(num_workers, num_servers, worker, [sys.executable, "-m", "tfkv.ps.node"],
                          ["127.0.0.1"], "127.0.0.1", free_port(), extra_env=security_env(secure))
@@ -324,7 +333,7 @@ def main() -> None:
     ap.add_argument("--job-timeout", type=float, default=180.0, help="seconds before a job counts as hung")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
-    record.add_argument(ap, "pushpull")
+    harness.add_argument(ap, "pushpull")
     args = ap.parse_args()
     if args.worker:
         tfkv_worker(args)
@@ -348,7 +357,7 @@ def main() -> None:
     t_start = time.monotonic()
     try:
         for trial in range(args.trials):
-            order = list(contenders) if trial % 2 == 0 else list(reversed(contenders))
+            order = harness.alternating(list(contenders), trial)
             for name in order:
                 got = contenders[name]()
                 if name == "raw1":
@@ -361,7 +370,7 @@ def main() -> None:
         print(f"bench_pushpull: FAILED: {e}", file=sys.stderr)
         sys.exit(1)
 
-    med = {s: {n: statistics.median(v) for n, v in by.items()} for s, by in series.items()}
+    med = {s: harness.medians(by) for s, by in series.items()}
     has_copy = "rawcopy" in med
     head = (f"{'size':>8} {'raw 1x1':>8} " + (f"{'raw copy':>8} " if has_copy else "")
             + f"{'tfkv 1x1':>8} {'ratio':>6}   {'raw 2x2':>8} {'tfkv 2x2':>8} {'ratio':>6}   "
@@ -389,7 +398,7 @@ def main() -> None:
     print("per-trial spread (min-max GB/s): " + "; ".join(
         f"{s} {human(n)} {min(series[s][n]):.2f}-{max(series[s][n]):.2f}"
         for s in ("raw1", "tfkv1") for n in sizes if n >= 1 << 20 or n == KEYSET))
-    record.write(args.result, "pushpull", record.settings_of(args), rows, unit="GB/s, both directions")
+    harness.write(args.result, "pushpull", harness.settings_of(args), rows, unit="GB/s, both directions")
 
 
 if __name__ == "__main__":
