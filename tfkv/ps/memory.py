@@ -6,7 +6,7 @@ assembled from its pieces, the round's sums, TensorFlow's gradient tensors. glib
 allocation above its mmap threshold (which moves with what was freed, up to 32 MiB) from a fresh
 mapping and trims its heap once the free memory on top passes twice that, so every step paid
 page faults and the kernel's zeroing for memory it had just released. Fixed thresholds (256 MiB,
-1 GiB) keep that memory in the heap, which `python benchmarks/bench_dist_training.py --models mlp`
+1 GiB) keep that memory in the heap, which `python -m benchmarks dist_training --models mlp`
 shows as samples/s (the figures when this was chosen: benchmarks/results/design_figures.md).
 
 The cost: a process's resident memory stays at its peak (up to 1 GiB more than it holds) rather
