@@ -64,7 +64,7 @@ class Scheduler:
         self._formed = False  # every node registered: from then on only members are heard
         self._strangers = Strangers("scheduler")
         # Messages heard from members once the cluster formed, by type: the control plane's load,
-        # logged when the job ends (the control_plane benchmark, benchmarks/suites/control_plane.py, reads the heartbeat rate).
+        # logged when the job ends (python -m benchmarks control_plane reads the heartbeat rate).
         self.heard: Counter[str] = Counter()
         self._next_look = 0.0  # when `_silent` next looks for silent nodes
         self._behind_since: float | None = None  # since when messages wait each time it would look
