@@ -54,7 +54,7 @@ MODELS = {
     "resnet": ({"_target_": "tfkv.models.resnet.build_resnet18", "width": 8}, (32, 32, 3)),
 }
 BIGARRAY_BOUND = 1_000_000  # elements: a key this big is cut into one part per server
-FUSED_KEY_BYTES = 64 << 10  # tfkv.ps.worker: keys up to this size go together in one PUSHPULL per server
+FUSED_KEY_BYTES = 64 << 10  # tfkv.ps.kvworker: keys up to this size go together in one PUSHPULL per server
 TARGET = 0.20
 
 
