@@ -3,8 +3,9 @@ worker-side facade of the parameter server (MXNet's KVStore API over `tfkv.ps`).
 
 Where a key's parts live and how a pulled key is put back together is `tfkv.ps.parts` (a key
 on one server picked as MXNet does, `key * 9973 % num_servers`, or cut into one part per server
-above MXNET_KVSTORE_BIGARRAY_BOUND, and parts over TFKV_CHUNK_BYTES cut into chunks); requests,
-their answers and waiting are `tfkv.ps.worker.ServerLink`, used through its API only. A push
+above MXNET_KVSTORE_BIGARRAY_BOUND, and parts over TFKV_CHUNK_BYTES cut into chunks); the
+requests are built by `tfkv.ps.kvworker.KVWorker` (`worker`), numbered and awaited by
+`tfkv.ps.worker.ServerLink` (`servers`: waiting, settling), no message built here. A push
 first sums this machine's device values (in host memory, or on the first device for the
 `*_device` types), then hands the flat value to `tfkv.ps.kvworker.KVWorker`, which builds the
 requests (one message per part, sent without waiting); a pull sends every part's request before
