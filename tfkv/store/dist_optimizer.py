@@ -69,11 +69,12 @@ class ServerOptimizer:
 
     def load_optimizer_states(self, fname: str) -> None:
         self._require_optimizer()
-        if self.rank == 0 and self.worker.sender is not None:
+        sender = self.worker.sender
+        if self.rank == 0 and sender is not None:
             logging.getLogger("tfkv").warning(
                 "gradient compression %s: each worker's %s are not in the optimizer state; they start from zero, "
-                "so the updates from here differ from those of a job never stopped", self.worker.sender.setting.kind.name,
-                self.worker.sender.held)
+                "so the updates from here differ from those of a job never stopped", sender.setting.kind.name,
+                sender.held)
         # Every worker's pushes so far applied first: a round still open (another worker's push on its
         # way) would otherwise close after the state was put back, and move it again.
         self.barrier()
