@@ -48,7 +48,7 @@ BATCH = 64  # per worker, as the cluster suite's default
 WIRE_EFFICIENCY = 0.95  # a tc tbf link's measured share of its rate
 LINKS = {"1gbit": 1e9, "10gbit": 1e10, "25gbit": 25e9}
 BIGARRAY_BOUND = 1_000_000  # elements: a key this big is cut into one part per server
-FUSED_KEY_BYTES = 64 << 10  # tfkv.ps.worker: keys up to this size go together in one PUSHPULL per server
+FUSED_KEY_BYTES = 64 << 10  # tfkv.ps.kvworker: keys up to this size go together in one PUSHPULL per server
 TARGET = 0.20
 
 

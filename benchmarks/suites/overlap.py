@@ -116,7 +116,7 @@ def main() -> None:
         secure.env = dataclasses.replace(secure.env, chunk_bytes=1 << 40)
         secure.init(unchunked, [np.zeros(s, np.float32) for s in shapes])
         priority = list(unchunked)  # backprop's order: the last layer's gradient is ready first
-        pieces = [b - a for k in chunked for _, a, b, _ in store._layout(k)[1].parts]
+        pieces = [b - a for k in chunked for _, a, b, _ in store.keys.layout(k)[1].parts]
 
         def blocking() -> None:
             for k, g in zip(unchunked, grads):

@@ -11,12 +11,14 @@ import pytest
 import zmq
 
 from tfkv import keys as job_keys
+from tfkv import optim
 from tfkv.ps import handshake
 from tfkv.ps import protocol as P
 from tfkv.ps.cluster_env import ClusterEnv
 from tfkv.ps.round_types import Round
 from tfkv.ps.server import Server
 from tfkv.ps.transport.server import SecureServerTransport, ServerTransport
+from tfkv.ps.updater import NumpyUpdater
 
 
 def _server(workers: int) -> Server:
@@ -25,7 +27,8 @@ def _server(workers: int) -> Server:
     srv = object.__new__(Server)
     srv.env = ClusterEnv("server", "127.0.0.1", 1, 1, workers)
     srv.link = SimpleNamespace(name="server 0", left=collections.deque())
-    srv.transport = SimpleNamespace(reply=lambda identity, msg: None, flush=lambda: None)
+    srv.transport = SimpleNamespace(reply=lambda identity, msg: None, flush=lambda: None,
+                                    repeated=ServerTransport(None, 1 << 20).repeated)  # the dedup is the transport's
     srv._serving(set(range(9, 9 + workers)))
     return srv
 
@@ -479,3 +482,25 @@ def test_a_worker_on_a_new_connection_leaves_nothing_kept_for_its_old_one():
     finally:
         sock.close()
     assert sorted(secure.acceptor.sessions) == [b"new", b"other"]
+
+
+def test_the_transport_tells_a_resent_change_from_a_new_one_and_the_server_applies_it_once():
+    """A worker's transport resends a request under PS_RESEND with its sequence number: the
+    server's transport tells it apart (per sender, changes only), and the server acknowledges it
+    again without applying it twice."""
+    seen = ServerTransport(None, 1 << 20)
+    push = P.Message(P.Type.PUSH, sender=9, seq=5, key=3, data=np.ones(2, np.float32), want_ack=True)
+    assert not seen.repeated(push) and seen.repeated(push)
+    assert not seen.repeated(P.Message(P.Type.PUSH, sender=10, seq=5, key=3))  # another worker's request 5
+    pull = P.Message(P.Type.PULL, sender=9, seq=6, key=3)
+    assert not seen.repeated(pull) and not seen.repeated(pull)  # a pull changes nothing: answered again
+    srv = _server(1)
+    srv.rounds.sync = False
+    srv.rounds.updater = NumpyUpdater(optim.SGD(schedule=optim.Schedule(lr=1.0)))
+    srv.rounds.values[3] = np.zeros(2, np.float32)
+    sent = []
+    srv.transport.reply = lambda identity, msg: sent.append(msg.type)
+    frames = [bytes(f) for f in P.encode(push)]
+    assert srv.handle(b"w", frames) and srv.handle(b"w", frames)
+    assert sent == [P.Type.ACK, P.Type.ACK]
+    np.testing.assert_array_equal(srv.rounds.values[3], [-1.0, -1.0])  # applied once: lr 1, gradient 1

@@ -16,10 +16,10 @@ from tfkv.ps.worker import DistError
 SERVERS = [{"host": "10.0.0.1", "port": 9000}, {"host": "10.0.0.2", "port": 9001}]
 
 
-def _tracker(**env) -> Tracker:
-    settings = {"resend": False, "heartbeat_timeout": 0.05, "request_timeout": 0.1, **env}
+def _tracker(resend: bool = False, **env) -> Tracker:
+    settings = {"heartbeat_timeout": 0.05, "request_timeout": 0.1, **env}
     names = {7: "key 'w'", 10: "layer embedding0 (tfkv.layers.ShardedEmbedding)"}  # as the store names them
-    return Tracker(SimpleNamespace(**settings), SERVERS, lambda kid: names.get(kid, f"key {kid}"))
+    return Tracker(SimpleNamespace(**settings), SERVERS, lambda kid: names.get(kid, f"key {kid}"), lost_fails=not resend)
 
 
 def test_a_ping_that_holds_fewer_than_are_awaited_names_the_oldest_lost_request():

@@ -99,7 +99,7 @@ def answer(kv, server: int, timeout_ms: int):
 def bad_requests(kv, out):
     """Malformed and wrong requests get ERROR replies; the server keeps serving."""
     kv.init("w", np.zeros(8, np.float32))
-    kid, layout = kv._layout("w")
+    kid, layout = kv.keys.layout("w")
     server = layout.parts[0][0]
     errors = []
 
@@ -124,11 +124,11 @@ def bad_requests(kv, out):
     ask([bytes(raw), bytes(good[1])])
     # PUSHPULL (small keys together): every key checked before any is pushed.
     kv.init("v", np.zeros(4, np.float32))
-    vid = kv._layout("v")[0]
+    vid = kv.keys.layout("v")[0]
     for seq, keys, n in [(10**6 + 5, [kid, 987654], 8), (10**6 + 6, [kid, kid], 16), (10**6 + 7, [kid], 9)]:
         ask(P.encode(P.Message(P.Type.PUSHPULL, sender=kv.link.id, seq=seq, meta={"keys": keys},
                                data=np.ones(n, np.float32))))
-    if kv._layout("v")[1].parts[0][0] == server:  # both keys on this server: a good one, answered with both values
+    if kv.keys.layout("v")[1].parts[0][0] == server:  # both keys on this server: a good one, answered with both values
         ask(P.encode(P.Message(P.Type.PUSHPULL, sender=kv.link.id, seq=10**6 + 8, meta={"keys": [vid, kid]},
                                data=np.zeros(12, np.float32))))
     else:
@@ -209,7 +209,7 @@ def compressed(kv, out):
     r = kv.rank
     kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
     kv.init(["a", "big"], [np.zeros(100, np.float32), np.zeros(3000, np.float32)])
-    res = {"parts": len(kv._layout("big")[1].parts)}
+    res = {"parts": len(kv.keys.layout("big")[1].parts)}
     pulls = []
     for _ in range(2):  # 0.3 per step: nothing is sent, then 0.5 once 0.6 has built up
         kv.push("a", np.full(100, 0.3, np.float32))
@@ -338,7 +338,7 @@ def pushpull(kv, out):
     r = kv.rank
     keys = ["small", "split", "chunked"]
     kv.init(keys, [np.zeros(3, np.float32), np.zeros(1000, np.float32), np.zeros((50, 40), np.float32)])
-    res = {"parts": {k: len(kv._layout(k)[1].parts) for k in keys}}
+    res = {"parts": {k: len(kv.keys.layout(k)[1].parts) for k in keys}}
     small, split, chunked = kv.pushpull(keys, [np.full(3, r + 1.0, np.float32),
                                               [np.full(1000, 1.0, np.float32), np.full(1000, r, np.float32)],
                                               np.full((50, 40), 2.0 * r, np.float32)], priority=[0, 1, 2])
@@ -391,7 +391,7 @@ def half(kv, out):
     for name, dt in dts.items():
         kv.init([f"{name}", f"{name}_big"], [np.zeros(3, dt), np.zeros(1000, dt)])
     kv.init([f"f{i}" for i in range(4)], [np.zeros(5, np.float32) for _ in range(4)])
-    res["parts"] = len(kv._layout("float16_big")[1].parts)
+    res["parts"] = len(kv.keys.layout("float16_big")[1].parts)
     for name, dt in dts.items():
         before = kv.push_bytes
         # 0.25 + 0.5 per element from workers 0 and 1: exact in half
@@ -497,7 +497,7 @@ def keys(kv, out):
     res = {"init": [float(v[0]) for v in kv.pull(names)]}
     kv.push(names, [np.full(3, kv.rank + 10.0 * (i + 1), np.float32) for i in range(len(names))])
     res["pushed"] = [float(v[0]) for v in kv.pull(names)]
-    res["ids"] = len({kv._id(k) for k in names})
+    res["ids"] = len({kv.keys.id(k) for k in names})
     a, b = np.ones(3, np.float32), [np.ones(3, np.float32), np.full(3, 2.0, np.float32)]
     kv.pushpull(names[:2], [a, b])  # no out: MXNet writes the result into the values
     res["in_place"] = [a.tolist(), b[0].tolist(), b[1].tolist()]
@@ -533,7 +533,7 @@ def busy_server(kv, out):
     os.kill(server, signal.SIGSTOP)
     threading.Timer(float(sys.argv[4]), os.kill, (server, signal.SIGCONT)).start()
     dest = np.empty(200_000, np.float32)
-    pulls = [kv._request_pull("w", [dest]) for _ in range(int(sys.argv[5]))]
+    pulls = [kv.worker.pull("w", kv.keys.layout("w")[1], [dest]) for _ in range(int(sys.argv[5]))]
     t0 = time.monotonic()
     kv.wait(pulls)
     json.dump({"seconds": time.monotonic() - t0, "exact": bool(np.array_equal(dest, np.arange(200_000)))}, out)

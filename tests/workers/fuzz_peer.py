@@ -286,8 +286,8 @@ def worker(out_path, steps, nkeys, size):
     kv.init(keys, [np.full(size, 1000.0, np.float32) for _ in keys])
     kv.barrier()
     sent_to_scheduler = fuzz_scheduler(kv.link)
-    kid = kv._layout(0)[0]
-    server = kv._layout(0)[1].parts[0][0]
+    kid = kv.keys.layout(0)[0]
+    server = kv.keys.layout(0)[1].parts[0][0]
     with kv.servers.lock:  # a table no worker pushes, for rows_cases to aim at (a valid request, acknowledged)
         kv.servers.transport.put(server, table_init(kv.link.id, next(kv.servers.seq), size))
         made = answer(kv, server, 10_000)

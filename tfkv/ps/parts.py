@@ -39,7 +39,7 @@ class Layout:
     size: int
     parts: list[Part]  # over the flat value, in order
     dtype: np.dtype = dtypes.FLOAT32  # the key's (tfkv.ps.dtypes): float32, float16 or bfloat16
-    fusable: bool = False  # may travel in a fused PUSHPULL (the worker's store decides, at init)
+    fusable: bool = False  # may travel in a fused PUSHPULL (KVWorker.plan decides, once)
 
 
 @dataclass
@@ -212,3 +212,63 @@ def row_chunks(n: int, width: int, chunk_bytes: int, per_row: int = 1) -> list[s
     that each fit in chunk_bytes (at least one row each)."""
     step = max(1, chunk_bytes // max(1, width * 4 * per_row))
     return [slice(a, min(n, a + step)) for a in range(0, n, step)]
+
+
+class TableLayout(NamedTuple):
+    """A row-sparse key as a worker knows it: its dense shape and where its rows are."""
+
+    shape: tuple[int, ...]
+    width: int  # values per row
+    placement: RowPlacement
+    dtype: np.dtype  # float32 or float16
+
+
+class RowPull:
+    """One key's row pull in flight, completed as a `Pull` is (ServerLink.gather): its unique
+    `ids`, and each request with the positions (in those ids) of the rows it asked for. Each
+    reply goes into `data` at its positions as it arrives (or is opened there: a contiguous
+    run of positions, the `range` sharding's, is a place a secure reply lands in); `value` is
+    then the RowSparse-like (data, ids) the store hands on."""
+
+    landed = False  # a part's reply may be opened in its place (the worker transport's landing)
+
+    def __init__(self, key: Hashable, table: TableLayout, ids: np.ndarray):
+        self.key, self.table, self.ids = key, table, ids
+        self.requests: list[tuple[int, np.ndarray]] = []
+        self.data = np.empty((len(ids), table.width), table.dtype)
+        self.value: np.ndarray | None = None
+
+    @property
+    def seqs(self) -> list[int]:
+        return [seq for seq, _ in self.requests]
+
+    def expect(self, requests: list[tuple[int, np.ndarray]]) -> None:
+        """The requests sent: (seq, positions of the rows it asked for)."""
+        self.requests, self._left = requests, len(requests)
+        self._at = dict(requests)
+        if not requests:
+            self.value = self.data
+
+    def destinations(self) -> Iterator[tuple[int, np.ndarray]]:
+        """(seq, where its rows go) for each request whose rows are one contiguous run of `data`."""
+        for seq, at in self.requests:
+            if len(at) and at[-1] - at[0] == len(at) - 1:  # positions only ever rise: a run
+                yield seq, self.data[at[0]:at[-1] + 1].reshape(-1)
+
+    def arrive(self, seq: int, data: np.ndarray | None) -> bool:
+        """Take one request's rows; True once every row has arrived."""
+        at = self._at[seq]
+        if data is None or data.size != at.size * self.table.width:
+            raise RuntimeError(f"row_sparse_pull of key {self.key!r}: a server answered "
+                               f"{0 if data is None else data.size} values for {at.size} rows")
+        if not (self.landed and len(at) and data.__array_interface__["data"][0]
+                == self.data[at[0]:].__array_interface__["data"][0]):
+            self.data[at] = data.reshape(at.size, self.table.width)  # unless it was opened there
+        self._left -= 1
+        if self._left:
+            return False
+        self.value = self.data
+        return True
+
+    def deliver(self) -> None:
+        """Nothing to copy: the rows are in `data`, the one place they land."""

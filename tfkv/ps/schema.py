@@ -183,8 +183,8 @@ SCHEMAS: dict[tuple[str, bool], Schema] = {
     ("GET_STATE", False): Schema(),
     ("SET_STATE", False): Schema(_STATE, data="optional"),
     ("PING", False): Schema(),
-    # keys pushed and pulled in one request: small ones fused (tfkv.ps.worker's fusion; keys:
-    # server-side ids), or without metadata one key, the header's
+    # keys pushed and pulled in one request: small ones fused (tfkv.ps.kvworker decides, tfkv.ps.worker
+    # stages; keys: server-side ids), or without metadata one key, the header's
     ("PUSHPULL", False): Schema(obj({"keys": array(integer(), MAX_FUSED_KEYS)}), data="required", meta_optional=True),
     # server -> worker
     ("PULL", True): Schema(data="required"),

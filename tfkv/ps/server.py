@@ -7,14 +7,13 @@ loop between them: each request is checked, served, and what it releases served 
 Requests are handled by one thread, in the order each connection delivers them, so each update of
 a key is atomic. A malformed or wrong-size request gets an ERROR reply and the server carries on;
 a connection no worker of the job spoke on gets a few such replies, then none (tfkv.ps.strangers).
-A request seen before (same sender and sequence number, as resent under PS_RESEND) is acknowledged
-again but never applied twice. No TensorFlow here.
+A request seen before (same sender and sequence number, as resent under PS_RESEND: the transport
+tells, `repeated`) is acknowledged again but never applied twice. No TensorFlow here.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict, defaultdict
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -34,11 +33,6 @@ from tfkv.ps.updater import NumpyUpdater
 
 log = logging.getLogger("tfkv.ps")
 
-_DEDUP_WINDOW = 4096  # requests remembered per sender, to apply none of them twice
-# Requests that change the server: one seen before is acknowledged again, never applied twice.
-_CHANGES = frozenset((P.Type.PUSH, P.Type.PUSHPULL, P.Type.INIT, P.Type.SET_STATE, P.Type.SET_OPTIMIZER,
-                      P.Type.CONFIGURE, P.Type.SET_COMPRESSION))
-
 
 class Server:
     """One server of a job: registered with the scheduler, serving until it says the job ended."""
@@ -55,11 +49,10 @@ class Server:
         log.info("%s listening on %s:%d", self.link.name, self.transport.host, self.transport.port)
 
     def _serving(self, workers: set[int]) -> None:
-        """What serving needs beside the sockets: the keys' rounds, the requests seen, who spoke."""
+        """What serving needs beside the sockets: the keys' rounds, who spoke."""
         self.workers = workers
         self.rounds = Rounds(workers, Reducer(self.env.bigarray_bound, self.env.reduction_nthreads))
         self.max_count = self.env.max_message_bytes // 4
-        self._seen: dict[int, OrderedDict[int, None]] = defaultdict(OrderedDict)
         # Connections a worker of the job sent a well-formed request on: answered whatever they
         # send. Any other gets a few errors, then nothing (its replies would queue unread).
         self._members: set[bytes] = set()
@@ -109,7 +102,7 @@ class Server:
             self._joined(msg.sender, identity)
         if msg.reply:
             self.transport.reply(identity, P.error(msg, f"a {msg.type.name} reply sent to a server, which serves requests"))
-        elif msg.type in _CHANGES and self._duplicate(msg):
+        elif self.transport.repeated(msg):
             if msg.want_ack:
                 self.transport.reply(identity, P.ack(msg))
         else:
@@ -161,15 +154,6 @@ class Server:
         if old is not None:
             self._members.discard(old)
             self.transport.forget(old)
-
-    def _duplicate(self, msg: P.Message) -> bool:
-        seen = self._seen[msg.sender]
-        if msg.seq in seen:
-            return True
-        seen[msg.seq] = None
-        if len(seen) > _DEDUP_WINDOW:
-            seen.popitem(last=False)
-        return False
 
     def _workers_left(self) -> None:
         """Take the workers the scheduler reported gone; fail every open synchronous round one of

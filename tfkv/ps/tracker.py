@@ -63,8 +63,9 @@ def before(seq: int, probe: int) -> bool:
 class Tracker:
     """The requests awaited from each server, and when each server was last heard."""
 
-    def __init__(self, env: ClusterEnv, servers: list[dict], key_name: Callable[[int], str]):
+    def __init__(self, env: ClusterEnv, servers: list[dict], key_name: Callable[[int], str], lost_fails: bool = True):
         self.env, self.servers = env, servers
+        self.lost_fails = lost_fails  # a PING's count naming a lost reply fails the job (not under PS_RESEND)
         self.key_name = key_name  # what messages call a key id: `key 'emb'`, or the caller's name for it
         self.pending: dict[int, Pending] = {}  # seq -> the request
         self._awaited = [0] * len(servers)  # per server: its requests in `pending`
@@ -102,7 +103,7 @@ class Tracker:
             self.check_held(server, seq, held)
 
     def check_held(self, server: int, probe: int, held: int) -> None:
-        if self.env.resend:
+        if not self.lost_fails:
             return  # under PS_RESEND a lost request or reply is sent again instead
         earlier = sorted((seq for seq, e in self.pending.items() if e.server == server and before(seq, probe)),
                          key=lambda seq: self.pending[seq].sent_at)  # oldest first

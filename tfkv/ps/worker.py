@@ -1,15 +1,15 @@
 """A worker's link to the servers: requests numbered, sent through the transport and awaited.
 
-The store (tfkv.store.dist) asks `ServerLink` for what it needs in its own words: `request`
-sends a request whose answer it awaits, `push` a key part's push (unacknowledged, unless
-PS_RESEND asks every request to be acknowledged and resent until it is), `pushpull` a small
-key's push and pull staged with its server's other small keys into one PUSHPULL; `wait` blocks
-until given requests are answered and `take` hands over a reply; `settle` waits for everything
-sent, pushes included; `gather` hands out pulls as their last part arrives. Below it are the
-transport (tfkv.ps.transport.worker: sockets, sealing, batching, resend) and the tracker
-(tfkv.ps.tracker: what is awaited, and a lost reply or a silent server named). Waiting has no
-deadline of its own (a dist_sync pull waits for the slowest worker).
-"""
+Its user is `tfkv.ps.kvworker.KVWorker`, which turns a store's keys and arrays into requests:
+`request` sends a request whose answer it awaits, `push` a key part's push (unacknowledged,
+unless PS_RESEND asks every request to be acknowledged and resent until it is), `pushpull` a
+small key's push and pull staged with its server's other small keys into one PUSHPULL; `wait`
+blocks until given requests are answered and `take` hands over a reply; `settle` waits for
+everything sent, pushes included; `gather` completes pulls as their last part arrives. Below it
+are the transport (tfkv.ps.transport.worker: sockets, sealing, batching, resend) and the tracker
+(tfkv.ps.tracker: what is awaited, and a lost reply or a silent server named). Whether requests
+are resent is read once, here, from the transport (`resends`). Waiting has no deadline of its
+own (a dist_sync pull waits for the slowest worker)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import zmq
 from tfkv.errors import reacting
 from tfkv.ps import protocol as P
 from tfkv.ps.cluster_env import ClusterEnv
-from tfkv.ps.parts import Pull
+from tfkv.ps.parts import Pull, RowPull
 from tfkv.ps.scheduler_link import SchedulerLink
 from tfkv.ps.tracker import Tracker, seqs
 from tfkv.ps.transport import worker as transport
@@ -33,7 +33,6 @@ __all__ = ["DistError", "ServerLink"]
 
 log = logging.getLogger("tfkv.ps")
 
-FUSED_KEY_BYTES = 64 << 10  # a key part up to this size may be pushed and pulled in a PUSHPULL
 MAX_FUSED = 1024  # keys in one PUSHPULL (protocol.schema admits MAX_FUSED_KEYS)
 TICK = 0.05  # seconds between two looks for connections made again, silent servers and overdue resends (`_tick`)
 
@@ -64,7 +63,9 @@ class ServerLink:
     def __init__(self, env: ClusterEnv, link: SchedulerLink, key_name: Callable[[int], str] = lambda kid: f"key {kid}"):
         self.env, self.id = env, link.id
         self.transport = transport.connect(env, link.servers, link.id)
-        self.tracker = Tracker(env, link.servers, key_name)
+        self._acked = self.transport.resends  # PS_RESEND: pushes acknowledged (and resent until they are)
+        # Under PS_RESEND a lost request or reply is sent again: a PING's count names none lost.
+        self.tracker = Tracker(env, link.servers, key_name, lost_fails=not self._acked)
         self.lock = self.transport.lock  # hold it to make several calls one (the sockets are not thread-safe)
         # Small keys' push+pull pairs staged per server, sent as one PUSHPULL (`pushpull`): one
         # request and one reply for many keys, so neither end pays a message's decoding, dispatch
@@ -75,7 +76,6 @@ class ServerLink:
         self.seq = seqs()  # the next request's number
         self._replies: dict[int, P.Message | Member] = {}  # data replies not yet taken
         self._unsynced: set[int] = set()  # servers with pushes not yet known to be applied
-        self._acked = self.transport.resends  # PS_RESEND: pushes acknowledged (and resent until they are)
         # Retiring an answered request: under PS_RESEND the transport stops resending it too.
         self._answered = self._answered_resent if self._acked else self.tracker.answered
         self._next_tick = 0.0  # when `_tick` next looks
@@ -93,16 +93,13 @@ class ServerLink:
         self.transport.close()
 
     @property
-    def pushpulls(self) -> bool:
-        """Whether a key's push and pull may go as one PUSHPULL request: not under PS_RESEND,
-        where pulls wait for their pushes' acknowledgements (`fence`)."""
-        return not self._acked
+    def resends(self) -> bool:
+        """Whether every request is acknowledged and resent until it is (PS_RESEND): then a key's
+        push and pull go as two requests, the pull once the push is acknowledged (`fence`), and
+        no push is fused into a PUSHPULL."""
+        return self._acked
 
     # -- sending -------------------------------------------------------------------------------
-
-    def fusable(self, nbytes: int) -> bool:
-        """Whether a key part of `nbytes` may go in a PUSHPULL (`pushpull`)."""
-        return 0 < nbytes <= FUSED_KEY_BYTES and self.env.fusion_bytes > 0 and not self._acked
 
     def request(self, server: int, msg: P.Message, awaited: bool = True) -> int:
         """Send a request to `server` (at `flush`, at the next wait, or once FUSION_BYTES are
@@ -137,7 +134,7 @@ class ServerLink:
     def pushpull(self, server: int, skey: int, data: np.ndarray) -> int:
         """Push `data` (float32) to server-side `skey` and request its value back, staged with
         the server's other small keys into one PUSHPULL; the sequence number whose reply (a PULL
-        of this key's value) `gather` gets. Not acknowledged, not resent (`fusable`)."""
+        of this key's value) `gather` gets. Not acknowledged, not resent (never under `resends`)."""
         with self.lock:
             seq = next(self.seq)
             # Awaited as the member's own PULL of `skey`, which a lost reply's message names.
@@ -210,9 +207,10 @@ class ServerLink:
         """The reply to request `seq`, once `wait` has seen it answered."""
         return self._replies.pop(seq)
 
-    def gather(self, pulls: Sequence[Pull]) -> Iterator[tuple[Hashable, np.ndarray]]:
-        """(key, value) of each of `pulls` as soon as all of its parts have arrived (in arrival
-        order), the value delivered into the pull's outs."""
+    def gather(self, pulls: Sequence[Pull | RowPull]) -> Iterator[tuple[Hashable, Any]]:
+        """(key, value) of each of `pulls` (a key's parts, or a table's rows) as soon as all of
+        its parts have arrived (in arrival order), the value delivered into the pull's outs: the
+        one way every pull completes."""
         waiting = {seq: p for p in pulls for seq in p.seqs}
         landed = self.transport.land(pulls, self._landable)
         try:

@@ -3,16 +3,18 @@ worker-side facade of the parameter server (MXNet's KVStore API over `tfkv.ps`).
 
 Where a key's parts live and how a pulled key is put back together is `tfkv.ps.parts` (a key
 on one server picked as MXNet does, `key * 9973 % num_servers`, or cut into one part per server
-above MXNET_KVSTORE_BIGARRAY_BOUND, and parts over TFKV_CHUNK_BYTES cut into chunks); requests,
-their answers and waiting are `tfkv.ps.worker.ServerLink`, used through its API only. A push
+above MXNET_KVSTORE_BIGARRAY_BOUND, and parts over TFKV_CHUNK_BYTES cut into chunks); the
+requests are built by `tfkv.ps.kvworker.KVWorker` (`worker`), numbered and awaited by
+`tfkv.ps.worker.ServerLink` (`servers`: waiting, settling), no message built here. A push
 first sums this machine's device values (in host memory, or on the first device for the
-`*_device` types), then sends one message per part without waiting; a pull sends every part's
-request before it waits for any answer. Requests go out in priority order (higher first).
-`pushpull` and `pushpull_async` send each key's push and pull as one request (a PUSHPULL per
-part, small keys fused into one per server; under PS_RESEND a push and then a pull:
-`ServerLink.pushpulls`), so the servers answer early keys while later pushes are still on the
-wire (both directions of the link busy at once, where pushing everything before pulling leaves
-one idle); `arrivals` hands out each key as its last part arrives. DataParallel calls
+`*_device` types), then hands the flat value to `tfkv.ps.kvworker.KVWorker`, which builds the
+requests (one message per part, sent without waiting); a pull sends every part's request before
+it waits for any answer. Requests go out in priority order (higher first). `pushpull` and
+`pushpull_async` send each key's push and pull as one request (a PUSHPULL per part, small keys
+fused into one per server; under PS_RESEND a push and then a pull: `KVWorker.pushpull`), so the
+servers answer early keys while later pushes are still on the wire (both directions of the link
+busy at once, where pushing everything before pulling leaves one idle); `arrivals` hands out
+each key as its last part arrives. DataParallel calls
 `pushpull_async` from inside its compiled step, per key, as backprop produces the gradients
 (hence the link's lock: the sockets are used from a TensorFlow thread). With
 `set_gradient_compression` pushes are 2-bit compressed (`tfkv.ps.compression`) with one
@@ -25,7 +27,8 @@ A key initialised with a float16 or bfloat16 value holds that dtype (tfkv.ps.dty
 machine's values are summed in it and travel at 2 bytes a value; a value of another dtype is
 refused naming both. Only float32 keys are fused into a PUSHPULL (it carries one dtype).
 
-A row-sparse key (a table sharded by rows over every server) is `tfkv.store.dist_rows`. Rows (a
+The keys (ids, layouts, tables) are `tfkv.store.dist_keys.Keys`. A row-sparse key (a table
+sharded by rows over every server) is `tfkv.store.dist_rows`. Rows (a
 RowSparse or tf.IndexedSlices) pushed to a dense key go as the dense value they stand for, as
 MXNet's; a RowSparse out of a dense `pull` is left as it is (MXNet's ignore_sparse=True).
 
@@ -40,25 +43,38 @@ import atexit
 import logging
 import os
 import sys
-from typing import Any, Hashable, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from tfkv.errors import EXIT_PEER_FAILED
-from tfkv.ps import dtypes, memory, node, parts
-from tfkv.ps.feedback import Sender
-from tfkv.ps import protocol as P
+from tfkv.ps import dtypes, memory, node
 from tfkv.ps.cluster_env import ClusterEnv
+from tfkv.ps.kvworker import KVWorker
 from tfkv.ps.parts import Layout, Pull, RowPlacement
 from tfkv.ps.scheduler_link import SchedulerLink
 from tfkv.ps.worker import ServerLink
-from tfkv.store import sparse
+from tfkv.store import dist_rows, sparse
 from tfkv.store.base import Key, KVStore, gpu_p2p, in_place, pairs
+from tfkv.store.dist_keys import Keys
 from tfkv.store.dist_optimizer import ServerOptimizer
-from tfkv.store.dist_rows import RowSparseKeys, TableKey
+from tfkv.store.sparse import RowSparse
 
 
-class DistStore(ServerOptimizer, RowSparseKeys, KVStore):
+class _WorkerCount:
+    """A byte count the store shows (and a benchmark resets), kept by its KVWorker."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, store: Any, owner: type | None = None) -> Any:
+        return self if store is None else getattr(store.worker, self.name)
+
+    def __set__(self, store: Any, value: int) -> None:
+        setattr(store.worker, self.name, value)
+
+
+class DistStore(ServerOptimizer, KVStore):
     type = "dist_sync"
     distributed = True
     async_pushpull = True
@@ -77,16 +93,9 @@ class DistStore(ServerOptimizer, RowSparseKeys, KVStore):
         memory.keep_freed_buffers()  # the same large buffers every step (tfkv.ps.memory)
         self._devices = list(devices or [])
         self.link = SchedulerLink(env, "worker")
-        self.servers = ServerLink(env, self.link, self._key_name)
-        # A key's push and pull as one PUSHPULL, or (PS_RESEND) as two requests, the pulls once
-        # every push is acknowledged: a pull must not overtake a push that was lost and is being resent.
-        self._pushpulls = self.servers.pushpulls
-        self._ids: dict[Hashable, int] = {}
-        self._layouts: dict[int, Layout] = {}
-        self._sender: Sender | None = None  # 2-bit compression of pushes, when set
-        self._tables: dict[int, TableKey] = {}  # row-sparse keys, by id
-        self.push_bytes = 0  # payload bytes of every PUSH sent (measures compression), row ids included
-        self.pull_bytes = 0  # payload bytes asked for by pulls (the values, and row ids sent), replies' values
+        self.keys = Keys(self._check_key, self.key_phrase)
+        self.servers = ServerLink(env, self.link, self.keys.name)
+        self.worker = KVWorker(self.servers)  # every request to the servers is built there
         self.sum_on_device = self.on_device and gpu_p2p(values=knobs)
         # MXNet's store leaves in its destructor, and its scripts end without a teardown call:
         # this one leaves when the interpreter exits (close() unregisters it). An exception left in
@@ -95,8 +104,7 @@ class DistStore(ServerOptimizer, RowSparseKeys, KVStore):
         self._shown_before = getattr(sys, "last_value", None)
         atexit.register(self._at_exit)
         if self.rank == 0:
-            self.servers.wait([self.servers.request(s, P.Message(P.Type.CONFIGURE, meta={"sync": self.sync}))
-                               for s in range(self.servers.count)])
+            self.worker.configure(self.sync)
         self.barrier()
 
     @property
@@ -107,42 +115,10 @@ class DistStore(ServerOptimizer, RowSparseKeys, KVStore):
     def num_workers(self) -> int:
         return self.link.num_workers
 
-    # -- keys ----------------------------------------------------------------------------------
-
-    def _id(self, key: Hashable) -> int:
-        """The key's id on the servers, the same on every worker. An int key in [0, 2**40) is its
-        own id (so `key * 9973 % servers` places it as in MXNet); any other key (a str, a negative
-        or a larger int) takes the next id from 2**40 in init order, which every worker shares,
-        as MXNet numbers its str keys. So two distinct keys never share an id."""
-        self._check_key(key)
-        kid = self._ids.get(key)
-        if kid is None:
-            if isinstance(key, (int, np.integer)) and 0 <= int(key) < parts.NAMED_KEY_BASE:
-                kid = int(key)
-            else:
-                kid = parts.NAMED_KEY_BASE + self._named
-                if kid >> parts.CHUNK_SHIFT:
-                    raise ValueError(f"key {key!r}: more than {(1 << parts.CHUNK_SHIFT) - parts.NAMED_KEY_BASE} keys")
-                self._named += 1
-            self._ids[key] = kid
-        return kid
-
-    _named = 0  # keys numbered from parts.NAMED_KEY_BASE so far
-
-    def _key_name(self, kid: int) -> str:
-        """What messages call key id `kid`: its key as the caller gave it, or the name given it."""
-        return self.key_phrase(next((k for k, i in self._ids.items() if i == kid), kid))
-
-    def _layout(self, key: Hashable) -> tuple[int, Layout]:
-        kid = self._ids.get(key) if type(key) is int or type(key) is str else None
-        layout = self._layouts.get(kid)  # type: ignore[arg-type]
-        if layout is not None:  # an initialised key of exactly int or str: of this store's kind (checked at init)
-            return kid, layout  # type: ignore[return-value]
-        self._check_key(key)
-        kid = self._ids.get(key)
-        if kid is None or kid not in self._layouts:
-            raise KeyError(f"key {key!r} was not initialised; call init({key!r}, value) first")
-        return kid, self._layouts[kid]
+    # Payload bytes of every PUSH sent (measures compression), row ids included; payload bytes
+    # asked for by pulls (the values, and row ids sent). Counted where requests are built.
+    push_bytes = _WorkerCount()
+    pull_bytes = _WorkerCount()
 
     def _merge(self, k: Key, values: list[Any], dtype: np.dtype) -> np.ndarray:
         """One flat array of the key's `dtype`: the sum of this machine's device values (a half
@@ -179,31 +155,24 @@ class DistStore(ServerOptimizer, RowSparseKeys, KVStore):
             if values and sparse.is_sparse_init(values[0]):
                 self._init_table(k, values[0])
                 continue
-            kid = self._id(k)
-            if kid in self._layouts or kid in self._tables:
-                raise ValueError(f"key {k!r} is already initialised")
+            kid = self.keys.new(k)
             dtype = dtypes.key_dtype(values[0])
             flat = self._merge(k, values[:1], dtype)
-            self._layouts[kid] = layout = parts.plan(kid, tuple(np.shape(values[0])), self.servers.count,
-                                                     self.env.bigarray_bound, self.env.chunk_bytes, dtype)
-            # Only float32 keys are fused: a PUSHPULL of many keys carries one dtype (half keys go
-            # as a one-key PUSHPULL each, still batched into one ZeroMQ message per server).
-            layout.fusable = (len(layout.parts) == 1 and dtype is dtypes.FLOAT32
-                              and self.servers.fusable(dtype.itemsize * layout.size))
+            self.keys.layouts[kid] = layout = self.worker.plan(kid, tuple(np.shape(values[0])), dtype,
+                                                               self.env.bigarray_bound, self.env.chunk_bytes)
             if self.rank == 0:  # worker 0's value wins; the others wait at the barrier
-                for part in layout.parts:
-                    self.servers.request(part.server, P.Message(P.Type.INIT, key=part.skey,
-                                                                data=flat[part.start:part.end]))
+                self.worker.init(layout, flat)
         self.servers.settle()
         self.barrier()
 
     def push(self, key: Key | Sequence[Key], value: Any, priority: int | Sequence[int] = 0) -> None:
         self._check_can_push()
         for k, values in self._ordered(list(pairs(key, value)), priority):
-            if self._tables and self.is_row_sparse(k):
+            if self.keys.tables and self.keys.is_row_sparse(k):
                 self._push_rows(k, values)
             else:
-                self._push_key(k, values)
+                layout = self.keys.layout(k)[1]
+                self.worker.push(layout, self._flat(k, layout, values))
         self.servers.flush()  # a push is on its way when push returns (pushpull_async's wait for its arrivals)
         self.servers.poll()  # collect answers that are already here (errors surface early)
 
@@ -218,11 +187,12 @@ class DistStore(ServerOptimizer, RowSparseKeys, KVStore):
             if whole:
                 raise sparse.refused("ignore_sparse", k)
             asked = out is None or bool(dense)  # a key whose every out is skipped is not pulled
-            if asked and self._tables and self.is_row_sparse(k):
+            if asked and self.keys.tables and self.keys.is_row_sparse(k):
                 raise sparse.refused("pull", k)
             items.append((k, dense if asked else None))
         self.servers.fence()
-        pulls = [self._request_pull(k, outs) for k, outs in self._ordered(items, priority) if outs is not None]
+        pulls = [self.worker.pull(k, self.keys.layout(k)[1], outs)
+                 for k, outs in self._ordered(items, priority) if outs is not None]
         return self._finish(key, out, pulls)
 
     def pushpull(self, key: Key | Sequence[Key], value: Any, out: Any = None,
@@ -230,7 +200,7 @@ class DistStore(ServerOptimizer, RowSparseKeys, KVStore):
         """Push each key and request it back at once, so that replies stream back while later
         keys are still going out (both directions of the link busy, not one after the other).
         Without `out` the result goes into `value`, as MXNet's (see base.in_place), and is returned."""
-        if self._tables:
+        if self.keys.tables:
             self._refuse_row_sparse(key)
         into = out if out is not None else self._in_place(key, value)
         return self._finish(key, out, self.pushpull_async(key, value, priority, out=into))
@@ -240,7 +210,7 @@ class DistStore(ServerOptimizer, RowSparseKeys, KVStore):
         viewed in the key's shape, so the result still lands in it."""
         if isinstance(key, (list, tuple)):
             return [self._in_place(k, v) for k, v in zip(key, value)]
-        shape = self._layout(key)[1].shape
+        shape = self.keys.layout(key)[1].shape
         return [o.reshape(shape) if isinstance(o, np.ndarray) and o.shape != shape and o.flags.c_contiguous
                 and o.size == int(np.prod(shape)) else o for o in in_place(key, value)]
 
@@ -249,56 +219,24 @@ class DistStore(ServerOptimizer, RowSparseKeys, KVStore):
         """Push each key and send its pull request without waiting for anything; `arrivals` (or
         `wait`) takes the replies and writes them into `out` if given. Safe to call from a
         TensorFlow op's thread (DataParallel pushes each gradient as backprop produces it)."""
-        if self._tables:  # per key and step: nothing to look up in a job without tables
+        if self.keys.tables:  # per key and step: nothing to look up in a job without tables
             self._refuse_row_sparse(key)
         self._check_can_push()
         outs = dict(pairs(key, out))
         with self.servers.lock:
-            items = self._ordered(list(pairs(key, value)), priority)
-            if not self._pushpulls:
-                return self._pushes_then_pulls(items, outs)
-            pulls = []
-            fusing = self._sender is None  # a 2-bit payload is no float32 slice of a fused one
-            for k, values in items:  # each pull right behind its push: replies flow while pushes do
-                layout = self._layout(k)[1]
-                if fusing and layout.fusable:
-                    pulls.append(self._pushpull_fused(k, layout, values, outs[k]))
-                else:
-                    pulls.append(self._pushpull_parts(k, layout, values, outs[k]))
-            return pulls
+            return self.worker.pushpull(self._pushpulled(self._ordered(list(pairs(key, value)), priority), outs))
 
-    def _pushes_then_pulls(self, items: list[tuple[Key, list[Any]]], outs: dict[Key, list[Any]]) -> list[Pull]:
+    def _pushpulled(self, items: list[tuple[Key, list[Any]]],
+                    outs: dict[Key, list[Any]]) -> Iterator[tuple[Key, Layout, list[Any], Any]]:
+        """(key, layout, outs, its flat value when asked for) of each key, for KVWorker.pushpull."""
         for k, values in items:
-            self._push_key(k, values)
-        self.servers.fence()
-        return [self._request_pull(k, outs[k]) for k, _ in items]
-
-    def _pushpull_parts(self, k: Key, layout: Layout, values: list[Any], outs: list[Any]) -> Pull:
-        """A key's push and pull as one PUSHPULL per part, its payload the message's last frame.
-        (A PUSH with its PULL's header behind the payload costs libzmq a write more per message.)"""
-        pull = Pull(k, layout, outs)  # checks the outs before anything is sent
-        flat = self._flat(k, layout, values)
-        self.pull_bytes += flat.nbytes
-        pull.expect([self.servers.request(part.server, self._carrying(P.Type.PUSHPULL, part.skey,
-                                                                      flat[part.start:part.end]))
-                     for part in layout.parts])
-        return pull
-
-    def _pushpull_fused(self, k: Key, layout: Layout, values: list[Any], outs: list[Any]) -> Pull:
-        """A small key's push and pull, staged with its server's other small keys into one
-        PUSHPULL request (ServerLink.pushpull)."""
-        pull = Pull(k, layout, outs)  # checks the outs before anything is sent
-        flat = self._flat(k, layout, values)
-        part = layout.parts[0]
-        self.push_bytes += flat.nbytes
-        self.pull_bytes += flat.nbytes
-        pull.expect([self.servers.pushpull(part.server, part.skey, flat)])
-        return pull
+            layout = self.keys.layout(k)[1]
+            yield k, layout, outs[k], lambda k=k, layout=layout, values=values: self._flat(k, layout, values)
 
     def arrivals(self, pulls: Sequence[Pull]) -> Iterator[tuple[Key, np.ndarray]]:
         """(key, value) for each of `pulls` as soon as all of its parts have arrived, in arrival
         order; the value is also written into the pull's `outs`."""
-        return self.servers.gather(pulls)
+        return self.worker.gather(pulls)
 
     def wait(self, pulls: Sequence[Pull]) -> dict[Key, np.ndarray]:
         """Every pull's value, by key, once all have arrived."""
@@ -322,8 +260,9 @@ class DistStore(ServerOptimizer, RowSparseKeys, KVStore):
         if not self.sync and not self._has_optimizer:
             raise RuntimeError(f"{self.type} needs an optimizer on the servers (set_optimizer, "
                                "update_on_kvstore=true): without one each push would replace the weights")
-        if self._sender is not None and self._sender.setting.kind.worker_momentum and not self._has_optimizer:
-            raise RuntimeError(f"gradient compression {self._sender.setting.kind.name} applies the optimizer's momentum "
+        sender = self.worker.sender
+        if sender is not None and sender.setting.kind.worker_momentum and not self._has_optimizer:
+            raise RuntimeError(f"gradient compression {sender.setting.kind.name} applies the optimizer's momentum "
                                "on the workers: call set_optimizer (an SGD) before pushing")
 
     def _flat(self, k: Key, layout: Layout, values: list[Any]) -> np.ndarray:
@@ -336,29 +275,59 @@ class DistStore(ServerOptimizer, RowSparseKeys, KVStore):
             raise ValueError(f"key {k!r}: pushed {flat.size} values, it holds {layout.size}")
         return flat
 
-    def _push_key(self, k: Key, values: list[Any]) -> None:
-        layout = self._layout(k)[1]
-        flat = self._flat(k, layout, values)
-        for part in layout.parts:
-            self.servers.push(part.server, self._carrying(P.Type.PUSH, part.skey, flat[part.start:part.end]))
+    # -- row-sparse keys (tfkv.store.dist_rows) --------------------------------------------------
 
-    def _carrying(self, kind: P.Type, skey: int, part: np.ndarray) -> P.Message:
-        """A PUSH or PUSHPULL of one key part: 2-bit compressed with `set_gradient_compression`
-        (its residual changes here, once; a resend under PS_RESEND repeats the frames)."""
-        msg = P.Message(kind, key=skey, data=part)
-        if self._sender is not None:
-            msg.data = self._sender.pack(skey, part)
-            msg.dtype, msg.count = P.DType.TWOBIT, part.size
-        self.push_bytes += msg.data.nbytes
-        return msg
+    def is_row_sparse(self, key: Key) -> bool:
+        return self.keys.is_row_sparse(key)
 
-    def _request_pull(self, k: Key, outs: list[Any]) -> Pull:
-        _, layout = self._layout(k)
-        pull = Pull(k, layout, outs)  # checks the outs before anything is sent
-        self.pull_bytes += layout.size * layout.dtype.itemsize
-        pull.expect([self.servers.request(part.server, P.Message(P.Type.PULL, key=part.skey))
-                     for part in layout.parts])
-        return pull
+    def _init_table(self, k: Key, value: Any) -> None:
+        """Make `k` a table on every server: each server makes its shard from the description
+        (a Table's init, or zeros), then a RowSparse's rows are sent in chunks to their owners."""
+        kid, spec, rows = self.keys.new_table(k, value, self.servers.count, self.env.row_sharding)
+        if self.rank == 0:  # worker 0's value wins; the others wait at the barrier
+            table = self.keys.tables[kid]
+            self.worker.init_table(kid, table, spec)
+            if rows is not None:
+                self.worker.set_rows(kid, table, rows.indices, rows.data, self.env.chunk_bytes)
+
+    def set_rows(self, key: Key, rows: Any) -> None:
+        kid, table = self.keys.table(key, "sparse_pull")
+        given = sparse.check_rows(key, RowSparse.of(rows, table.shape), table.shape, table.dtype, what="set_rows")
+        if self.rank == 0:  # worker 0's rows win, as with init; the caller's barrier waits for them
+            self.worker.set_rows(kid, table, given.indices, given.data, self.env.chunk_bytes)
+            self.servers.settle()
+
+    def _push_rows(self, k: Key, values: list[Any]) -> None:
+        """This machine's rows of `k` summed sparsely, then one PUSH to each server owning some
+        (every server, in a synchronous job)."""
+        kid, table = self.keys.table(k)
+        if self.worker.sender is not None:
+            raise sparse.refused("compression", k)
+        rows = dist_rows.pushed(k, values, table)
+        self.worker.push_rows(kid, table, rows.indices, rows.data, self.sync)
+
+    def row_sparse_pull(self, key: Key | Sequence[Key], out: Any = None, priority: int | Sequence[int] = 0,
+                        row_ids: Any = None) -> Any:
+        """MXNet's: every key's rows requested (from the servers that own them) before any is awaited."""
+        pending = self._request_rows(key, sparse.requests(key, row_ids, out), priority)
+        return sparse.deliver(key, pending.asked, dist_rows.arrived(self.worker, pending), out)
+
+    def _pull_rows(self, key: Key, row_ids: Any) -> RowSparse:
+        return dist_rows.arrived(self.worker, self.row_sparse_pull_async(key, row_ids))[0]
+
+    def row_sparse_pull_async(self, key: Key | Sequence[Key], row_ids: Any, priority: int | Sequence[int] = 0) -> Any:
+        """Send each key's row requests now, without waiting (safe from a TensorFlow op's thread);
+        `rows` takes the answer. In a synchronous job, asked after this worker's push of a round,
+        the rows include that round's update."""
+        return self._request_rows(key, sparse.requests(key, row_ids), priority)
+
+    def _request_rows(self, key: Any, asked: list[sparse.Asked], priority: int | Sequence[int]) -> Any:
+        order = [i for i, _ in self._ordered([(i, []) for i in range(len(asked))], priority)]
+        return dist_rows.request(self.keys, self.worker, key, asked, order, self.env.chunk_bytes)
+
+    def rows(self, pending: Any) -> Any:
+        """What row_sparse_pull would have returned for the request `pending` stands for."""
+        return sparse.deliver(pending.key, pending.asked, dist_rows.arrived(self.worker, pending), None)
 
     def barrier(self) -> None:
         self.servers.settle()

@@ -7,18 +7,19 @@ the servers get the optimizer with momentum 0 (`compression.split_momentum`)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from tfkv import optim
 from tfkv.ps import compression
-from tfkv.ps import protocol as P
 from tfkv.ps.feedback import Sender
 from tfkv.store import dist_state
 
 
 class ServerOptimizer:
     """What the servers run and how pushes are compressed; mixed into DistStore, whose
-    `servers`, `rank`, `num_workers`, `barrier` and `_sender` it uses."""
+    `worker` (tfkv.ps.kvworker.KVWorker: the requests, and the compression's `sender`), `keys`,
+    `env`, `rank`, `num_workers` and `barrier` it uses."""
 
     _optimizer: Any = None  # what the servers run
     _user_optimizer: Any = None  # what set_optimizer was given
@@ -29,12 +30,11 @@ class ServerOptimizer:
         servers how to decode (the same words for both kinds) and, when the kind moves momentum
         to the workers after an optimizer was set, sends the servers' optimizer again."""
         setting = compression.parse(compression_params)
-        if setting != (self._sender and self._sender.setting):  # a new setting starts from nothing held back
-            self._sender = Sender(setting) if setting is not None else None
+        worker = self.worker
+        if setting != (worker.sender and worker.sender.setting):  # a new setting starts from nothing held back
+            worker.sender = Sender(setting) if setting is not None else None
         if self.rank == 0 and setting is not None:
-            for s in range(self.servers.count):
-                self.servers.request(s, P.Message(P.Type.SET_COMPRESSION,
-                                                  meta={"type": "2bit", "threshold": setting.threshold}))
+            worker.set_compression(setting.threshold)
         if self._user_optimizer is not None:
             self.set_optimizer(self._user_optimizer)
             return
@@ -43,18 +43,17 @@ class ServerOptimizer:
     def set_optimizer(self, optimizer: Any) -> None:
         """The servers run `optimizer`, less its momentum when the compression applies it on the
         workers (`compression.split_momentum`: the servers learn it from the optimizer they get)."""
-        served, momentum = compression.split_momentum(self._sender and self._sender.setting, optimizer)
-        if self._sender is not None:
-            self._sender.momentum = momentum
+        sender = self.worker.sender
+        served, momentum = compression.split_momentum(sender and sender.setting, optimizer)
+        if sender is not None:
+            sender.momentum = momentum
         self._user_optimizer, self._optimizer = optimizer, served
         if self.num_workers > 1:
             # Every worker's requests so far are served by the optimizer they were made under:
             # worker 0 must not swap it while another still pushes or reads its state.
             self.barrier()
         if self.rank == 0:
-            spec = {"optimizer": optim.to_dict(served)}
-            for s in range(self.servers.count):
-                self.servers.request(s, P.Message(P.Type.SET_OPTIMIZER, meta=spec))
+            self.worker.set_optimizer(optim.to_dict(served))
         self.barrier()
 
     def _require_optimizer(self) -> None:
@@ -66,11 +65,22 @@ class ServerOptimizer:
     def save_optimizer_states(self, fname: str) -> None:
         """Gather the optimizer state of every key from the servers into one npz file."""
         self._require_optimizer()
-        dist_state.save(self, fname)
+        dist_state.save(self.keys, self.worker, list(self._optimizer.state_names), self.env.chunk_bytes, fname)
 
     def load_optimizer_states(self, fname: str) -> None:
         self._require_optimizer()
-        dist_state.load(self, fname)
+        sender = self.worker.sender
+        if self.rank == 0 and sender is not None:
+            logging.getLogger("tfkv").warning(
+                "gradient compression %s: each worker's %s are not in the optimizer state; they start from zero, "
+                "so the updates from here differ from those of a job never stopped", sender.setting.kind.name,
+                sender.held)
+        # Every worker's pushes so far applied first: a round still open (another worker's push on its
+        # way) would otherwise close after the state was put back, and move it again.
+        self.barrier()
+        if self.rank == 0:
+            dist_state.load(self.keys, self.worker, list(self._optimizer.state_names), self.env.chunk_bytes, fname)
+        self.barrier()
 
     @property
     def _has_optimizer(self) -> bool:

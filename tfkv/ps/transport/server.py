@@ -1,6 +1,8 @@
 """A server's transport: its one ROUTER socket, every worker's connection to it, and what travels
 on them. It receives a request message as protocol frames and sends the replies queued for each
-connection as one ZeroMQ message at `flush`.
+connection as one ZeroMQ message at `flush`. A request that changes the server and was seen
+before (the same sender and sequence number: a worker's transport resends under PS_RESEND) is
+told apart here (`repeated`), so that the server acknowledges it again but never applies it twice.
 
 Secure or plain is chosen once, by `bind`: a plain job's frames go as they are; a secure job's
 (`SecureServerTransport`) are sealed with the keys of the connection they travel on
@@ -17,7 +19,7 @@ ends the server's loop.
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections import Counter, OrderedDict, defaultdict
 from typing import Any, Sequence
 
 import zmq
@@ -35,6 +37,10 @@ log = logging.getLogger("tfkv.ps")
 # (benchmarks/results/design_figures.md). 64 KiB is pyzmq's own default.
 COPY_THRESHOLD = 64 << 10
 RECEIVE_WAIT_MS = 100  # how long a receive waits before the loop looks for a shutdown
+DEDUP_WINDOW = 4096  # requests remembered per sender, to apply none of them twice
+# Requests that change the server: one seen before is acknowledged again, never applied twice.
+CHANGES = frozenset((P.Type.PUSH, P.Type.PUSHPULL, P.Type.INIT, P.Type.SET_STATE, P.Type.SET_OPTIMIZER,
+                     P.Type.CONFIGURE, P.Type.SET_COMPRESSION))
 
 
 class ServerTransport:
@@ -47,6 +53,19 @@ class ServerTransport:
         self.sender = 0  # the node's id, the sender of its replies
         self._outbox: dict[bytes, list[Any]] = {}  # replies queued per connection until `flush`
         self.host, self.port = "", 0  # where it listens (`bind`)
+        self._seen: defaultdict[int, OrderedDict[int, None]] = defaultdict(OrderedDict)  # sender -> seqs
+
+    def repeated(self, msg: P.Message) -> bool:
+        """Whether request `msg` changes the server and came before (its sender resent it)."""
+        if msg.type not in CHANGES:
+            return False
+        seen = self._seen[msg.sender]
+        if msg.seq in seen:
+            return True
+        seen[msg.seq] = None
+        if len(seen) > DEDUP_WINDOW:
+            seen.popitem(last=False)
+        return False
 
     def named(self, node_id: int, name: str) -> None:
         """The node's id and name, once the scheduler gave them."""
