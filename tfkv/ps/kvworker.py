@@ -6,8 +6,8 @@ pushed, pulled or pushpulled, small float32 keys fused into one PUSHPULL per ser
 compressed payload when compression is set, a table's rows cut by their servers and into chunks,
 the servers' optimizer and its state asked for and sent. Every pull, of a key's parts or of a
 table's rows, completes one way (`ServerLink.gather`) into the place it lands in. Requests,
-their numbers and waiting are `tfkv.ps.worker.ServerLink`'s; resending is its transport's (one
-flag, PS_RESEND, read there: `ServerLink.resends`). No TensorFlow here.
+their numbers, their order and waiting are `tfkv.ps.worker.ServerLink`'s; resending is its
+transport's (one flag, PS_RESEND, read there). No TensorFlow here.
 """
 
 from __future__ import annotations
@@ -62,12 +62,12 @@ class KVWorker:
     def plan(self, kid: int, shape: tuple[int, ...], dtype: np.dtype, bigarray_bound: int, chunk_bytes: int) -> Layout:
         """Key id `kid`'s layout on the servers, and whether it is fused: only a float32 key of
         one small part, as a PUSHPULL of many keys carries one dtype (half keys go as a one-key
-        PUSHPULL each, still batched into one ZeroMQ message per server), and never under
-        PS_RESEND, where a push is acknowledged and resent on its own."""
+        PUSHPULL each, still batched into one ZeroMQ message per server). (Under PS_RESEND no
+        key travels in a PUSHPULL at all: `ServerLink.exchange`.)"""
         layout = plan(kid, shape, self.count, bigarray_bound, chunk_bytes, dtype)
         nbytes = dtype.itemsize * layout.size
         layout.fusable = (len(layout.parts) == 1 and dtype is FLOAT32 and 0 < nbytes <= FUSED_KEY_BYTES
-                          and self.link.env.fusion_bytes > 0 and not self.link.resends)
+                          and self.link.env.fusion_bytes > 0)
         return layout
 
     def init(self, layout: Layout, flat: np.ndarray) -> None:
@@ -88,18 +88,17 @@ class KVWorker:
     def pushpull(self, keys: Iterable[tuple[Hashable, Layout, list[Any], Flat]]) -> list[Pull]:
         """Each key's push and pull request, in order, without waiting: each pull right behind its
         push, so replies flow while later pushes do (one PUSHPULL per part, small keys fused per
-        server); under PS_RESEND every push, then, once each is acknowledged, every pull (a pull
-        must not overtake a push that was lost and is being resent). Call under `link.lock`."""
-        if self.link.resends:
-            pushed = []
-            for key, layout, outs, flat in keys:
-                self.push(layout, flat())
-                pushed.append((key, layout, outs))
-            self.link.fence()
-            return [self.pull(key, layout, outs) for key, layout, outs in pushed]
+        server), or as the link orders them when it resends requests (`ServerLink.exchange`).
+        Call under `link.lock`."""
         fusing = self.sender is None  # a 2-bit payload is no float32 slice of a fused one
-        return [self._pushpull_fused(k, layout, outs, flat) if fusing and layout.fusable
-                else self._pushpull_parts(k, layout, outs, flat) for k, layout, outs, flat in keys]
+
+        def together(item: tuple[Hashable, Layout, list[Any], Flat]) -> Pull:
+            key, layout, outs, flat = item
+            both = self._pushpull_fused if fusing and layout.fusable else self._pushpull_parts
+            return both(key, layout, outs, flat)
+
+        return self.link.exchange(list(keys), together, push=lambda item: self.push(item[1], item[3]()),
+                                  pull=lambda item: self.pull(item[0], item[1], item[2]))
 
     def _pushpull_parts(self, key: Hashable, layout: Layout, outs: list[Any], flat: Flat) -> Pull:
         """A key's push and pull as one PUSHPULL per part, its payload the message's last frame.

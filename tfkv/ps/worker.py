@@ -3,19 +3,21 @@
 Its user is `tfkv.ps.kvworker.KVWorker`, which turns a store's keys and arrays into requests:
 `request` sends a request whose answer it awaits, `push` a key part's push (unacknowledged,
 unless PS_RESEND asks every request to be acknowledged and resent until it is), `pushpull` a
-small key's push and pull staged with its server's other small keys into one PUSHPULL; `wait`
+small key's push and pull staged with its server's other small keys into one PUSHPULL,
+`exchange` the order of several keys' pushes and pulls (PUSHPULLs, or under PS_RESEND pushes,
+then pulls once the pushes are acknowledged); `wait`
 blocks until given requests are answered and `take` hands over a reply; `settle` waits for
 everything sent, pushes included; `gather` completes pulls as their last part arrives. Below it
 are the transport (tfkv.ps.transport.worker: sockets, sealing, batching, resend) and the tracker
 (tfkv.ps.tracker: what is awaited, and a lost reply or a silent server named). Whether requests
-are resent is read once, here, from the transport (`resends`). Waiting has no deadline of its
+are resent is read once, here, from the transport (`transport.resends`), and decided on here only. Waiting has no deadline of its
 own (a dist_sync pull waits for the slowest worker)."""
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Hashable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Hashable, Iterator, NamedTuple, Sequence, TypeVar
 
 import numpy as np
 import zmq
@@ -34,6 +36,7 @@ __all__ = ["DistError", "ServerLink"]
 log = logging.getLogger("tfkv.ps")
 
 MAX_FUSED = 1024  # keys in one PUSHPULL (protocol.schema admits MAX_FUSED_KEYS)
+T = TypeVar("T")  # what a caller of `exchange` sends a push and pull of
 TICK = 0.05  # seconds between two looks for connections made again, silent servers and overdue resends (`_tick`)
 
 
@@ -92,12 +95,19 @@ class ServerLink:
     def close(self) -> None:
         self.transport.close()
 
-    @property
-    def resends(self) -> bool:
-        """Whether every request is acknowledged and resent until it is (PS_RESEND): then a key's
-        push and pull go as two requests, the pull once the push is acknowledged (`fence`), and
-        no push is fused into a PUSHPULL."""
-        return self._acked
+    def exchange(self, items: list[T], together: Callable[[T], Any], push: Callable[[T], None],
+                 pull: Callable[[T], Any]) -> list:
+        """Each item's push and pull, in order, without waiting: as one request each
+        (`together`, a PUSHPULL), or, when requests are acknowledged and resent (PS_RESEND), as
+        two: every push, then, once each is acknowledged (`fence`), every pull, which must not
+        overtake a push that was lost and is being resent. The pulls (what `together` or `pull`
+        return)."""
+        if not self._acked:
+            return [together(item) for item in items]
+        for item in items:
+            push(item)
+        self.fence()
+        return [pull(item) for item in items]
 
     # -- sending -------------------------------------------------------------------------------
 
@@ -134,7 +144,7 @@ class ServerLink:
     def pushpull(self, server: int, skey: int, data: np.ndarray) -> int:
         """Push `data` (float32) to server-side `skey` and request its value back, staged with
         the server's other small keys into one PUSHPULL; the sequence number whose reply (a PULL
-        of this key's value) `gather` gets. Not acknowledged, not resent (never under `resends`)."""
+        of this key's value) `gather` gets. Not acknowledged, not resent (never under PS_RESEND: `exchange`)."""
         with self.lock:
             seq = next(self.seq)
             # Awaited as the member's own PULL of `skey`, which a lost reply's message names.
