@@ -124,9 +124,6 @@ class Tables:
     def sharded(self) -> bool:
         return any(t.sharded for t in self.tables)
 
-    def variables(self, r: int) -> list[Any]:
-        return [t.variable(r) for t in self.tables]
-
     def is_table_variable(self, v: Any) -> bool:
         return any(v is t.variable(r) or (t.sharded and v is t.copies[r].row_ids)
                    for t in self.tables for r in range(len(t.copies)))
