@@ -19,6 +19,7 @@ set it, so a smoke run never overwrites a committed figure); else benchmarks/res
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -31,7 +32,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Hashable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -239,3 +240,15 @@ def load_rows(path: str | Path) -> list[dict[str, Any]]:
     if not isinstance(rows, list):
         raise ValueError(f"{path} has no list of rows")
     return rows
+
+
+@contextlib.contextmanager
+def closing(store: Any, who: str) -> Iterator[Any]:
+    """A benchmark worker's store: closed when the block ends, aborted when it raises (so the job's
+    other roles stop at once instead of waiting on this worker), the exception going on."""
+    try:
+        yield store
+    except BaseException:
+        store.abort(f"{who} worker failed")
+        raise
+    store.close()

@@ -245,7 +245,7 @@ def worker(args: argparse.Namespace) -> None:
     kv = store.create(args.kvstore, devices=tf_devices)
     if args.overlap == "after":
         kv.async_pushpull = False
-    try:
+    with harness.closing(kv, "dist_job"):
         rank, workers = kv.rank, kv.num_workers
         if args.compression != "none":  # before any key exists, as the trainer does
             kv.set_gradient_compression(config_compression(args.compression, args.threshold))
@@ -268,10 +268,6 @@ def worker(args: argparse.Namespace) -> None:
                     "timings": {k: v / n for k, v in dp.timings.items() if k != "steps"}}
             with open(os.path.join(args.out, f"{args.tag}-{model}-{rank}.json"), "w") as f:
                 json.dump(said, f)
-    except BaseException:
-        kv.abort("dist_job worker failed")
-        raise
-    kv.close()
 
 
 def worker_argv(model: str, batch: int, seconds: float, tmp: str, tag: str, kvstore: str = "dist_sync",
@@ -336,7 +332,7 @@ def run_tfkv(args: argparse.Namespace, kind: str) -> None:
     set_threads(args.worker_threads if kind == "dist_sync" else 0)
     tf_devices = devices.setup(["cpu:0"])
     kv = store.create(kind, devices=tf_devices)
-    try:
+    with harness.closing(kv, "bench_dist_training"):
         rank, workers = kv.rank, kv.num_workers
         reports = {}
         for name in args.models.split(","):
@@ -351,10 +347,6 @@ def run_tfkv(args: argparse.Namespace, kind: str) -> None:
             reports[name] = report(dp, n, elapsed, len(x) * workers)
         with open(os.path.join(args.out, f"{kind}-{rank}.json"), "w") as f:
             json.dump(reports, f)
-    except BaseException:
-        kv.abort("bench_dist_training worker failed")
-        raise
-    kv.close()
 
 
 def run_mwms(args: argparse.Namespace) -> None:

@@ -248,7 +248,7 @@ def run_tfkv(args: argparse.Namespace) -> None:
 
     tf_devices = devices.setup(["cpu:0"])
     kv = store.create("dist_sync", devices=tf_devices)
-    try:
+    with harness.closing(kv, "bench_embedding"):
         rank = kv.rank
         dense, cat, click = pool(args)
         lo, hi = rank * args.batch * args.pool, (rank + 1) * args.batch * args.pool  # this worker's slice
@@ -282,10 +282,6 @@ def run_tfkv(args: argparse.Namespace) -> None:
                "ms_per_step": {k: 1000 * v / n for k, v in dp.timings.items() if k != "steps"},
                "checksum": weights_checksum(dp.params[0])}  # the dense weights: every worker's alike
         Path(args.out, f"tfkv-{rank}.json").write_text(json.dumps(out))
-    except BaseException:
-        kv.abort("bench_embedding worker failed")
-        raise
-    kv.close()
 
 
 def job_tfkv(args: argparse.Namespace, tmp: str, secure: bool = True, cluster: Any = None) -> None:

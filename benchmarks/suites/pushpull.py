@@ -136,8 +136,7 @@ def tfkv_worker(args: argparse.Namespace) -> None:
     import tfkv.store
 
     store = tfkv.store.create("dist_sync", devices=["cpu:0"])
-    ok = False
-    try:
+    with harness.closing(store, "bench_pushpull"):
         rank, workers = store.rank, store.num_workers
         expected = workers * (workers + 1) / 2  # worker r pushes r + 1 everywhere; the servers sum
         store.init(CONTROL_KEY, np.zeros(1, np.float32))
@@ -181,12 +180,6 @@ def tfkv_worker(args: argparse.Namespace) -> None:
             points[str(nbytes)] = {"n": n, "seconds": elapsed}
         with open(args.out, "w") as f:
             json.dump({"rank": rank, "points": points}, f)
-        ok = True
-    finally:
-        if ok:
-            store.close()
-        else:
-            store.abort("bench_pushpull worker failed")
 
 
 def run_tfkv(num_servers: int, num_workers: int, sizes: list[int], seconds: float,
