@@ -188,3 +188,45 @@ def test_half_gradients_compress_with_a_float32_residual(dtype):
     r16, r32 = np.zeros(40, np.float32), np.zeros(40, np.float32)
     assert C.pack(grad, r16, 0.5).tolist() == C.pack(grad.astype(np.float32), r32, 0.5).tolist()
     assert r16.dtype == np.float32 and r16.tolist() == r32.tolist()
+
+
+@pytest.mark.parametrize("n", [1, 15, 17, 1000, (1 << 16) + 5, 3 * (1 << 16) - 3])
+def test_vectorised_packing_is_the_oracles_bit_for_bit(n):
+    """The blocked numpy kernels give the words, residuals and velocities of the plain-numpy
+    scheme (tests/ps/compression_oracle.py), step after step, for both kinds, at sizes that are
+    no multiple of 16 nor of a block; unpack gives the oracle's values."""
+    import compression_oracle as O
+
+    rng = np.random.default_rng(n)
+    t, m = 0.37, 0.9
+    r_new, r_old = [(rng.normal(size=n) * 0.3).astype(np.float32)] * 2
+    r_new, r_old = r_new.copy(), r_old.copy()
+    v_new, v_old, rc_new, rc_old = (np.zeros(n, np.float32) for _ in range(4))
+    for step in range(4):
+        g = rng.normal(scale=0.4, size=n).astype(np.float32)
+        g[:3] = np.array([t, -t, 0.0], np.float32)[:min(n, 3)]  # the thresholds themselves
+        got, want = C.pack(g, r_new, t), O.pack(g, r_old, t)
+        np.testing.assert_array_equal(got, want)
+        assert got.dtype == np.uint32 and r_new.tobytes() == r_old.tobytes()
+        np.testing.assert_array_equal(C.unpack(got, n, t), O.unpack(want, n, t))
+        got, want = C.pack_corrected(g, v_new, rc_new, t, m), O.pack_corrected(g, v_old, rc_old, t, m)
+        np.testing.assert_array_equal(got, want)
+        assert rc_new.tobytes() == rc_old.tobytes() and v_new.tobytes() == v_old.tobytes()  # -0 as +0 too
+    assert np.count_nonzero(v_new == 0) > 0 and np.count_nonzero(got) > 0
+
+
+@pytest.mark.parametrize("n", [17, 40, (1 << 16) + 5])
+def test_unpack_refuses_code_3_and_padding_anywhere(n):
+    rng = np.random.default_rng(0)
+    words = C.pack(rng.normal(size=n).astype(np.float32), np.zeros(n, np.float32), 0.5)
+    for word in (0, len(words) // 2, len(words) - 1):
+        for slot in (0, 7, (n - 1) % 16 if word == len(words) - 1 else 15):
+            bad = words.copy()
+            bad[word] |= np.uint32(3 << (2 * slot))
+            with pytest.raises(ValueError, match="invalid code 3"):
+                C.unpack(bad, n, 0.5)
+    if n % 16:
+        bad = words.copy()
+        bad[-1] |= np.uint32(1 << 30)  # a +t in the last slot, past the last value
+        with pytest.raises(ValueError, match="padding"):
+            C.unpack(bad, n, 0.5)
