@@ -230,3 +230,32 @@ def test_unpack_refuses_code_3_and_padding_anywhere(n):
         bad[-1] |= np.uint32(1 << 30)  # a +t in the last slot, past the last value
         with pytest.raises(ValueError, match="padding"):
             C.unpack(bad, n, 0.5)
+
+
+@pytest.mark.parametrize("kind", ["2bit", "2bit_momentum"])
+@pytest.mark.parametrize("bounds", [[(0, 1)], [(0, 37)], [(0, 17), (17, 40), (40, 1003)]])
+def test_tensorflow_packing_of_a_keys_parts_is_the_oracles(kind, bounds):
+    """In-graph packing (a dist store's compiled step): per part of a key, the oracle's words;
+    the residual and velocity the oracle's after every step, in a tf.function as the step runs it."""
+    import compression_oracle as O
+    import tensorflow as tf
+
+    from tfkv.store import tf_compression as T
+
+    n, t, m = bounds[-1][1], 0.25, 0.875
+    rng = np.random.default_rng(n)
+    momentum = kind == "2bit_momentum"
+    residual, velocity = tf.Variable(tf.zeros([n])), tf.Variable(tf.zeros([n])) if momentum else None
+    pack = tf.function(lambda g: T.pack_parts(g, residual, t, bounds, velocity, m))
+    r_old = [np.zeros(e - s, np.float32) for s, e in bounds]
+    v_old = [np.zeros(e - s, np.float32) for s, e in bounds]
+    for step in range(4):
+        g = rng.normal(scale=0.3, size=n).astype(np.float32)
+        got = pack(tf.constant(g))
+        for (s, e), words, r, v in zip(bounds, got, r_old, v_old):
+            want = O.pack_corrected(g[s:e], v, r, t, m) if momentum else O.pack(g[s:e], r, t)
+            assert words.dtype == tf.uint32
+            np.testing.assert_array_equal(words.numpy(), want)
+        assert residual.numpy().tobytes() == np.concatenate(r_old).tobytes()
+        if momentum:
+            assert velocity.numpy().tobytes() == np.concatenate(v_old).tobytes()

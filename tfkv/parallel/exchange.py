@@ -9,7 +9,9 @@ Keras builds its train function once.
 - `StreamedExchange`: a store that can push while backprop goes on (`async_pushpull`, the
   parameter-server client) and no loss scale: each key's gradients are pushed from inside the
   compiled step by a hook (a `tf.numpy_function`) as soon as they exist, the last layer's first,
-  and asked back at once; the replies are written into the copies after the step.
+  and asked back at once; the replies are written into the copies after the step. With 2-bit
+  compression and a store that takes packed pushes (`packed_push`) the gradients are packed in
+  the step as TensorFlow ops (tfkv.parallel.packing) and only the words reach the hook.
 - `AfterBackpropExchange`: any other store, or a loss scale (which decides after the whole
   backprop whether anything is pushed): the gradients leave the compiled step, every worker
   votes on their finiteness (`KVStore.all_workers`), then every key is pushed and pulled.
@@ -31,6 +33,7 @@ import tensorflow as tf
 
 from tfkv.parallel.backprop import Backprop, Rows, row_values
 from tfkv.parallel.base import arrived
+from tfkv.parallel.packing import Packing
 from tfkv.parallel.precision import LossScale, all_finite
 from tfkv.parallel.replicas import Replicas
 
@@ -140,6 +143,10 @@ class StreamedExchange(_Replied):
         self._inflight: list[Any] = []  # pulls requested from inside the compiled step
         self._hook_error: BaseException | None = None
         self._grads = tf.function(self._forward_backward_pushing)
+        devices, store = replicas.devices, replicas.store
+        # Summed where the numpy path sums (the first device, or host memory), and packed there.
+        home = devices[0] if len(devices) == 1 or store.sum_on_device else "/device:CPU:0"
+        self.packing = Packing.for_store(store, list(self.keys), home)
 
     def step(self, x: Any, y: Any, upcoming: Any) -> None:
         self.tables.before(x, upcoming)
@@ -163,20 +170,23 @@ class StreamedExchange(_Replied):
         # layer's first, each as soon as its gradients exist.
         for k in reversed(self.keys):
             values = [g[k] for g in grads]
-            if len(values) > 1 and store.sum_on_device:
+            push = store.pushpull_async
+            if self.packing is not None:
+                values, push = self.packing.pack(k, values), store.pushpull_packed_async
+            elif len(values) > 1 and store.sum_on_device:
                 with tf.device(devices[0]):
                     values = [tf.add_n(values)]
-            tf.numpy_function(functools.partial(self._push_hook, k), values, Tout=tf.int32, stateful=True,
+            tf.numpy_function(functools.partial(self._push_hook, push, k), values, Tout=tf.int32, stateful=True,
                               name=f"push_{k}")
         return rows
 
-    def _push_hook(self, key: int, *values: np.ndarray) -> np.int32:
+    def _push_hook(self, push: Callable[[int, list[np.ndarray]], list[Any]], key: int, *values: np.ndarray) -> np.int32:
         # Runs on a TensorFlow thread: an exception here would come back wrapped in a TF error,
         # so it is kept and raised as itself once the step returns.
         if self._hook_error is None:
             t = time.perf_counter()
             try:
-                self._inflight.extend(self.store.pushpull_async(key, list(values)))
+                self._inflight.extend(push(key, list(values)))
             except BaseException as e:  # noqa: BLE001 - re-raised by step()
                 self._hook_error = e
             self.timings["push"] += time.perf_counter() - t

@@ -3,7 +3,8 @@ with a kind that applies momentum on the sender, its velocity, kept between push
 
 One `Sender` per worker store; `pack` turns one key part's values into the 2-bit words to push
 (tfkv.ps.compression), changing that part's residual and velocity once. The arrays are this
-worker's own: they are not in the servers' optimizer state (see DistStore.load_optimizer_states).
+worker's own, not the servers' optimizer state: a checkpoint keeps them apart, under the
+worker's rank (tfkv.store.dist_feedback).
 """
 
 from __future__ import annotations
@@ -34,6 +35,14 @@ class Sender:
             velocity = self._state(self._velocities, skey, part.size)
             return compression.pack_corrected(part, velocity, residual, self.setting.threshold, self.momentum)
         return compression.pack(part, residual, self.setting.threshold)
+
+    def held_arrays(self) -> dict[str, dict[int, np.ndarray]]:
+        """What this sender holds, by name ("residual", "velocity") and server-side key."""
+        return {"residual": self._residuals, "velocity": self._velocities}
+
+    def restore(self, what: str, skey: int, array: np.ndarray) -> None:
+        """Put back `what` ("residual" or "velocity") of key part `skey`, as saved."""
+        self.held_arrays()[what][skey] = np.array(array, np.float32).reshape(-1)
 
     @staticmethod
     def _state(arrays: dict[int, np.ndarray], skey: int, size: int) -> np.ndarray:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Hashable, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from tfkv.ps import compression
 from tfkv.ps import protocol as P
 from tfkv.ps.dtypes import FLOAT32
 from tfkv.ps.feedback import Sender
@@ -24,7 +25,22 @@ from tfkv.ps.worker import ServerLink
 
 FUSED_KEY_BYTES = 64 << 10  # a key part up to this size may be pushed and pulled in a PUSHPULL
 
-Flat = Callable[[], np.ndarray]  # a key's value, summed over this machine's devices when asked for
+
+
+class Packed:
+    """A key's push already 2-bit packed, one array of uint32 words per part of its layout (the
+    compiled step packs it: tfkv.parallel.packing); it goes out as it is, through no Sender."""
+
+    def __init__(self, layout: Layout, parts: Sequence[np.ndarray]):
+        if len(parts) != len(layout.parts) or any(
+                w.dtype != np.uint32 or w.shape != (compression.words(p.end - p.start),)
+                for w, p in zip(parts, layout.parts)):
+            raise ValueError(f"packed push: {[w.shape for w in parts]} words for parts of "
+                             f"{[p.end - p.start for p in layout.parts]} values")
+        self.parts = list(parts)
+
+
+Flat = Callable[[], "np.ndarray | Packed"]  # a key's value, summed over this machine's devices when asked for
 
 
 class KVWorker:
@@ -74,9 +90,9 @@ class KVWorker:
         for part in layout.parts:
             self.link.request(part.server, P.Message(P.Type.INIT, key=part.skey, data=flat[part.start:part.end]))
 
-    def push(self, layout: Layout, flat: np.ndarray) -> None:
-        for part in layout.parts:
-            self.link.push(part.server, self._carrying(P.Type.PUSH, part.skey, flat[part.start:part.end]))
+    def push(self, layout: Layout, flat: np.ndarray | Packed) -> None:
+        for i, part in enumerate(layout.parts):
+            self.link.push(part.server, self._carrying(P.Type.PUSH, part.skey, _payload(flat, i, part)))
 
     def pull(self, key: Hashable, layout: Layout, outs: list[Any]) -> Pull:
         """A key's pull requests, one per part; the value goes into `outs` (Pull)."""
@@ -105,10 +121,10 @@ class KVWorker:
         (A PUSH with its PULL's header behind the payload costs libzmq a write more per message.)"""
         pull = Pull(key, layout, outs)  # checks the outs before anything is sent
         value = flat()
-        self.pull_bytes += value.nbytes
+        self.pull_bytes += layout.size * layout.dtype.itemsize
         pull.expect([self.link.request(part.server, self._carrying(P.Type.PUSHPULL, part.skey,
-                                                                   value[part.start:part.end]))
-                     for part in layout.parts])
+                                                                   _payload(value, i, part)))
+                     for i, part in enumerate(layout.parts)])
         return pull
 
     def _pushpull_fused(self, key: Hashable, layout: Layout, outs: list[Any], flat: Flat) -> Pull:
@@ -121,13 +137,18 @@ class KVWorker:
         pull.expect([self.link.pushpull(layout.parts[0].server, layout.parts[0].skey, value)])
         return pull
 
-    def _carrying(self, kind: P.Type, skey: int, part: np.ndarray) -> P.Message:
+    def _carrying(self, kind: P.Type, skey: int, part: np.ndarray | tuple[np.ndarray, int]) -> P.Message:
         """A PUSH or PUSHPULL of one key part: 2-bit compressed with `set_gradient_compression`
-        (its residual changes here, once; a resend under PS_RESEND repeats the frames)."""
-        msg = P.Message(kind, key=skey, data=part)
-        if self.sender is not None:
-            msg.data = self.sender.pack(skey, part)
+        (its residual changes here, once; a resend under PS_RESEND repeats the frames), or its
+        (words, count) packed already in the compiled step."""
+        if isinstance(part, tuple):
+            msg = P.Message(kind, key=skey, data=part[0])
+            msg.dtype, msg.count = P.DType.TWOBIT, part[1]
+        elif self.sender is not None:
+            msg = P.Message(kind, key=skey, data=self.sender.pack(skey, part))
             msg.dtype, msg.count = P.DType.TWOBIT, part.size
+        else:
+            msg = P.Message(kind, key=skey, data=part)
         self.push_bytes += msg.data.nbytes
         return msg
 
@@ -242,3 +263,10 @@ class KVWorker:
                 data = np.concatenate([f[rows].reshape(-1) for f in states]) if names else None
                 self.link.request(s, P.Message(P.Type.SET_STATE, key=kid, rows=rows, data=data,
                                                meta={"count": count, "names": names}))
+
+
+def _payload(value: np.ndarray | Packed, i: int, part: Any) -> np.ndarray | tuple[np.ndarray, int]:
+    """Part `i` of a key's push: its slice of the flat value, or its packed words and count."""
+    if isinstance(value, Packed):
+        return value.parts[i], part.end - part.start
+    return value[part.start:part.end]

@@ -107,6 +107,9 @@ class KVStore(ABC):
     sync: bool = True
     #: takes 2-bit gradient compression (set_gradient_compression): `device` and every dist type
     compression: bool = False
+    #: takes a key's push as 2-bit words packed by the caller (`packing`, `pushpull_packed_async`:
+    #: the dist types, packed inside the compiled step), when compression is set
+    packed_push: bool = False
     #: has pushpull_async/arrivals: push a key and request it back without waiting (safe to
     #: call from a TensorFlow op's thread), take the replies as they come
     async_pushpull: bool = False

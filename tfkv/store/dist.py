@@ -20,8 +20,10 @@ each key as its last part arrives. DataParallel calls
 `set_gradient_compression` pushes are 2-bit compressed (`tfkv.ps.compression`) with one
 residual per key chunk kept on the worker; with the `2bit_momentum` kind also one velocity per
 chunk, the optimizer's momentum applied here, and the servers get the optimizer with momentum 0
-(`compression.split_momentum`). Those worker-side arrays are not in a checkpoint (worker 0
-alone writes it): a resumed job starts them from zero, and says so.
+(`compression.split_momentum`). A compiled step packs its gradients itself, as TensorFlow ops,
+and pushes the words (`tfkv.store.dist_feedback`: `packed_push`). The worker-side arrays go
+into the optimizer state file under the worker's rank (worker 0 alone writes a checkpoint:
+another worker's start from zero on resume, and it says so).
 
 A key initialised with a float16 or bfloat16 value holds that dtype (tfkv.ps.dtypes): this
 machine's values are summed in it and travel at 2 bytes a value; a value of another dtype is
@@ -56,6 +58,7 @@ from tfkv.ps.scheduler_link import SchedulerLink
 from tfkv.ps.worker import ServerLink
 from tfkv.store import dist_rows, sparse
 from tfkv.store.base import Key, KVStore, gpu_p2p, in_place, pairs
+from tfkv.store.dist_feedback import WorkerFeedback
 from tfkv.store.dist_keys import Keys
 from tfkv.store.dist_optimizer import ServerOptimizer
 from tfkv.store.sparse import RowSparse
@@ -74,7 +77,7 @@ class _WorkerCount:
         setattr(store.worker, self.name, value)
 
 
-class DistStore(ServerOptimizer, KVStore):
+class DistStore(WorkerFeedback, ServerOptimizer, KVStore):
     type = "dist_sync"
     distributed = True
     async_pushpull = True

@@ -7,13 +7,12 @@ the servers get the optimizer with momentum 0 (`compression.split_momentum`)."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from tfkv import optim
 from tfkv.ps import compression
 from tfkv.ps.feedback import Sender
-from tfkv.store import dist_state
+from tfkv.store import dist_state, npz
 
 
 class ServerOptimizer:
@@ -65,16 +64,12 @@ class ServerOptimizer:
     def save_optimizer_states(self, fname: str) -> None:
         """Gather the optimizer state of every key from the servers into one npz file."""
         self._require_optimizer()
-        dist_state.save(self.keys, self.worker, list(self._optimizer.state_names), self.env.chunk_bytes, fname)
+        dist_state.save(self.keys, self.worker, list(self._optimizer.state_names), self.env.chunk_bytes, fname,
+                        self.feedback_state())
 
     def load_optimizer_states(self, fname: str) -> None:
         self._require_optimizer()
-        sender = self.worker.sender
-        if self.rank == 0 and sender is not None:
-            logging.getLogger("tfkv").warning(
-                "gradient compression %s: each worker's %s are not in the optimizer state; they start from zero, "
-                "so the updates from here differ from those of a job never stopped", sender.setting.kind.name,
-                sender.held)
+        self.restore_feedback(npz.load(fname))  # this worker's residuals (tfkv.store.dist_feedback)
         # Every worker's pushes so far applied first: a round still open (another worker's push on its
         # way) would otherwise close after the state was put back, and move it again.
         self.barrier()

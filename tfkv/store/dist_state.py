@@ -2,7 +2,7 @@
 (`save`), and handed back to them (`load`, worker 0 sends; the store's every worker waits at a
 barrier). It is given the store's keys (tfkv.store.dist_keys.Keys) and its requests' builder
 (tfkv.ps.kvworker.KVWorker).
-Each worker's compression residuals and velocities are its own and not in it.
+The worker's own compression residuals and velocities go in beside it (`extra`).
 
 A row-sparse key's state (per row, as the servers keep it) is asked for and sent by rows, each
 server's shard in requests of at most kvstore.chunk_bytes, and saved as the local store saves
@@ -23,8 +23,10 @@ from tfkv.store import npz
 from tfkv.store.dist_keys import Keys
 
 
-def save(keys: Keys, worker: KVWorker, state_names: list[str], chunk_bytes: int, fname: str) -> None:
-    """Gather the optimizer state (`state_names`) of every key from the servers into one npz file."""
+def save(keys: Keys, worker: KVWorker, state_names: list[str], chunk_bytes: int, fname: str,
+         extra: dict[str, np.ndarray] | None = None) -> None:
+    """Gather the optimizer state (`state_names`) of every key from the servers into one npz file,
+    with the `extra` entries (this worker's error feedback)."""
     requests, tables = [], []
     for k, kid, layout, table in keys:
         if table is not None:  # after the dense keys: asked for by row pieces as the file is written
@@ -50,7 +52,7 @@ def save(keys: Keys, worker: KVWorker, state_names: list[str], chunk_bytes: int,
             out[f"{k}/{name}"] = npz.Chunked(table.shape, functools.partial(
                 _state_pieces, worker, kid, table, len(state_names), j, chunk_bytes))
         out[f"{k}/count"] = np.asarray(count)
-    npz.save(fname, out)
+    npz.save(fname, {**out, **(extra or {})})
 
 
 def _state_pieces(worker: KVWorker, kid: int, table: TableLayout, names: int, j: int,

@@ -1,4 +1,5 @@
-"""2-bit gradient compression as TensorFlow ops, for the `device` store's in-graph reduction.
+"""2-bit gradient compression as TensorFlow ops: the `device` store's in-graph reduction, and a
+dist store's pushes packed inside the compiled step (tfkv.parallel.packing).
 
 The schemes and the word layout are `tfkv.ps.compression`'s (MXNet's, and 2bit_momentum's
 momentum correction in front of it): each element of
@@ -10,9 +11,13 @@ to the device that sums, where `unpack` turns them back into floats.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import tensorflow as tf
+
+# (4 codes, one per byte of a uint32) * _GATHER holds the 4 codes side by side in its top byte
+# (tfkv.ps.compression's trick): the products of the other bytes never reach it.
+_GATHER = 0x01041040
 
 
 def _shifts() -> tf.Tensor:
@@ -20,12 +25,13 @@ def _shifts() -> tf.Tensor:
     return tf.constant([2 * i for i in range(16)], tf.uint32)
 
 
-def pack(grad: Any, residual: tf.Variable, threshold: float, velocity: tf.Variable | None = None,
-         momentum: float = 0.0) -> tf.Tensor:
+def codes(grad: Any, residual: tf.Variable, threshold: float, velocity: tf.Variable | None = None,
+          momentum: float = 0.0) -> tf.Tensor:
     """Add `grad` into `residual` (a flat float32 variable), quantise, keep what was not sent in
-    the residual; return the codes as uint32 words. With a `velocity` (2bit_momentum), what is
-    added is velocity = momentum * velocity + grad, and the velocity is zeroed where the residual
-    still holds a whole threshold after sending, as `tfkv.ps.compression.pack_corrected`."""
+    the residual; return each value's code (uint8: 0, 1 for +t, 2 for -t). With a `velocity`
+    (2bit_momentum), what is added is velocity = momentum * velocity + grad, and the velocity is
+    zeroed where the residual still holds a whole threshold after sending, as
+    `tfkv.ps.compression.pack_corrected`; float32 throughout, rounded as there."""
     t = tf.constant(threshold, tf.float32)
     g = tf.reshape(tf.cast(grad, tf.float32), [-1])
     if velocity is not None:
@@ -36,11 +42,29 @@ def pack(grad: Any, residual: tf.Variable, threshold: float, velocity: tf.Variab
     residual.assign(left)
     if velocity is not None:
         velocity.assign(tf.where(tf.abs(left) >= t, tf.zeros_like(g), g))
-    codes = tf.bitwise.bitwise_or(tf.cast(pos, tf.uint32), tf.bitwise.left_shift(tf.cast(neg, tf.uint32), 1))
-    n = int(residual.shape[0])
-    codes = tf.reshape(tf.pad(codes, [[0, -n % 16]]), [-1, 16])
-    # The 16 codes of a word occupy disjoint bits, so their sum is their bitwise or.
-    return tf.reduce_sum(tf.bitwise.left_shift(codes, _shifts()), axis=1)
+    return tf.cast(pos, tf.uint8) + 2 * tf.cast(neg, tf.uint8)
+
+
+def words(values: tf.Tensor) -> tf.Tensor:
+    """The uint32 words of `values`' codes (uint8, flat), the last word padded with code 0."""
+    n = int(values.shape[0])
+    quads = tf.reshape(tf.pad(values, [[0, -n % 16]]), [-1, 4])
+    gathered = tf.bitwise.right_shift(tf.bitcast(quads, tf.uint32) * tf.constant(_GATHER, tf.uint32), 24)
+    return tf.bitcast(tf.reshape(tf.cast(gathered, tf.uint8), [-1, 4]), tf.uint32)
+
+
+def pack(grad: Any, residual: tf.Variable, threshold: float, velocity: tf.Variable | None = None,
+         momentum: float = 0.0) -> tf.Tensor:
+    """`codes` of the whole residual as uint32 words (see `codes`)."""
+    return words(codes(grad, residual, threshold, velocity, momentum))
+
+
+def pack_parts(grad: Any, residual: tf.Variable, threshold: float, bounds: Sequence[tuple[int, int]],
+               velocity: tf.Variable | None = None, momentum: float = 0.0) -> list[tf.Tensor]:
+    """`codes` of the residual, as the words of each part [start, end) of `bounds` (a key's parts
+    on the servers, each its own payload, its last word padded)."""
+    c = codes(grad, residual, threshold, velocity, momentum)
+    return [words(c[start:end]) for start, end in bounds]
 
 
 def unpack(words: Any, count: int, threshold: float) -> tf.Tensor:
