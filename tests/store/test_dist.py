@@ -281,7 +281,9 @@ def test_momentum_corrected_compression_over_the_wire(cluster, kind):
     for r in _results(outs):
         assert ("dist_async needs an optimizer" if kind == "dist_async" else
                 "2bit_momentum applies the optimizer's momentum on the workers: call set_optimizer") in r["refused"]
-        assert r["state"] == ["w/count"]  # no momentum on the servers
+        # no momentum on the servers; the worker's own error feedback beside their state
+        assert r["state"] == ["w/count", f"worker_feedback/{r['rank']}/w/residual",
+                              f"worker_feedback/{r['rank']}/w/velocity"]
         assert r["final"] == want[-1]
         if kind != "dist_async":  # async: each push applied on arrival, the sum the same in the end
             assert r["seen"] == want
@@ -456,3 +458,35 @@ def test_half_precision_keys_over_dist_sync(cluster):
             assert r[f"{name}_w0"] != r[f"{name}_w1"]
         assert r["mixed"] == {k: ["float32" if k.startswith("f") and k[1:].isdigit() else k, 3.0]
                               for k in ("f0", "float16", "f1", "bfloat16", "f2", "f3")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["2bit", "2bit_momentum"])
+def test_pushes_packed_in_the_graph_are_the_numpy_oracles_and_resume_exactly(cluster, kind):
+    """Words packed as TensorFlow ops, pushed as they are: the servers' weights after every step
+    are those of the plain-numpy scheme (compression_oracle) with the same gradients, split over
+    two servers; the worker's residuals are saved with the optimizer state and put back exactly,
+    so the steps after a reload are an uninterrupted job's."""
+    import compression_oracle as O
+
+    _, (out,) = _job(cluster, "packed_compressed", num_servers=2, num_workers=1, MXNET_KVSTORE_BIGARRAY_BOUND="500",
+                     TEST_COMPRESSION=kind)
+    r = _results([out])[0]
+    assert r["packs_in_graph"] and r["parts"] == 2
+    rng, t, m = np.random.default_rng(7), 0.25, 0.5
+    layout = {"w": [(0, 502), (502, 1003)], "b": [(0, 37)]}  # as the servers cut it (checked below)
+    held = {k: [(np.zeros(e - s, np.float32), np.zeros(e - s, np.float32)) for s, e in b] for k, b in layout.items()}
+    weights = {"w": np.zeros(1003, np.float32), "b": np.zeros(37, np.float32)}
+    for step in range(5):
+        for k, g in zip(["w", "b"], [rng.normal(scale=0.3, size=n).astype(np.float32) for n in (1003, 37)]):
+            for (s, e), (res, vel) in zip(layout[k], held[k]):
+                words = O.pack_corrected(g[s:e], vel, res, t, m) if kind == "2bit_momentum" else O.pack(g[s:e], res, t)
+                weights[k][s:e] -= O.unpack(words, e - s, t)
+        assert r["seen"][step] == [weights["w"].tolist(), weights["b"].tolist()], step
+        if step == 2:
+            residual = np.concatenate([res for res, _ in held["w"]])
+            assert r["saved"]["worker_feedback/0/w/residual"] == residual.tolist()
+            assert ("worker_feedback/0/w/velocity" in r["saved"]) == (kind == "2bit_momentum")
+            assert r["zeroed"] == 0.0 and r["restored"] == residual.tolist() and residual.any()
+    assert r["final_residual"] == np.concatenate([res for res, _ in held["w"]]).tolist()
+    assert len(r["api_push"]) == 37

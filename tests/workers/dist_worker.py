@@ -266,7 +266,7 @@ def momentum_compressed(kv, out):
     kv.save_optimizer_states(path)
     with np.load(path) as f:
         state = sorted(f.files)
-    json.dump({"refused": refused, "seen": seen, "final": final, "state": state}, out)
+    json.dump({"refused": refused, "seen": seen, "final": final, "state": state, "rank": kv.rank}, out)
 
 
 SCENARIOS["compressed"] = compressed
@@ -658,6 +658,47 @@ def worker_left(kv, out):
 
 
 SCENARIOS["worker_left"] = worker_left
+
+
+def packed_compressed(kv, out):
+    """Pushes packed in a compiled step (tfkv.parallel.packing) for 5 steps of SGD lr=1 (the
+    momentum 0.5, on this worker, for 2bit_momentum), key "w" split over both servers; after 3
+    steps the optimizer state saved, this worker's residuals zeroed, the state loaded again: the
+    weights after each step, the residuals saved, restored and at the end, and a numpy push of
+    the KVStore API afterwards."""
+    import tensorflow as tf
+
+    from tfkv.parallel.packing import Packing
+
+    kind = os.environ["TEST_COMPRESSION"]
+    kv.set_gradient_compression({"type": kind, "threshold": 0.25})
+    kv.init(["w", "b"], [np.zeros(1003, np.float32), np.zeros(37, np.float32)])
+    kv.set_optimizer(optim.SGD(schedule=optim.Schedule(lr=1.0), momentum=0.5 if kind == "2bit_momentum" else 0.0))
+    packing = Packing.for_store(kv, ["w", "b"], "/device:CPU:0")
+    step = tf.function(lambda gw, gb: [packing.pack("w", [gw]), packing.pack("b", [gb])])
+    res = {"parts": len(kv.keys.layout("w")[1].parts), "seen": [], "packs_in_graph": packing is not None}
+    rng = np.random.default_rng(7)
+    for i in range(5):
+        grads = [rng.normal(scale=0.3, size=n).astype(np.float32) for n in (1003, 37)]
+        words = step(*grads)
+        pulls = [p for k, w in zip(["w", "b"], words) for p in kv.pushpull_packed_async(k, [x.numpy() for x in w])]
+        got = kv.wait(pulls)
+        res["seen"].append([got["w"].tolist(), got["b"].tolist()])
+        if i == 2:
+            path = str(Path(out.name).with_suffix(".npz"))
+            kv.save_optimizer_states(path)
+            res["saved"] = {k: v.tolist() for k, v in np.load(path).items() if k.startswith("worker_feedback/")}
+            packing.restore_feedback({})  # as a fresh job's: zero
+            res["zeroed"] = float(np.abs(packing.residuals["w"].numpy()).sum())
+            kv.load_optimizer_states(path)
+            res["restored"] = packing.residuals["w"].numpy().tolist()
+    res["final_residual"] = packing.residuals["w"].numpy().tolist()
+    kv.push("b", np.full(37, 0.25, np.float32))  # the API's push: the numpy Sender, its own residual
+    res["api_push"] = kv.pull("b").tolist()
+    json.dump(res, out)
+
+
+SCENARIOS["packed_compressed"] = packed_compressed
 
 
 if __name__ == "__main__":
