@@ -20,6 +20,7 @@ CASES = [
     ("pushpull", ["--seconds", "0.2", "--trials", "1", "--sizes", "4K,1M"], "ratio = tfkv / raw"),
     ("security", ["--seconds", "0.2", "--rounds", "1", "--sizes", "1M"], "secure/plain"),
     ("overlap", ["--seconds", "0.2", "--trials", "1"], "raw chunked"),
+    ("compression_speed", ["--seconds", "0.05", "--trials", "1", "--values", "100003"], "x copy"),
     pytest.param("scaling", ["--seconds", "0.3", "--trials", "1", "--workers", "2"], "secure/plain", marks=pytest.mark.bench),
     pytest.param("compression_training", ["--seconds", "0.3", "--trials", "1", "--workers", "2", "--overlap-ab"],
      "pushed after backward", marks=pytest.mark.bench),

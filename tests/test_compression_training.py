@@ -58,3 +58,27 @@ def test_mxnet_threshold_on_the_default_experiment_matches_uncompressed(tmp_path
                                                                        "kvstore.compression.threshold=0.5"]})
     assert accuracy["plain"] > 0.9, accuracy
     assert accuracy["2bit_mxnet"] >= accuracy["plain"] - 0.01, accuracy
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["2bit", "2bit_mxnet"])
+def test_a_compressed_dist_job_resumed_from_a_checkpoint_ends_with_the_uninterrupted_weights(tmp_path, kind):
+    """A dist_sync job packs its pushes in the compiled step; its worker's residuals (and, for
+    the config's 2bit, velocities) go into the checkpoint beside the servers' state and come
+    back on resume: from epoch 1's checkpoint, epoch 2 ends with the weights of the job never
+    stopped, bit for bit."""
+    common = ["kvstore=dist_sync", "cluster=local", "cluster.num_workers=1", "progress=false", "epochs=2",
+              "deterministic=true", "steps_per_epoch=20", f"kvstore.compression.type={kind}", "seed=0"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    tfkv_run(*common, f"hydra.run.dir={straight}", cwd=tmp_path, timeout=300)
+    with np.load(straight / "checkpoints" / "epoch-0001" / "optimizer.npz") as f:
+        held = {k: f[k] for k in f.files if k.startswith("worker_feedback/0/")}
+    assert held and any(v.any() for v in held.values())  # restarting from zero would change the updates
+    assert any(k.endswith("/velocity") for k in held) == (kind == "2bit")
+    tfkv_run(*common, f"hydra.run.dir={resumed}", f"resume={straight / 'checkpoints' / 'epoch-0001'}", cwd=tmp_path,
+             timeout=300)
+    with np.load(straight / "checkpoints" / "epoch-0002" / "weights.npz") as a, \
+            np.load(resumed / "checkpoints" / "epoch-0002" / "weights.npz") as b:
+        assert sorted(a.files) == sorted(b.files)
+        for k in a.files:
+            np.testing.assert_array_equal(a[k], b[k], err_msg=k)

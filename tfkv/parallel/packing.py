@@ -12,6 +12,7 @@ declared `packed_push` and whether it compresses (`Packing.for_store`).
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Hashable, Sequence
 
 import numpy as np
@@ -35,6 +36,7 @@ class Packing:
                 if plan.momentum is not None:
                     self.velocities[k] = tf.Variable(tf.zeros([plan.size], tf.float32), trainable=False)
         store.hold_feedback(self)
+        logging.getLogger("tfkv").info("gradient compression: pushes packed in the compiled step on %s", device)
 
     @classmethod
     def for_store(cls, store: Any, keys: Sequence[Hashable], device: str) -> Packing | None:
