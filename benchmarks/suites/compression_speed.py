@@ -19,15 +19,15 @@ from typing import Any, Callable
 
 from benchmarks import harness
 
+KINDS = ("2bit", "2bit_momentum")
+THRESHOLD, MOMENTUM = 0.5, 0.9  # as a tfkv-run config's defaults and SGD's usual momentum
+
 REPORT = harness.Report(
     "2-bit packing and unpacking against a copy",
     "Milliseconds to pack (quantise with error feedback) and to unpack a 5.8M-value push, per kind and "
     "implementation (numpy: the API's pushes and the servers; tf: the compiled step's ops), against "
     "`np.copyto` of the push's float32 buffer in the same run; `x_copy` is their ratio (target <= 3).",
     ["kind", "impl", "op"], ["ms"], "ms", columns=["kind", "impl", "op", "ms", "copy_ms", "x_copy"])
-
-KINDS = ("2bit", "2bit_momentum")
-THRESHOLD, MOMENTUM = 0.5, 0.9
 
 
 def contenders(kind: str, n: int) -> dict[tuple[str, str], Callable[[], Any]]:
