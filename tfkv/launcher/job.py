@@ -17,7 +17,7 @@ from tfkv import gpus, knobs, preempt
 from tfkv.config import cluster
 from tfkv.config.device_specs import LOCAL_RANK, bound_gpus
 from tfkv.errors import ConfigError
-from tfkv.launcher import base, record, signals, spares
+from tfkv.launcher import base, placement, record, signals, spares
 from tfkv.launcher.hosts import Host, read_hosts
 from tfkv.launcher.hosts import slots as host_slots
 from tfkv.launcher.plan import RUN_DIR, make_plan, worker_hosts
@@ -80,9 +80,14 @@ def backend(opts: Options, values: Mapping[str, Any] | None = None) -> base.Back
     return cls(cls.config(**given))
 
 
-def place_workers(opts: Options, hosts: list[Host], traits: base.Traits) -> list[str]:
+def place_workers(opts: Options, hosts: list[Host], traits: base.Traits, servers: Sequence[str] = ()) -> list[str]:
     """Each worker's host (tfkv.launcher.plan.worker_hosts) with the job's slots and
-    cluster.workers_per_host; those two are refused where a resource manager picks the nodes."""
+    cluster.workers_per_host, on the hosts that are not `servers` (server hosts); slots and
+    workers_per_host are refused where a resource manager picks the nodes."""
+    if servers:  # the workers' hosts alone, placed from their first (no server ahead of them to skip)
+        hosts = [h for h in hosts if h.name not in servers]
+        return worker_hosts(opts.num_workers, 0, [h.name for h in hosts], opts.workers_per_host,
+                            host_slots(hosts), f"the worker hosts of {opts.hostfile}")
     per_host, slots = opts.workers_per_host, host_slots(hosts)
     if traits.chooses_nodes and (per_host is not None or slots):
         what = f"cluster.workers_per_host={per_host}" if per_host is not None else f"slots= in {opts.hostfile}"
@@ -124,19 +129,23 @@ def plan_job(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path
         raise ConfigError(f"the {opts.launcher} launcher needs a hosts file: -H hosts / cluster.hostfile=hosts")
     else:
         hosts = [Host(opts.host)]  # mpi without one: this machine, as a bare mpirun runs
+    servers = placement.server_hosts(opts.launcher, opts.hostfile, hosts, opts.server_hosts,
+                                     opts.num_servers)
+    placement.check_cpus(opts.server_cpus, opts.worker_cpus)
     here = traits.runs_here
     python = sys.executable if here else opts.python
-    scheduler_host = opts.host if here or not opts.hostfile else hosts[0].name
+    scheduler_host = opts.host if here or not opts.hostfile else (servers or [hosts[0].name])[0]
     port = opts.port or free_port(opts.host if here else "0.0.0.0")
     values = knob_values(opts) if values is None else values
     extra = {**(env or {}), **knobs.environment(values), RUN_DIR: remote_path(opts, workdir, run_dir),
              **_secrets(opts, traits, workdir, run_dir, write=not opts.dry_run)}
     # Only a backend that places roles on the hosts file's hosts names them; a resource manager chooses its own.
     placed = bool(opts.hostfile) and traits.places_roles
-    workers = place_workers(opts, hosts, traits)
+    workers = place_workers(opts, hosts, traits, servers)
     plan = make_plan(opts.num_workers, opts.num_servers, worker_argv, [python, "-m", "tfkv.ps.node"],
                      [h.name for h in hosts], scheduler_host, port, extra, show_host=placed,
-                     placed_workers=workers, local_ranks=traits.local_ranks)
+                     placed_workers=workers, local_ranks=traits.local_ranks, server_hosts=servers,
+                     cpus=(opts.server_cpus, opts.worker_cpus))
     return base.Job(plan=plan, hosts=hosts if opts.hostfile else [], workdir=workdir,
                     sync_dst_dir=opts.sync_dst_dir, run_dir=run_dir, python=python,
                     remote_run_dir=remote_path(opts, workdir, run_dir))
