@@ -155,3 +155,13 @@ def test_a_local_job_s_roles_run_on_the_cpus_they_are_given(tmp_path):
         assert said["own"] == [worker_cpu], said
         assert said["nodes"] == {"scheduler": [[server_cpu]], "server": [[server_cpu]]}, said
         assert said["pulled"] == [2.0, 2.0, 2.0]  # both workers' pushes summed: the job really ran
+
+
+def test_a_cpu_the_host_lacks_is_one_line_after_the_pre_flight_before_any_role_starts(tmp_path):
+    beyond = max(os.sched_getaffinity(0)) + 1
+    proc = _launch("-n", "1", "-s", "1", "--launcher", "local", "--worker-cpus", str(beyond), "--run-dir", "rec",
+                   "--", sys.executable, "-c", "open('started', 'w')", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith(f"tfkv-launch: cluster.worker_cpus={beyond} names CPU(s) {beyond} that worker 0 may "
+                                  "not use on 127.0.0.1 (the pre-flight found CPUs ") and proc.stderr.count("\n") == 1
+    assert not (tmp_path / "started").exists() and "[scheduler]" not in proc.stdout

@@ -171,10 +171,15 @@ def check_gpus(traits: base.Traits, job: base.Job, versions: Mapping[str, Mappin
             continue
         local_rank = int(p.env[LOCAL_RANK])
         wanted = bound_gpus(job.devices, p.rank, local_rank)
-        found = (versions.get(p.host) or (versions.get("localhost") if traits.runs_here else None) or {}).get("gpus")
+        found = _seen(versions, p.host, traits).get("gpus")
         if wanted is not None and found is not None and max(wanted) >= found:
             raise gpus.beyond(job.devices, wanted, found, f"{p.name} (local rank {local_rank})",
                               f"the pre-flight on {p.host}")
+
+
+def _seen(versions: Mapping[str, Mapping[str, Any]], host: str, traits: base.Traits) -> Mapping[str, Any]:
+    """What the pre-flight found on `host` (the local launcher's reports as "localhost"), or {}."""
+    return versions.get(host) or (versions.get("localhost") if traits.runs_here else None) or {}
 
 
 def describe(job: base.Job) -> str:
@@ -282,7 +287,10 @@ def _launch(opts: Options, job: base.Job, launcher: base.Backend, run_dir: Path,
               f"{describe(job)}\n")
     out.flush()
     versions = launcher.preflight(job)
-    check_gpus(base.Traits.of(type(launcher)), job, versions)
+    traits = base.Traits.of(type(launcher))
+    check_gpus(traits, job, versions)
+    placement.check_on_hosts(job.plan, {h: _seen(versions, h, traits).get("cpus") for h in {p.host for p in job.plan}},
+                             opts.server_cpus, opts.worker_cpus)
     pin_scheduler(job)
     record.write(run_dir, opts.launcher, job, argv, versions, opts.hostfile)
     tee = record.Tee(out, run_dir / "launch" / "job.log")

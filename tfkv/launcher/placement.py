@@ -18,7 +18,7 @@ Everything here is checked before any process starts; a bad setting is one Confi
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from tfkv.errors import ConfigError
 from tfkv.launcher import base
@@ -66,6 +66,30 @@ def needs_placing(launcher: str, what: str, instead: str) -> None:
         raise ConfigError(f"{what}: the {launcher} launcher does not place roles on hosts "
                           f"({'the resource manager picks the nodes' if traits.chooses_nodes else 'one machine'}); "
                           + instead.format(placing=placing))
+
+
+def check_on_hosts(plan: Sequence[Any], found: Mapping[str, Any], server_cpus: str | None,
+                   worker_cpus: str | None) -> None:
+    """After the pre-flight, before any role starts: each pinned role's CPUs are CPUs its host
+    lets it use (`found`: host -> the CPUs the pre-flight saw there, None where unknown)."""
+    for p in plan:
+        key, cpus = ("worker_cpus", worker_cpus) if p.role == "worker" else ("server_cpus", server_cpus)
+        there = found.get(p.host)
+        missing = sorted(cpu_set(cpus, f"cluster.{key}") - set(there)) if there is not None else []
+        if missing:
+            raise ConfigError(f"cluster.{key}={cpus} names CPU(s) {', '.join(map(str, missing))} that {p.name} may not "
+                              f"use on {p.host} (the pre-flight found CPUs {_ranges(there)}); name CPUs of that host")
+
+
+def _ranges(cpus: Sequence[int]) -> str:
+    """0,1,2,3,8 as 0-3,8: taskset's list syntax."""
+    runs: list[list[int]] = []
+    for c in sorted(cpus):
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
 
 
 def cpu_set(text: str | None, where: str) -> set[int]:
