@@ -4,8 +4,10 @@ them (one line, exit 2).
 
 A row: run (the run's id), model, hosts, link, contender, samples_per_sec (median of the trials;
 None when the job failed, with `error`), trials (each trial's samples/s), cpus (per host),
-cpus_each (every host's budget, a straggler's too), straggler, global_batch, params, timings (a tfkv
-worker's step split, seconds per step), ratios {vs_mwms, vs_pss, vs_local}.
+cpus_each (every host's budget, a straggler's too; tfkv_spare's server hosts' too), straggler,
+global_batch, params, timings (a tfkv worker's step split, seconds per step), ratios {vs_mwms,
+vs_pss, vs_local}; a tfkv_spare row also server_hosts (how many hosts ran its servers, beside its
+`hosts` worker hosts; it is compared with the others at the same worker hosts).
 """
 
 from __future__ import annotations
@@ -59,6 +61,11 @@ def find(rows: list[dict], contender: str, model: str, hosts: int | None = None,
     return None
 
 
+def find_any(rows: list[dict], contender: str) -> bool:
+    """Whether the run has `contender` at all (its target is then shown, failed or not)."""
+    return any(r["contender"] == contender for r in rows)
+
+
 def add_ratios(rows: list[dict]) -> None:
     """Each row's samples/s over MWMS's, PSS's (same model, hosts, link) and local's (one host,
     the same global batch), where those were measured."""
@@ -75,8 +82,16 @@ def add_ratios(rows: list[dict]) -> None:
             ratios["vs_local"] = round(r["samples_per_sec"] / local["samples_per_sec"], 3)
 
 
+def _spread(r: dict) -> str:
+    """A row's trials as min-max (samples/s), where it has more than one."""
+    t = [x for x in r.get("trials") or [] if x]
+    return f"{min(t):.0f}-{max(t):.0f}" if len(t) > 1 else ""
+
+
 def table(rows: list[dict]) -> str:
-    lines = [f"{'model':<7} {'hosts':>5} {'link':<7} {'contender':<11} {'batch':>6} {'samples/s':>10} {'vs mwms':>8} "
+    spread = any(_spread(r) for r in rows)
+    lines = [f"{'model':<7} {'hosts':>5} {'link':<7} {'contender':<11} {'batch':>6} {'samples/s':>10} "
+             + (f"{'trials':>11} " if spread else "") + f"{'vs mwms':>8} "
              f"{'vs pss':>7} {'vs local':>9}  tfkv worker's step (ms): compute / push inside it / pull+wait"]
     for r in rows:
         q = r.get("ratios", {})
@@ -85,12 +100,20 @@ def table(rows: list[dict]) -> str:
         split = (f"{1e3 * t.get('compute', 0):.0f} / {1e3 * t.get('push', 0):.0f} / {1e3 * t.get('pull', 0):.0f}"
                  if t and r["contender"] != "local" else "")
         link = (r["link"] or "-") + ("*" if r.get("straggler") else "")
-        lines.append(f"{r['model']:<7} {r['hosts']:>5} {link:<7} {r['contender']:<11} {r.get('global_batch', ''):>6} {sps:>10} "
+        hosts = f"{r['hosts']}+{r['server_hosts']}" if r.get("server_hosts") else str(r["hosts"])
+        lines.append(f"{r['model']:<7} {hosts:>5} {link:<7} {r['contender']:<11} {r.get('global_batch', ''):>6} {sps:>10} "
+                     + (f"{_spread(r):>11} " if spread else "")
                      + " ".join(f"{q[k]:>{w}.2f}" if k in q else " " * w
                                 for k, w in (("vs_mwms", 8), ("vs_pss", 7), ("vs_local", 9)))
                      + f"  {split}")
+    if spread:
+        lines.append("samples/s: the median of the trials; trials: their lowest-highest")
     if any(r.get("straggler") for r in rows):
         lines.append("* one host has half the others' CPU (the straggler setting)")
+    if any(r.get("server_hosts") for r in rows):
+        lines.append("W+S: tfkv_spare's W worker hosts and S server hosts (its servers and scheduler), each of the "
+                     "same budget; its ratios are against the others on the W worker hosts alone (MWMS cannot use "
+                     "the spare hosts)")
     if any(r["contender"] == "local" for r in rows):
         lines.append("local: one host alone, training the global batch of the rows it is compared with (batch)")
     return "\n".join(lines)
@@ -120,7 +143,8 @@ def _step(rows: list[dict], contender: str, model: str, hosts: int, link: str | 
 
 
 def targets(rows: list[dict]) -> list[dict]:
-    """Issue 29's point-3 targets and the reference documents' claims, each with its figure."""
+    """Issue 29's point-3 targets, issue 42's point-5 targets of tfkv_2way and tfkv_spare, and the
+    reference documents' claims, each with its figure."""
     got: list[dict] = []
     links = sorted({r["link"] for r in rows if r["link"]}, key=_link_bits)
     hosts = sorted({r["hosts"] for r in rows if r["contender"] != "local"})
@@ -136,6 +160,18 @@ def targets(rows: list[dict]) -> list[dict]:
         f = _ratio(rows, "tfkv_2bit", "mwms", "mlp", 4, "1gbit")
         got.append(_verdict("tfkv_2bit (accurate 2-bit compression + pushes overlapping the backward pass + one server "
                             "per host) >= 1.3x mwms, mlp, 4 hosts, 1gbit", f, 1.3, _step(rows, "tfkv_2bit", "mlp", 4, "1gbit")))
+    if 4 in hosts and "1gbit" in links:
+        f = _ratio(rows, "tfkv_2way", "mwms", "mlp", 4, "1gbit")
+        if "mlp" in models and find_any(rows, "tfkv_2way"):
+            got.append(_verdict("tfkv_2way (2-bit both ways) >= 2x mwms, mlp, 4 hosts, 1gbit", f, 2.0,
+                                _step(rows, "tfkv_2way", "mlp", 4, "1gbit")))
+        for m in ("mlp", "resnet"):
+            r = find(rows, "tfkv_spare", m, 4, "1gbit")
+            if m in models and find_any(rows, "tfkv_spare"):
+                f = _ratio(rows, "tfkv_spare", "mwms", m, 4, "1gbit")
+                got.append(_verdict(f"tfkv_spare (4 worker + {(r or {}).get('server_hosts', 'S')} server hosts) >= 1.3x "
+                                    f"mwms on the 4 worker hosts, {m}, 1gbit", f, 1.3,
+                                    _step(rows, "tfkv_spare", m, 4, "1gbit")))
     for m in models:
         for n in hosts:
             for link in links[:1] if n == 1 else links:

@@ -215,6 +215,33 @@ def config_compression(kind: str, threshold: float) -> dict[str, Any] | None:
     return compressing.params() if compressing else None
 
 
+def configured(kvstore: str, overrides: Sequence[str]) -> Any:
+    """The tfkv-run config of a `kvstore` job with `overrides` (kvstore.* keys, e.g.
+    kvstore.compression.type=2bit), composed as tfkv-run composes it; Failed, in one line naming
+    them, when this tfkv's config lacks one (the parent checks before it starts the job)."""
+    from hydra.errors import HydraException
+
+    from tfkv.config import tree
+
+    try:
+        return tree.compose([f"kvstore={kvstore}", *overrides])
+    except HydraException as e:
+        raise Failed(f"the config overrides {' '.join(overrides)} do not fit this tfkv's config: "
+                     f"{str(e).splitlines()[0]}") from None
+
+
+def configure(kv: Any, kvstore: str, overrides: Sequence[str]) -> None:
+    """`overrides` (see `configured`) given to the store as a tfkv-run job's config gives them
+    (tfkv.trainer.parts.compress), so that a contender means what the same config means."""
+    from tfkv.trainer import parts
+
+    try:
+        cfg = configured(kvstore, overrides)
+    except Failed as e:
+        sys.exit(f"jobs: {e}")
+    parts.compress(cfg, kv)
+
+
 def run_for(step: Callable[[], Any], rank: int, seconds: float, sync_dir: str, tag: str,
             before_timed: Callable[[], None]) -> tuple[int, float]:
     """dist_async: warm up, line up with the others on rank 0's file, then step for `seconds` of
@@ -247,7 +274,9 @@ def worker(args: argparse.Namespace) -> None:
         kv.async_pushpull = False
     with harness.closing(kv, "dist_job"):
         rank, workers = kv.rank, kv.num_workers
-        if args.compression != "none":  # before any key exists, as the trainer does
+        if args.config:  # before any key exists, as the trainer does
+            configure(kv, args.kvstore, args.config)
+        elif args.compression != "none":
             kv.set_gradient_compression(config_compression(args.compression, args.threshold))
         for model in args.model.split(","):
             cfg, shape = MODELS[model]
@@ -272,11 +301,13 @@ def worker(args: argparse.Namespace) -> None:
 
 def worker_argv(model: str, batch: int, seconds: float, tmp: str, tag: str, kvstore: str = "dist_sync",
                 compression: str = "none", threshold: float = 0.5, overlap: str = "graph",
-                threads: int = 0, python: str = sys.executable) -> list[str]:
-    """The command line of a worker of this module (`model`: one name or several, comma separated)."""
+                threads: int = 0, python: str = sys.executable, config: Sequence[str] = ()) -> list[str]:
+    """The command line of a worker of this module (`model`: one name or several, comma separated;
+    `config`: kvstore.* overrides of a tfkv-run config, see `configure`)."""
     return [*harness.module_argv("jobs", python), "--out", tmp, "--sync-dir", tmp, "--tag", tag, "--model", model,
             "--batch", str(batch), "--seconds", str(seconds), "--kvstore", kvstore, "--compression", compression,
-            "--threshold", str(threshold), "--overlap", overlap, "--threads", str(threads)]
+            "--threshold", str(threshold), "--overlap", overlap, "--threads", str(threads),
+            *(a for o in config for a in ("--config", o))]
 
 
 def collect(tmp: str, tag: str, model: str, workers: int, synchronous: bool = True) -> dict:
@@ -498,10 +529,16 @@ def collect_roles(tmp: str, kind: str, ranks: int) -> dict[str, dict]:
 #                 MXNet's placement with -n hosts -s hosts: the scheduler on host 1, one server and
 #                 one worker per host; dist_sync, secure (a fresh key per job, as launched jobs are)
 #     tfkv_plain  the same, --no-secure
-#     tfkv_2bit   the same, with the 2-bit compression a tfkv-run config's
-#                 `kvstore.compression.type=2bit` gives (config_compression), threshold 0.5
+#     tfkv_2bit   the same, with a tfkv-run config's `kvstore.compression.type=2bit` (`configure`:
+#                 the accurate 2-bit), threshold 0.5
+#     tfkv_2way   the same with `kvstore.compression.type=2bit kvstore.compression.both_ways=true`
+#                 (the servers' replies compressed too; fails, naming the key, where tfkv lacks it)
 #     tfkv_async  the same, dist_async: each worker steps for the same time on its own clock;
 #                 samples/s is the sum of the workers' own
+#     tfkv_spare  a worker on each of the W worker hosts and the scheduler and one server on each
+#                 of S more hosts of the same budget (the cluster's last S, `role=server` in its
+#                 hosts file: BytePS's placement); every other contender runs on the W worker
+#                 hosts alone (an all-reduce has no use for a host without a worker)
 #     mwms        tf.distribute.MultiWorkerMirroredStrategy, one worker per host (TF_CONFIG naming
 #                 the hosts' addresses), started on the hosts by Host.popen; the custom loop of
 #                 the dist_training suite (gRPC, ring all-reduce)
@@ -514,7 +551,24 @@ def collect_roles(tmp: str, kind: str, ranks: int) -> dict[str, dict]:
 # Each job runs under a time limit; its processes are killed with their process groups when it
 # fails or hangs, and Failed names the contender with its log's tail.
 
-CONTENDERS = ("tfkv", "tfkv_plain", "tfkv_2bit", "tfkv_async", "mwms", "pss", "local")
+
+
+@dataclass(frozen=True)
+class Tfkv:
+    """A tfkv contender: its store type, security, kvstore.* settings (a tfkv-run config's
+    overrides, `configure`) and whether its servers run on the cluster's server hosts."""
+
+    kvstore: str = "dist_sync"
+    secure: bool = True
+    config: tuple[str, ...] = ()
+    spare: bool = False
+
+
+TFKV = {"tfkv": Tfkv(), "tfkv_plain": Tfkv(secure=False),
+        "tfkv_2bit": Tfkv(config=("kvstore.compression.type=2bit",)),
+        "tfkv_2way": Tfkv(config=("kvstore.compression.type=2bit", "kvstore.compression.both_ways=true")),
+        "tfkv_async": Tfkv(kvstore="dist_async"), "tfkv_spare": Tfkv(spare=True)}
+CONTENDERS = (*TFKV, "mwms", "pss", "local")
 TF_PORT = 23456  # tf.distribute's gRPC port on every host (each host has a network of its own)
 
 
@@ -527,36 +581,46 @@ class Settings:
     seconds: float  # timed steps per model
     threads: int  # TF intra/inter-op threads per process (0: TensorFlow's default)
     timeout: float  # seconds before a job counts as hung
+    server_hosts: int = 0  # the cluster's last hosts, tfkv_spare's server hosts (the others ignore them)
 
 
 def run(contender: str, cluster: Any, hosts_file: Path, s: Settings, tmp: Path) -> dict[str, dict]:
-    """{model: collect's figures} of one job of `contender` on every host of `cluster`."""
-    n = len(cluster.hosts)
-    if contender.startswith("tfkv"):
-        kvstore = "dist_async" if contender == "tfkv_async" else "dist_sync"
+    """{model: collect's figures} of one job of `contender` on the worker hosts of `cluster` (all
+    but its last `s.server_hosts`; tfkv_spare: its servers on those)."""
+    hosts = cluster.hosts[:len(cluster.hosts) - s.server_hosts]
+    n = len(hosts)
+    if contender in TFKV:
+        c = TFKV[contender]
+        servers = [h.name for h in cluster.hosts[n:]] if c.spare else []
+        if c.config:
+            configured(c.kvstore, c.config)  # a key this tfkv lacks: Failed before any job starts
+        if s.server_hosts:  # the worker hosts alone, or with the server hosts
+            hosts_file = cluster.write_hosts(tmp / "hosts", hosts=[h.name for h in hosts] + servers, servers=servers)
         for m in s.models:  # a job per model: a model's keys start at 0, DataParallel's
-            _tfkv(cluster, hosts_file, m, s, tmp, kvstore, secure=contender != "tfkv_plain",
-                  compression="2bit" if contender == "tfkv_2bit" else "none")
-        return _collect(tmp, contender, s.models, n, synchronous=kvstore == "dist_sync")
+            worker = worker_argv(TRAINING_MODELS[m], s.batch, s.seconds, str(tmp), contender, kvstore=c.kvstore,
+                                 threads=s.threads, config=c.config)
+            launch_tfkv(cluster, hosts_file, worker, c.secure, tmp / f"launch-{m}", s.timeout,
+                        f"{contender} {c.kvstore}", workers=n, servers=len(servers) or n)
+        return _collect(tmp, contender, s.models, n, synchronous=c.kvstore == "dist_sync")
     if contender == "local":
         argv = worker_argv(_job_models(s), n * s.batch, s.seconds, str(tmp), "local", kvstore="local",
                                     threads=s.threads)
-        supervise([(cluster.hosts[0], argv, {})], s.timeout, "local", tmp)
+        supervise([(hosts[0], argv, {})], s.timeout, "local", tmp)
         return _collect(tmp, "local", s.models, 1)
     if contender == "mwms":
-        workers = [f"{h.address}:{TF_PORT}" for h in cluster.hosts]
+        workers = [f"{h.address}:{TF_PORT}" for h in hosts]
         tasks = [(h, _role_argv("mwms", s, tmp), _tf_config({"worker": workers}, "worker", i))
-                 for i, h in enumerate(cluster.hosts)]
+                 for i, h in enumerate(hosts)]
         supervise(tasks, s.timeout, "mwms", tmp)
         return {m: r for m, r in collect_roles(str(tmp), "mwms", n).items()}
     if contender == "pss":
-        spec = {"chief": [f"{cluster.hosts[0].address}:{TF_PORT + 2}"],
-                "worker": [f"{h.address}:{TF_PORT}" for h in cluster.hosts],
-                "ps": [f"{h.address}:{TF_PORT + 1}" for h in cluster.hosts]}
-        tasks = [(cluster.hosts[0], _role_argv("pss", s, tmp), _tf_config(spec, "chief", 0))]
+        spec = {"chief": [f"{hosts[0].address}:{TF_PORT + 2}"],
+                "worker": [f"{h.address}:{TF_PORT}" for h in hosts],
+                "ps": [f"{h.address}:{TF_PORT + 1}" for h in hosts]}
+        tasks = [(hosts[0], _role_argv("pss", s, tmp), _tf_config(spec, "chief", 0))]
         for kind in ("ps", "worker"):
             tasks += [(h, _role_argv("pss_server", s, tmp), _tf_config(spec, kind, i))
-                      for i, h in enumerate(cluster.hosts)]
+                      for i, h in enumerate(hosts)]
         supervise(tasks, s.timeout, "pss", tmp)
         return collect_roles(str(tmp), "pss", 1)
     raise ValueError(f"unknown contender {contender!r}; known: {', '.join(CONTENDERS)}")
@@ -581,21 +645,17 @@ def _role_argv(role: str, s: Settings, tmp: Path) -> list[str]:
             "--worker-threads", str(s.threads)]
 
 
-def _tfkv(cluster: Any, hosts_file: Path, model: str, s: Settings, tmp: Path, kvstore: str, secure: bool,
-          compression: str) -> None:
-    """One tfkv job through tfkv-launch's ssh launcher: one server and one worker per host."""
-    worker = worker_argv(TRAINING_MODELS[model], s.batch, s.seconds, str(tmp), _tag(kvstore, secure, compression),
-                                  kvstore=kvstore, compression=compression, threads=s.threads)
-    launch_tfkv(cluster, hosts_file, worker, secure, tmp / f"launch-{model}", s.timeout, f"tfkv {kvstore}")
-
-
 def launch_tfkv(cluster: Any, hosts_file: Path, worker: list[str], secure: bool, run_dir: Path, timeout: float,
-                what: str, python: str = sys.executable) -> None:
-    """`worker` as a tfkv job through tfkv-launch's ssh launcher, MXNet's placement with -n hosts
-    -s hosts (one server and one worker per host); Failed with the log's tail if it fails or
-    runs past `timeout` (tfkv-launch is then interrupted: it stops every role on every host)."""
+                what: str, python: str = sys.executable, workers: int | None = None,
+                servers: int | None = None) -> None:
+    """`worker` as a tfkv job through tfkv-launch's ssh launcher on the hosts of `hosts_file`:
+    `workers` workers and `servers` servers (default: one each per host of `cluster`), placed by
+    the launcher (MXNet's placement, or the server hosts the file names); Failed with the log's
+    tail if it fails or runs past `timeout` (tfkv-launch is then interrupted: it stops every role
+    on every host)."""
     n = len(cluster.hosts)
-    argv = [sys.executable, "-m", "tfkv.launcher.cli", "-n", str(n), "-s", str(n), "-H", str(hosts_file),
+    argv = [sys.executable, "-m", "tfkv.launcher.cli", "-n", str(workers or n), "-s", str(servers or n),
+            "-H", str(hosts_file),
             "--launcher", "ssh", "--python", python, "--run-dir", str(run_dir),
             "--secure" if secure else "--no-secure", "--", *worker]
     log = Path(f"{run_dir}.log")
@@ -613,13 +673,6 @@ def launch_tfkv(cluster: Any, hosts_file: Path, worker: list[str], secure: bool,
             raise Failed(f"{what} ran past {timeout:.0f} s\n{_tail(log)}") from None
     if code != 0:
         raise Failed(f"{what} exited with status {code}\n{_tail(log)}")
-
-
-def _tag(kvstore: str, secure: bool, compression: str) -> str:
-    """The report files' tag: the contender's name."""
-    if kvstore == "dist_async":
-        return "tfkv_async"
-    return "tfkv_2bit" if compression != "none" else "tfkv" if secure else "tfkv_plain"
 
 
 def supervise(tasks: Sequence[tuple[Any, list[str], dict[str, str]]], timeout: float, what: str, tmp: Path) -> None:
@@ -675,6 +728,9 @@ def main() -> None:
     ap.add_argument("--threshold", type=float, default=0.5)
     ap.add_argument("--overlap", choices=["graph", "after"], default="graph")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                    help="a kvstore.* setting of a tfkv-run config, taken as tfkv-run takes it (instead of "
+                         "--compression/--threshold)")
     args = ap.parse_args()
     unknown = [m for m in args.model.split(",") if m not in MODELS]
     if unknown:

@@ -7,11 +7,14 @@ directions; no added latency: netem is not in this kernel). On it every contende
 models on the same synthetic data with the same global batch (hosts x --batch) and the same
 threads (benchmarks/jobs.py says how each is started and placed). The straggler setting
 (the largest host count, the fastest link) gives the last host half the others' CPU and runs
-tfkv dist_sync and dist_async, for the claim that async is faster there.
+tfkv dist_sync and dist_async, for the claim that async is faster there. With the contender
+tfkv_spare a setting's cluster has --server-hosts more hosts of the same budget, tfkv_spare's
+server hosts (BytePS's placement); every other contender runs on the worker hosts alone, MWMS
+because an all-reduce cannot use a host without a worker.
 
     python -m benchmarks cluster [--hosts 1,2,4] [--link 1gbit,10gbit] [--cpus 0.4]
         [--models lenet,mlp,resnet] [--contenders tfkv,tfkv_plain,...] [--seconds S] [--trials T]
-        [--json OUT] [--plots DIR] [--no-straggler]
+        [--server-hosts S] [--json OUT] [--plots DIR] [--no-straggler]
     python -m benchmarks cluster --quick      # 2 hosts, 1gbit, mlp; tfkv, tfkv_plain, tfkv_2bit, mwms
     python -m benchmarks cluster --table OUT.json...   # the table and targets of a run's rows
     python -m benchmarks cluster --plot OUT.json...    # its PNGs (into --plots)
@@ -69,6 +72,9 @@ def parse() -> argparse.Namespace:
                     help=f"of {', '.join(jobs.CONTENDERS)} (the straggler setting runs tfkv and tfkv_async)")
     ap.add_argument("--seconds", type=float, default=3.0, help="timed steps per model, contender and trial")
     ap.add_argument("--trials", type=int, default=1, help="jobs per contender and setting (the median is kept)")
+    ap.add_argument("--server-hosts", type=int, default=2,
+                    help="tfkv_spare's server hosts, beside the worker hosts, each of --cpus (the others run on "
+                         "the worker hosts alone)")
     ap.add_argument("--batch", type=int, default=64, help="per worker")
     ap.add_argument("--threads", type=int, default=0,
                     help="TF intra/inter-op threads of every contender's processes (0: TensorFlow's default)")
@@ -91,6 +97,8 @@ def parse() -> argparse.Namespace:
         assert all(h >= 1 for h in args.hosts)
     except (ValueError, AssertionError):
         ap.error(f"--hosts {args.hosts} must be host counts of at least 1, e.g. 1,2,4")
+    if args.server_hosts < 1:
+        ap.error(f"--server-hosts {args.server_hosts} must be at least 1 (tfkv_spare's server hosts)")
     args.link, args.models, args.contenders = (v.split(",") for v in (args.link, args.models, args.contenders))
     for what, given, known in (("model", args.models, MODELS), ("contender", args.contenders, jobs.CONTENDERS)):
         bad = [g for g in given if g not in known]
@@ -117,16 +125,24 @@ def specs(n: int, link: str, cpus: float, straggler: bool) -> list:
             for i in range(n)]
 
 
+def spare_hosts(args, n: int, straggler: bool) -> int:
+    """The server hosts a setting's cluster has beside its `n` worker hosts: tfkv_spare's, if it runs there."""
+    return args.server_hosts if "tfkv_spare" in contenders_of(args, n, straggler) else 0
+
+
 def check_all(args) -> None:
-    """Every cluster of the run, refused (one line, exit 2) before the first is made."""
+    """Every cluster of the run (tfkv_spare's server hosts counted), refused (one line, exit 2)
+    before the first is made."""
     from tfkv.emulate import Refused
     from tfkv.emulate.spec import check
 
-    try:
-        for n, link, straggler in settings(args):
-            check(specs(n, link, args.cpus, straggler))
-    except Refused as e:
-        cluster_report.refuse(f"refused: {e}")
+    for n, link, straggler in settings(args):
+        spare = spare_hosts(args, n, straggler)
+        try:
+            check(specs(n + spare, link, args.cpus, straggler))
+        except Refused as e:
+            cluster_report.refuse(f"refused: {e}" + (f" ({n} worker hosts + {spare} tfkv_spare server hosts, "
+                                                       "--server-hosts)" if spare else ""))
 
 
 def contenders_of(args, n: int, straggler: bool) -> list[str]:
@@ -141,11 +157,12 @@ def run_setting(args, run_id: str, n: int, link: str, straggler: bool, with_loca
     from tfkv.emulate import Cluster
 
     names = contenders_of(args, n, straggler) + (["local"] if with_local else [])
-    job = jobs.Settings(args.models, args.batch, args.seconds, args.threads, args.job_timeout)
+    spare = spare_hosts(args, n, straggler)
+    job = jobs.Settings(args.models, args.batch, args.seconds, args.threads, args.job_timeout, spare)
     got: dict[str, list[dict]] = {c: [] for c in names}
     errors: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="bench_cluster_") as state:
-        with Cluster.up(specs(n, link, args.cpus, straggler), state_dir=Path(state)) as cluster:
+        with Cluster.up(specs(n + spare, link, args.cpus, straggler), state_dir=Path(state)) as cluster:
             hosts_file = Path(state) / "hosts"
             cluster.write_hosts(hosts_file)
             for trial in range(args.trials):
@@ -170,7 +187,9 @@ def run_setting(args, run_id: str, n: int, link: str, straggler: bool, with_loca
             rows.append({"run": run_id, "model": m, "hosts": 1 if c == "local" else n,
                          "link": None if c == "local" else link, "contender": c,
                          "samples_per_sec": statistics.median(trials) if trials else None,
-                         "trials": trials, "cpus": args.cpus, "cpus_each": cpus_each[:1] if c == "local" else cpus_each,
+                         "trials": trials, "cpus": args.cpus,
+                         "cpus_each": cpus_each[:1 if c == "local" else n + (spare if c == "tfkv_spare" else 0)],
+                         **({"server_hosts": spare} if c == "tfkv_spare" else {}),
                          "straggler": straggler, "global_batch": n * args.batch, "batch_per_worker": args.batch,
                          "params": last.get("params"), "timings": last.get("timings"), "step_s": last.get("step_s"),
                          "push_bytes": last.get("push_bytes"), "seconds": args.seconds,
@@ -199,6 +218,10 @@ def main() -> None:
     print(f"bench_cluster: per-host budget {args.cpus:g} core(s) (cgroup CPU quota), link(s) "
           f"{', '.join(args.link)} each way (tc tbf; no added latency); hosts {', '.join(map(str, args.hosts))}; "
           f"models {', '.join(args.models)}; batch {args.batch} per worker; run {run_id}", flush=True)
+    if "tfkv_spare" in args.contenders:
+        print(f"tfkv_spare: {args.server_hosts} more host(s) of the same budget run its servers; mwms and the "
+              "other contenders run on the worker hosts alone (MWMS cannot use the spare hosts: an all-reduce "
+              "has no place for a host without a worker)", flush=True)
     check_all(args)
     rows: list[dict] = []
     t_start = time.monotonic()

@@ -101,3 +101,43 @@ def test_a_host_cut_off_mid_job_is_named_and_the_launcher_ends_within_the_heartb
             if launcher.poll() is None:
                 launcher.kill()
                 launcher.wait()
+
+
+# A worker that says on which host it runs (the UTS namespace's hostname is its host's name),
+# then pushes and pulls for real (tests/workers/dist_worker.py's `updates`).
+HOST_WORKER = """\
+import os, socket, sys
+open(f"host{sys.argv[1]}.txt", "w").write(socket.gethostname())
+os.execv(sys.executable, [sys.executable, sys.argv[2], "updates", f"out{sys.argv[1]}.json", "5"])
+"""
+
+
+@pytest.mark.slow
+def test_servers_run_on_the_server_host_and_workers_on_the_others(tmp_path):
+    """BytePS's placement on three emulated hosts: node3 says role=server in the hosts file, so
+    the scheduler and both servers run there (they listen on node3's own address, which only its
+    network namespace has) and the two workers on node1 and node2 (their hostname); the job's
+    result is exact."""
+    need_root("an emulated cluster")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "where.py").write_text(HOST_WORKER)
+    worker = Path(__file__).parents[1] / "workers" / "dist_worker.py"
+    tag = {TAG: f"servers-{tmp_path.name}-{os.getpid()}"}
+    with Cluster.up([HostSpec(f"node{i}") for i in (1, 2, 3)], tmp_path / "cl") as cluster:
+        hosts = cluster.write_hosts(cluster.state_dir / "hosts", servers=["node3"])
+        proc = subprocess.run(
+            ["tfkv-launch", "-n", "2", "-s", "2", "-H", str(hosts), "--launcher", "ssh", "--python", sys.executable,
+             "--verbose", "1", "--run-dir", "rec", "--", sys.executable, "where.py", "{rank}", str(worker)],
+            cwd=work, env={**os.environ, **cluster.env(), **tag}, capture_output=True, text=True, timeout=300)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, out[-5000:]
+        assert "node3: scheduler, server 0, server 1; node1: worker 0; node2: worker 1" in out, out[-3000:]
+        node3 = cluster.host("node3").address
+        for server in (0, 1):
+            assert any(ln.startswith(f"[server {server} @node3]") and f"listening on {node3}:" in ln
+                       for ln in out.splitlines()), out[-3000:]
+        assert [(work / f"host{r}.txt").read_text() for r in (0, 1)] == ["node1", "node2"]
+        for r in (0, 1):  # SGD lr=1 from 100, worker r pushes r+1 each of 5 steps
+            assert json.loads((work / f"out{r}.json").read_text())["final"] == [85.0] * 4
+        assert not tagged_pids(tag[TAG], wait=10), "processes of the job left behind"

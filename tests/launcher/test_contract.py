@@ -223,6 +223,17 @@ def test_a_backend_is_planned_as_its_traits_declare(name, tmp_path):
     else:
         with pytest.raises(ConfigError, match="does not place roles on hosts"):
             spares.check(name, str(tmp_path / "hosts-0"), ["node3"])
+    # places roles: server hosts (role=server, cluster.server_hosts) take the scheduler and the
+    # servers, the other hosts the workers; a launcher that cannot place roles refuses them
+    for hosts, named in (("node1\nnode2\nnode3 role=server\n", None), ("node1\nnode2\nnode3\n", ["node3"])):
+        if traits.places_roles:
+            split = _planned(tmp_path, name, hosts, server_hosts=named)
+            assert [(p.role, p.host) for p in split] == [("scheduler", "node3"), ("server", "node3"),
+                                                        ("worker", "node1"), ("worker", "node2")]
+            assert {p.env["DMLC_PS_ROOT_URI"] for p in split} == {"node3"}
+        else:
+            with pytest.raises(ConfigError, match=f"server hosts \\(node3\\): the {name} launcher does not place"):
+                _planned(tmp_path, name, hosts, server_hosts=named)
     # knows local ranks: the plan tells each worker its index on its host
     assert all((LOCAL_RANK in p.env) == traits.local_ranks for p in workers)
     # secrets by environment: the keys in every role's environment, else a key file only
@@ -252,7 +263,7 @@ def test_a_backend_is_planned_as_its_traits_declare(name, tmp_path):
 GOLDEN = Path(__file__).parent / "golden"
 
 
-def golden_request(name: str, hostfile: Path) -> str:
+def golden_request(name: str, hostfile: Path, **options: Any) -> str:
     """Launcher `name`'s request for a fixed job (2 workers, 1 server, port 9000, a fixed working
     and run directory; ssh and mpi on the hosts of `hostfile`, ssh syncing the tree), from an
     empty launching environment, as its golden file holds it."""
@@ -260,7 +271,7 @@ def golden_request(name: str, hostfile: Path) -> str:
 
     places = base.traits(name).places_roles
     opts = launch_job.Options(name, 2, 1, str(hostfile) if places else None,
-                              "/remote/job" if name == "ssh" else None, port=9000, dry_run=True)
+                              "/remote/job" if name == "ssh" else None, port=9000, dry_run=True, **options)
     job = launch_job.plan_job(opts, ["python3", "train.py", "--rank={rank}"], Path("/work/job"),
                               Path("/work/job/run"), values=knobs.resolve({}, {}))
     backend = launch_job.backend(opts, knobs.resolve({}, {}))
@@ -278,6 +289,20 @@ def test_a_backend_s_request_is_its_golden_file(name, tmp_path):
     # the job's keys never show: where a command's environment has them, as a stand-in
     assert all(ln.endswith("='<secret>'") for ln in text.splitlines() if "TFKV_CURVE_SECRET=" in ln)
     golden = GOLDEN / f"{name}.txt"
+    if os.environ.get("UPDATE_GOLDEN"):
+        golden.write_text(text)
+    assert text == golden.read_text(), f"{name}'s request changed; see the module's docstring (item 6)"
+
+
+@pytest.mark.parametrize("name", [n for n in base.REGISTRY.own() if base.traits(n).places_roles])
+def test_server_hosts_and_pinned_cpus_are_in_a_placing_backend_s_request(name, tmp_path):
+    """With a server host (role=server) and pinned CPUs, the scheduler and the server run on the
+    server host under `taskset -c 0`, the workers on the worker hosts under `taskset -c 1-3`: the
+    golden file <backend>-server-hosts.txt."""
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node1\nnode2\nnode3 role=server\n")
+    text = golden_request(name, hostfile, server_cpus="0", worker_cpus="1-3")
+    golden = GOLDEN / f"{name}-server-hosts.txt"
     if os.environ.get("UPDATE_GOLDEN"):
         golden.write_text(text)
     assert text == golden.read_text(), f"{name}'s request changed; see the module's docstring (item 6)"

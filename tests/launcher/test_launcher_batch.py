@@ -349,3 +349,29 @@ def test_mpi_job_on_hosts_named_by_ssh_aliases(netns_hosts, ssh_site, tmp_path):
     plan = json.loads((tmp_path / "rec" / "launch" / "plan.json").read_text())
     assert {p["env"]["DMLC_PS_ROOT_URI"] for p in plan["processes"]} == {netns_hosts.addresses["node1"]}
     _nothing_left(tag)
+
+
+@pytest.mark.slow
+def test_mpi_job_with_a_server_host_runs_each_role_on_its_host(netns_hosts, ssh_site, tmp_path):  # noqa: F811
+    """far2 says role=server: mpirun starts the scheduler and the server there (the server listens
+    on node2's address, which only its namespace has) and the worker on far1 (its hostname)."""
+    (tmp_path / "hosts").write_text("far1\nfar2 role=server\n")
+    subnet = netns_hosts.addresses["node1"].rsplit(".", 1)[0] + ".0/24"
+    tag = f"mpi-server-host-{tmp_path.name}"
+    mpirun_args = (f"--mca plm_rsh_agent 'ssh -F {ssh_site.config}' --mca oob_tcp_if_include {subnet} "
+                   f"--mca btl_tcp_if_include {subnet}")
+    where = ("import os, socket, sys; open('host{rank}.txt', 'w').write(socket.gethostname()); "
+             f"os.execv(sys.executable, [sys.executable, {WORKER!r}, 'updates', 'out{{rank}}.json', '3'])")
+    proc = _tfkv_launch("-n", "1", "-s", "1", "-H", "hosts", "--launcher", "mpi", "--run-dir", "rec", "--verbose", "1",
+                        "--python", sys.executable, "--", sys.executable, "-c", where,
+                        cwd=tmp_path, env=_env(tag, TFKV_MPIRUN_ARGS=mpirun_args))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    _updates_ok(tmp_path, 1, 3)
+    node2 = netns_hosts.addresses["node2"]
+    plan = json.loads((tmp_path / "rec" / "launch" / "plan.json").read_text())
+    assert [(p["name"], p["env"]["DMLC_PS_ROOT_URI"]) for p in plan["processes"]] == [
+        ("scheduler @far2", node2), ("server 0 @far2", node2), ("worker 0 @far1", node2)]
+    assert any(ln.startswith("[server 0 @far2]") and f"listening on {node2}:" in ln for ln in out.splitlines()), out
+    assert (tmp_path / "host0.txt").read_text() == "node1"
+    _nothing_left(tag)

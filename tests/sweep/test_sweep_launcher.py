@@ -165,6 +165,16 @@ def test_more_hosts_per_trial_than_hosts_is_one_line_before_any_trial(tmp_path):
     assert not list((tmp_path / "sweep").glob("*/trial.json")) and not (tmp_path / "sweep" / "0").exists()
 
 
+def test_server_hosts_in_a_packed_sweep_are_one_line_before_any_trial(tmp_path):
+    work = _hosts_work(tmp_path, ["node1", "node2 role=server"])
+    proc = tfkv_run(*_cluster_sweep(work, tmp_path / "sweep", "seed=0,1"), cwd=work, check=False, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"tfkv-run: hydra/launcher=tfkv packs the hosts of {work / 'hosts'} into trials, but node2 is a server host "
+        "(role=server, cluster.server_hosts), which a trial's share does not keep; drop the server hosts from the sweep"]
+    assert not (tmp_path / "sweep" / "0").exists()
+
+
 def test_a_trial_that_is_no_distributed_job_on_hosts_is_one_line_before_any_trial(tmp_path):
     work = _hosts_work(tmp_path, ["node1"])
     proc = tfkv_run("-m", "hydra/launcher=tfkv", "hydra.launcher.hostfile=hosts", f"hydra.sweep.dir={tmp_path / 's'}",

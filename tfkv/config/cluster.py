@@ -63,6 +63,11 @@ class ClusterConfig(NoCluster):
     workers_per_host: Optional[int] = setting(None, "workers on each host, filling the hosts in hosts-file order "
                                                     "(e.g. one per GPU with devices=[gpu:{local_rank}]); default: "
                                                     "round robin, or the hosts file's slots=")
+    server_cpus: Optional[str] = setting(None, "CPUs (taskset's list, e.g. 0-3) the scheduler and servers are pinned "
+                                               "to on their host, apart from cluster.worker_cpus: a GPU host's idle "
+                                               "cores; default: not pinned")
+    worker_cpus: Optional[str] = setting(None, "CPUs (taskset's list, e.g. 4-15) the workers are pinned to on their "
+                                               "host, disjoint from cluster.server_cpus; default: not pinned")
     dry_run: bool = setting(False, "print every command and script the job would run, and start nothing "
                                    "(no pre-flight, no keys written)")
 
@@ -71,8 +76,12 @@ class ClusterConfig(NoCluster):
 class RemoteCluster(ClusterConfig):
     """Launchers that start roles on other hosts (ssh, mpi, slurm, sge, yarn)."""
 
-    hostfile: Optional[str] = setting(None, "hosts file, one host per line: host, host:port or user@host "
-                                            "(required by ssh; mpi without one runs on this machine)", "-H")
+    hostfile: Optional[str] = setting(None, "hosts file, one host per line: host, host:port or user@host, then "
+                                            "optionally slots=N, role=server (required by ssh; mpi without one runs "
+                                            "on this machine)", "-H")
+    server_hosts: Optional[List[str]] = setting(None, "hosts of the hosts file that run the servers and the scheduler "
+                                                      "and no worker (as role=server there; ssh and mpi); the "
+                                                      "workers run on the others")
     python: str = setting("python3", "the Python interpreter on the hosts")
     spare_hosts: Optional[List[str]] = setting(None, "hosts that take the place of a host whose roles failed "
                                                      "twice, on a restart (cluster.max_restarts; ssh and mpi)")

@@ -17,6 +17,7 @@ import threading
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Sequence
 
 from tfkv.emulate import budget, net, sshd
 from tfkv.emulate.host import Host
@@ -131,9 +132,13 @@ class Cluster:
         """What makes tfkv's ssh launcher (and `ssh -F`) reach the hosts by name."""
         return {"TFKV_SSH_CONFIG": str(self.ssh_config)}
 
-    def write_hosts(self, path: Path, slots: int = 1) -> Path:
-        """A tfkv/MPI hosts file naming every host, `slots` worker slots each."""
-        Path(path).write_text("".join(f"{h.name} slots={slots}\n" for h in self.hosts))
+    def write_hosts(self, path: Path, slots: int = 1, hosts: Sequence[str] | None = None,
+                    servers: Sequence[str] = ()) -> Path:
+        """A tfkv/MPI hosts file naming every host (or those of `hosts`, in that order), `slots`
+        worker slots each; those of `servers` are server hosts (`role=server`, no slots)."""
+        names = list(hosts) if hosts is not None else [h.name for h in self.hosts]
+        Path(path).write_text("".join(f"{n} role=server\n" if n in servers else f"{n} slots={slots}\n"
+                                      for n in names))
         return Path(path)
 
     def host(self, name: str) -> Host:

@@ -17,7 +17,7 @@ from tfkv import gpus, knobs, preempt
 from tfkv.config import cluster
 from tfkv.config.device_specs import LOCAL_RANK, bound_gpus
 from tfkv.errors import ConfigError
-from tfkv.launcher import base, record, signals, spares
+from tfkv.launcher import base, placement, record, signals, spares
 from tfkv.launcher.hosts import Host, read_hosts
 from tfkv.launcher.hosts import slots as host_slots
 from tfkv.launcher.plan import RUN_DIR, make_plan, worker_hosts
@@ -80,9 +80,14 @@ def backend(opts: Options, values: Mapping[str, Any] | None = None) -> base.Back
     return cls(cls.config(**given))
 
 
-def place_workers(opts: Options, hosts: list[Host], traits: base.Traits) -> list[str]:
+def place_workers(opts: Options, hosts: list[Host], traits: base.Traits, servers: Sequence[str] = ()) -> list[str]:
     """Each worker's host (tfkv.launcher.plan.worker_hosts) with the job's slots and
-    cluster.workers_per_host; those two are refused where a resource manager picks the nodes."""
+    cluster.workers_per_host, on the hosts that are not `servers` (server hosts); slots and
+    workers_per_host are refused where a resource manager picks the nodes."""
+    if servers:  # the workers' hosts alone, placed from their first (no server ahead of them to skip)
+        hosts = [h for h in hosts if h.name not in servers]
+        return worker_hosts(opts.num_workers, 0, [h.name for h in hosts], opts.workers_per_host,
+                            host_slots(hosts), f"the worker hosts of {opts.hostfile}")
     per_host, slots = opts.workers_per_host, host_slots(hosts)
     if traits.chooses_nodes and (per_host is not None or slots):
         what = f"cluster.workers_per_host={per_host}" if per_host is not None else f"slots= in {opts.hostfile}"
@@ -124,19 +129,23 @@ def plan_job(opts: Options, worker_argv: list[str], workdir: Path, run_dir: Path
         raise ConfigError(f"the {opts.launcher} launcher needs a hosts file: -H hosts / cluster.hostfile=hosts")
     else:
         hosts = [Host(opts.host)]  # mpi without one: this machine, as a bare mpirun runs
+    servers = placement.server_hosts(opts.launcher, opts.hostfile, hosts, opts.server_hosts,
+                                     opts.num_servers)
+    placement.check_cpus(opts.server_cpus, opts.worker_cpus)
     here = traits.runs_here
     python = sys.executable if here else opts.python
-    scheduler_host = opts.host if here or not opts.hostfile else hosts[0].name
+    scheduler_host = opts.host if here or not opts.hostfile else (servers or [hosts[0].name])[0]
     port = opts.port or free_port(opts.host if here else "0.0.0.0")
     values = knob_values(opts) if values is None else values
     extra = {**(env or {}), **knobs.environment(values), RUN_DIR: remote_path(opts, workdir, run_dir),
              **_secrets(opts, traits, workdir, run_dir, write=not opts.dry_run)}
     # Only a backend that places roles on the hosts file's hosts names them; a resource manager chooses its own.
     placed = bool(opts.hostfile) and traits.places_roles
-    workers = place_workers(opts, hosts, traits)
+    workers = place_workers(opts, hosts, traits, servers)
     plan = make_plan(opts.num_workers, opts.num_servers, worker_argv, [python, "-m", "tfkv.ps.node"],
                      [h.name for h in hosts], scheduler_host, port, extra, show_host=placed,
-                     placed_workers=workers, local_ranks=traits.local_ranks)
+                     placed_workers=workers, local_ranks=traits.local_ranks, server_hosts=servers,
+                     cpus=(opts.server_cpus, opts.worker_cpus))
     return base.Job(plan=plan, hosts=hosts if opts.hostfile else [], workdir=workdir,
                     sync_dst_dir=opts.sync_dst_dir, run_dir=run_dir, python=python,
                     remote_run_dir=remote_path(opts, workdir, run_dir))
@@ -162,10 +171,15 @@ def check_gpus(traits: base.Traits, job: base.Job, versions: Mapping[str, Mappin
             continue
         local_rank = int(p.env[LOCAL_RANK])
         wanted = bound_gpus(job.devices, p.rank, local_rank)
-        found = (versions.get(p.host) or (versions.get("localhost") if traits.runs_here else None) or {}).get("gpus")
+        found = _seen(versions, p.host, traits).get("gpus")
         if wanted is not None and found is not None and max(wanted) >= found:
             raise gpus.beyond(job.devices, wanted, found, f"{p.name} (local rank {local_rank})",
                               f"the pre-flight on {p.host}")
+
+
+def _seen(versions: Mapping[str, Mapping[str, Any]], host: str, traits: base.Traits) -> Mapping[str, Any]:
+    """What the pre-flight found on `host` (the local launcher's reports as "localhost"), or {}."""
+    return versions.get(host) or (versions.get("localhost") if traits.runs_here else None) or {}
 
 
 def describe(job: base.Job) -> str:
@@ -273,7 +287,10 @@ def _launch(opts: Options, job: base.Job, launcher: base.Backend, run_dir: Path,
               f"{describe(job)}\n")
     out.flush()
     versions = launcher.preflight(job)
-    check_gpus(base.Traits.of(type(launcher)), job, versions)
+    traits = base.Traits.of(type(launcher))
+    check_gpus(traits, job, versions)
+    placement.check_on_hosts(job.plan, {h: _seen(versions, h, traits).get("cpus") for h in {p.host for p in job.plan}},
+                             opts.server_cpus, opts.worker_cpus)
     pin_scheduler(job)
     record.write(run_dir, opts.launcher, job, argv, versions, opts.hostfile)
     tee = record.Tee(out, run_dir / "launch" / "job.log")

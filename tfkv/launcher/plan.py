@@ -5,7 +5,9 @@ cycling through the hosts (5 hosts, 3 servers, 3 workers: servers on hosts 1-3, 
 hosts 4, 5, 1). With worker slots (`slots=N` in the hosts file, or cluster.workers_per_host),
 workers fill the hosts' slots in hosts-file order instead (8 workers, `a slots=4` and `b slots=4`:
 workers 0-3 on a, 4-7 on b), as mpirun's by-slot mapping does; servers still cycle from the
-first host and take no slot.
+first host and take no slot. With server hosts (`role=server` in the hosts file,
+cluster.server_hosts: tfkv.launcher.placement), the scheduler runs on the first server host, the
+servers cycle over the server hosts and the workers over the others (or fill their slots).
 
 Every worker learns its index among the workers on its host (TFKV_LOCAL_RANK) and their number
 (TFKV_LOCAL_SIZE), for `devices=[gpu:{local_rank}]`; the scheduler and the servers get
@@ -59,6 +61,12 @@ class Process:
     env: dict[str, str] = field(default_factory=dict)
 
 
+def pinned(argv: list[str], cpus: str | None) -> list[str]:
+    """`argv` run on `cpus` only (taskset, util-linux's, on every Linux host; the list is checked
+    by tfkv.launcher.placement.check_cpus), or as it is."""
+    return ["taskset", "-c", str(cpus).replace(" ", ""), *argv] if cpus is not None else argv
+
+
 def worker_hosts(num_workers: int, num_servers: int, hosts: list[str], workers_per_host: int | None = None,
                  slots: Mapping[str, int] | None = None, source: str = "the hosts file") -> list[str]:
     """Each worker's host: MXNet's round robin after the servers; or, with `slots` (host -> slots,
@@ -87,9 +95,12 @@ def worker_hosts(num_workers: int, num_servers: int, hosts: list[str], workers_p
 def make_plan(num_workers: int, num_servers: int, worker_argv: list[str], node_argv: list[str],
               hosts: list[str], scheduler_host: str, scheduler_port: int,
               extra_env: dict[str, str] | None = None, show_host: bool = False,
-              placed_workers: list[str] | None = None, local_ranks: bool = True) -> list[Process]:
+              placed_workers: list[str] | None = None, local_ranks: bool = True,
+              server_hosts: Sequence[str] = (), cpus: tuple[str | None, str | None] = (None, None)) -> list[Process]:
     """The scheduler, `num_servers` servers and `num_workers` workers, placed on `hosts`
-    (the workers on `placed_workers` when given: see `worker_hosts`); with `show_host`, names (and
+    (the scheduler and servers on `server_hosts` when given; the workers on `placed_workers` when
+    given: see `worker_hosts`). `cpus`: the CPU lists the scheduler and servers, and the workers,
+    are pinned to (`pinned`); None: not pinned. With `show_host`, names (and
     so output prefixes) carry the host: "worker 1 @node2". `local_ranks`: whether the plan's hosts
     are where the workers run, so that it can tell each its local rank (not so where a resource
     manager picks the nodes: the role helper finds it there, see tfkv.launcher.role)."""
@@ -104,15 +115,17 @@ def make_plan(num_workers: int, num_servers: int, worker_argv: list[str], node_a
     def name(role: str, host: str) -> str:
         return f"{role} @{host}" if show_host else role
 
-    plan = [Process(name("scheduler", hosts[0]), "scheduler", 0, hosts[0], list(node_argv),
+    servers_on = list(server_hosts) or hosts
+    node_argv = pinned(list(node_argv), cpus[0])
+    plan = [Process(name("scheduler", servers_on[0]), "scheduler", 0, servers_on[0], list(node_argv),
                     {**env("scheduler", 0), **NO_GPU})]
     for i in range(num_servers):
-        host = hosts[i % len(hosts)]
+        host = servers_on[i % len(servers_on)]
         plan.append(Process(name(f"server {i}", host), "server", i, host, list(node_argv),
                             {**env("server", i), **NO_GPU}))
     placed = placed_workers or worker_hosts(num_workers, num_servers, hosts)
     for i, host in enumerate(placed):
-        argv = [a.replace("{rank}", str(i)) for a in worker_argv]  # e.g. a per-worker log name
+        argv = pinned([a.replace("{rank}", str(i)) for a in worker_argv], cpus[1])  # {rank}: e.g. a per-worker log name
         local = {LOCAL_RANK: str(placed[:i].count(host)), LOCAL_SIZE: str(placed.count(host))} if local_ranks else {}
         plan.append(Process(name(f"worker {i}", host), "worker", i, host, argv, {**env("worker", i), **local}))
     return plan

@@ -30,8 +30,9 @@ from tfkv.launcher.plan import CONFIG
 EXCLUDE = ("outputs", "multirun", ".git", "__pycache__", ".pytest_cache", "launch")
 
 def local_versions() -> dict[str, Any]:
-    """Versions on this host, and how many GPUs a role started here would see (tfkv.gpus; None:
-    unknown); `python -m tfkv.launcher.record` prints them as JSON for a remote pre-flight check."""
+    """Versions on this host, how many GPUs a role started here would see (tfkv.gpus; None:
+    unknown) and which CPUs it may run on (for cluster.server_cpus / worker_cpus);
+    `python -m tfkv.launcher.record` prints them as JSON for a remote pre-flight check."""
     from importlib.metadata import PackageNotFoundError, version
 
     import tfkv
@@ -43,7 +44,8 @@ def local_versions() -> dict[str, Any]:
             break
         except PackageNotFoundError:
             continue
-    return {"python": platform.python_version(), "tfkv": tfkv.__version__, "tensorflow": tf, "gpus": gpus.count()}
+    return {"python": platform.python_version(), "tfkv": tfkv.__version__, "tensorflow": tf, "gpus": gpus.count(),
+            "cpus": sorted(os.sched_getaffinity(0))}
 
 
 def ssh_address(environ: dict[str, str] | None = None) -> str | None:

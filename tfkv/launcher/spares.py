@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Sequence
 
 from tfkv.errors import ConfigError
-from tfkv.launcher import base
+from tfkv.launcher import placement
 from tfkv.launcher.hosts import Host, parse_hosts, read_hosts
 
 FAILURES = 2  # attempts in which a host's roles failed before it is left out
@@ -29,12 +29,7 @@ def check(launcher: str, hostfile: str | None, spare_hosts: Sequence[str] | None
     """The spare hosts, or a ConfigError in one line saying what is wrong with them."""
     if not spare_hosts:
         return []
-    traits = base.traits(launcher)
-    if not traits.places_roles:
-        placing = " or ".join(n for n in base.REGISTRY.names() if base.traits(n).places_roles)
-        raise ConfigError(f"cluster.spare_hosts: the {launcher} launcher does not place roles on hosts "
-                          f"({'the resource manager picks the nodes' if traits.chooses_nodes else 'one machine'}); "
-                          f"spare hosts are for --launcher {placing} with a hosts file")
+    placement.needs_placing(launcher, "cluster.spare_hosts", "spare hosts are for --launcher {placing} with a hosts file")
     if not hostfile:
         raise ConfigError("cluster.spare_hosts needs a hosts file (-H hosts / cluster.hostfile=hosts): a spare "
                           "takes the place of one of its hosts")

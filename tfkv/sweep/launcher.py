@@ -108,6 +108,11 @@ class TfkvLauncher(Launcher):
         if not path.is_absolute():
             path = Path(self.config.hydra.runtime.cwd) / path
         hosts = list(dict.fromkeys(read_hosts(path)))  # a host listed twice is still one host to pack
+        servers = [h.name for h in hosts if h.server] + list(OmegaConf.select(self.config, "cluster.server_hosts") or [])
+        if servers:  # a trial's hosts file lists its share of the hosts, plain: a server host would take workers
+            raise ConfigError(f"hydra/launcher=tfkv packs the hosts of {path} into trials, but {servers[0]} is a server "
+                              "host (role=server, cluster.server_hosts), which a trial's share does not keep; drop "
+                              "the server hosts from the sweep")
         if not 1 <= self.hosts_per_trial <= len(hosts):
             raise ConfigError(f"hydra.launcher.hosts_per_trial={self.hosts_per_trial} but {path} lists "
                               f"{len(hosts)} host(s); set hosts_per_trial between 1 and {len(hosts)}, or add hosts")

@@ -94,6 +94,18 @@ def store(cfg: Any, tf_devices: list[str], knobs: Mapping[str, Any] | None = Non
     return stores.create(kind, devices=tf_devices, **given)
 
 
+def compress(cfg: Any, kvstore: Any) -> Any:
+    """The run's kvstore.compression given to `kvstore`, before any key exists (the store decides
+    what it means for it): its tfkv.ps.compression Setting, or None. Also how the cluster
+    benchmark's workers (benchmarks/jobs.py) take a contender's kvstore.* settings, as a run does."""
+    from tfkv.ps import compression
+
+    # The config's names are not the API's (its 2bit is the API's 2bit_momentum: tfkv.ps.compression.KINDS).
+    compressing = compression.from_config(cfg.kvstore.compression.type, cfg.kvstore.compression.threshold)
+    kvstore.set_gradient_compression(compressing.params() if compressing else None)
+    return compressing
+
+
 def build(cfg: Any, run_dir: Path, kvstore: Any, tf_devices: list[str], overrides: list[str],
           search_root: Path) -> Run:
     """The run's parts around `kvstore`, resumed where `cfg.resume` says."""
@@ -102,10 +114,7 @@ def build(cfg: Any, run_dir: Path, kvstore: Any, tf_devices: list[str], override
     from tfkv import checkpoint, data, optim
     from tfkv.ps import compression
 
-    # Before any key exists; the store decides what compression means for it. The config's
-    # names are not the API's (its 2bit is the API's 2bit_momentum: tfkv.ps.compression.KINDS).
-    compressing = compression.from_config(cfg.kvstore.compression.type, cfg.kvstore.compression.threshold)
-    kvstore.set_gradient_compression(compressing.params() if compressing else None)
+    compressing = compress(cfg, kvstore)
     if compressing and kvstore.rank == 0:
         log.info("%s", compression.describe(compressing))
     source = data.Source(cfg.dataset, cfg.seed, cfg.batch_size, cfg.eval_batch_size, kvstore.num_workers,
