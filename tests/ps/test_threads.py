@@ -107,6 +107,30 @@ def test_ranges_run_on_the_pool_threads_and_small_keys_stay_on_the_serving_threa
     reducer.close()
 
 
+@pytest.mark.slow
+def test_a_dist_sync_job_on_threaded_servers_gives_the_numpy_oracles_weights(cluster):
+    """2 workers x 2 servers of 3 threads each, SGD with momentum on the servers: every worker
+    pulls the oracle's weights bit for bit (two pushes per round: their float32 sum is exact in
+    either arrival order)."""
+    c = cluster(num_servers=2, num_workers=2, TFKV_REDUCTION_NTHREADS="3")
+    c.start_servers()
+    outs = c.start_workers("threaded_sgd")
+    codes = c.wait(300)
+    assert all(code == 0 for code in codes.values()), f"{codes}\n{c.outputs()}"
+    opt = optim.SGD(schedule=optim.Schedule(lr=0.05), momentum=0.9, wd=1e-3)
+    sizes = {"big": 1_000_003, "mid": 300_001, "small": 100}
+    grads: dict[str, list[np.ndarray]] = {key: [] for key in sizes}
+    for step in range(4):  # each worker's pushes of a step drawn key after key from one generator
+        rngs = [np.random.default_rng(100 * step + r) for r in (0, 1)]
+        for key, n in sizes.items():
+            g0, g1 = (rng.normal(size=n).astype(np.float32) for rng in rngs)
+            grads[key].append(g0 + g1)
+    for key, n in sizes.items():
+        expected, _ = _sgd_oracle(opt, np.linspace(-1, 1, n, dtype=np.float32), grads[key])
+        for out in outs:
+            assert np.array_equal(np.load(str(out) + ".npz")[key], expected), (out, key)
+
+
 def _cgroup(tmp_path: Path, proc_line: str, files: dict[str, str]) -> tuple[Path, Path]:
     root = tmp_path / "cgroup"
     for name, text in files.items():
