@@ -33,11 +33,13 @@ _USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUN
 _done = False
 
 
-def keep_freed_buffers() -> bool:
-    """Set glibc's mmap and trim thresholds for this process (once), and one malloc arena for all
-    its threads (libzmq's I/O thread allocates the received messages the serving thread frees:
-    in an arena of its own, a heap emptied that way went back to the kernel every step); False
-    where it was left alone: not glibc, or the user set glibc's malloc tunables."""
+def keep_freed_buffers(one_arena: bool = False) -> bool:
+    """Set glibc's mmap and trim thresholds for this process (once); False where it was left
+    alone: not glibc, or the user set glibc's malloc tunables. `one_arena` (a server's): one malloc
+    arena for all its threads, as libzmq's I/O thread allocates the received messages the serving
+    thread frees (in an arena of its own, a heap emptied that way went back to the kernel: a 16
+    MiB key's server faulted 3x the pages). Not a worker's: TensorFlow's threads would queue on
+    one arena's lock."""
     global _done
     if _done:
         return True
@@ -50,7 +52,7 @@ def keep_freed_buffers() -> bool:
     except (OSError, AttributeError):
         return False
     if not (mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
-            and mallopt(M_ARENA_MAX, 1)):
+            and (not one_arena or mallopt(M_ARENA_MAX, 1))):
         log.warning("glibc refused tfkv's malloc thresholds; large buffers go back to the kernel after each step")
         return False
     _done = True

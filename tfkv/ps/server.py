@@ -39,7 +39,7 @@ class Server:
 
     def __init__(self, env: ClusterEnv):
         self.env = env
-        memory.keep_freed_buffers()  # the same large buffers every step (tfkv.ps.memory)
+        memory.keep_freed_buffers(one_arena=True)  # the same large buffers every step (tfkv.ps.memory)
         self.transport = transport.bind(env)
         # Behind NAT (or a test proxy) workers must connect elsewhere than where this binds.
         host, port = env.advertise or (self.transport.host, self.transport.port)
