@@ -20,6 +20,7 @@ from tfkv.values import MAX_INT, is_integer, is_number
 Check = Callable[[Any, str], None]  # raises SchemaError(f"{where} ...") when the value does not fit
 
 MAX_ERROR_TEXT = 4000  # characters of an ERROR's message (protocol.error cuts to it)
+_INT = {int}
 
 
 class SchemaError(TfkvError, ValueError):
@@ -75,7 +76,7 @@ def array(item: Check, max_len: int = 1 << 16) -> Check:
     def check(value: Any, where: str) -> None:
         if not isinstance(value, list) or len(value) > max_len:
             _fail(where, value, f"a list of at most {max_len} items")
-        if (bounds is not None and value and all(type(v) is int for v in value)
+        if (bounds is not None and value and set(map(type, value)) == _INT  # (bool is not int here)
                 and bounds[0] <= min(value) and max(value) <= bounds[1]):
             return
         for i, v in enumerate(value):
