@@ -19,6 +19,7 @@ CASES = [
     pytest.param("local_step", ["--seconds", "0.2", "--trials", "1"], "plain TF", marks=pytest.mark.bench),
     ("pushpull", ["--seconds", "0.2", "--trials", "1", "--sizes", "4K,1M"], "ratio = tfkv / raw"),
     ("security", ["--seconds", "0.2", "--rounds", "1", "--sizes", "1M"], "secure/plain"),
+    pytest.param("server_cpu", ["--mib", "1", "--steps", "3", "--trials", "1"], "ms CPU/MiB", marks=pytest.mark.bench),
     ("overlap", ["--seconds", "0.2", "--trials", "1"], "raw chunked"),
     ("compression_speed", ["--seconds", "0.05", "--trials", "1", "--values", "100003"], "x copy"),
     pytest.param("scaling", ["--seconds", "0.3", "--trials", "1", "--workers", "2"], "secure/plain", marks=pytest.mark.bench),

@@ -74,8 +74,9 @@ class Knob:
 KNOBS: tuple[Knob, ...] = (
     Knob(("TFKV_BIGARRAY_BOUND", "MXNET_KVSTORE_BIGARRAY_BOUND"), "kvstore.bigarray_bound", int, 1_000_000,
          "arrays of more elements are split across all servers; smaller keys go to one server"),
-    Knob(("TFKV_REDUCTION_NTHREADS", "MXNET_KVSTORE_REDUCTION_NTHREADS"), "kvstore.reduction_nthreads", int, 4,
-         "threads a server sums arrays of at least the big-array bound with", least=1),
+    Knob(("TFKV_REDUCTION_NTHREADS", "MXNET_KVSTORE_REDUCTION_NTHREADS"), "kvstore.reduction_nthreads", int, 0,
+         "threads a server sums and updates a large key with (each takes a range of at least 64K values); "
+         "0: one per CPU the server may use (its affinity and cgroup CPU quota)", least=0),
     Knob(("PS_RESEND",), "kvstore.resend", bool, False,
          "retransmit a request not answered within resend_timeout; servers never apply one twice"),
     Knob(("PS_RESEND_TIMEOUT",), "kvstore.resend_timeout", float, 1000.0,

@@ -109,6 +109,8 @@ def test_schema_rejects_typos_and_wrong_types():
                                       "of range, hash"),
     (["kvstore=device", "kvstore.row_sharding=modulo"], "kvstore.row_sharding='modulo' is not a row sharding"),
     (["kvstore=dist_sync", "cluster=local", "kvstore.row_sharding=Hash"], "kvstore.row_sharding='Hash' is not"),
+    (["kvstore=dist_sync", "cluster=local", "kvstore.reduction_nthreads=-2"], "kvstore.reduction_nthreads=-2 is not a "
+     "count of threads: set it to 0 (a server uses one thread per CPU it may use)"),
     (["kvstore=device", "kvstore.row_sparse=true", "kvstore.compression.type=2bit_mxnet"],
      "kvstore.compression.type=2bit_mxnet compresses dense gradients, but kvstore.row_sparse=true makes every "
      "Embedding a row-sparse key, whose rows are pushed uncompressed"),
@@ -148,6 +150,15 @@ def test_validation_gives_one_line(overrides, message):
 def test_a_row_sharding_from_the_environment_is_refused_naming_the_variable(monkeypatch):
     monkeypatch.setenv("TFKV_ROW_SHARDING", "modulo")  # the environment wins over the config: checked too
     with pytest.raises(ConfigError, match="^TFKV_ROW_SHARDING='modulo' is not a row sharding tfkv knows"):
+        check.validate(_compose())
+
+
+def test_server_threads_from_the_environment_are_checked_naming_the_variable(monkeypatch):
+    monkeypatch.setenv("MXNET_KVSTORE_REDUCTION_NTHREADS", "-1")
+    with pytest.raises(ConfigError, match="^MXNET_KVSTORE_REDUCTION_NTHREADS=-1 is not a count of threads"):
+        check.validate(_compose())
+    monkeypatch.setenv("MXNET_KVSTORE_REDUCTION_NTHREADS", "many")
+    with pytest.raises(ConfigError, match="^MXNET_KVSTORE_REDUCTION_NTHREADS='many' is not an int"):
         check.validate(_compose())
 
 

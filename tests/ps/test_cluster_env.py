@@ -34,11 +34,11 @@ def test_every_runtime_knob_is_one_attribute_from_its_row():
 
 def test_a_role_reads_each_knob_from_its_variables():
     env = ClusterEnv.from_env({**WIRING, "TFKV_FUSION_BYTES": "0", "PS_RESEND_TIMEOUT": "250", "PS_RESEND": "1",
-                               "MXNET_KVSTORE_REDUCTION_NTHREADS": "0", "TFKV_CHUNK_BYTES": "2",
+                               "MXNET_KVSTORE_REDUCTION_NTHREADS": "-3", "TFKV_CHUNK_BYTES": "2",
                                "TFKV_HEARTBEAT_TIMEOUT": "9", "DMLC_INTERFACE": "lo", "PS_VERBOSE": "2"})
     assert (env.role, env.num_workers, env.fusion_bytes, env.resend, env.resend_timeout, env.reduction_nthreads,
             env.chunk_bytes, env.heartbeat_timeout, env.interface, env.verbose) == (
-        "server", 2, 0, True, 0.25, 1, 4, 9.0, "lo", 2)  # milliseconds -> seconds; the least taken
+        "server", 2, 0, True, 0.25, 0, 4, 9.0, "lo", 2)  # milliseconds -> seconds; the least taken
     plain = ClusterEnv.from_env(WIRING)
     assert (plain.bigarray_bound, plain.request_timeout, plain.interface) == (1_000_000, 60.0, None)
     with pytest.raises(ClusterEnvError, match="TFKV_CHUNK_BYTES='big' is not an int"):

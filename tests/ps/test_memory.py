@@ -49,3 +49,22 @@ def test_a_freed_large_buffer_is_reused_without_page_faults():
 
 def test_the_users_own_glibc_settings_win():
     assert _faults("keep", MALLOC_TRIM_THRESHOLD_="131072")[0] == "False"
+
+
+
+def test_a_kept_buffer_is_handed_out_again_only_once_nothing_views_it():
+    import numpy as np
+
+    buffers = memory.Buffers(keep=2)
+    a = buffers.take(1 << 20)
+    view = np.frombuffer(memoryview(a), np.float32)  # a payload decoded from it, still in a round
+    first = id(a)
+    del a
+    b = buffers.take(1 << 20)
+    assert id(b) != first and b.nbytes == 1 << 20 and b.flags.writeable
+    c = buffers.take(1 << 20)  # both kept ones in use, and no more kept: a fresh one, not kept
+    assert c is not b and c.base is None
+    del view, c
+    assert id(buffers.take(1 << 20)) == first  # no view left: handed out again
+    assert buffers.take(1 << 20) is not b  # b is still the caller's
+    assert buffers.take(4096).nbytes == 4096 and len(buffers._kept) == 2

@@ -1,6 +1,7 @@
 """The wire format: exact round trips, zero-copy payloads, and refusal of anything malformed."""
 
 import json
+import re
 import struct
 
 import ml_dtypes
@@ -201,6 +202,17 @@ def _opt(base=SGD, schedule=None, **fields):
 def test_every_control_message_is_checked_against_its_schema(type_, meta, message):
     with pytest.raises(P.ProtocolError, match=message):
         P.decode(_control(type_, meta), max_count=10**6)
+
+
+@pytest.mark.parametrize("bad,where", [(True, "keys[2]"), (2.0, "keys[2]"), (-1, "keys[2]"), (2**62, "keys[2]"),
+                                       ("3", "keys[2]")])
+def test_a_fused_requests_keys_are_checked_at_once_and_the_bad_one_named(bad, where):
+    from tfkv.ps import schema
+
+    check = schema.SCHEMAS[("PUSHPULL", False)].meta
+    check({"keys": list(range(4000))}, "")  # ints in bounds: one pass over the list
+    with pytest.raises(schema.SchemaError, match=rf"^{re.escape(where)}={re.escape(repr(bad))} must be an integer"):
+        check({"keys": [0, 1, bad, 3]}, "")
 
 
 def test_any_failure_of_a_schema_check_is_a_protocol_error(monkeypatch):

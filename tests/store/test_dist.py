@@ -307,20 +307,16 @@ def test_compression_is_refused_by_single_machine_stores():
 
 # -- parallel reduction on the servers -------------------------------------------------------------
 
-def _reduce_server(bound, nthreads):
+def test_large_arrays_are_summed_in_threads_small_ones_inline():
     from tfkv.ps.reduction import Reducer
 
-    return Reducer(bound, nthreads)  # a server's summation
-
-
-def test_large_arrays_are_summed_in_threads_small_ones_inline():
     rng = np.random.default_rng(1)
     a, b = rng.normal(size=10_007).astype(np.float32), rng.normal(size=10_007).astype(np.float32)
-    srv = _reduce_server(bound=10_000, nthreads=3)
+    srv = Reducer(3, min_span=3_000)  # a server's summation: 3 ranges of 3,335 or 3,336
     out = srv.add(a, b)
-    np.testing.assert_array_equal(out, a + b)  # same float32 adds, only split by slices
-    assert srv._pool is not None and srv._pool._max_workers == 3
-    small = _reduce_server(bound=20_000, nthreads=3)
+    np.testing.assert_array_equal(out, a + b)  # same float32 adds, only split by ranges
+    assert srv._pool is not None and srv._pool._max_workers == 2  # the serving thread takes the first range
+    small = Reducer(3, min_span=6_000)
     np.testing.assert_array_equal(small.add(a, b), a + b)
     assert small._pool is None
     assert out is not a and out is not b
@@ -332,10 +328,13 @@ def test_large_arrays_are_summed_in_threads_small_ones_inline():
 
 def test_reduction_threads_from_the_environment():
     from tfkv.ps.cluster_env import ClusterEnv
+    from tfkv.ps import cpus
+    from tfkv.ps.reduction import Reducer
 
     base = {"DMLC_ROLE": "server", "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "1",
             "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": "1"}
-    assert ClusterEnv.from_env(base).reduction_nthreads == 4
+    assert ClusterEnv.from_env(base).reduction_nthreads == 0  # one per CPU the server may use
+    assert Reducer(0).nthreads == cpus.usable()
     assert ClusterEnv.from_env({**base, "MXNET_KVSTORE_REDUCTION_NTHREADS": "2"}).reduction_nthreads == 2
     assert ClusterEnv.from_env({**base, "TFKV_REDUCTION_NTHREADS": "1",
                                 "MXNET_KVSTORE_REDUCTION_NTHREADS": "8"}).reduction_nthreads == 1

@@ -299,6 +299,23 @@ def int_sgd(kv, out):
 SCENARIOS["int_sgd"] = int_sgd
 
 
+def threaded_sgd(kv, out):
+    """SGD with momentum and weight decay on the servers, over keys large enough for their threads
+    (one split over the servers, one whole) and a small one: every worker's pulls, for the test's
+    numpy oracle (worker r's pushes at step s are normal floats seeded 100 * s + r)."""
+    sizes = {"big": 1_000_003, "mid": 300_001, "small": 100}
+    kv.set_optimizer(optim.SGD(schedule=optim.Schedule(lr=0.05), momentum=0.9, wd=1e-3))
+    kv.init(list(sizes), [np.linspace(-1, 1, n, dtype=np.float32) for n in sizes.values()])
+    for step in range(4):
+        rng = np.random.default_rng(100 * step + kv.rank)
+        got = kv.pushpull(list(sizes), [rng.normal(size=n).astype(np.float32) for n in sizes.values()])
+    np.savez(out.name + ".npz", **dict(zip(sizes, got)))
+    json.dump({"rank": kv.rank}, out)
+
+
+SCENARIOS["threaded_sgd"] = threaded_sgd
+
+
 def fusion(kv, out):
     """pushpull_async of many small keys and one large one, as a training step pushes them: the
     ZeroMQ messages each server gets (the transport's put: the requests in each) and the values

@@ -210,6 +210,7 @@ def _cluster(cfg: Any) -> None:
                           "in this process and starts none; drop one of them")
     _compression(cfg, can.compression)
     _row_sharding(cfg)
+    _server_threads(cfg)
     rules.cluster_sizes(c)
 
 
@@ -249,16 +250,37 @@ def _row_sharding(cfg: Any) -> None:
     """kvstore.row_sharding (or the TFKV_ROW_SHARDING that overrides it) is a placement the
     parameter servers know, whatever the store type: a local run of it must not pass a config
     its dist_* run would refuse only once the job has formed."""
-    from tfkv import knobs
     from tfkv.ps import parts
 
-    knob = knobs.knob("kvstore.row_sharding")
-    found = knobs.from_env(knob.key, os.environ)
-    where, value = found if found else (knob.key, cfg.kvstore.row_sharding)
+    where, value = _knob_setting(cfg, "kvstore.row_sharding")
     if value not in parts.SHARDINGS:
         raise ConfigError(f"{where}={value!r} is not a row sharding tfkv knows; choose one of "
                           f"{', '.join(parts.SHARDINGS)} (range: each server a block of rows, hash: row r on server "
                           f"r % servers), e.g. kvstore.row_sharding={parts.SHARDINGS[0]}")
+
+
+def _server_threads(cfg: Any) -> None:
+    """kvstore.reduction_nthreads (or the variable that overrides it): 0 (one thread per CPU a
+    server may use) or a count of threads, refused here rather than quietly taken as 0 by a server."""
+    where, value = _knob_setting(cfg, "kvstore.reduction_nthreads")
+    if value < 0:
+        raise ConfigError(f"{where}={value} is not a count of threads: set it to 0 (a server uses one thread per CPU "
+                          "it may use) or to the threads a server sums and updates a large key with, e.g. "
+                          "kvstore.reduction_nthreads=4")
+
+
+def _knob_setting(cfg: Any, key: str) -> tuple[str, Any]:
+    """(where it is set, value) of a knob: its variable where the environment sets it (which wins
+    over the config, and is named in a message), else its config key; a variable its type does
+    not take is a ConfigError naming it."""
+    from tfkv import knobs
+
+    knob = knobs.knob(key)
+    found = knobs.from_env(key, os.environ)
+    if found:
+        return found[0], knobs.parse(knob, found[1], found[0])
+    group, setting = key.split(".", 1)
+    return key, cfg[group][setting]
 
 
 def _placement(cfg: Any) -> None:

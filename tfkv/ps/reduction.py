@@ -1,38 +1,69 @@
-"""How a server adds up a round's pushes: into the round's own buffer, large arrays over threads.
+"""How a server spreads a large key's work over its CPUs: element ranges on a small thread pool.
 
-Arrays of at least the big-array bound (MXNET_KVSTORE_BIGARRAY_BOUND) are summed by
-MXNET_KVSTORE_REDUCTION_NTHREADS threads, one slice each (numpy releases the GIL in np.add);
-smaller ones stay on the serving thread.
+numpy releases the GIL inside a ufunc's loop, so threads that each add (or update) their own
+range of a key's values run at once. A server uses as many as the CPUs it may use
+(tfkv.ps.cpus: its affinity and cgroup quota), or `kvstore.reduction_nthreads` where set
+(MXNET_KVSTORE_REDUCTION_NTHREADS). Each range is at least `MIN_SPAN` values: a hop to a pool
+thread and back costs tens of microseconds, what adding some 64K floats costs, so a smaller key
+stays on the serving thread, which also takes the first range of a larger one itself.
+
+Every value is computed by the same float32 operations in the same order whichever thread takes
+its range: a threaded sum or update is bit-identical to the single-threaded one.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import numpy as np
 
-from tfkv.ps import dtypes
+from tfkv.ps import cpus, dtypes
 
 _F32 = dtypes.FLOAT32
 
+#: the fewest values a thread takes (256 KiB of float32)
+MIN_SPAN = 1 << 16
+
 
 class Reducer:
-    def __init__(self, bigarray_bound: int, nthreads: int):
-        self.bound, self.nthreads = bigarray_bound, nthreads
-        self._pool: ThreadPoolExecutor | None = None  # started by the first large sum
+    """A server's pool of threads for large keys (started by the first large one)."""
+
+    def __init__(self, nthreads: int = 0, min_span: int = MIN_SPAN):
+        self.nthreads = nthreads if nthreads > 0 else cpus.usable()
+        self.min_span = max(1, min_span)
+        self._pool: ThreadPoolExecutor | None = None
+
+    def spans(self, size: int) -> list[slice]:
+        """`size` values cut into the ranges the threads take: one range below 2 * min_span."""
+        n = max(1, min(self.nthreads, size // self.min_span))
+        bounds = [i * size // n for i in range(n + 1)]
+        return [slice(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+
+    def run(self, fn: Callable[[slice], None], size: int) -> None:
+        """`fn(span)` for each range of `size` values: the first on this thread, the others on the
+        pool; returns when all are done (raising what one raised)."""
+        spans = self.spans(size)
+        if len(spans) == 1:
+            fn(spans[0])
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.nthreads - 1, thread_name_prefix="tfkv-reduce")
+        futures = [self._pool.submit(fn, s) for s in spans[1:]]
+        try:
+            fn(spans[0])
+        finally:
+            for f in futures:
+                f.result()
 
     def add(self, a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """a + b into `out` (default: a fresh array); large arrays in slices over the threads."""
-        n = self.nthreads
-        if n <= 1 or a.size < max(self.bound, n):
-            return np.add(a, b, out=out)
+        """a + b (1-D, or any contiguous shape) into `out` (default: a fresh array), in ranges."""
         if out is None:
             out = np.empty_like(a)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(n, thread_name_prefix="tfkv-reduce")
-        bounds = [i * a.size // n for i in range(n + 1)]
-        slices = [slice(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
-        list(self._pool.map(lambda s: np.add(a[s], b[s], out=out[s]), slices))
+        if a.size < 2 * self.min_span or not all(x.flags.c_contiguous for x in (a, b, out)):
+            return np.add(a, b, out=out)
+        fa, fb, fo = a.reshape(-1), b.reshape(-1), out.reshape(-1)
+        self.run(lambda s: np.add(fa[s], fb[s], out=fo[s]), a.size)
         return out
 
     def accumulate(self, merged: np.ndarray | None, data: np.ndarray) -> np.ndarray:
@@ -48,3 +79,8 @@ class Reducer:
         if merged.flags.writeable:
             return self.add(merged, data, out=merged)
         return self.add(merged, data)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None

@@ -39,7 +39,7 @@ class Server:
 
     def __init__(self, env: ClusterEnv):
         self.env = env
-        memory.keep_freed_buffers()  # the same large buffers every step (tfkv.ps.memory)
+        memory.keep_freed_buffers(one_arena=True)  # the same large buffers every step (tfkv.ps.memory)
         self.transport = transport.bind(env)
         # Behind NAT (or a test proxy) workers must connect elsewhere than where this binds.
         host, port = env.advertise or (self.transport.host, self.transport.port)
@@ -51,7 +51,7 @@ class Server:
     def _serving(self, workers: set[int]) -> None:
         """What serving needs beside the sockets: the keys' rounds, who spoke."""
         self.workers = workers
-        self.rounds = Rounds(workers, Reducer(self.env.bigarray_bound, self.env.reduction_nthreads))
+        self.rounds = Rounds(workers, Reducer(self.env.reduction_nthreads))
         self.max_count = self.env.max_message_bytes // 4
         # Connections a worker of the job sent a well-formed request on: answered whatever they
         # send. Any other gets a few errors, then nothing (its replies would queue unread).
@@ -185,7 +185,7 @@ class Server:
     def on_set_optimizer(self, identity: bytes, msg: P.Message) -> Outcome:
         opt = optim.from_dict(msg.meta["optimizer"])
         if self.rounds.updater is None or self.rounds.updater.optimizer != opt:
-            self.rounds.updater = NumpyUpdater(opt)
+            self.rounds.updater = NumpyUpdater(opt, self.rounds.reducer)
         return [(identity, P.ack(msg))]
 
     def on_init(self, identity: bytes, msg: P.Message) -> Outcome:

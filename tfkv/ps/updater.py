@@ -24,14 +24,19 @@ from __future__ import annotations
 import numpy as np
 
 from tfkv import optim
+from tfkv.ps.reduction import Reducer
+
+#: values an SGD update takes per block: its step, weight, gradient, velocity and new weight
+#: (1.25 MiB of float32 in all) stay in a core's cache between the block's passes
+BLOCK = 1 << 16
 
 
 class NumpyUpdater:
-    def __init__(self, optimizer: optim.Optimizer):
+    def __init__(self, optimizer: optim.Optimizer, reducer: Reducer | None = None):
         self.optimizer = optimizer
+        self.reducer = reducer  # a server's threads for large keys (None: this thread alone)
         self.state: dict[int, tuple[np.ndarray, ...]] = {}
         self.count: dict[int, int] = {}
-        self._scratch: dict[int, np.ndarray] = {}
         self.master: dict[int, np.ndarray] = {}  # multi_precision: a half key's float32 weight
 
     def update(self, key: int, weight: np.ndarray, grad: np.ndarray) -> np.ndarray:
@@ -53,44 +58,58 @@ class NumpyUpdater:
 
     def _update32(self, key: int, weight: np.ndarray, grad: np.ndarray) -> np.ndarray:
         if key not in self.state:
-            self.state[key] = tuple(np.zeros_like(weight) for _ in self.optimizer.state_names)
+            self.state[key] = tuple(np.zeros(weight.shape, np.float32) for _ in self.optimizer.state_names)
             self.count[key] = 0
+        t = np.float32(self.count[key])
+        self.count[key] += 1
         if isinstance(self.optimizer, optim.SGD):
-            return self._sgd(key, weight, grad)
-        new_weight, new_state = self.optimizer.step(optim.NumpyOps, np.float32(self.count[key]),
-                                                    weight, grad, self.state[key])
-        self.state[key] = tuple(np.asarray(s, np.float32) for s in new_state)
-        self.count[key] += 1
-        return np.asarray(new_weight, np.float32)
+            return self._sgd(key, t, weight, grad)
+        return self._step(key, t, weight, grad)
 
-    def _sgd(self, key: int, weight: np.ndarray, grad: np.ndarray) -> np.ndarray:
-        """optim.SGD.step, computed in place: g = clip(rescale*grad) + wd*w; v = m*v - lr*g; w + v."""
+    def _step(self, key: int, t: np.float32, weight: np.ndarray, grad: np.ndarray) -> np.ndarray:
+        """The optimizer's own rule (optim.NumpyOps), range by range over the threads: each value's
+        new weight and state depend on its own values alone."""
+        new = np.empty(weight.shape, np.float32)
+        states = [np.empty(s.shape, np.float32) for s in self.state[key]]
+        w, g, old = _flat(weight), _flat(grad), [_flat(s) for s in self.state[key]]
+        out, out_states = _flat(new), [_flat(s) for s in states]
+
+        def span(s: slice) -> None:
+            new_weight, new_state = self.optimizer.step(optim.NumpyOps, t, w[s], g[s], tuple(x[s] for x in old))
+            out[s] = new_weight
+            for dst, value in zip(out_states, new_state):
+                dst[s] = value
+
+        self._run(span, weight.size)
+        self.state[key] = tuple(states)
+        return new
+
+    def _sgd(self, key: int, t: np.float32, weight: np.ndarray, grad: np.ndarray) -> np.ndarray:
+        """optim.SGD.step, computed block by block (`BLOCK` values, so a block's step and velocity
+        stay in the CPU's cache between its few passes) and range by range over the threads:
+        g = clip(rescale*grad) + wd*w; v = m*v - lr*g; w + v. The same float32 operations per
+        value whatever the blocks and threads, and no temporary the size of the key."""
         opt = self.optimizer
-        lr = np.float32(opt.schedule(np.float32(self.count[key]), optim.NumpyOps))
+        lr = np.float32(opt.schedule(t, optim.NumpyOps))
         rescale = 1.0 if opt.rescale_grad is None else float(opt.rescale_grad)
-        step = self._scratch.get(key)
-        if step is None or step.shape != weight.shape:
-            step = self._scratch[key] = np.empty_like(weight)
-        if opt.clip_gradient:
-            np.multiply(grad, np.float32(rescale), out=step)
-            np.clip(step, -opt.clip_gradient, opt.clip_gradient, out=step)
-            if opt.wd:
-                step += np.float32(opt.wd) * weight  # a temporary, only with both clip and wd
-            step *= lr
-        elif opt.wd:
-            # lr*(rescale*g + wd*w) as lr*rescale*(g + (wd/rescale)*w): no temporary
-            np.multiply(weight, np.float32(opt.wd / rescale), out=step)
-            step += grad
-            step *= np.float32(lr * rescale)
+        new = np.empty(weight.shape, np.float32)
+        w, g, out = _flat(weight), _flat(grad), _flat(new)
+        v = _flat(self.state[key][0]) if opt.momentum else None
+
+        def span(s: slice) -> None:
+            step = np.empty(min(BLOCK, s.stop - s.start), np.float32)
+            for lo in range(s.start, s.stop, BLOCK):
+                b = slice(lo, min(lo + BLOCK, s.stop))
+                _sgd_block(opt, lr, rescale, w[b], g[b], None if v is None else v[b], out[b], step[:b.stop - lo])
+
+        self._run(span, weight.size)
+        return new
+
+    def _run(self, fn, size: int) -> None:
+        if self.reducer is None:
+            fn(slice(0, size))
         else:
-            np.multiply(grad, np.float32(lr * rescale), out=step)
-        self.count[key] += 1
-        if opt.momentum:
-            (v,) = self.state[key]
-            v *= np.float32(opt.momentum)
-            v -= step
-            return np.add(weight, v)
-        return np.subtract(weight, step)
+            self.reducer.run(fn, size)
 
     def update_rows(self, key: int, table: np.ndarray, rows: np.ndarray, grad: np.ndarray) -> None:
         """Update `table` (local rows, width) in place at its unique `rows` by `grad` (len(rows),
@@ -138,5 +157,35 @@ class NumpyUpdater:
         return list(states), self.count.get(key, 0)
 
     def set(self, key: int, states: list[np.ndarray], count: int) -> None:
-        self.state[key] = tuple(np.array(s, np.float32) for s in states)
+        self.state[key] = tuple(np.array(s, np.float32, order="C") for s in states)
         self.count[key] = int(count)
+
+
+def _flat(a: np.ndarray) -> np.ndarray:
+    """A key's values as one row: a view of what is written (C-ordered here), of a key's pushed
+    and stored arrays too (contiguous on a server; elsewhere a copy, only read)."""
+    return a.reshape(-1)
+
+
+def _sgd_block(opt: optim.SGD, lr: np.float32, rescale: float, w: np.ndarray, g: np.ndarray,
+               v: np.ndarray | None, out: np.ndarray, step: np.ndarray) -> None:
+    """One block of NumpyUpdater._sgd: `out` = the new weights, `v` (the velocity) updated in place."""
+    if opt.clip_gradient:
+        np.multiply(g, np.float32(rescale), out=step)
+        np.clip(step, -opt.clip_gradient, opt.clip_gradient, out=step)
+        if opt.wd:
+            step += np.float32(opt.wd) * w  # a block-sized temporary, only with both clip and wd
+        step *= lr
+    elif opt.wd:
+        # lr*(rescale*g + wd*w) as lr*rescale*(g + (wd/rescale)*w): no temporary
+        np.multiply(w, np.float32(opt.wd / rescale), out=step)
+        step += g
+        step *= np.float32(lr * rescale)
+    else:
+        np.multiply(g, np.float32(lr * rescale), out=step)
+    if v is not None:
+        v *= np.float32(opt.momentum)
+        v -= step
+        np.add(w, v, out=out)
+    else:
+        np.subtract(w, step, out=out)

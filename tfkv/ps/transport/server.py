@@ -22,9 +22,10 @@ import logging
 from collections import Counter, OrderedDict, defaultdict
 from typing import Any, Sequence
 
+import numpy as np
 import zmq
 
-from tfkv.ps import channel, handshake
+from tfkv.ps import channel, handshake, memory
 from tfkv.ps import protocol as P
 from tfkv.ps import security, strangers, wire
 from tfkv.ps.cluster_env import ClusterEnv
@@ -136,6 +137,11 @@ class SecureServerTransport(ServerTransport):
         self.acceptor = acceptor  # the handshakes and the sessions they open, per connection
         self.refused: Counter[str] = Counter()  # messages refused by the channel, by reason
         self._refused_by: Counter[bytes] = Counter()
+        self._buffers = memory.Buffers()
+
+    def _into(self, head: Any, frame: int, size: int) -> np.ndarray | None:
+        """Where a payload arriving in pieces is opened: a kept buffer (whole frames open in place)."""
+        return self._buffers.take(size) if size > channel.PIECE else None
 
     def _open(self, identity: bytes, frames: list[Any]) -> list[Any] | None:
         """The message as protocol frames, or None: a handshake (answered here), a piece of a
@@ -146,7 +152,7 @@ class SecureServerTransport(ServerTransport):
                     log.warning("%s: a WELCOME not sent: its peer disconnected after its HELLO", self.name)
                     self.acceptor.forget(identity)
                 return None
-            return self.acceptor.open(identity, frames)
+            return self.acceptor.open(identity, frames, self._into)
         except channel.Refused as e:
             self._refusal(identity, frames, e)
             return None
