@@ -52,9 +52,9 @@ class TimelineError(ConfigError):
     """A timeline directory that cannot be written."""
 
 
-def directory(value: str, base: Path | None = None) -> Path:
+def directory(value: str, base: Path | None = None, what: str = "", remedy: str = " or set kvstore.timeline=null") -> Path:
     """The timeline directory `value` (relative to `base` if given), made and checked writable:
-    TimelineError, one line, otherwise (before any role starts)."""
+    TimelineError, one line naming `what` (kvstore.timeline=<value> unless given), otherwise."""
     path = Path(value).expanduser()
     if base is not None and not path.is_absolute():
         path = base / path
@@ -64,8 +64,8 @@ def directory(value: str, base: Path | None = None) -> Path:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        raise TimelineError(f"kvstore.timeline={value}: cannot write timeline files into {path} "
-                            f"({e.strerror or e}); choose a writable directory or set kvstore.timeline=null") from None
+        raise TimelineError(f"{what or f'kvstore.timeline={value}'}: cannot write timeline files into {path} "
+                            f"({e.strerror or e}); choose a writable directory{remedy}") from None
     return path.resolve()
 
 
@@ -90,11 +90,11 @@ class Timeline:
         self._pid = os.getpid()
         self._file: Any = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - open for the role's life
         t, wall = now(), time.time()
-        self._write([self._meta("process_name", {"name": self.name}),
+        self._write([json.dumps(e) for e in (self._meta("process_name", {"name": self.name}),
                      self._meta("process_sort_index", {"sort_index": (role == "worker") * 1000 + rank}),
                      self._meta("thread_name", {"name": "steps" if role == "worker" else "requests"}, MAIN),
                      self._meta(CLOCK, {"host": socket.gethostname(), "perf_counter_us": t * 1e6,
-                                        "unix_us": wall * 1e6, "clock": "perf_counter (CLOCK_MONOTONIC)"})])
+                                        "unix_us": wall * 1e6, "clock": "perf_counter (CLOCK_MONOTONIC)"}))])
         atexit.register(self.close)
 
     # -- recording (the hooks) -----------------------------------------------------------------
@@ -172,19 +172,17 @@ class Timeline:
             room = MAX_EVENTS - self._written
             if self._file is None or not events:
                 return
-            pid, out = self._pid, []
+            pid, out, dumps = self._pid, [], json.dumps
             for name, t0, t1, lane, args in events[:max(room, 0)]:
                 if name is None:  # a lane's name (_lane)
-                    out.append(self._meta("thread_name", args, lane))
+                    out.append(dumps(self._meta("thread_name", args, lane)))
                     continue
-                event = {"name": name, "ph": "X", "ts": round(t0 * 1e6, 3), "dur": round(max(t1 - t0, 0) * 1e6, 3),
-                         "pid": pid, "tid": lane}
-                if args:
-                    event["args"] = args
-                out.append(event)
+                # formatted by hand: json.dumps of a dict per event was most of the recorder's cost
+                out.append(f'{{"name":"{name}","ph":"X","ts":{t0 * 1e6:.3f},"dur":{max(t1 - t0, 0) * 1e6:.3f},'
+                           f'"pid":{pid},"tid":{lane}' + (f',"args":{_json(args)}}}' if args else "}"))
             if room < len(events):
-                out.append({"name": f"timeline full ({MAX_EVENTS} events): later events not recorded", "ph": "i",
-                            "s": "p", "ts": round(events[-1][2] * 1e6, 3), "pid": pid, "tid": MAIN})
+                out.append(dumps({"name": f"timeline full ({MAX_EVENTS} events): later events not recorded", "ph": "i",
+                                  "s": "p", "ts": round(events[-1][2] * 1e6, 3), "pid": pid, "tid": MAIN}))
             self._written += len(out)
             self._write(out)
         if room < len(events):
@@ -214,14 +212,21 @@ class Timeline:
     def _meta(self, name: str, args: dict, lane: int = MAIN) -> dict:
         return {"name": name, "ph": "M", "pid": self._pid, "tid": lane, "args": args}
 
-    def _write(self, events: list[dict]) -> None:
-        lead = "[\n" if self._file.tell() == 0 else ",\n"
-        self._file.write(lead + ",\n".join(json.dumps(e, separators=(",", ":")) for e in events))
+    def _write(self, lines: list[str]) -> None:
+        """JSON texts of events, appended to the file's array (opened by the first)."""
+        self._file.write(("[\n" if self._file.tell() == 0 else ",\n") + ",\n".join(lines))
         self._file.flush()
 
 
 def _ignore(*_: Any, **__: Any) -> None:
     return None
+
+
+def _json(args: dict) -> str:
+    """An event's args as JSON: ints written directly (keys, senders, numbers: nearly all of them)."""
+    if all(type(v) is int for v in args.values()):
+        return "{" + ",".join(f'"{k}":{v}' for k, v in args.items()) + "}"
+    return json.dumps(args)
 
 
 def _plain(key: Any) -> Any:
