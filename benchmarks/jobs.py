@@ -303,17 +303,18 @@ def collect(tmp: str, tag: str, model: str, workers: int, synchronous: bool = Tr
 
 def run_job(workers: int, model: str, batch: int, seconds: float, tmp: str, tag: str, timeout: float,
             compression: str = "none", threshold: float = 0.5, overlap: str = "graph", threads: int = 0,
-            secure: bool = True) -> dict:
+            secure: bool = True, env: dict[str, str] | None = None) -> dict:
     """Run one dist_sync job on this machine (`workers` workers, 1 server); returns `collect`'s
     figures. Raises Failed (with the job's log tail) on any failure or hang. `secure`: with a
-    fresh key for the job, as a launched job is by default; else TFKV_SECURE=0."""
+    fresh key for the job, as a launched job is by default; else TFKV_SECURE=0. `env`: more
+    variables for every role (e.g. a knob: TFKV_TIMELINE)."""
     from tfkv.launcher.plan import make_plan
     from tfkv.launcher.ports import free_port
 
     argv = worker_argv(model, batch, seconds, tmp, tag, compression=compression, threshold=threshold,
                        overlap=overlap, threads=threads)
     plan = make_plan(workers, 1, argv, [sys.executable, "-m", "tfkv.ps.node"], ["127.0.0.1"], "127.0.0.1",
-                     free_port(), extra_env=security_env(secure))
+                     free_port(), extra_env={**security_env(secure), **(env or {})})
     run_plan(plan, timeout, tag)
     return collect(tmp, tag, model, workers)
 
@@ -527,6 +528,7 @@ class Settings:
     seconds: float  # timed steps per model
     threads: int  # TF intra/inter-op threads per process (0: TensorFlow's default)
     timeout: float  # seconds before a job counts as hung
+    timeline: Path | None = None  # a tfkv job's kvstore.timeline: <timeline>/<model>/, merged into timeline.json
 
 
 def run(contender: str, cluster: Any, hosts_file: Path, s: Settings, tmp: Path) -> dict[str, dict]:
@@ -586,14 +588,21 @@ def _tfkv(cluster: Any, hosts_file: Path, model: str, s: Settings, tmp: Path, kv
     """One tfkv job through tfkv-launch's ssh launcher: one server and one worker per host."""
     worker = worker_argv(TRAINING_MODELS[model], s.batch, s.seconds, str(tmp), _tag(kvstore, secure, compression),
                                   kvstore=kvstore, compression=compression, threads=s.threads)
-    launch_tfkv(cluster, hosts_file, worker, secure, tmp / f"launch-{model}", s.timeout, f"tfkv {kvstore}")
+    where = s.timeline / model if s.timeline else None
+    launch_tfkv(cluster, hosts_file, worker, secure, tmp / f"launch-{model}", s.timeout, f"tfkv {kvstore}",
+                env={"TFKV_TIMELINE": str(where)} if where else None)
+    if where:
+        from tfkv import timeline
+
+        (where / "timeline.json").write_text(json.dumps(timeline.merge(sorted(where.glob("*-*.json")))))
 
 
 def launch_tfkv(cluster: Any, hosts_file: Path, worker: list[str], secure: bool, run_dir: Path, timeout: float,
-                what: str, python: str = sys.executable) -> None:
+                what: str, python: str = sys.executable, env: dict[str, str] | None = None) -> None:
     """`worker` as a tfkv job through tfkv-launch's ssh launcher, MXNet's placement with -n hosts
     -s hosts (one server and one worker per host); Failed with the log's tail if it fails or
-    runs past `timeout` (tfkv-launch is then interrupted: it stops every role on every host)."""
+    runs past `timeout` (tfkv-launch is then interrupted: it stops every role on every host).
+    `env`: knobs for tfkv-launch to hand every role (e.g. TFKV_TIMELINE)."""
     n = len(cluster.hosts)
     argv = [sys.executable, "-m", "tfkv.launcher.cli", "-n", str(n), "-s", str(n), "-H", str(hosts_file),
             "--launcher", "ssh", "--python", python, "--run-dir", str(run_dir),
@@ -601,7 +610,7 @@ def launch_tfkv(cluster: Any, hosts_file: Path, worker: list[str], secure: bool,
     log = Path(f"{run_dir}.log")
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, **cluster.env()}, start_new_session=True)
+                                env={**os.environ, **cluster.env(), **(env or {})}, start_new_session=True)
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
