@@ -125,7 +125,7 @@ class _Replied(Exchange):
         self._write(pulled)
         t3 = time.perf_counter()
         if self.timeline is not None:
-            self.timeline.step(t0, t1, t3 - (t3 - t2 - waited), t3)
+            self.timeline.step(t0, t1, t2 + waited, t3)
         tm = self.timings
         tm["compute"] += t1 - t0
         tm["pull"] += waited
