@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import tfkv_run
+from benchmark_cli import run_benchmark
+from conftest import need_root, tfkv_run
 
 from tfkv import timeline
 
@@ -136,3 +137,51 @@ def test_a_dist_sync_job_writes_each_roles_timeline_on_one_clock(tmp_path):
     names = sorted(e["args"]["name"].split(" (")[0] for e in merged["traceEvents"] if e["name"] == "process_name")
     assert names == ["server 0", "server 1", "worker 0", "worker 1"]
     assert min(e["ts"] for e in _x(merged["traceEvents"])) == 0
+
+
+def test_bench_cluster_refuses_a_timeline_it_cannot_write_in_one_line(tmp_path):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    proc = run_benchmark("cluster", "--quick", "--timeline", str(blocked / "tl"), "--json", "none", timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"--timeline {blocked / 'tl'}: cannot write timeline files into" in proc.stderr.splitlines()[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.bench
+def test_bench_cluster_writes_a_timeline_per_tfkv_row(tmp_path):
+    need_root("the cluster benchmark (an emulated cluster)")
+    proc = run_benchmark("cluster", "--hosts", "2", "--link", "1gbit", "--cpus", "0.5", "--models", "lenet",
+                         "--contenders", "tfkv,mwms", "--seconds", "0.3", "--no-straggler", "--json", "none",
+                         "--timeline", str(tmp_path / "tl"), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (row,) = [p for p in (tmp_path / "tl").glob("*/*") if p.is_dir()]  # tfkv's row alone: mwms has none
+    assert row.relative_to(tmp_path / "tl").as_posix() == "2h-1gbit/tfkv-t1"
+    files = sorted(p.name for p in (row / "lenet").iterdir())
+    assert files == ["server-0.json", "server-1.json", "timeline.json", "worker-0.json", "worker-1.json"]
+    merged = json.loads((row / "lenet" / "timeline.json").read_text())["traceEvents"]
+    hosts = {e["args"]["name"] for e in merged if e["name"] == "process_name"}
+    assert len(hosts) == 4 and {h.split(" (")[1] for h in hosts} == {"node1)", "node2)"}, hosts
+    assert {"step", "pushpull", "sum", "update"} <= {e["name"] for e in merged if e["ph"] == "X"}
+
+
+@pytest.mark.slow
+def test_an_mxnet_style_job_records_with_TFKV_TIMELINE_and_computes_the_same(cluster, tmp_path):
+    """Roles started by hand (DMLC_* and TFKV_TIMELINE in each one's environment), the KVStore API
+    called directly, 2-bit compressed: the same results as without a timeline, and the packing,
+    pulls, waits, sums and replies recorded."""
+    where = tmp_path / "tl"
+    c = cluster(num_servers=2, num_workers=2, TFKV_TIMELINE=str(where), MXNET_KVSTORE_BIGARRAY_BOUND="1000",
+                TFKV_CHUNK_BYTES="4000")
+    c.start_servers()
+    outs = c.start_workers("compressed")
+    codes = c.wait(180)
+    assert all(code == 0 for code in codes.values()), f"{codes}\n{c.outputs()}"
+    for r in (json.loads(p.read_text()) for p in outs):  # as tests/store/test_dist.py has them without one
+        assert (r["a"], r["big"], r["big_residual"], r["plain"]) == ([0.0, 1.0], [1.0, 1.0], [0.5, 0.5], 0.5)
+        assert (r["plain_bytes"], r["compressed_bytes"]) == (12000, 752)
+    assert sorted(p.stem for p in where.glob("*.json")) == ["server-0", "server-1", "worker-0", "worker-1"]
+    worker = {e["name"] for e in _x(json.loads((where / "worker-0.json").read_text()))}
+    assert {"pack", "pull", "wait"} <= worker, worker
+    server = {e["name"] for e in _x(json.loads((where / "server-1.json").read_text()))}
+    assert {"push", "pull", "sum", "reply"} <= server, server
