@@ -334,17 +334,18 @@ def collect(tmp: str, tag: str, model: str, workers: int, synchronous: bool = Tr
 
 def run_job(workers: int, model: str, batch: int, seconds: float, tmp: str, tag: str, timeout: float,
             compression: str = "none", threshold: float = 0.5, overlap: str = "graph", threads: int = 0,
-            secure: bool = True) -> dict:
+            secure: bool = True, env: dict[str, str] | None = None) -> dict:
     """Run one dist_sync job on this machine (`workers` workers, 1 server); returns `collect`'s
     figures. Raises Failed (with the job's log tail) on any failure or hang. `secure`: with a
-    fresh key for the job, as a launched job is by default; else TFKV_SECURE=0."""
+    fresh key for the job, as a launched job is by default; else TFKV_SECURE=0. `env`: more
+    variables for every role (e.g. a knob: TFKV_TIMELINE)."""
     from tfkv.launcher.plan import make_plan
     from tfkv.launcher.ports import free_port
 
     argv = worker_argv(model, batch, seconds, tmp, tag, compression=compression, threshold=threshold,
                        overlap=overlap, threads=threads)
     plan = make_plan(workers, 1, argv, [sys.executable, "-m", "tfkv.ps.node"], ["127.0.0.1"], "127.0.0.1",
-                     free_port(), extra_env=security_env(secure))
+                     free_port(), extra_env={**security_env(secure), **(env or {})})
     run_plan(plan, timeout, tag)
     return collect(tmp, tag, model, workers)
 
@@ -582,6 +583,7 @@ class Settings:
     threads: int  # TF intra/inter-op threads per process (0: TensorFlow's default)
     timeout: float  # seconds before a job counts as hung
     server_hosts: int = 0  # the cluster's last hosts, tfkv_spare's server hosts (the others ignore them)
+    timeline: Path | None = None  # a tfkv job's kvstore.timeline: <timeline>/<model>/, merged into timeline.json
 
 
 def run(contender: str, cluster: Any, hosts_file: Path, s: Settings, tmp: Path) -> dict[str, dict]:
@@ -599,8 +601,12 @@ def run(contender: str, cluster: Any, hosts_file: Path, s: Settings, tmp: Path) 
         for m in s.models:  # a job per model: a model's keys start at 0, DataParallel's
             worker = worker_argv(TRAINING_MODELS[m], s.batch, s.seconds, str(tmp), contender, kvstore=c.kvstore,
                                  threads=s.threads, config=c.config)
+            where = s.timeline / m if s.timeline else None
             launch_tfkv(cluster, hosts_file, worker, c.secure, tmp / f"launch-{m}", s.timeout,
-                        f"{contender} {c.kvstore}", workers=n, servers=len(servers) or n)
+                        f"{contender} {c.kvstore}", workers=n, servers=len(servers) or n,
+                        env={"TFKV_TIMELINE": str(where)} if where else None)
+            if where:
+                _merge_timeline(where)
         return _collect(tmp, contender, s.models, n, synchronous=c.kvstore == "dist_sync")
     if contender == "local":
         argv = worker_argv(_job_models(s), n * s.batch, s.seconds, str(tmp), "local", kvstore="local",
@@ -626,6 +632,13 @@ def run(contender: str, cluster: Any, hosts_file: Path, s: Settings, tmp: Path) 
     raise ValueError(f"unknown contender {contender!r}; known: {', '.join(CONTENDERS)}")
 
 
+def _merge_timeline(where: Path) -> None:
+    """The roles' timeline files of one job, merged into where/timeline.json."""
+    from tfkv import timeline
+
+    (where / "timeline.json").write_text(json.dumps(timeline.merge(sorted(where.glob("*-*.json")))))
+
+
 def _job_models(s: Settings) -> str:
     return ",".join(TRAINING_MODELS[m] for m in s.models)
 
@@ -647,12 +660,12 @@ def _role_argv(role: str, s: Settings, tmp: Path) -> list[str]:
 
 def launch_tfkv(cluster: Any, hosts_file: Path, worker: list[str], secure: bool, run_dir: Path, timeout: float,
                 what: str, python: str = sys.executable, workers: int | None = None,
-                servers: int | None = None) -> None:
+                servers: int | None = None, env: dict[str, str] | None = None) -> None:
     """`worker` as a tfkv job through tfkv-launch's ssh launcher on the hosts of `hosts_file`:
     `workers` workers and `servers` servers (default: one each per host of `cluster`), placed by
     the launcher (MXNet's placement, or the server hosts the file names); Failed with the log's
     tail if it fails or runs past `timeout` (tfkv-launch is then interrupted: it stops every role
-    on every host)."""
+    on every host). `env`: knobs for tfkv-launch to hand every role (e.g. TFKV_TIMELINE)."""
     n = len(cluster.hosts)
     argv = [sys.executable, "-m", "tfkv.launcher.cli", "-n", str(workers or n), "-s", str(servers or n),
             "-H", str(hosts_file),
@@ -661,7 +674,7 @@ def launch_tfkv(cluster: Any, hosts_file: Path, worker: list[str], secure: bool,
     log = Path(f"{run_dir}.log")
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, **cluster.env()}, start_new_session=True)
+                                env={**os.environ, **cluster.env(), **(env or {})}, start_new_session=True)
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -74,6 +74,8 @@ def _job(cfg: Any) -> float:
     hc = HydraConfig.get()
     run_dir = _run_dir = Path(hc.runtime.output_dir)
     in_job = node.role() is not None
+    if not in_job:
+        check.timeline(cfg, run_dir)  # before any role starts: they write into it
     if cfg.resume == checkpoint.AUTO and not in_job and _new_each_run(hc):
         logging.getLogger("tfkv").warning(
             "resume=auto looks for checkpoints in the run's own directory, but %s is named after the time it "

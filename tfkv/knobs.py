@@ -93,6 +93,9 @@ KNOBS: tuple[Knob, ...] = (
          "the largest payload a server accepts (a larger one is refused with an error)"),
     Knob(("TFKV_ENABLE_GPU_P2P", "MXNET_ENABLE_GPU_P2P"), "kvstore.gpu_p2p", bool, True,
          "device types: sum a key's device values on a device (false: through host memory)", reader=STORE),
+    Knob(("TFKV_TIMELINE",), "kvstore.timeline", str, None,
+         "a directory where each role of a dist_* job writes its Chrome-trace/Perfetto timeline (worker-0.json, "
+         "server-0.json; merged by python -m tfkv.timeline merge DIR); relative: in the run directory; null: off"),
     Knob(("PS_VERBOSE",), "cluster.verbose", int, 0, "PS_VERBOSE: 1 connections, 2 every message"),
     Knob(("DMLC_INTERFACE",), "cluster.interface", str, None,
          "network interface the servers listen on (DMLC_INTERFACE)"),

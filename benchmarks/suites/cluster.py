@@ -27,6 +27,7 @@ is a row with its error, and the exit status is 1.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import tempfile
@@ -81,6 +82,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--straggler", action=argparse.BooleanOptionalAction, default=True,
                     help="also the straggler setting (async against sync)")
     ap.add_argument("--job-timeout", type=float, default=300.0)
+    ap.add_argument("--timeline", type=Path, metavar="DIR",
+                    help="a timeline per tfkv row (tfkv.timeline): DIR/<hosts>h-<link>/<contender>-t<trial>/<model>/, "
+                         "each role's file and their merge, timeline.json")
     harness.add_argument(ap, "cluster", "--json", "--result")
     ap.add_argument("--plots", help="where the PNGs go (default: --json's directory; none with --json none)")
     ap.add_argument("--quick", action="store_true", help=f"the short run: {QUICK}")
@@ -100,6 +104,13 @@ def parse() -> argparse.Namespace:
     if args.server_hosts < 1:
         ap.error(f"--server-hosts {args.server_hosts} must be at least 1 (tfkv_spare's server hosts)")
     args.link, args.models, args.contenders = (v.split(",") for v in (args.link, args.models, args.contenders))
+    if args.timeline:
+        from tfkv import timeline
+
+        try:
+            args.timeline = timeline.directory(str(args.timeline), what=f"--timeline {args.timeline}", remedy="")
+        except timeline.TimelineError as e:
+            ap.error(str(e))
     for what, given, known in (("model", args.models, MODELS), ("contender", args.contenders, jobs.CONTENDERS)):
         bad = [g for g in given if g not in known]
         if bad:
@@ -172,7 +183,8 @@ def run_setting(args, run_id: str, n: int, link: str, straggler: bool, with_loca
                     t0 = time.monotonic()
                     with tempfile.TemporaryDirectory(prefix=f"bench_cluster_{c}_", dir="/tmp") as tmp:
                         try:
-                            got[c].append(jobs.run(c, cluster, hosts_file, job, Path(tmp)))
+                            got[c].append(jobs.run(c, cluster, hosts_file, traced(args, job, n, link, straggler, c,
+                                                                                  trial), Path(tmp)))
                         except (Failed, OSError, ValueError, KeyError) as e:
                             errors[c] = str(e)
                             print(f"  {c}: FAILED: {e}", file=sys.stderr, flush=True)
@@ -195,6 +207,14 @@ def run_setting(args, run_id: str, n: int, link: str, straggler: bool, with_loca
                          "push_bytes": last.get("push_bytes"), "seconds": args.seconds,
                          **({"error": errors[c].splitlines()[0]} if c in errors else {})})
     return rows
+
+
+def traced(args, job: jobs.Settings, n: int, link: str, straggler: bool, contender: str, trial: int) -> jobs.Settings:
+    """`job`, writing a timeline of the row under --timeline (tfkv's contenders only)."""
+    if not args.timeline or not contender.startswith("tfkv"):
+        return job
+    row = f"{n}h-{link}{'-straggler' if straggler else ''}/{contender}-t{trial + 1}"
+    return dataclasses.replace(job, timeline=args.timeline / row)
 
 
 def show(rows: list[dict], plots: str | None) -> None:

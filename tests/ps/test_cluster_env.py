@@ -18,7 +18,7 @@ WIRING = {"DMLC_ROLE": "server", "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_
 # What the parameter server's modules read of a role's ClusterEnv: the names stay.
 READ = {"interface", "bigarray_bound", "verbose", "resend", "resend_timeout", "heartbeat_interval", "heartbeat_timeout",
         "request_timeout", "start_timeout", "max_message_bytes", "reduction_nthreads", "chunk_bytes", "fusion_bytes",
-        "row_sharding"}
+        "row_sharding", "timeline"}
 
 
 def test_every_runtime_knob_is_one_attribute_from_its_row():

@@ -246,6 +246,25 @@ def _compression(cfg: Any, store_compresses: bool) -> None:
                           f"the devices: set kvstore.update_on_kvstore=true, or kvstore.compression.type={exact}")
 
 
+def timeline(cfg: Any, run_dir: Any) -> None:
+    """kvstore.timeline (or the TFKV_TIMELINE that overrides it): the roles of a dist_* job write
+    into it, so it must be a directory they can write, made here (a relative one in the run
+    directory, recorded absolute for every role), else one line before any role starts."""
+    from tfkv import knobs, store
+    from tfkv import timeline as recorder
+
+    found = knobs.from_env("kvstore.timeline", os.environ)
+    value = found[1] if found else cfg.kvstore.timeline
+    if not value:
+        return
+    if not store.capabilities(cfg.kvstore.type).distributed:
+        raise ConfigError(f"kvstore.timeline records the roles of a dist_* job, and kvstore.type={cfg.kvstore.type} "
+                          "starts none: use a dist_* type (e.g. kvstore.type=dist_sync) or set kvstore.timeline=null")
+    where = recorder.directory(value, None if found else run_dir)  # the variable: as every role reads it
+    if not found:
+        cfg.kvstore.timeline = str(where)
+
+
 def _row_sharding(cfg: Any) -> None:
     """kvstore.row_sharding (or the TFKV_ROW_SHARDING that overrides it) is a placement the
     parameter servers know, whatever the store type: a local run of it must not pass a config

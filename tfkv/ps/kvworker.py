@@ -49,6 +49,7 @@ class KVWorker:
     def __init__(self, link: ServerLink):
         self.link = link
         self.sender: Sender | None = None  # 2-bit compression of pushes, when set
+        self.timeline: Any = None  # tfkv.timeline.Timeline: the store's, when kvstore.timeline is set
         self.push_bytes = 0  # payload bytes of every PUSH sent (measures compression), row ids included
         self.pull_bytes = 0  # payload bytes asked for by pulls (the values, and row ids sent), replies' values
 
@@ -113,6 +114,8 @@ class KVWorker:
             both = self._pushpull_fused if fusing and layout.fusable else self._pushpull_parts
             return both(key, layout, outs, flat)
 
+        if self.timeline is not None:
+            together = self.timeline.issuing(together)
         return self.link.exchange(list(keys), together, push=lambda item: self.push(item[1], item[3]()),
                                   pull=lambda item: self.pull(item[0], item[1], item[2]))
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from tfkv import optim
+from tfkv import optim, timeline
 from tfkv.ps import compression, departures, memory
 from tfkv.ps import protocol as P
 from tfkv.ps.cluster_env import ClusterEnv
@@ -37,6 +37,8 @@ log = logging.getLogger("tfkv.ps")
 class Server:
     """One server of a job: registered with the scheduler, serving until it says the job ended."""
 
+    timeline: timeline.Timeline | None = None  # kvstore.timeline's recorder of this server (None: off)
+
     def __init__(self, env: ClusterEnv):
         self.env = env
         memory.keep_freed_buffers(one_arena=True)  # the same large buffers every step (tfkv.ps.memory)
@@ -45,6 +47,7 @@ class Server:
         host, port = env.advertise or (self.transport.host, self.transport.port)
         self.link = SchedulerLink(env, "server", host, port)
         self.transport.named(self.link.id, self.link.name)
+        self.timeline = timeline.of(env.timeline, "server", self.link.rank)  # None: off
         self._serving(set(self.link.workers))
         log.info("%s listening on %s:%d", self.link.name, self.transport.host, self.transport.port)
 
@@ -58,6 +61,9 @@ class Server:
         self._members: set[bytes] = set()
         self._connection: dict[int, bytes] = {}  # worker id -> its connection (one socket per server)
         self._strangers = Strangers(self.link.name)
+        if self.timeline is not None:  # its spans: each request served, the sums and replies (updates: on_set_optimizer)
+            self.timeline.wrap(self.rounds.reducer, "accumulate", "sum")
+            self.timeline.wrap(self.transport, "_send", "reply")
         rounds = self.rounds
         self._handlers: dict[P.Type, Callable[[bytes, P.Message], Outcome]] = {
             P.Type.PING: self.on_ping, P.Type.CONFIGURE: self.on_configure,
@@ -82,6 +88,8 @@ class Server:
                     break  # a malformed message: what follows it in the batch cannot be trusted to line up
             flush()
         self.transport.report()
+        if self.timeline is not None:
+            self.timeline.close()
         log.info("%s: shut down by the scheduler", self.link.name)
         return 0
 
@@ -105,8 +113,10 @@ class Server:
         elif self.transport.repeated(msg):
             if msg.want_ack:
                 self.transport.reply(identity, P.ack(msg))
-        else:
+        elif self.timeline is None:
             self.serve(identity, msg)
+        else:
+            self.timeline.served(self.serve, identity, msg)
         return True
 
     def serve(self, identity: bytes, msg: P.Message) -> None:
@@ -186,6 +196,9 @@ class Server:
         opt = optim.from_dict(msg.meta["optimizer"])
         if self.rounds.updater is None or self.rounds.updater.optimizer != opt:
             self.rounds.updater = NumpyUpdater(opt, self.rounds.reducer)
+            if self.timeline is not None:
+                for method in ("update", "update_rows"):
+                    self.timeline.wrap(self.rounds.updater, method, "update", key_arg=0)
         return [(identity, P.ack(msg))]
 
     def on_init(self, identity: bytes, msg: P.Message) -> Outcome:

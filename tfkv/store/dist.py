@@ -49,6 +49,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from tfkv import timeline
 from tfkv.errors import EXIT_PEER_FAILED
 from tfkv.ps import dtypes, memory, node
 from tfkv.ps.cluster_env import ClusterEnv
@@ -99,6 +100,7 @@ class DistStore(WorkerFeedback, ServerOptimizer, KVStore):
         self.keys = Keys(self._check_key, self.key_phrase)
         self.servers = ServerLink(env, self.link, self.keys.name)
         self.worker = KVWorker(self.servers)  # every request to the servers is built there
+        self.timeline = self.worker.timeline = timeline.of(env.timeline, "worker", self.rank)  # None: off
         self.sum_on_device = self.on_device and gpu_p2p(values=knobs)
         # MXNet's store leaves in its destructor, and its scripts end without a teardown call:
         # this one leaves when the interpreter exits (close() unregisters it). An exception left in
@@ -239,7 +241,8 @@ class DistStore(WorkerFeedback, ServerOptimizer, KVStore):
     def arrivals(self, pulls: Sequence[Pull]) -> Iterator[tuple[Key, np.ndarray]]:
         """(key, value) for each of `pulls` as soon as all of its parts have arrived, in arrival
         order; the value is also written into the pull's `outs`."""
-        return self.worker.gather(pulls)
+        replies = self.worker.gather(pulls)
+        return replies if self.timeline is None else self.timeline.arrivals(replies)
 
     def wait(self, pulls: Sequence[Pull]) -> dict[Key, np.ndarray]:
         """Every pull's value, by key, once all have arrived."""
@@ -351,12 +354,16 @@ class DistStore(WorkerFeedback, ServerOptimizer, KVStore):
         self.servers.settle()
         self.link.done()
         self.servers.close()
+        if self.timeline is not None:
+            self.timeline.close()
 
     def abort(self, reason: str) -> None:
         if not self._closed:
             self._closed = True
             atexit.unregister(self._at_exit)
             self.link.abort(reason)
+            if self.timeline is not None:
+                self.timeline.close()
 
     def _at_exit(self) -> None:
         """The interpreter is exiting without close(): after an uncaught exception (which the
@@ -383,6 +390,7 @@ class DistStore(WorkerFeedback, ServerOptimizer, KVStore):
 
     _closed = False
     _shown_before: BaseException | None = None
+    timeline: timeline.Timeline | None = None  # kvstore.timeline's recorder of this worker (None: off)
 
 
 class DistAsync(DistStore):

@@ -32,6 +32,8 @@ class ServerOptimizer:
         worker = self.worker
         if setting != (worker.sender and worker.sender.setting):  # a new setting starts from nothing held back
             worker.sender = Sender(setting) if setting is not None else None
+            if worker.timeline is not None and worker.sender is not None:
+                worker.timeline.wrap(worker.sender, "pack", "pack", key_arg=0)
         if self.rank == 0 and setting is not None:
             worker.set_compression(setting.threshold)
         if self._user_optimizer is not None:
