@@ -104,7 +104,9 @@ def build(cfg: Any, run_dir: Path, kvstore: Any, tf_devices: list[str], override
 
     # Before any key exists; the store decides what compression means for it. The config's
     # names are not the API's (its 2bit is the API's 2bit_momentum: tfkv.ps.compression.KINDS).
-    compressing = compression.from_config(cfg.kvstore.compression.type, cfg.kvstore.compression.threshold)
+    comp = cfg.kvstore.compression
+    compressing = compression.from_config(comp.type, comp.threshold, both_ways=comp.both_ways,
+                                          pull_threshold=comp.pull_threshold)
     kvstore.set_gradient_compression(compressing.params() if compressing else None)
     if compressing and kvstore.rank == 0:
         log.info("%s", compression.describe(compressing))
