@@ -6,12 +6,10 @@ import sys
 
 import numpy as np
 import pytest
+import twoway_worker as W  # tests/workers, on pytest's path
 
 from tfkv import store
 from tfkv.ps import compression
-
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "workers"))
-import twoway_worker as W  # noqa: E402
 
 SPLIT = {"MXNET_KVSTORE_BIGARRAY_BOUND": "1000", "TFKV_CHUNK_BYTES": "4000"}  # 2 servers, chunks
 

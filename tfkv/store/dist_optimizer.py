@@ -73,7 +73,9 @@ class ServerOptimizer:
         if setting.both_ways:
             pull_threshold = compression.pull_threshold_for(setting, self._optimizer,
                                                             self.num_workers if self.sync else 1)
-            logging.getLogger("tfkv").info("the servers' replies 2-bit at threshold %g", pull_threshold)
+            logging.getLogger("tfkv").info("the servers' replies 2-bit at threshold %g%s", pull_threshold,
+                                           "" if self._optimizer is not None or setting.pull_threshold else
+                                           " (no optimizer on the servers yet: they reply with sums)")
         self.worker.set_compression(setting.threshold, pull_threshold)
 
     def _require_optimizer(self) -> None:
