@@ -9,10 +9,13 @@ Keras on the digits test split (the job's own metrics.json must agree). Prints o
 contender and epoch count, and the mean difference from uncompressed in points; `--json OUT`
 also writes the rows and the settings (benchmarks/results/compression_accuracy.json holds the
 committed figures). `--also-epochs 3` runs every job again at 3 epochs (the gap early on);
-`--contenders` picks some (by their compression label).
+`--contenders` picks some (by their compression label); `--pull-thresholds 0.0002,0.006` adds a
+both-ways contender per replies' threshold (kvstore.compression.pull_threshold; the default
+derives it from the optimizer), the sweep that chose that default.
 
     python -m benchmarks compression_accuracy [--seeds 0,1,2] [--workers 2] [--threshold 0.5]
-        [--epochs 10] [--also-epochs 3] [--contenders none,2bit,2bit_both_ways] [--json OUT]
+        [--epochs 10] [--also-epochs 3] [--contenders none,2bit,2bit_both_ways] [--pull-thresholds Q,...]
+        [--json OUT]
 
 Exits non-zero if a job fails.
 """
@@ -94,12 +97,17 @@ def main() -> None:
     ap.add_argument("--also-epochs", type=int, default=None, help="run every job again at this many epochs")
     ap.add_argument("--contenders", default=",".join(label for label, _ in CONTENDERS.values()),
                     help="compression labels, comma-separated (none is always run: the baseline)")
+    ap.add_argument("--pull-thresholds", default="", help="a both-ways contender per replies' threshold, comma-separated")
     ap.add_argument("--job-timeout", type=float, default=600.0)
     harness.add_argument(ap, "compression_accuracy", "--json", "--result")
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     wanted = {"none", *args.contenders.split(",")}
     contenders = {name: c for name, c in CONTENDERS.items() if c[0] in wanted}
+    for q in filter(None, args.pull_thresholds.split(",")):
+        both = CONTENDERS["2bit both ways (replies 2-bit too)"][1]
+        contenders[f"2bit both ways, pull_threshold {q}"] = (f"2bit_both_ways_q{q}",
+                                                             [*both, f"kvstore.compression.pull_threshold={q}"])
     epochs = [args.epochs] + ([args.also_epochs] if args.also_epochs else [])
     print(f"default experiment (digits MLP, SGD lr 0.1 momentum 0.9), dist_sync, {args.workers} workers, 1 server, "
           f"{args.epochs} epochs, threshold {args.threshold}, seeds {args.seeds}; accuracy of model.keras by "

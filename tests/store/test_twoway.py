@@ -144,3 +144,40 @@ def test_the_replies_threshold_follows_the_servers_optimizer():
     assert compression.pull_threshold_for(setting, None, 2) == 0.5
     given = compression.parse({"type": "2bit", "both_ways": True, "pull_threshold": 0.01})
     assert compression.pull_threshold_for(given, sgd, 2) == 0.01
+
+
+def test_a_reply_asked_again_or_for_another_version_never_moves_a_copy_twice():
+    """The servers' replies by the version a pull holds (tfkv.ps.replies), decoded by a worker's
+    copies (tfkv.ps.copies): a resent pull of the version before gets the same words, a pull of
+    the newest gets nothing new, any other the mirror whole; async mirrors are per worker."""
+    from tfkv.ps import protocol as P
+    from tfkv.ps.copies import Copies
+    from tfkv.ps.replies import Replies
+
+    replies, copies = Replies(), Copies()
+    replies.threshold = 0.25
+    w0, w1 = np.array([0.0, 1.0, -1.0], np.float32), np.array([0.5, 1.0, -1.25], np.float32)
+
+    def pull(value, round_no, seq, holds=None, sync=True, sender=9):
+        meta = None if holds is None else {"holds": holds}
+        reply = replies.reply(P.Message(P.Type.PULL, sender, seq, 5, meta=meta), value, round_no, sync, False)
+        return P.decode(P.encode(reply))
+
+    first = pull(w0, 0, 1)
+    assert first.dtype == P.DType.FLOAT32 and first.meta == {"version": 0}
+    copies.asked(1, 5)
+    np.testing.assert_array_equal(copies.decode(1, first), w0)
+    words = pull(w1, 1, 2, holds=0)
+    assert words.dtype == P.DType.TWOBIT and words.meta == {"version": 1, "threshold": 0.25}
+    assert np.array_equal(pull(w1, 1, 3, holds=0).data, words.data)  # asked again: the same words
+    copies.asked(2, 5)
+    np.testing.assert_array_equal(copies.decode(2, words), [0.25, 1.0, -1.25])
+    assert not pull(w1, 1, 4, holds=1).data.any()  # the newest held: nothing new
+    assert pull(w1, 1, 5, holds=7).dtype == P.DType.FLOAT32  # another version: whole
+    again = pull(w1, 1, 6, holds=0)
+    copies.asked(6, 5)
+    np.testing.assert_array_equal(copies.decode(6, again), [0.25, 1.0, -1.25])  # not moved twice
+    # async: each worker's own mirror, moved at each of its pulls
+    assert pull(w0, 0, 7, sync=False, sender=1).dtype == P.DType.FLOAT32
+    assert pull(w1, 0, 8, holds=0, sync=False, sender=1).meta["version"] == 1
+    assert pull(w1, 0, 9, sync=False, sender=2).meta == {"version": 0}

@@ -37,6 +37,10 @@ class Copies:
         """Pull request `seq` asked for `skey`: its reply goes through `decode`."""
         self._asked[seq] = skey
 
+    def expects(self, seq: int) -> bool:
+        """Whether `seq` is a pull asked here whose reply `decode` has yet to take."""
+        return seq in self._asked
+
     def decode(self, seq: int, reply: Any) -> np.ndarray:
         """The values of a pull's reply (ServerLink.gather's): the copy it leaves, or as it came."""
         skey = self._asked.pop(seq, None)
@@ -61,7 +65,3 @@ class Copies:
         copy.flags.writeable = False
         self._held[skey] = (meta["version"], copy)
         return copy
-
-    def forget(self) -> None:
-        """Hold nothing: the next pull of every key gets its copy whole."""
-        self._held.clear()

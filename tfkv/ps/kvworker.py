@@ -71,7 +71,8 @@ class KVWorker:
 
     def _decoded(self, seq: int, reply: Any) -> np.ndarray:
         """A pull's reply through this worker's copies; its bytes as they came (2-bit or whole)."""
-        self.pull_bytes += reply.data.nbytes
+        if self.copies.expects(seq):  # (a table's row pulls counted their bytes when asked)
+            self.pull_bytes += reply.data.nbytes
         return self.copies.decode(seq, reply)
 
     def set_optimizer(self, spec: dict) -> None:
