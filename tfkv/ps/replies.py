@@ -105,9 +105,10 @@ class Replies:
 
     # -- a checkpoint's state --------------------------------------------------------------------
 
-    def state_names(self, summing: bool) -> list[str]:
-        """The entries a key's optimizer state gets beside the optimizer's own."""
-        return [] if self.threshold is None or summing else [STATE]
+    def state_names(self) -> list[str]:
+        """The entries a key's optimizer state (the servers' optimizer's: never a summing server's)
+        gets beside the optimizer's own."""
+        return [] if self.threshold is None else [STATE]
 
     def restore(self, key: int, value: np.ndarray, weights: np.ndarray, round_no: int, sync: bool) -> np.ndarray:
         """A resumed job's servers' weights (`weights`, checkpointed) for a key initialised with the

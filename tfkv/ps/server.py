@@ -239,7 +239,7 @@ class Server:
         if updater is None:
             raise RequestError("this server has no optimizer, so no optimizer state")
         states, count = updater.get(msg.key, value.size)
-        kept = self.rounds.replies.state_names(summing=False)  # both_ways: the weights beside the copies
+        kept = self.rounds.replies.state_names()  # both_ways: the weights beside the copies
         states = [*states, *(np.asarray(value, np.float32).reshape(-1) for _ in kept)]
         data = np.concatenate(states) if states else np.zeros(0, np.float32)
         return [(identity, P.Message(P.Type.GET_STATE, seq=msg.seq, key=msg.key, reply=True, data=data,
@@ -252,7 +252,7 @@ class Server:
         if updater is None:
             raise RequestError("set the optimizer before its state")
         names = list(updater.optimizer.state_names)
-        if shard is None and msg.meta["names"] == [*names, *self.rounds.replies.state_names(summing=False)] != names:
+        if shard is None and msg.meta["names"] == [*names, *self.rounds.replies.state_names()] != names:
             return self._set_state_kept(identity, msg, value, len(names))
         if msg.meta["names"] != names:
             raise RequestError(f"state names {msg.meta['names']} do not match this optimizer's {names}")
