@@ -139,8 +139,9 @@ def test_the_replies_threshold_follows_the_servers_optimizer():
 
     setting = compression.parse({"type": "2bit", "threshold": 0.5, "both_ways": True})
     sgd = optim.SGD(schedule=optim.Schedule(lr=0.1), momentum=0.9, rescale_grad=1 / 128)
-    assert compression.pull_threshold_for(setting, sgd, 2) == pytest.approx(0.1 / 128 * 0.5 * 2 / 0.1)
-    assert compression.pull_threshold_for(setting, optim.Adam(), 2) == pytest.approx(0.001)
+    steps = compression.PULL_STEPS  # one step's largest change, times
+    assert compression.pull_threshold_for(setting, sgd, 2) == pytest.approx(steps * 0.1 / 128 * 0.5 * 2 / 0.1)
+    assert compression.pull_threshold_for(setting, optim.Adam(), 2) == pytest.approx(steps * 0.001)
     assert compression.pull_threshold_for(setting, None, 2) == 0.5
     given = compression.parse({"type": "2bit", "both_ways": True, "pull_threshold": 0.01})
     assert compression.pull_threshold_for(given, sgd, 2) == 0.01

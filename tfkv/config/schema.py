@@ -78,9 +78,9 @@ class CompressionConfig:
     # kept on the servers, so each worker's copy follows the servers' weights (in dist_sync every
     # worker's copy is the same, bit for bit); row-sparse keys stay uncompressed
     both_ways: bool = False
-    # the threshold of those replies (weight changes, not gradients); null: one step's largest
-    # change under the servers' optimizer: SGD's lr x rescale_grad x threshold x the workers
-    # summed / (1 - momentum), Adam's lr; without an optimizer on the servers, threshold
+    # the threshold of those replies (weight changes, not gradients); null: 8 times one step's
+    # largest change under the servers' optimizer: SGD's lr x rescale_grad x threshold x the
+    # workers summed / (1 - momentum), Adam's lr; without an optimizer on the servers, threshold
     pull_threshold: Optional[float] = None
 
 
