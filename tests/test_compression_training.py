@@ -82,3 +82,16 @@ def test_a_compressed_dist_job_resumed_from_a_checkpoint_ends_with_the_uninterru
         assert sorted(a.files) == sorted(b.files)
         for k in a.files:
             np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+@pytest.mark.slow
+def test_two_way_2bit_keeps_the_default_experiments_accuracy(tmp_path):
+    """kvstore.compression.both_ways=true: the servers' replies 2-bit too (threshold derived from
+    their optimizer), the workers training on copies that follow the servers' weights: within 1
+    point of uncompressed on the default experiment (seed 1; benchmarks/results/design_figures.md
+    has three seeds)."""
+    common = ["kvstore=dist_sync", "cluster=local", "progress=false", "kvstore.compression.threshold=0.5"]
+    accuracy = _runs(tmp_path, 1, common, {"plain": [], "both_ways": ["kvstore.compression.type=2bit",
+                                                                      "kvstore.compression.both_ways=true"]})
+    assert accuracy["plain"] > 0.97, accuracy
+    assert accuracy["both_ways"] >= accuracy["plain"] - 0.01, accuracy

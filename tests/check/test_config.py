@@ -140,6 +140,16 @@ def test_schema_rejects_typos_and_wrong_types():
     (["optimizer=adam", "optimizer.beta1=1"], "adam.beta1=1.0 must be from 0 to below 1"),
     (["kvstore=dist_sync", "cluster=local", "kvstore.compression.type=2bit", "kvstore.compression.threshold=0"],
      "threshold=0.0 must be positive"),
+    # two-way compression: a type to compress with, servers to reply, a positive threshold of replies
+    (["kvstore=dist_sync", "cluster=local", "kvstore.compression.both_ways=true"],
+     "kvstore.compression.type=none compresses nothing: choose a type (2bit_mxnet, 2bit) or set both_ways=false"),
+    (["kvstore=device", "devices=[cpu:0,cpu:1]", "kvstore.compression.type=2bit", "kvstore.compression.both_ways=true"],
+     "kvstore=device has no servers: use kvstore=dist_sync (or dist_async, dist_sync_device, dist_async_device)"),
+    (["kvstore.compression.type=2bit", "kvstore.compression.both_ways=true"], "kvstore=local has no servers"),
+    (["kvstore=dist_sync", "cluster=local", "kvstore.compression.type=2bit", "kvstore.compression.both_ways=true",
+      "kvstore.compression.pull_threshold=-1"], "kvstore.compression.pull_threshold=-1.0 must be positive"),
+    (["kvstore=dist_sync", "cluster=local", "kvstore.compression.type=2bit", "kvstore.compression.pull_threshold=0.1"],
+     "only both_ways=true compresses"),
 ])
 def test_validation_gives_one_line(overrides, message):
     with pytest.raises(ConfigError) as e:

@@ -121,8 +121,15 @@ def test_two_bit_only_for_pushes():
     one = P.decode([_header(type=int(P.Type.PUSHPULL), dtype=int(P.DType.TWOBIT), count=16), b"\0" * 4])
     assert one.dtype == P.DType.TWOBIT and one.count == 16 and one.meta is None
     fused = _header(type=int(P.Type.PUSHPULL), flags=P.FLAG_DATA | P.FLAG_META, dtype=int(P.DType.TWOBIT), count=16)
-    with pytest.raises(P.ProtocolError, match="only for PUSH and a one-key PUSHPULL"):
+    with pytest.raises(P.ProtocolError, match="only for PUSH, a one-key PUSHPULL and a PULL's reply"):
         P.decode([fused, b'{"keys":[1]}', b"\0" * 4])
+    # both_ways: a one-key PUSHPULL says which copy its pull holds; a PULL's reply may be 2-bit, a PULL not
+    holding = P.decode([fused, b'{"holds":3}', b"\0" * 4])
+    assert holding.meta == {"holds": 3} and holding.dtype == P.DType.TWOBIT
+    reply = _header(type=int(P.Type.PULL), flags=P.FLAG_DATA | P.FLAG_REPLY, dtype=int(P.DType.TWOBIT), count=16)
+    assert P.decode([reply, b"\0" * 4]).count == 16
+    with pytest.raises(P.ProtocolError, match="only for PUSH"):
+        P.decode([_header(type=int(P.Type.PULL), dtype=int(P.DType.TWOBIT), count=16), b"\0" * 4])
 
 
 def test_encode_refuses_words_that_do_not_match_the_count():

@@ -208,25 +208,31 @@ def _cluster(cfg: Any) -> None:
     if c.get("dry_run") and cfg.eval_only:
         raise ConfigError("cluster.dry_run=true prints the job a launcher would start, but eval_only=true evaluates "
                           "in this process and starts none; drop one of them")
-    _compression(cfg, can.compression)
+    _compression(cfg, can.compression, can.distributed)
     _row_sharding(cfg)
     _server_threads(cfg)
     rules.cluster_sizes(c)
 
 
-def _compression(cfg: Any, store_compresses: bool) -> None:
+def _compression(cfg: Any, store_compresses: bool, has_servers: bool) -> None:
     """kvstore.compression names a kind of tfkv.ps.compression.KINDS (by its config name), the
     store type takes compression, and a kind that moves the momentum to the workers has SGD's
-    momentum to move and the optimizer in the store to run without it."""
+    momentum to move and the optimizer in the store to run without it; both_ways (the servers'
+    replies compressed too) needs a type and a store with parameter servers."""
     from tfkv.ps import compression
 
     comp, kind = cfg.kvstore.compression, cfg.kvstore.type
     try:
-        setting = compression.from_config(comp.type, comp.threshold)
+        setting = compression.from_config(comp.type, comp.threshold, both_ways=comp.both_ways,
+                                          pull_threshold=comp.pull_threshold)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if setting is None:
         return
+    if setting.both_ways and not has_servers:
+        raise ConfigError(f"kvstore.compression.both_ways=true compresses the parameter servers' replies to pulls; "
+                          f"kvstore={kind} has no servers: use kvstore=dist_sync (or dist_async, dist_sync_device, "
+                          "dist_async_device), or kvstore.compression.both_ways=false")
     if cfg.kvstore.row_sparse:  # what a ShardedEmbedding's model shows is check.tables', once it is built
         raise ConfigError(f"kvstore.compression.type={comp.type} compresses dense gradients, but kvstore.row_sparse="
                           "true makes every Embedding a row-sparse key, whose rows are pushed uncompressed: set "

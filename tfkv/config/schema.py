@@ -74,6 +74,14 @@ class CompressionConfig:
     # each value sent is +threshold, -threshold or 0; on MXNet's scale (gradient sums over a
     # batch, see optimizer.rescale_grad), so MXNet's 0.5 means what it does there
     threshold: float = 0.5
+    # beyond MXNet (dist_* only): the servers' replies to pulls are 2-bit too, with error feedback
+    # kept on the servers, so each worker's copy follows the servers' weights (in dist_sync every
+    # worker's copy is the same, bit for bit); row-sparse keys stay uncompressed
+    both_ways: bool = False
+    # the threshold of those replies (weight changes, not gradients); null: 8 times one step's
+    # largest change under the servers' optimizer: SGD's lr x rescale_grad x threshold x the
+    # workers summed / (1 - momentum), Adam's lr; without an optimizer on the servers, threshold
+    pull_threshold: Optional[float] = None
 
 
 @dataclass

@@ -52,21 +52,34 @@ CONFIG_TYPES = tuple(k.config for k in KINDS)
 
 @dataclass(frozen=True)
 class Setting:
-    """A parsed compression setting: its kind and its threshold."""
+    """A parsed compression setting: its kind, its threshold, and whether the servers' replies to
+    pulls are 2-bit compressed too (`both_ways`, beyond MXNet: tfkv.ps.replies), with their own
+    threshold (`pull_threshold`; None: derived from the servers' optimizer, `pull_threshold_for`)."""
 
     kind: Kind
     threshold: float
+    both_ways: bool = False
+    pull_threshold: float | None = None
 
     def params(self) -> dict[str, Any]:
         """What set_gradient_compression takes for it."""
-        return {"type": self.kind.name, "threshold": self.threshold}
+        params: dict[str, Any] = {"type": self.kind.name, "threshold": self.threshold}
+        if self.both_ways:
+            params["both_ways"] = True
+            if self.pull_threshold is not None:
+                params["pull_threshold"] = self.pull_threshold
+        return params
 
 
 def describe(setting: Setting) -> str:
     """The scheme `setting` runs, by its name in a config and in the API, and how to get the other
     2-bit scheme in each: the names differ (a config's 2bit is the API's 2bit_momentum)."""
     other = next(k for k in KINDS if k.quantises and k is not setting.kind)
-    return (f"gradient compression: {setting.kind.scheme}, threshold {setting.threshold:g} "
+    both = ""
+    if setting.both_ways:
+        at = "from the servers' optimizer" if setting.pull_threshold is None else f"{setting.pull_threshold:g}"
+        both = f"; the servers' replies 2-bit too, with error feedback on the servers (threshold {at})"
+    return (f"gradient compression: {setting.kind.scheme}, threshold {setting.threshold:g}{both} "
             f"(kvstore.compression.type={setting.kind.config}; set_gradient_compression type {setting.kind.name!r}); "
             f"for {other.scheme}: kvstore.compression.type={other.config} (type {other.name!r})")
 
@@ -94,16 +107,18 @@ def parse(params: Mapping[str, Any] | None, where: str = "compression") -> Setti
     no compression. Raises ValueError on anything else, naming the setting as `where`.type etc."""
     if not params:
         return None
-    unknown = set(params) - {"type", "threshold"}
+    unknown = set(params) - {"type", "threshold", "both_ways", "pull_threshold"}
     if unknown:
-        raise ValueError(f"{where}: unknown parameter(s) {', '.join(sorted(unknown))}")
+        raise ValueError(f"{where}: unknown parameter(s) {', '.join(sorted(unknown))}; known: type, threshold, "
+                         "both_ways, pull_threshold")
     return _setting(_kind(str(params.get("type", "none")).lower(), "name", where), params.get("threshold", 0.5),
-                    where)
+                    where, params.get("both_ways", False), params.get("pull_threshold"), "name")
 
 
-def from_config(kind: str, threshold: Any, where: str = "kvstore.compression") -> Setting | None:
+def from_config(kind: str, threshold: Any, where: str = "kvstore.compression", both_ways: Any = False,
+                pull_threshold: Any = None) -> Setting | None:
     """A tfkv-run config's kvstore.compression (type by its config name) -> the Setting, or None."""
-    return _setting(_kind(str(kind).lower(), "config", where), threshold, where)
+    return _setting(_kind(str(kind).lower(), "config", where), threshold, where, both_ways, pull_threshold, "config")
 
 
 def _kind(name: str, field: str, where: str) -> Kind:
@@ -114,13 +129,36 @@ def _kind(name: str, field: str, where: str) -> Kind:
     raise ValueError(f"{where}.type={name!r} is not known; choose one of {choices}")
 
 
-def _setting(kind: Kind, threshold: Any, where: str) -> Setting | None:
+def _setting(kind: Kind, threshold: Any, where: str, both_ways: Any, pull_threshold: Any,
+             field: str) -> Setting | None:
+    """The Setting; `field` names the kinds as the caller does (a config's names or the API's)."""
+    if not isinstance(both_ways, (bool, np.bool_)):
+        raise ValueError(f"{where}.both_ways={both_ways!r} must be true or false")
     if not kind.quantises:
+        if both_ways:
+            choices = ", ".join(getattr(k, field) for k in KINDS if k.quantises)
+            raise ValueError(f"{where}.both_ways=true compresses the servers' replies as the pushes are, but "
+                             f"{where}.type={getattr(kind, field)} compresses nothing: choose a type ({choices}) "
+                             "or set both_ways=false")
         return None
-    threshold = float(threshold)
-    if not np.isfinite(threshold) or threshold <= 0:
-        raise ValueError(f"{where}.threshold={threshold} must be positive")
-    return Setting(kind, threshold)
+    threshold = _positive(threshold, f"{where}.threshold")
+    if pull_threshold is not None:
+        if not both_ways:
+            raise ValueError(f"{where}.pull_threshold={pull_threshold} sets the threshold of the servers' "
+                             f"replies, which only both_ways=true compresses: set {where}.both_ways=true "
+                             "or leave pull_threshold unset")
+        pull_threshold = _positive(pull_threshold, f"{where}.pull_threshold")
+    return Setting(kind, threshold, bool(both_ways), pull_threshold)
+
+
+def _positive(value: Any, name: str) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={value!r} must be a positive number") from None
+    if not np.isfinite(number) or number <= 0:
+        raise ValueError(f"{name}={number} must be positive")
+    return number
 
 
 # Values go through the quantisation in blocks of this many (a multiple of 16: a block's codes
@@ -247,3 +285,30 @@ def unpack(packed: np.ndarray, count: int, threshold: float) -> np.ndarray:
     out = np.empty(w.size * 16, np.float32)
     np.take(table.view(np.complex128).reshape(-1), w.view(np.uint8), out=out.view(np.complex128))
     return out[:count]
+
+
+# The replies' threshold in steps: how many of one step's largest change (`pull_threshold_for`). At
+# 1 the channel just keeps up; a weight that goes back and forth below the threshold then stays in
+# the servers' residual instead of reaching the copies as noise. Chosen by accuracy, 3 seeds
+# (benchmarks/results/design_figures.md): a quarter step cost 4 points, 1 and 2 up to 1.7, 4 and 8
+# at most 0.84 and 0.56.
+PULL_STEPS = 8
+
+
+def pull_threshold_for(setting: Setting, optimizer: optim.Optimizer | None, pushers: int) -> float:
+    """The threshold of the servers' 2-bit replies (`both_ways`): the setting's own, or PULL_STEPS
+    times one step's largest change of a weight, so that the reply channel (at most one threshold
+    a round per value) keeps up with the weights: SGD's rate x rescale_grad x the push threshold x
+    the pushes summed into one update (`pushers`: the workers of a synchronous job, 1 in an
+    asynchronous one) / (1 - the servers' momentum); a rule that scales its steps (Adam) moves each
+    value by about its rate. With no optimizer on the servers the replies carry the sum of the
+    2-bit pushes, on their scale: the push threshold."""
+    if setting.pull_threshold is not None:
+        return setting.pull_threshold
+    if optimizer is None:
+        return setting.threshold
+    lr = float(optimizer.schedule.lr)
+    if not isinstance(optimizer, optim.SGD):
+        return PULL_STEPS * abs(lr)
+    rescale = 1.0 if optimizer.rescale_grad is None else float(optimizer.rescale_grad)
+    return PULL_STEPS * abs(lr * rescale) * setting.threshold * pushers / (1.0 - float(optimizer.momentum))

@@ -18,6 +18,7 @@ import numpy as np
 
 from tfkv.ps import compression
 from tfkv.ps import protocol as P
+from tfkv.ps.copies import Copies
 from tfkv.ps.dtypes import FLOAT32
 from tfkv.ps.feedback import Sender
 from tfkv.ps.parts import Layout, Pull, RowPull, TableLayout, plan, row_chunks
@@ -50,8 +51,11 @@ class KVWorker:
         self.link = link
         self.sender: Sender | None = None  # 2-bit compression of pushes, when set
         self.timeline: Any = None  # tfkv.timeline.Timeline: the store's, when kvstore.timeline is set
+        self.copies: Copies | None = None  # this worker's copies of the weights, when replies are 2-bit too
         self.push_bytes = 0  # payload bytes of every PUSH sent (measures compression), row ids included
-        self.pull_bytes = 0  # payload bytes asked for by pulls (the values, and row ids sent), replies' values
+        # payload bytes asked for by pulls (the values, and row ids sent), replies' values; with
+        # 2-bit replies (both_ways) the bytes of the replies as they came
+        self.pull_bytes = 0
 
     @property
     def count(self) -> int:
@@ -66,9 +70,27 @@ class KVWorker:
         """Tell every server whether rounds are synchronous, and wait until each knows."""
         self.link.wait(self._to_every_server(P.Type.CONFIGURE, {"sync": sync}))
 
-    def set_compression(self, threshold: float) -> None:
-        """Tell every server how pushes are compressed (the same words for every 2-bit kind)."""
-        self._to_every_server(P.Type.SET_COMPRESSION, {"type": "2bit", "threshold": threshold})
+    def set_compression(self, threshold: float, pull_threshold: float | None = None) -> None:
+        """Tell every server how pushes are compressed (the same words for every 2-bit kind) and,
+        with `pull_threshold`, that its replies to pulls are 2-bit too (both_ways)."""
+        meta: dict[str, Any] = {"type": "2bit", "threshold": threshold}
+        if pull_threshold is not None:
+            meta.update(both_ways=True, pull_threshold=pull_threshold)
+        self._to_every_server(P.Type.SET_COMPRESSION, meta)
+
+    def keep_copies(self, on: bool) -> None:
+        """Keep a copy of each dense key part that 2-bit replies move (tfkv.ps.copies), or none."""
+        if on and self.copies is None:
+            self.copies = Copies()
+            self.link.decoding = self._decoded
+        elif not on:
+            self.copies = self.link.decoding = None
+
+    def _decoded(self, seq: int, reply: Any) -> np.ndarray:
+        """A pull's reply through this worker's copies; its bytes as they came (2-bit or whole)."""
+        if self.copies.expects(seq):  # (a table's row pulls counted their bytes when asked)
+            self.pull_bytes += reply.data.nbytes
+        return self.copies.decode(seq, reply)
 
     def set_optimizer(self, spec: dict) -> None:
         """Tell every server the optimizer it runs (`tfkv.optim.to_dict`'s)."""
@@ -98,9 +120,17 @@ class KVWorker:
     def pull(self, key: Hashable, layout: Layout, outs: list[Any]) -> Pull:
         """A key's pull requests, one per part; the value goes into `outs` (Pull)."""
         pull = Pull(key, layout, outs)  # checks the outs before anything is sent
-        self.pull_bytes += layout.size * layout.dtype.itemsize
-        pull.expect([self.link.request(part.server, P.Message(P.Type.PULL, key=part.skey)) for part in layout.parts])
+        if self.copies is None:  # (with copies: the replies' bytes, as they come)
+            self.pull_bytes += layout.size * layout.dtype.itemsize
+        pull.expect([self._asked(part.skey, self.link.request(part.server, P.Message(
+            P.Type.PULL, key=part.skey, meta=self.copies and self.copies.holds(part.skey)))) for part in layout.parts])
         return pull
+
+    def _asked(self, skey: int, seq: int) -> int:
+        """Pull `seq` of key part `skey` sent: its reply moves this worker's copy (both_ways)."""
+        if self.copies is not None:
+            self.copies.asked(seq, skey)
+        return seq
 
     def pushpull(self, keys: Iterable[tuple[Hashable, Layout, list[Any], Flat]]) -> list[Pull]:
         """Each key's push and pull request, in order, without waiting: each pull right behind its
@@ -124,10 +154,10 @@ class KVWorker:
         (A PUSH with its PULL's header behind the payload costs libzmq a write more per message.)"""
         pull = Pull(key, layout, outs)  # checks the outs before anything is sent
         value = flat()
-        self.pull_bytes += layout.size * layout.dtype.itemsize
-        pull.expect([self.link.request(part.server, self._carrying(P.Type.PUSHPULL, part.skey,
-                                                                   _payload(value, i, part)))
-                     for i, part in enumerate(layout.parts)])
+        if self.copies is None:  # (with copies: the replies' bytes, as they come)
+            self.pull_bytes += layout.size * layout.dtype.itemsize
+        pull.expect([self._asked(part.skey, self.link.request(part.server, self._carrying(
+            P.Type.PUSHPULL, part.skey, _payload(value, i, part)))) for i, part in enumerate(layout.parts)])
         return pull
 
     def _pushpull_fused(self, key: Hashable, layout: Layout, outs: list[Any], flat: Flat) -> Pull:
@@ -152,6 +182,8 @@ class KVWorker:
             msg.dtype, msg.count = P.DType.TWOBIT, part.size
         else:
             msg = P.Message(kind, key=skey, data=part)
+        if kind == P.Type.PUSHPULL and self.copies is not None:
+            msg.meta = self.copies.holds(skey)
         self.push_bytes += msg.data.nbytes
         return msg
 

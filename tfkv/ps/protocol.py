@@ -238,6 +238,9 @@ def decode(frames: Sequence[Any], max_count: int | None = None) -> Message:
     i = 1
     if flags & FLAG_META:
         msg.meta = _meta(kind, memoryview(frames[i]))
+        if dtype == DType.TWOBIT and kind == Type.PUSHPULL and "keys" in msg.meta:
+            raise ProtocolError(f"{kind.name}: 2-bit payloads are only for PUSH, a one-key PUSHPULL and a PULL's "
+                                "reply")  # a fused one's values are float32 slices
         i += 1
     if flags & FLAG_ROWS:
         msg.rows = _rows(kind, memoryview(frames[i]), flags, count, max_count)
@@ -274,9 +277,14 @@ def _payload_bytes(kind: Type, flags: int, dtype: int, count: int, max_count: in
         # half payload may hold twice as many (the same bytes).
         if max_count is not None and count > (max_count * 2 if itemsize == 2 else max_count):
             raise ProtocolError(f"{kind.name}: {count} elements exceed the limit of {max_count}")
+        # a PUSH, a one-key PUSHPULL (its meta, if any, says what its pull holds; a fused one,
+        # whose meta lists "keys", is refused in decode), a PULL's reply (both_ways)
+        reply = bool(flags & FLAG_REPLY)
+        twobit_ok = kind == Type.PULL if reply else kind in (Type.PUSH, Type.PUSHPULL)
+        if dtype == DType.TWOBIT and not twobit_ok:
+            raise ProtocolError(f"{kind.name}: 2-bit payloads are only for PUSH, a one-key PUSHPULL and a PULL's "
+                                "reply")
         one_key_pushpull = kind == Type.PUSHPULL and not flags & FLAG_META  # a PUSH and its PULL
-        if dtype == DType.TWOBIT and kind != Type.PUSH and not one_key_pushpull:
-            raise ProtocolError(f"{kind.name}: 2-bit payloads are only for PUSH and a one-key PUSHPULL")
         if itemsize == 2 and kind not in (Type.INIT, Type.PUSH, Type.PULL) and not one_key_pushpull:
             raise ProtocolError(f"{kind.name}: half-precision payloads are only for INIT, PUSH, PULL and a one-key "
                                 "PUSHPULL")

@@ -54,6 +54,7 @@ import numpy as np
 from tfkv.ps import compression, dtypes
 from tfkv.ps import protocol as P
 from tfkv.ps.reduction import Reducer
+from tfkv.ps.replies import Replies
 from tfkv.ps.group_rounds import GroupRounds
 from tfkv.ps.round_types import NOTHING, Fused, GroupRound, Held, Outcome, Reply, RequestError, Round
 from tfkv.ps.rows import Shard, merge
@@ -71,6 +72,7 @@ class Rounds(GroupRounds):
         self.sync = True
         self.updater: NumpyUpdater | None = None
         self.threshold: float | None = None  # of 2-bit pushes, once a worker set compression
+        self.replies = Replies()  # what a dense pull returns: 2-bit with both_ways (tfkv.ps.replies)
         self.values: dict[int, np.ndarray] = {}
         self.shards: dict[int, Shard] = {}  # row-sparse keys (tfkv.ps.rows)
         self.open: dict[int, Round] = defaultdict(Round)
@@ -216,6 +218,8 @@ class Rounds(GroupRounds):
             data = shard.gather(shard.local(msg.rows))
         else:
             data = self.values[msg.key]
+            if self.replies.threshold is not None:
+                return self.replies.reply(msg, data, self.closed[msg.key], self.sync, self.updater is None)
         return P.Message(P.Type.PULL, seq=msg.seq, key=msg.key, data=data, reply=True)
 
     def pushpull(self, identity: bytes, msg: P.Message) -> Outcome:
@@ -223,7 +227,7 @@ class Rounds(GroupRounds):
         its PUSH, then its PULL. Small keys fused: each key's push is served as a PUSH of its slice
         (the same rounds, held pushes and updates), its pull as a PULL whose value goes into one
         reply; checked whole before anything is applied."""
-        if msg.meta is None:
+        if msg.meta is None or "keys" not in msg.meta:  # (a one-key PUSHPULL's meta: what its pull holds)
             return self._pushpull_one(identity, msg)
         keys = msg.meta["keys"]
         if not self.sync:
@@ -267,7 +271,7 @@ class Rounds(GroupRounds):
                                                dtype=msg.dtype, count=msg.count, want_ack=False))
         # What the push releases (the next round's pushes, by other senders) cannot close that
         # round nor change the key's value, so the pull is answered as it would be after them.
-        pulled = self.pull(identity, P.Message(P.Type.PULL, msg.sender, msg.seq, msg.key))
+        pulled = self.pull(identity, P.Message(P.Type.PULL, msg.sender, msg.seq, msg.key, meta=msg.meta))
         return [*pushed, *pulled] if pushed else pulled
 
     def _members(self, fused: Fused, sizes: list[int]) -> Outcome:

@@ -134,6 +134,8 @@ def _compression(d: Any) -> Any:
     if not isinstance(kind, str):
         raise ValueError(f"type={kind!r} must be a string")
     number(threshold, "threshold")  # parse() would take "0.5" or crash on null
+    if "pull_threshold" in d:
+        number(d["pull_threshold"], "pull_threshold")
     return compression.parse(d)
 
 
@@ -150,6 +152,7 @@ _ID = integer(0, 65535)  # node ids travel in the header's 16-bit sender field
 _RANK = integer(0, 65535)
 _PID = integer(0, (1 << 32) - 1)
 _STATE = obj({"names": array(text(64), 16), "count": integer()})
+_HOLDS = obj({"holds": integer()})
 _SUM = obj({"sum": built_by(_sum), "of": integer()})
 MAX_TABLE_ROWS = 1 << 40  # rows of one row-sparse key (ids travel as int64; this bounds what a server makes)
 MAX_ROW_WIDTH = 1 << 24  # values in one row
@@ -189,15 +192,19 @@ SCHEMAS: dict[tuple[str, bool], Schema] = {
     # (rows frame and data); tfkv.ps.rows refuses an INIT that is none of these
     ("INIT", False): Schema(obj({"table": _TABLE}), data="optional", meta_optional=True),
     ("PUSH", False): Schema(data="required"),
-    ("PULL", False): Schema(),
+    # a dense pull under both_ways compression: the version of the copy its worker holds (tfkv.ps.replies)
+    ("PULL", False): Schema(_HOLDS, meta_optional=True),
     ("GET_STATE", False): Schema(),
     ("SET_STATE", False): Schema(_STATE, data="optional"),
     ("PING", False): Schema(),
     # keys pushed and pulled in one request: small ones fused (tfkv.ps.kvworker decides, tfkv.ps.worker
     # stages; keys: server-side ids), or without metadata one key, the header's
-    ("PUSHPULL", False): Schema(obj({"keys": array(integer(), MAX_FUSED_KEYS)}), data="required", meta_optional=True),
+    ("PUSHPULL", False): Schema(obj({"keys": array(integer(), MAX_FUSED_KEYS), "holds": integer()},
+                                    optional_fields=("keys", "holds")), data="required", meta_optional=True),
     # server -> worker
-    ("PULL", True): Schema(data="required"),
+    # under both_ways compression: the copy's version the reply makes, the 2-bit words' threshold
+    ("PULL", True): Schema(obj({"version": integer(), "threshold": number}, optional_fields=("version", "threshold")),
+                           data="required", meta_optional=True),
     ("PUSHPULL", True): Schema(data="required"),
     ("GET_STATE", True): Schema(_STATE, data="required"),
     ("ACK", True): Schema(),

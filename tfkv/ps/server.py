@@ -190,6 +190,8 @@ class Server:
     def on_set_compression(self, identity: bytes, msg: P.Message) -> Outcome:
         setting = compression.parse(msg.meta)  # every kind sends the same words: only t decodes them
         self.rounds.threshold = None if setting is None else setting.threshold
+        # both_ways: replies 2-bit too, with the threshold the worker resolved (compression.pull_threshold_for)
+        self.rounds.replies.threshold = setting.pull_threshold if setting is not None and setting.both_ways else None
         return [(identity, P.ack(msg))]
 
     def on_set_optimizer(self, identity: bytes, msg: P.Message) -> Outcome:
@@ -250,9 +252,11 @@ class Server:
         if updater is None:
             raise RequestError("this server has no optimizer, so no optimizer state")
         states, count = updater.get(msg.key, value.size)
+        kept = self.rounds.replies.state_names()  # both_ways: the weights beside the copies
+        states = [*states, *(np.asarray(value, np.float32).reshape(-1) for _ in kept)]
         data = np.concatenate(states) if states else np.zeros(0, np.float32)
         return [(identity, P.Message(P.Type.GET_STATE, seq=msg.seq, key=msg.key, reply=True, data=data,
-                                     meta={"names": list(updater.optimizer.state_names), "count": count}))]
+                                     meta={"names": [*updater.optimizer.state_names, *kept], "count": count}))]
 
     def on_set_state(self, identity: bytes, msg: P.Message) -> Outcome:
         updater = self.rounds.updater
@@ -261,6 +265,8 @@ class Server:
         if updater is None:
             raise RequestError("set the optimizer before its state")
         names = list(updater.optimizer.state_names)
+        if shard is None and msg.meta["names"] == [*names, *self.rounds.replies.state_names()] != names:
+            return self._set_state_kept(identity, msg, value, len(names))
         if msg.meta["names"] != names:
             raise RequestError(f"state names {msg.meta['names']} do not match this optimizer's {names}")
         if shard is not None:  # rows of a row-sparse key: each state's rows, one state after another
@@ -273,6 +279,15 @@ class Server:
             return [(identity, P.ack(msg))]
         data = self.rounds.payload(msg, value.size * len(names)) if names else np.zeros(0, np.float32)
         updater.set(msg.key, list(np.split(data, len(names))) if names else [], msg.meta["count"])
+        return [(identity, P.ack(msg))]
+
+    def _set_state_kept(self, identity: bytes, msg: P.Message, value: np.ndarray, optimizer_states: int) -> Outcome:
+        """A dense key's optimizer state and, last, the servers' weights under both_ways compression
+        (tfkv.ps.replies.STATE): the key's value now is the workers' copy."""
+        rounds = self.rounds
+        data = np.split(rounds.payload(msg, value.size * (optimizer_states + 1)), optimizer_states + 1)
+        rounds.updater.set(msg.key, data[:optimizer_states], msg.meta["count"])
+        rounds.values[msg.key] = rounds.replies.restore(msg.key, value, data[-1], rounds.closed[msg.key], rounds.sync)
         return [(identity, P.ack(msg))]
 
     def on_ping(self, identity: bytes, msg: P.Message) -> Outcome:

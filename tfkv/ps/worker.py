@@ -78,6 +78,8 @@ class ServerLink:
         self._groups: dict[int, list[Staged]] = {}  # PUSHPULL seq -> its members
         self.seq = seqs()  # the next request's number
         self._replies: dict[int, P.Message | Member] = {}  # data replies not yet taken
+        # A pull reply's values as `gather` completes it (tfkv.ps.copies.Copies.decode, under both_ways)
+        self.decoding: Callable[[int, Any], np.ndarray] | None = None
         self._unsynced: set[int] = set()  # servers with pushes not yet known to be applied
         # Retiring an answered request: under PS_RESEND the transport stops resending it too.
         self._answered = self._answered_resent if self._acked else self.tracker.answered
@@ -224,13 +226,14 @@ class ServerLink:
         waiting = {seq: p for p in pulls for seq in p.seqs}
         landed = self.transport.land(pulls, self._landable)
         try:
-            replies = self._replies
+            replies, decoding = self._replies, self.decoding
             arrived = [seq for seq in waiting if seq in replies]
             tick = min(100.0, self.env.resend_timeout * 1000)
             while True:
                 for seq in arrived:
                     p = waiting.pop(seq, None)
-                    if p is not None and p.arrive(seq, replies.pop(seq).data):
+                    if p is not None and p.arrive(seq, replies.pop(seq).data if decoding is None
+                                                  else decoding(seq, replies.pop(seq))):
                         p.deliver()
                         yield p.key, p.value
                 if not waiting:

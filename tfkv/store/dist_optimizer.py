@@ -7,10 +7,11 @@ the servers get the optimizer with momentum 0 (`compression.split_momentum`)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from tfkv import optim
-from tfkv.ps import compression
+from tfkv.ps import compression, replies
 from tfkv.ps.feedback import Sender
 from tfkv.store import dist_state, npz
 
@@ -27,15 +28,19 @@ class ServerOptimizer:
         """MXNet's API, e.g. {"type": "2bit", "threshold": 0.5}, or tfkv's {"type":
         "2bit_momentum", ...}; every worker calls it (each keeps its residuals), worker 0 tells the
         servers how to decode (the same words for both kinds) and, when the kind moves momentum
-        to the workers after an optimizer was set, sends the servers' optimizer again."""
+        to the workers after an optimizer was set, sends the servers' optimizer again.
+        Beyond MXNet, "both_ways": True compresses the servers' replies to pulls too (with their
+        own error feedback, tfkv.ps.replies), at "pull_threshold" (default:
+        compression.pull_threshold_for the servers' optimizer); row-sparse keys stay uncompressed."""
         setting = compression.parse(compression_params)
         worker = self.worker
         if setting != (worker.sender and worker.sender.setting):  # a new setting starts from nothing held back
             worker.sender = Sender(setting) if setting is not None else None
             if worker.timeline is not None and worker.sender is not None:
                 worker.timeline.wrap(worker.sender, "pack", "pack", key_arg=0)
-        if self.rank == 0 and setting is not None:
-            worker.set_compression(setting.threshold)
+            worker.keep_copies(False)  # every copy asked for whole again
+        worker.keep_copies(setting is not None and setting.both_ways)
+        self._tell_compression()
         if self._user_optimizer is not None:
             self.set_optimizer(self._user_optimizer)
             return
@@ -55,7 +60,25 @@ class ServerOptimizer:
             self.barrier()
         if self.rank == 0:
             self.worker.set_optimizer(optim.to_dict(served))
+            if sender is not None and sender.setting.both_ways:  # the replies' threshold follows the optimizer
+                self._tell_compression()
         self.barrier()
+
+    def _tell_compression(self) -> None:
+        """Worker 0 tells the servers how pushes decode and, under both_ways, at which threshold
+        they reply (compression.pull_threshold_for the optimizer they run)."""
+        sender = self.worker.sender
+        if self.rank != 0 or sender is None:
+            return
+        setting = sender.setting
+        pull_threshold = None
+        if setting.both_ways:
+            pull_threshold = compression.pull_threshold_for(setting, self._optimizer,
+                                                            self.num_workers if self.sync else 1)
+            logging.getLogger("tfkv").info("the servers' replies 2-bit at threshold %g%s", pull_threshold,
+                                           "" if self._optimizer is not None or setting.pull_threshold else
+                                           " (no optimizer on the servers yet: they reply with sums)")
+        self.worker.set_compression(setting.threshold, pull_threshold)
 
     def _require_optimizer(self) -> None:
         # Asked before any request goes out, as the local store does: the servers would each
@@ -76,7 +99,10 @@ class ServerOptimizer:
         # way) would otherwise close after the state was put back, and move it again.
         self.barrier()
         if self.rank == 0:
-            dist_state.load(self.keys, self.worker, list(self._optimizer.state_names), self.env.chunk_bytes, fname)
+            sender = self.worker.sender
+            kept = (replies.STATE,) if sender is not None and sender.setting.both_ways else ()
+            dist_state.load(self.keys, self.worker, list(self._optimizer.state_names), self.env.chunk_bytes, fname,
+                            kept)
         self.barrier()
 
     @property

@@ -2,7 +2,9 @@
 (`save`), and handed back to them (`load`, worker 0 sends; the store's every worker waits at a
 barrier). It is given the store's keys (tfkv.store.dist_keys.Keys) and its requests' builder
 (tfkv.ps.kvworker.KVWorker).
-The worker's own compression residuals and velocities go in beside it (`extra`).
+The workers' own compression residuals and velocities go in beside it (`extra`). Under two-way
+compression a dense key's state also holds the servers' weights (tfkv.ps.replies.STATE, which
+the servers add to what they send), put back when the file has them (`kept`).
 
 A row-sparse key's state (per row, as the servers keep it) is asked for and sent by rows, each
 server's shard in requests of at most kvstore.chunk_bytes, and saved as the local store saves
@@ -65,8 +67,10 @@ def _state_pieces(worker: KVWorker, kid: int, table: TableLayout, names: int, j:
         yield worker.table_state(kid, table, ids, names, j, chunk_bytes).reshape((len(ids), *table.shape[1:]))
 
 
-def load(keys: Keys, worker: KVWorker, names: list[str], chunk_bytes: int, fname: str) -> None:
-    """Send every server its key parts' optimizer state (`names`) from the npz file `save` wrote."""
+def load(keys: Keys, worker: KVWorker, names: list[str], chunk_bytes: int, fname: str,
+         kept: tuple[str, ...] = ()) -> None:
+    """Send every server its key parts' optimizer state (`names`, and of `kept` those the file
+    holds for a dense key) from the npz file `save` wrote."""
     states = npz.load(fname)  # a table's states memory-mapped: sent by rows, never read whole
     for k, kid, layout, table in keys:
         count = int(states.get(f"{k}/count", 0))
@@ -77,7 +81,8 @@ def load(keys: Keys, worker: KVWorker, names: list[str], chunk_bytes: int, fname
                                        chunk_bytes)
                 worker.link.settle()  # one piece in flight at a time: never the whole state queued here
             continue
-        worker.set_state(layout, [states[f"{k}/{n}"].reshape(-1) for n in names], names, count)
+        given = [*names, *(n for n in kept if f"{k}/{n}" in states)]
+        worker.set_state(layout, [states[f"{k}/{n}"].reshape(-1) for n in given], given, count)
 
 
 def _entry(states: dict[str, np.ndarray], key: Any, name: str, shape: tuple[int, ...]) -> np.ndarray:

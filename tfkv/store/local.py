@@ -269,8 +269,12 @@ class DeviceStore(LocalStore):
         device; {"type": "2bit_momentum", ...} also keeps a velocity there, applies the
         optimizer's momentum before quantising and updates without it (tfkv.ps.compression).
         Call it outside a tf.function (it makes variables); a new setting starts the residuals
-        afresh."""
+        afresh. Two-way compression ("both_ways") is the parameter servers' (dist_*): refused."""
         setting = compression.parse(compression_params)
+        if setting is not None and setting.both_ways:
+            raise ValueError(f"gradient compression both_ways=True compresses the parameter servers' replies to "
+                             f"pulls; kvstore={self.type} has no servers: use a dist_* type (dist_sync, dist_async, "
+                             "dist_sync_device, dist_async_device) or leave both_ways out")
         if setting != self._compression:
             self._residuals: dict[Hashable, list[tf.Variable]] = {}
             self._velocities: dict[Hashable, list[tf.Variable]] = {}

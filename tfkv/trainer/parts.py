@@ -101,7 +101,9 @@ def compress(cfg: Any, kvstore: Any) -> Any:
     from tfkv.ps import compression
 
     # The config's names are not the API's (its 2bit is the API's 2bit_momentum: tfkv.ps.compression.KINDS).
-    compressing = compression.from_config(cfg.kvstore.compression.type, cfg.kvstore.compression.threshold)
+    comp = cfg.kvstore.compression
+    compressing = compression.from_config(comp.type, comp.threshold, both_ways=comp.both_ways,
+                                          pull_threshold=comp.pull_threshold)
     kvstore.set_gradient_compression(compressing.params() if compressing else None)
     return compressing
 
