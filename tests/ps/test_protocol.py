@@ -2,7 +2,6 @@
 
 import json
 import re
-import struct
 
 import ml_dtypes
 import numpy as np
