@@ -30,7 +30,8 @@ from tfkv.trainer.parts import Run
 def for_chief(run: Run, preemption: checkpoint.Preemption, trackers: Sequence[tracking.Builder] = ()) -> list[Hook]:
     """Worker 0's hooks, in the order they are called: its checkpoint is decided first at the end
     of a step, and each epoch's record is on disk before the trackers see it (a pruned trial keeps
-    its epochs); none on the other workers. `trackers`: the entry layer's, after tfkv.tracking's."""
+    its epochs); on the other workers only their part in worker 0's checkpoints where the store
+    `shares_feedback`. `trackers`: the entry layer's, after tfkv.tracking's."""
     if not run.chief:
         return [FeedbackAtCheckpoints(run)] if run.store.shares_feedback else []
     preemption.clear()
