@@ -69,9 +69,20 @@ def test_a_compressed_dist_job_resumed_from_a_checkpoint_ends_with_the_uninterru
     other workers' through the servers at the checkpoint's step, and each worker gets its own
     back on resume: from a mid-epoch checkpoint (every_steps), epoch 2 ends with the weights of
     the job never stopped, bit for bit."""
+    _resumed_exactly(tmp_path, kind, workers, "checkpoint.every_steps=5")
+
+
+@pytest.mark.slow
+def test_checkpoints_by_the_clock_are_at_one_step_on_every_worker_and_resume_exactly(tmp_path):
+    """every_minutes is worker 0's clock: its decision reaches the other worker through the vote
+    after each step, so the worker shares its state at that very step (a checkpoint at almost
+    every step here), and a resume from one of them ends with the uninterrupted weights."""
+    _resumed_exactly(tmp_path, "2bit", 2, "checkpoint.every_minutes=0.0005")
+
+
+def _resumed_exactly(tmp_path, kind, workers, when):
     common = ["kvstore=dist_sync", "cluster=local", f"cluster.num_workers={workers}", "progress=false", "epochs=2",
-              "deterministic=true", "steps_per_epoch=20", f"kvstore.compression.type={kind}", "seed=0",
-              "checkpoint.every_steps=5", "checkpoint.keep_last=10"]
+              "deterministic=true", "steps_per_epoch=20", f"kvstore.compression.type={kind}", "seed=0", when]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     tfkv_run(*common, f"hydra.run.dir={straight}", cwd=tmp_path, timeout=600)
     middle = sorted((straight / "checkpoints").glob("epoch-0001-step-*"))[0]  # its data set gives 7 steps or more
