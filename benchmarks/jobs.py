@@ -290,8 +290,13 @@ def worker(args: argparse.Namespace) -> None:
                 dp.reset_timings()
                 kv.push_bytes = 0
 
+            def step() -> None:
+                dp.step(x, y)
+                if args.vote:  # what tfkv-run's workers add to a step when the store shares_feedback
+                    kv.all_workers(True)
+
             timed = run_for if args.kvstore == "dist_async" else measure
-            n, elapsed = timed(lambda: dp.step(x, y), rank, args.seconds, args.sync_dir, f"steps-{args.tag}-{model}",
+            n, elapsed = timed(step, rank, args.seconds, args.sync_dir, f"steps-{args.tag}-{model}",
                                reset)
             said = {**report(dp, n, elapsed, len(x) * workers), "push_bytes": kv.push_bytes / n,
                     "timings": {k: v / n for k, v in dp.timings.items() if k != "steps"}}
@@ -301,13 +306,14 @@ def worker(args: argparse.Namespace) -> None:
 
 def worker_argv(model: str, batch: int, seconds: float, tmp: str, tag: str, kvstore: str = "dist_sync",
                 compression: str = "none", threshold: float = 0.5, overlap: str = "graph",
-                threads: int = 0, python: str = sys.executable, config: Sequence[str] = ()) -> list[str]:
+                threads: int = 0, python: str = sys.executable, config: Sequence[str] = (),
+                vote: bool = False) -> list[str]:
     """The command line of a worker of this module (`model`: one name or several, comma separated;
     `config`: kvstore.* overrides of a tfkv-run config, see `configure`)."""
     return [*harness.module_argv("jobs", python), "--out", tmp, "--sync-dir", tmp, "--tag", tag, "--model", model,
             "--batch", str(batch), "--seconds", str(seconds), "--kvstore", kvstore, "--compression", compression,
             "--threshold", str(threshold), "--overlap", overlap, "--threads", str(threads),
-            *(a for o in config for a in ("--config", o))]
+            *(a for o in config for a in ("--config", o)), *(["--vote"] if vote else [])]
 
 
 def collect(tmp: str, tag: str, model: str, workers: int, synchronous: bool = True) -> dict:
@@ -334,16 +340,17 @@ def collect(tmp: str, tag: str, model: str, workers: int, synchronous: bool = Tr
 
 def run_job(workers: int, model: str, batch: int, seconds: float, tmp: str, tag: str, timeout: float,
             compression: str = "none", threshold: float = 0.5, overlap: str = "graph", threads: int = 0,
-            secure: bool = True, env: dict[str, str] | None = None) -> dict:
+            secure: bool = True, env: dict[str, str] | None = None, vote: bool = False) -> dict:
     """Run one dist_sync job on this machine (`workers` workers, 1 server); returns `collect`'s
     figures. Raises Failed (with the job's log tail) on any failure or hang. `secure`: with a
     fresh key for the job, as a launched job is by default; else TFKV_SECURE=0. `env`: more
-    variables for every role (e.g. a knob: TFKV_TIMELINE)."""
+    variables for every role (e.g. a knob: TFKV_TIMELINE). `vote`: each step ends with
+    tfkv-run's checkpoint vote (`--vote`)."""
     from tfkv.launcher.plan import make_plan
     from tfkv.launcher.ports import free_port
 
     argv = worker_argv(model, batch, seconds, tmp, tag, compression=compression, threshold=threshold,
-                       overlap=overlap, threads=threads)
+                       overlap=overlap, threads=threads, vote=vote)
     plan = make_plan(workers, 1, argv, [sys.executable, "-m", "tfkv.ps.node"], ["127.0.0.1"], "127.0.0.1",
                      free_port(), extra_env={**security_env(secure), **(env or {})})
     run_plan(plan, timeout, tag)
@@ -741,6 +748,8 @@ def main() -> None:
     ap.add_argument("--threshold", type=float, default=0.5)
     ap.add_argument("--overlap", choices=["graph", "after"], default="graph")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--vote", action="store_true",
+                    help="end each step with the vote on worker 0's checkpoint decision (tfkv.trainer.hooks)")
     ap.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
                     help="a kvstore.* setting of a tfkv-run config, taken as tfkv-run takes it (instead of "
                          "--compression/--threshold)")

@@ -62,21 +62,42 @@ def test_mxnet_threshold_on_the_default_experiment_matches_uncompressed(tmp_path
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["2bit", "2bit_mxnet"])
-def test_a_compressed_dist_job_resumed_from_a_checkpoint_ends_with_the_uninterrupted_weights(tmp_path, kind):
-    """A dist_sync job packs its pushes in the compiled step; its worker's residuals (and, for
-    the config's 2bit, velocities) go into the checkpoint beside the servers' state and come
-    back on resume: from epoch 1's checkpoint, epoch 2 ends with the weights of the job never
-    stopped, bit for bit."""
-    common = ["kvstore=dist_sync", "cluster=local", "cluster.num_workers=1", "progress=false", "epochs=2",
-              "deterministic=true", "steps_per_epoch=20", f"kvstore.compression.type={kind}", "seed=0"]
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_compressed_dist_job_resumed_from_a_checkpoint_ends_with_the_uninterrupted_weights(tmp_path, kind, workers):
+    """A dist_sync job packs its pushes in the compiled step; every worker's residuals (and, for
+    the config's 2bit, velocities) go into worker 0's checkpoint beside the servers' state, the
+    other workers' through the servers at the checkpoint's step, and each worker gets its own
+    back on resume: from a mid-epoch checkpoint (every_steps), epoch 2 ends with the weights of
+    the job never stopped, bit for bit."""
+    _resumed_exactly(tmp_path, kind, workers, "checkpoint.every_steps=5")
+
+
+@pytest.mark.slow
+def test_checkpoints_by_the_clock_are_at_one_step_on_every_worker_and_resume_exactly(tmp_path):
+    """every_minutes is worker 0's clock: its decision reaches the other worker through the vote
+    after each step, so the worker shares its state at that very step (a checkpoint at almost
+    every step here), and a resume from one of them ends with the uninterrupted weights."""
+    _resumed_exactly(tmp_path, "2bit", 2, "checkpoint.every_minutes=0.0005")
+
+
+def _resumed_exactly(tmp_path, kind, workers, when):
+    common = ["kvstore=dist_sync", "cluster=local", f"cluster.num_workers={workers}", "progress=false", "epochs=2",
+              "deterministic=true", "steps_per_epoch=20", f"kvstore.compression.type={kind}", "seed=0", when]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    tfkv_run(*common, f"hydra.run.dir={straight}", cwd=tmp_path, timeout=300)
-    with np.load(straight / "checkpoints" / "epoch-0001" / "optimizer.npz") as f:
-        held = {k: f[k] for k in f.files if k.startswith("worker_feedback/0/")}
-    assert held and any(v.any() for v in held.values())  # restarting from zero would change the updates
-    assert any(k.endswith("/velocity") for k in held) == (kind == "2bit")
-    tfkv_run(*common, f"hydra.run.dir={resumed}", f"resume={straight / 'checkpoints' / 'epoch-0001'}", cwd=tmp_path,
-             timeout=300)
+    tfkv_run(*common, f"hydra.run.dir={straight}", cwd=tmp_path, timeout=600)
+    middle = sorted((straight / "checkpoints").glob("epoch-0001-step-*"))[0]  # its data set gives 7 steps or more
+    with np.load(middle / "optimizer.npz") as f:
+        held = {k: f[k] for k in f.files if k.startswith("worker_feedback/")}
+    for rank in range(workers):  # restarting from zero would change the updates
+        mine = {k: v for k, v in held.items() if k.startswith(f"worker_feedback/{rank}/")}
+        assert mine and any(v.any() for v in mine.values()), (rank, sorted(held))
+        assert any(k.endswith("/velocity") for k in mine) == (kind == "2bit")
+    if workers > 1:  # each worker's own, not worker 0's again
+        zero = {k.split("/", 2)[2]: v for k, v in held.items() if k.startswith("worker_feedback/0/")}
+        assert any(not np.array_equal(zero[k.split("/", 2)[2]], v) for k, v in held.items()
+                   if k.startswith("worker_feedback/1/"))
+    run = tfkv_run(*common, f"hydra.run.dir={resumed}", f"resume={middle}", cwd=tmp_path, timeout=600)
+    assert "start from zero" not in run.stderr
     with np.load(straight / "checkpoints" / "epoch-0002" / "weights.npz") as a, \
             np.load(resumed / "checkpoints" / "epoch-0002" / "weights.npz") as b:
         assert sorted(a.files) == sorted(b.files)

@@ -323,6 +323,36 @@ def test_sigterm_to_every_process_of_a_dist_sync_job_checkpoints_exits_75_and_th
                                     for r in (run, dist_straight())))
 
 
+@pytest.mark.slow
+def test_a_compressed_dist_sync_job_preempted_at_any_step_continues_with_every_workers_residuals(tmp_path):
+    """2-bit compression (2bit: residuals and velocities on each worker): SIGUSR1 is seen by worker
+    0 alone, at a step of its own; the vote after each step makes worker 1 hand its state over at
+    that step too, so the checkpoint holds both workers' and the same command continues to the
+    weights of a job never stopped."""
+    compressed = [*DIST, "kvstore.compression.type=2bit"]
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    straight.mkdir()
+    crashed.mkdir()
+    clean = _start(compressed, straight)
+    job = _start(compressed, crashed)
+    try:
+        _wait_for_checkpoint(job, crashed / "run")
+        job.send_signal(signal.SIGUSR1)
+        job.wait(timeout=120)
+    finally:
+        _kill(job)
+    preempted = _preempted(job, crashed, "SIGUSR1")
+    with np.load(preempted / "optimizer.npz") as f:
+        for rank in (0, 1):
+            assert any(f[k].any() for k in f.files if k.startswith(f"worker_feedback/{rank}/") and "residual" in k)
+    job = _start(compressed, crashed)
+    assert job.wait(timeout=240) == 0, (crashed / "out.txt").read_text()[-3000:]
+    out = (crashed / "out.txt").read_text()
+    assert f"resumed from {preempted}" in out and "start from zero" not in out
+    assert clean.wait(timeout=240) == 0, (straight / "out.txt").read_text()[-3000:]
+    _same_weights(crashed / "run" / "checkpoints" / "epoch-0002", straight / "run" / "checkpoints" / "epoch-0002")
+
+
 # -- preemption of a single process: SIGTERM (SIGUSR1: the Slurm test below) ---------------------
 
 @pytest.mark.slow

@@ -504,3 +504,35 @@ def test_the_transport_tells_a_resent_change_from_a_new_one_and_the_server_appli
     assert srv.handle(b"w", frames) and srv.handle(b"w", frames)
     assert sent == [P.Type.ACK, P.Type.ACK]
     np.testing.assert_array_equal(srv.rounds.values[3], [-1.0, -1.0])  # applied once: lr 1, gradient 1
+
+
+def test_a_workers_error_feedback_is_kept_per_worker_and_given_back_and_a_bad_one_refused():
+    """FEEDBACK with data keeps a worker's residual of a key part (the last one sent), FEEDBACK
+    without data gives it back to whoever asks (worker 0 for its checkpoint); one of the wrong size
+    or dtype, of a key the server lacks, or asked before any was kept, is refused in one line, and
+    the server serves on."""
+    srv = _server(2)
+    srv.rounds.values[3] = np.zeros(4, np.float32)
+    got = []
+    srv.transport.reply = lambda identity, msg: got.append(msg)
+
+    def feedback(sender, rank, data=None, key=3, what="residual", **kw):
+        srv.serve(b"id", P.Message(P.Type.FEEDBACK, sender=sender, seq=len(got) + 1, key=key,
+                                   meta={"rank": rank, "what": what}, data=data, **kw))
+        return got[-1]
+
+    assert feedback(10, 1, np.arange(4, dtype=np.float32)).type == P.Type.ACK
+    assert feedback(10, 1, np.full(4, 7, np.float32)).type == P.Type.ACK  # the last one counts
+    assert feedback(9, 0, np.ones(4, np.float32), what="velocity").type == P.Type.ACK
+    back = feedback(9, 1)
+    assert back.type == P.Type.FEEDBACK and back.reply and back.data.tolist() == [7.0] * 4
+    assert feedback(9, 0, what="velocity").data.tolist() == [1.0] * 4
+    for bad, says in [(dict(rank=1, data=np.ones(3, np.float32)), "must be 4 float32 values"),
+                      (dict(rank=1, data=np.ones(4, np.float16)), "must be 4 float32 values"),
+                      (dict(rank=1, data=np.ones(4, np.float32), key=8), "not initialised"),
+                      (dict(rank=0), "no residual of worker 0 kept")]:
+        reply = feedback(10, **bad)
+        assert reply.type == P.Type.ERROR and says in reply.meta["message"], (bad, reply.meta)
+    with pytest.raises(P.ProtocolError, match="what"):  # the schema: only residual or velocity
+        P.decode(P.encode(P.Message(P.Type.FEEDBACK, key=3, meta={"rank": 1, "what": "weights"})))
+    assert feedback(9, 1).data.tolist() == [7.0] * 4

@@ -287,6 +287,12 @@ def test_momentum_corrected_compression_over_the_wire(cluster, kind):
         assert r["final"] == want[-1]
         if kind != "dist_async":  # async: each push applied on arrival, the sum the same in the end
             assert r["seen"] == want
+    # worker 0's checkpoint after share_feedback holds every worker's own state (dist_sync: through
+    # the servers), each worker's its own; dist_async shares nothing (no step where they belong together)
+    results = sorted(_results(outs), key=lambda r: r["rank"])
+    everyone = {k: v for r in results for k, v in r["own"].items()}
+    assert len(everyone) == 4 and all(any(x != 0 for x in v) for k, v in everyone.items() if "residual" in k)
+    assert results[0]["shared"] == (results[0]["own"] if kind == "dist_async" else everyone)
 
 
 def test_resend_with_compression_never_applies_twice(cluster):

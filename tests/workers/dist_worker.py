@@ -246,7 +246,8 @@ def momentum_compressed(kv, out):
     """2bit_momentum across the wire (SGD lr=1, momentum 0.5 on the workers, threshold 0.5): a
     push before set_optimizer is refused; then 6 steps of MOMENTUM_GRADS, scaled by rank + 1,
     pushed as two device values; the weights pulled after each step and after a final barrier,
-    and the optimizer state the servers hold."""
+    and the optimizer state the servers hold; then each worker's residuals and velocities, and
+    those worker 0 saves after share_feedback."""
     kv.set_gradient_compression({"type": "2bit_momentum", "threshold": 0.5})
     kv.init("w", np.zeros(4, np.float32))
     try:
@@ -266,7 +267,16 @@ def momentum_compressed(kv, out):
     kv.save_optimizer_states(path)
     with np.load(path) as f:
         state = sorted(f.files)
-    json.dump({"refused": refused, "seen": seen, "final": final, "state": state, "rank": kv.rank}, out)
+    own = {k: v.tolist() for k, v in kv.feedback_state().items()}
+    kv.share_feedback()
+    shared = None
+    if kv.rank == 0:
+        kv.save_optimizer_states(path)
+        with np.load(path) as f:
+            shared = {k: f[k].tolist() for k in f.files if k.startswith("worker_feedback/")}
+    kv.barrier()
+    json.dump({"refused": refused, "seen": seen, "final": final, "state": state, "rank": kv.rank, "own": own,
+               "shared": shared}, out)
 
 
 SCENARIOS["compressed"] = compressed

@@ -68,6 +68,7 @@ def meta_cases(sender, next_seq):
         T.CONFIGURE: {"sync": True},
         T.SET_COMPRESSION: {"type": "2bit", "threshold": 0.5},
         T.SET_STATE: {"names": [], "count": 0},
+        T.FEEDBACK: {"rank": 0, "what": "residual"},
         T.REGISTER: {"role": "worker", "host": "127.0.0.1", "port": 1, "rank_hint": None, "pid": 1, "hostname": "h"},
         T.FAILED: {"node": "worker 9", "reason": "fuzz"},
     }
@@ -162,6 +163,9 @@ def server_cases(sender, next_seq, key, size):
     yield "PULL of an unknown key", frames(T.PULL, sender, next_seq(), key=987_654)
     yield "SET_STATE with other names", frames(T.SET_STATE, sender, next_seq(), {"names": ["mean"], "count": 1},
                                                data=np.ones(size, np.float32), key=key)
+    yield "FEEDBACK of the wrong size", frames(T.FEEDBACK, sender, next_seq(), {"rank": 1, "what": "residual"},
+                                               data=np.ones(size + 1, np.float32), key=key)
+    yield "FEEDBACK never kept", frames(T.FEEDBACK, sender, next_seq(), {"rank": 0, "what": "velocity"}, key=key)
     yield "2-bit PUSH without compression", [P.HEADER.pack(P.MAGIC, P.VERSION, int(T.PUSH), P.FLAG_DATA,
                                                            int(P.DType.TWOBIT), sender, next_seq(), key, size),
                                              b"\0" * 4 * ((size + 15) // 16)]

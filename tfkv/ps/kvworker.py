@@ -288,6 +288,24 @@ class KVWorker:
             self.link.request(part.server, P.Message(P.Type.SET_STATE, key=part.skey, data=data,
                                                      meta={"count": count, "names": names}))
 
+    def keep_feedback(self, layout: Layout, rank: int, what: str, flat: np.ndarray) -> None:
+        """Worker `rank`'s error feedback `what` of a dense key (flat float32) sent to each part's
+        server, which keeps it for worker 0's checkpoint (`kept_feedback`)."""
+        for part in layout.parts:
+            self.link.request(part.server, P.Message(P.Type.FEEDBACK, key=part.skey, meta={"rank": rank, "what": what},
+                                                     data=np.ascontiguousarray(flat[part.start:part.end], np.float32)))
+
+    def kept_feedback(self, layout: Layout, rank: int, what: str) -> np.ndarray:
+        """What `keep_feedback` sent of worker `rank`, asked of each part's server, once answered."""
+        meta = {"rank": rank, "what": what}
+        seqs = [self.link.request(part.server, P.Message(P.Type.FEEDBACK, key=part.skey, meta=meta))
+                for part in layout.parts]
+        self.link.wait(seqs)
+        flat = np.empty(layout.size, np.float32)
+        for seq, part in zip(seqs, layout.parts):
+            flat[part.start:part.end] = self.link.take(seq).data
+        return flat
+
     def set_table_state(self, kid: int, table: TableLayout, ids: np.ndarray, states: Sequence[np.ndarray],
                         names: list[str], count: int, chunk_bytes: int) -> None:
         """Rows `ids` of table `kid`'s optimizer state (one (rows, width) array per name) sent to

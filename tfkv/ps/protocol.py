@@ -113,6 +113,9 @@ class Type(enum.IntEnum):
     # Without meta: the header's key pushed, then pulled (answered as its PULL)
     ACK = 30
     ERROR = 31  # meta: message
+    # meta: rank, what. With data: worker `rank`'s error feedback of the key part ("residual" or
+    # "velocity"), kept by the server for worker 0's checkpoint; without: asks for it (reply data)
+    FEEDBACK = 32
 
 
 _TYPES = {int(t): t for t in Type}  # decode's lookups: dicts, not Enum calls (every message)

@@ -153,6 +153,8 @@ _RANK = integer(0, 65535)
 _PID = integer(0, (1 << 32) - 1)
 _STATE = obj({"names": array(text(64), 16), "count": integer()})
 _HOLDS = obj({"holds": integer()})
+# a worker's error feedback of a key part, kept for worker 0's checkpoint (tfkv.store.dist_feedback)
+_FEEDBACK = obj({"rank": _RANK, "what": text(16, ("residual", "velocity"))})
 _SUM = obj({"sum": built_by(_sum), "of": integer()})
 MAX_TABLE_ROWS = 1 << 40  # rows of one row-sparse key (ids travel as int64; this bounds what a server makes)
 MAX_ROW_WIDTH = 1 << 24  # values in one row
@@ -197,6 +199,7 @@ SCHEMAS: dict[tuple[str, bool], Schema] = {
     ("GET_STATE", False): Schema(),
     ("SET_STATE", False): Schema(_STATE, data="optional"),
     ("PING", False): Schema(),
+    ("FEEDBACK", False): Schema(_FEEDBACK, data="optional"),
     # keys pushed and pulled in one request: small ones fused (tfkv.ps.kvworker decides, tfkv.ps.worker
     # stages; keys: server-side ids), or without metadata one key, the header's
     ("PUSHPULL", False): Schema(obj({"keys": array(integer(), MAX_FUSED_KEYS), "holds": integer()},
@@ -208,6 +211,7 @@ SCHEMAS: dict[tuple[str, bool], Schema] = {
     ("PUSHPULL", True): Schema(data="required"),
     ("GET_STATE", True): Schema(_STATE, data="required"),
     ("ACK", True): Schema(),
+    ("FEEDBACK", True): Schema(_FEEDBACK, data="required"),
     ("PING", True): Schema(obj({"held": integer()})),  # how many earlier requests the server holds
     # "left": the worker whose leaving the job makes the request impossible (tfkv.errors.reacting)
     ("ERROR", True): Schema(obj({"message": text(MAX_ERROR_TEXT), "left": text(200)}, optional_fields=("left",))),

@@ -70,7 +70,11 @@ class Server:
             P.Type.SET_OPTIMIZER: self.on_set_optimizer, P.Type.SET_COMPRESSION: self.on_set_compression,
             P.Type.INIT: self.on_init, P.Type.PUSH: rounds.push, P.Type.PULL: rounds.pull,
             P.Type.PUSHPULL: rounds.pushpull, P.Type.GET_STATE: self.on_get_state, P.Type.SET_STATE: self.on_set_state,
+            P.Type.FEEDBACK: self.on_feedback,
         }
+        # (key, worker rank, "residual"/"velocity") -> that worker's error feedback of the key part, as
+        # it sent it at the last checkpoint for worker 0 to save (tfkv.store.dist_feedback)
+        self.feedback: dict[tuple[int, int, str], np.ndarray] = {}
 
     # -- loop ----------------------------------------------------------------------------------
 
@@ -289,6 +293,21 @@ class Server:
         rounds.updater.set(msg.key, data[:optimizer_states], msg.meta["count"])
         rounds.values[msg.key] = rounds.replies.restore(msg.key, value, data[-1], rounds.closed[msg.key], rounds.sync)
         return [(identity, P.ack(msg))]
+
+    def on_feedback(self, identity: bytes, msg: P.Message) -> Outcome:
+        """Keep a worker's error feedback of a key part (with data), or give it back (without)."""
+        size = self.rounds.value(msg.key).size
+        held = (msg.key, msg.meta["rank"], msg.meta["what"])
+        if msg.data is not None:
+            if msg.dtype != P.DType.FLOAT32 or msg.data.dtype != np.float32 or msg.data.size != size:
+                raise RequestError(f"key {msg.key}: error feedback must be {size} float32 values")
+            self.feedback[held] = np.array(msg.data, np.float32)
+            return [(identity, P.ack(msg))]
+        value = self.feedback.get(held)
+        if value is None:
+            raise RequestError(f"key {msg.key}: no {held[2]} of worker {held[1]} kept on this server")
+        return [(identity, P.Message(P.Type.FEEDBACK, seq=msg.seq, key=msg.key, reply=True, data=value,
+                                     meta=msg.meta))]
 
     def on_ping(self, identity: bytes, msg: P.Message) -> Outcome:
         # Answered once every earlier request on the connection was handled; says how many of

@@ -247,6 +247,14 @@ class KVStore(ABC):
         or dist_async (whose workers never wait for each other), this worker's own `ok`."""
         return bool(ok)
 
+    #: whether every worker must call `share_feedback` at a checkpoint's step before worker 0's
+    #: save_optimizer_states (a dist_sync store of several workers that compresses)
+    shares_feedback = False
+
+    def share_feedback(self) -> None:
+        """Every worker at the same step: hand its gradient compression's error feedback to
+        worker 0, whose next save_optimizer_states includes it (tfkv.store.dist_feedback)."""
+
     @abstractmethod
     def save_optimizer_states(self, fname: str) -> None:
         """Write the optimizer state held by the store (npz, no pickle)."""

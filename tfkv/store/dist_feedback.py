@@ -7,7 +7,18 @@ tfkv.parallel.packing holds that state and lends it here with `hold_feedback`).
 The state is this worker's own, not the servers' optimizer state: `feedback_state` gives it by
 key, as flat float32 arrays named "worker_feedback/<rank>/<key>/<residual|velocity>" in the
 optimizer state file (the servers' error feedback, if any, lives under names of its own), and
-`restore_feedback` puts back the entries of this worker's rank.
+`restore_feedback` puts back the entries of this worker's rank (every worker reads the file).
+
+Only worker 0 writes the file, so in a dist_sync job of several workers the others' state
+travels to it at the checkpoint's step (`share_feedback`, called by every worker at the same
+point of the same step): each worker sends its arrays to the servers of its key parts (FEEDBACK
+requests, as a push's parts go: the workers may share no file system, and a part's server is
+the one its bytes already go to), a barrier, then worker 0 asks every server for the other
+workers' arrays and keeps them for its next `feedback_state`. A server keeps one copy per worker
+(the last one sent), so a checkpoint costs each worker one push of its feedback, worker 0 a pull
+of everyone's, and steps without a checkpoint nothing here. dist_async has no step at which the
+workers' states belong together (no worker waits for another), so there each worker's state is
+not shared: worker 0's is saved, the others' start from zero on resume (a warning says so).
 """
 
 from __future__ import annotations
@@ -55,6 +66,27 @@ class WorkerFeedback:
     #: compression is set (`packing` says how to pack)
     packed_push = True
     _holders: Sequence[FeedbackHolder] = ()
+    _others: dict[str, np.ndarray] = {}  # worker 0: the other workers' state, from `share_feedback`
+
+    @property
+    def shares_feedback(self) -> bool:
+        """Whether a checkpoint needs `share_feedback` first: a dist_sync job of several workers
+        that compresses (only worker 0 writes the file)."""
+        return self.sync and self.num_workers > 1 and self.worker.sender is not None
+
+    def share_feedback(self) -> None:
+        """Every worker, at the same step: hand this worker's state to worker 0 through the
+        servers, for the checkpoint worker 0 writes next (see the module's docstring)."""
+        if not self.shares_feedback:
+            return
+        own = self._own_feedback()
+        if self.rank != 0:
+            for (k, what), flat in own.items():
+                self.worker.keep_feedback(self.keys.layout(k)[1], self.rank, what, flat)
+        self.barrier()  # settles this worker's requests first: every state is on the servers
+        if self.rank == 0:  # the others hold what worker 0 holds (one setting, the same keys)
+            self._others = {_name(r, k, what): self.worker.kept_feedback(self.keys.layout(k)[1], r, what)
+                            for r in range(1, self.num_workers) for (k, what) in own}
 
     def packing(self, key: Key) -> PackPlan | None:
         """How to pack `key`'s gradients for `pushpull_packed_async`; None without compression."""
@@ -83,7 +115,12 @@ class WorkerFeedback:
         self._holders = [*self._holders, holder]
 
     def feedback_state(self) -> dict[str, np.ndarray]:
-        """This worker's residuals and velocities, by their name in the optimizer state file."""
+        """This worker's residuals and velocities, by their name in the optimizer state file; on
+        worker 0 also the other workers' of the last `share_feedback` (then forgotten)."""
+        others, self._others = self._others, {}
+        return {**{_name(self.rank, k, what): v for (k, what), v in self._own_feedback().items()}, **others}
+
+    def _own_feedback(self) -> dict[tuple[Key, str], np.ndarray]:
         by_key: dict[tuple[Key, str], np.ndarray] = {}
         sender = self.worker.sender
         for k, _, layout, table in self.keys:
@@ -99,7 +136,7 @@ class WorkerFeedback:
                     by_key[(k, what)] = flat
         for holder in self._holders:
             by_key.update(holder.feedback_state())
-        return {f"{PREFIX}/{self.rank}/{k}/{what}": v for (k, what), v in by_key.items()}
+        return by_key
 
     def restore_feedback(self, saved: Any) -> None:
         """Put back this worker's entries of an optimizer state file (an npz mapping); without
@@ -114,7 +151,7 @@ class WorkerFeedback:
                 key = next((k for k in names if str(k) == name), None)
                 if key is not None:
                     found[(key, what)] = np.asarray(saved[entry], np.float32)
-        if sender is not None and not found:
+        if sender is not None and not found:  # dist_async's workers 1.., or a checkpoint of before
             logging.getLogger("tfkv").warning(
                 "gradient compression %s: the checkpoint holds no %s of worker %d; they start from zero, so the "
                 "updates from here differ from those of a job never stopped", sender.setting.kind.name,
@@ -125,3 +162,8 @@ class WorkerFeedback:
                     sender.restore(what, p.skey, flat[p.start:p.end])
         for holder in self._holders:
             holder.restore_feedback(found)
+
+
+def _name(rank: int, key: Key, what: str) -> str:
+    """An entry's name in the optimizer state file."""
+    return f"{PREFIX}/{rank}/{key}/{what}"

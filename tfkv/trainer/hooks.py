@@ -6,6 +6,12 @@ Worker 0 checkpoints at every epoch's end and where `checkpoint.every_steps`/`ev
 of the job makes worker 0 checkpoint at the end of a step and stop the job, resumable
 (tfkv.checkpoint.preemption); at an epoch's end it stops once the epoch's record is written and
 the trackers have it, unless that was the last epoch.
+
+A dist_sync job that compresses keeps every worker's error feedback in worker 0's checkpoints
+(`KVStore.shares_feedback`): every worker hands it over at the checkpoint's step
+(`FeedbackAtCheckpoints`). Epoch ends and `every_steps` are the same step on every worker, but
+`every_minutes` and a preemption are worker 0's to see, so after every step worker 0's decision
+reaches the others through a vote (`KVStore.all_workers`, one small sum through the scheduler).
 """
 
 from __future__ import annotations
@@ -24,9 +30,10 @@ from tfkv.trainer.parts import Run
 def for_chief(run: Run, preemption: checkpoint.Preemption, trackers: Sequence[tracking.Builder] = ()) -> list[Hook]:
     """Worker 0's hooks, in the order they are called: its checkpoint is decided first at the end
     of a step, and each epoch's record is on disk before the trackers see it (a pruned trial keeps
-    its epochs); none on the other workers. `trackers`: the entry layer's, after tfkv.tracking's."""
+    its epochs); on the other workers only their part in worker 0's checkpoints where the store
+    `shares_feedback`. `trackers`: the entry layer's, after tfkv.tracking's."""
     if not run.chief:
-        return []
+        return [FeedbackAtCheckpoints(run)] if run.store.shares_feedback else []
     preemption.clear()
     progress = [Progress(run)] if run.cfg.progress else []
     return [Checkpoints(run, preemption), *progress, *tracking.for_run(run.cfg, run.run_dir, trackers),
@@ -41,6 +48,7 @@ class Checkpoints(Hook):
         self.run = run
         self.preemption = preemption
         self.policy = checkpoint.Policy.from_config(run.cfg.checkpoint)
+        self.feedback = FeedbackAtCheckpoints(run) if run.store.shares_feedback else None
 
     def save(self, epoch: int, step: int = 0, background: bool = True) -> None:
         run = self.run
@@ -54,14 +62,44 @@ class Checkpoints(Hook):
         if end.step >= self.run.steps:  # the epoch's end has its own checkpoint
             return
         stop = self.preemption.requested
-        if stop or self.policy.due(end.global_step):
+        due = stop or self.policy.due(end.global_step)
+        if self.feedback is not None:
+            due = self.feedback.at_step(due)
+        if due:
             self.save(end.epoch - 1, end.step, background=not stop)  # a preempted job ends on a durable one
         if stop:
             raise preempted(self.preemption, self.run)
 
     def epoch(self, epoch: int, record: dict[str, Any]) -> None:
+        if self.feedback is not None:
+            self.feedback.epoch(epoch, record)
         self.save(epoch)
         write_metrics(self.run.run_dir, summary(self.run.history, self.run.resumes))
+
+
+class FeedbackAtCheckpoints(Hook):
+    """Every worker's part in worker 0's checkpoints of a store that `shares_feedback`: after
+    each step the vote on worker 0's decision, and at a checkpoint's step (and every epoch's
+    end) `share_feedback`. Worker 0's `Checkpoints` calls it; the other workers hook it on."""
+
+    def __init__(self, run: Run) -> None:
+        self.store = run.store
+        self.steps = run.steps
+
+    def at_step(self, due: bool = False) -> bool:
+        """Whether worker 0 checkpoints after this step (`due`: its own decision; False on the
+        others), the workers' feedback shared if so. Not at an epoch's last step: `epoch` is."""
+        due = not self.store.all_workers(not due)
+        if due:
+            self.store.share_feedback()
+        return due
+
+    def step(self, end: StepEnd) -> None:
+        if end.step < self.steps:  # as worker 0's `Checkpoints.step`
+            self.at_step()
+
+    def epoch(self, epoch: int, record: dict[str, Any]) -> None:
+        self.store.share_feedback()
 
 
 class StopWhenPreempted(Hook):
