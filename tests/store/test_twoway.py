@@ -92,18 +92,22 @@ def test_two_way_compression_without_an_optimizer_sends_the_sum_with_server_resi
 def test_a_resumed_two_way_job_continues_exactly(cluster, tmp_path):
     """A checkpoint (the servers' optimizer state, with their weights under both_ways, and the
     workers' copy as the model's weights) resumed in a fresh job: its copies are those of a job
-    never stopped (given the workers' own residuals, which start from zero here)."""
+    never stopped, every worker's residuals back as they were."""
     state = str(tmp_path / "servers.states")
     first = _run(cluster, "dist_sync", 2, "sgd", 4, state)
     with np.load(state) as f:
-        assert sorted(f.files) == ["w/count", "w/momentum", "w/server_weights"]
+        assert sorted(n for n in f.files if not n.startswith("worker_feedback/")) == [
+            "w/count", "w/momentum", "w/server_weights"]
+        assert sorted(n for n in f.files if n.startswith("worker_feedback/")) == [
+            "worker_feedback/0/w/residual", "worker_feedback/1/w/residual"]
         weights, velocity = f["w/server_weights"].astype(np.float64), f["w/momentum"].astype(np.float64)
     want, w, v = oracle(2, 4)
     np.testing.assert_array_equal(first[0]["pulled"], want)
     np.testing.assert_array_equal(weights, w)  # the servers' weights, not the copy: it holds their residual
     assert np.abs(weights - want[-1]).max() > 0
     resumed = _run(cluster, "dist_sync", 2, "resume", 3, state)
-    # the oracle resumed: momentum and weights as checkpointed, the mirror the copy, residuals zero
+    # the oracle resumed: momentum and weights as checkpointed, the mirror the copy, the residuals
+    # as the first job left them
     want_after = _resumed_oracle(weights, velocity, want[-1], start=4, steps=3)
     for r in resumed:
         np.testing.assert_array_equal(r["pulled"], want_after)
@@ -111,6 +115,9 @@ def test_a_resumed_two_way_job_continues_exactly(cluster, tmp_path):
 
 def _resumed_oracle(weights, velocity, copy, start, steps):
     residuals = [np.zeros(W.SIZE) for _ in range(2)]
+    for step in range(start):  # a worker's residual depends on its own gradients only
+        for r in range(2):
+            _quantised(np.add(residuals[r], W.grads(step, r), out=residuals[r]), W.PUSH_T)
     w, mirror, pulled = weights, copy, [copy]
     for step in range(start, start + steps):
         total = sum(_quantised(np.add(residuals[r], W.grads(step, r), out=residuals[r]), W.PUSH_T) for r in range(2))

@@ -2,11 +2,12 @@
 
 Pushes the gradients of `grads` (dyadic: exact in float32 and in the test's numpy oracle), 2-bit
 both ways, and saves into OUT_NPZ every value pulled, the pull bytes of each step and, with
-`STATE`, the servers' optimizer state (a checkpoint) after the steps. MODE:
+`STATE`, worker 0's checkpoint of the servers' optimizer state and every worker's residuals
+(`share_feedback`) after the steps. MODE:
 - "sgd": SGD (lr 0.5, momentum 0.5) on the servers;
 - "sum": no optimizer on the servers (update_on_kvstore=false: they sum, the workers update);
-- "resume": as "sgd", but the key is initialised with the copy and the servers' state of STATE
-  (a checkpoint "sgd" saved), then STEPS more steps.
+- "resume": as "sgd", but the key is initialised with the copy, the servers' state and each
+  worker's residuals of STATE (a checkpoint "sgd" saved), then STEPS more steps.
 On a `*_device` type each gradient is pushed as two device values of half of it.
 """
 
@@ -57,8 +58,9 @@ def main() -> None:
         pulled.append(kv.pull("w"))
         nbytes.append(kv.pull_bytes - before)
     if state and mode != "resume":
-        kv.save_optimizer_states(state)
+        kv.share_feedback()  # every worker's residuals into worker 0's checkpoint
         if kv.rank == 0:
+            kv.save_optimizer_states(state)
             np.savez(state + ".copy.npz", copy=pulled[-1], steps=steps)
     kv.barrier()
     np.savez(out, pulled=np.stack(pulled), nbytes=np.array(nbytes))
