@@ -50,7 +50,7 @@ class Exchange:
         self.tables: Any = replicas.sparse if replicas.sparse is not None else _NoTables()
         # Seconds per phase of a non-traceable store's step, summed over steps (reset in place).
         self.timings: dict[str, float] = {"compute": 0.0, "push": 0.0, "pull": 0.0, "assign": 0.0, "steps": 0}
-        self.timeline = getattr(self.store, "timeline", None)  # a dist store's, under kvstore.timeline
+        self.timeline = self.store.timeline  # a dist store's, under kvstore.timeline (None: off)
 
     def step(self, x: Any, y: Any, upcoming: Any) -> None:
         """Train on batch (x, y); `upcoming`: the next batch's x, whose table rows may be requested now."""

@@ -110,6 +110,9 @@ class KVStore(ABC):
     #: takes a key's push as 2-bit words packed by the caller (`packing`, `pushpull_packed_async`:
     #: the dist types, packed inside the compiled step), when compression is set
     packed_push: bool = False
+    #: kvstore.timeline's recorder of this worker (tfkv.timeline.Timeline): a dist store's when
+    #: the setting is on; None (off) for every other store
+    timeline: Any = None
     #: has pushpull_async/arrivals: push a key and request it back without waiting (safe to
     #: call from a TensorFlow op's thread), take the replies as they come
     async_pushpull: bool = False

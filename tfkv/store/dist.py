@@ -390,7 +390,6 @@ class DistStore(WorkerFeedback, ServerOptimizer, KVStore):
 
     _closed = False
     _shown_before: BaseException | None = None
-    timeline: timeline.Timeline | None = None  # kvstore.timeline's recorder of this worker (None: off)
 
 
 class DistAsync(DistStore):
