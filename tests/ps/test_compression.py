@@ -191,8 +191,8 @@ def test_half_gradients_compress_with_a_float32_residual(dtype):
 
 
 @pytest.mark.parametrize("n", [1, 15, 17, 1000, (1 << 16) + 5, 3 * (1 << 16) - 3])
-def test_vectorised_packing_is_the_oracles_bit_for_bit(n):
-    """The blocked numpy kernels give the words, residuals and velocities of the plain-numpy
+def test_compiled_packing_is_the_oracles_bit_for_bit(n):
+    """The compiled kernels (tfkv.ps.kernels) give the words, residuals and velocities of the plain-numpy
     scheme (tests/ps/compression_oracle.py), step after step, for both kinds, at sizes that are
     no multiple of 16 nor of a block; unpack gives the oracle's values."""
     import compression_oracle as O

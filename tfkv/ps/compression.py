@@ -161,68 +161,14 @@ def _positive(value: Any, name: str) -> float:
     return number
 
 
-# Values go through the quantisation in blocks of this many (a multiple of 16: a block's codes
-# fill whole words): each step's temporaries stay in the cache, so the dozen passes of numpy ops
-# cost about what three passes over main memory do (python -m benchmarks compression_speed).
-BLOCK = 1 << 16
-# (4 codes, one per byte of a little-endian uint32) * _GATHER puts the 4 codes side by side in
-# its top byte, code j in bits 24 + 2*j: the products of the other bytes land in disjoint bits
-# below bit 24 (or above 31), so no carry reaches the top byte.
-_GATHER = np.uint32(0x01041040)
-_TOP = np.uint32(24)
-
-
-class _Block:
-    """One block's scratch arrays: the sent part (float32), the +t and -t masks (as bytes, the
-    last block's tail kept zero), their difference."""
-
-    def __init__(self) -> None:
-        self.sent = np.empty(BLOCK, np.float32)
-        self.pos = np.empty(BLOCK, np.uint8)
-        self.neg = np.empty(BLOCK, np.uint8)
-        self.sign = np.empty(BLOCK, np.int8)
-
-
-def _quantise_into(residual: np.ndarray, threshold: float, out: np.ndarray, scratch: _Block, start: int,
-                   end: int) -> None:
-    """Quantise residual[start:end] (one block): its codes into `out` (bytes, 4 codes each, from
-    byte start // 4), the sent part taken out of it (in place); scratch.sent/pos keep it (its
-    +-t and its masks) for the caller."""
-    t, n = np.float32(threshold), end - start
-    r = residual[start:end]
-    pos, neg, sent = scratch.pos[:n], scratch.neg[:n], scratch.sent[:n]
-    np.greater_equal(r, t, out=pos.view(np.bool_))
-    np.less_equal(r, -t, out=neg.view(np.bool_))
-    # sent = (pos - neg) * t, as float32: exactly +t, -t or 0, so r - sent rounds as before.
-    np.subtract(pos, neg, out=scratch.sign[:n].view(np.uint8))
-    np.multiply(scratch.sign[:n], t, out=sent)
-    np.subtract(r, sent, out=r)
-    whole = -(-n // 16) * 16  # the last block's codes padded with zeros to a whole word
-    pos, neg = scratch.pos[:whole], scratch.neg[:whole]
-    pos[n:] = neg[n:] = 0
-    np.add(neg, neg, out=neg)  # the code: pos | neg << 1
-    np.bitwise_or(pos, neg, out=pos)
-    four = pos.view("<u4")
-    np.multiply(four, _GATHER, out=four)
-    np.right_shift(four, _TOP, out=four)
-    np.copyto(out[start // 4:start // 4 + whole // 4], four, casting="unsafe")  # the top byte
-
-
-def _blocks(count: int) -> tuple[np.ndarray, _Block, range]:
-    """The words' bytes to fill, the scratch and the block starts for `count` values."""
-    return np.empty(words(count) * 4, np.uint8), _Block(), range(0, count, BLOCK)
-
-
 def pack(grad: np.ndarray, residual: np.ndarray, threshold: float) -> np.ndarray:
     """Add `grad` into `residual` (in place), quantise it, take the sent part out of the residual;
     return the codes as uint32 words."""
-    out, scratch, starts = _blocks(residual.size)
-    for start in starts:
-        end = min(start + BLOCK, residual.size)
-        r = residual[start:end]
-        np.add(r, grad[start:end], out=r)
-        _quantise_into(residual, threshold, out, scratch, start, end)
-    return out.view("<u4").astype(np.uint32, copy=False)
+    from tfkv.ps import kernels  # (Numba loads on first use: a job without compression never pays it)
+
+    out = np.empty(words(residual.size), np.uint32)
+    kernels.pack(_values(grad, residual.size), _state(residual), np.float32(threshold), out)
+    return out
 
 
 def pack_corrected(grad: np.ndarray, velocity: np.ndarray, residual: np.ndarray, threshold: float,
@@ -235,42 +181,39 @@ def pack_corrected(grad: np.ndarray, velocity: np.ndarray, residual: np.ndarray,
     gradient; everywhere else the momentum runs on. DGC's own masking, zeroing the velocity of
     every value sent, also stops momentum where the channel keeps up, and no masking lets the
     backlog grow: both end further from uncompressed (benchmarks/results/compression_masking.md)."""
-    out, scratch, starts = _blocks(residual.size)
-    m, t = np.float32(momentum), np.float32(threshold)
-    for start in starts:
-        end = min(start + BLOCK, residual.size)
-        r, v, n = residual[start:end], velocity[start:end], end - start
-        np.multiply(v, m, out=v)
-        np.add(v, grad[start:end], out=v)
-        np.add(r, v, out=r)
-        _quantise_into(residual, threshold, out, scratch, start, end)
-        held = scratch.sent[:n]
-        np.absolute(r, out=held)
-        keep = scratch.pos[:n].view(np.bool_)
-        np.less(held, t, out=keep)
-        # v * keep is -0 where a negative v is dropped: + 0 makes it +0, as a zeroing would be
-        # (an exact no-op on every other finite value).
-        np.multiply(v, keep, out=v)
-        np.add(v, np.float32(0), out=v)
-    return out.view("<u4").astype(np.uint32, copy=False)
+    from tfkv.ps import kernels
+
+    out = np.empty(words(residual.size), np.uint32)
+    kernels.pack_corrected(_values(grad, residual.size), _state(velocity), _state(residual), np.float32(threshold),
+                           np.float32(momentum), out)
+    return out
 
 
-def _unpack_table() -> np.ndarray:
-    """Per byte value (4 codes), the codes 0..3 of its 4 values, lowest bits first."""
-    b = np.arange(256, dtype=np.uint8)[:, None]
-    return (b >> np.array([0, 2, 4, 6], np.uint8)) & np.uint8(3)
+def _values(grad: np.ndarray, size: int) -> np.ndarray:
+    grad = np.ascontiguousarray(grad, np.float32).reshape(-1)
+    if grad.size != size:
+        raise ValueError(f"{grad.size} values pushed into a residual of {size}")
+    return grad
 
 
-_BYTE_CODES = _unpack_table()
+def _state(array: np.ndarray) -> np.ndarray:
+    """A residual or velocity, changed in place: it must be a flat float32 array of its own."""
+    if array.dtype != np.float32 or array.ndim != 1 or not array.flags.c_contiguous or not array.flags.writeable:
+        raise TypeError("a 2-bit residual or velocity is a flat, writeable, contiguous float32 array")
+    return array
+
+
 _ODD = np.uint32(0x55555555)  # the low bit of each of a word's 16 codes
 
 
 def unpack(packed: np.ndarray, count: int, threshold: float) -> np.ndarray:
     """The float32 values (length `count`) that `packed` represents; ValueError if malformed."""
+    from tfkv.ps import kernels
+
     packed = np.asarray(packed)
     if packed.dtype != np.uint32 or packed.ndim != 1 or packed.size != words(count):
         raise ValueError(f"2-bit payload of {packed.size} words cannot hold exactly {count} values")
-    w = packed.astype("<u4", copy=False)
+    w = np.ascontiguousarray(packed, "<u4")
     # Code 3 is both bits of a code set: a word's (w & w >> 1) has a code's low bit set for it.
     both = np.right_shift(w, np.uint32(1))
     np.bitwise_and(both, w, out=both)
@@ -279,12 +222,9 @@ def unpack(packed: np.ndarray, count: int, threshold: float) -> np.ndarray:
         raise ValueError("2-bit payload holds the invalid code 3")
     if count % 16 and int(w[-1]) >> (2 * (count % 16)):
         raise ValueError("2-bit payload has non-zero padding after its last value")
-    t = np.float32(threshold)
-    # One byte is 4 values: a table of their 4 float32 (16 bytes, taken as one complex128).
-    table = np.array([0, t, -t, 0], np.float32)[_BYTE_CODES]
-    out = np.empty(w.size * 16, np.float32)
-    np.take(table.view(np.complex128).reshape(-1), w.view(np.uint8), out=out.view(np.complex128))
-    return out[:count]
+    out = np.empty(count, np.float32)
+    kernels.unpack(w, np.float32(threshold), out)
+    return out
 
 
 # The replies' threshold in steps: how many of one step's largest change (`pull_threshold_for`). At

@@ -15,50 +15,65 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
-# (4 codes, one per byte of a uint32) * _GATHER holds the 4 codes side by side in its top byte
-# (tfkv.ps.compression's trick): the products of the other bytes never reach it.
-_GATHER = 0x01041040
-
-
-# Per byte value, the codes of its 4 values, lowest bits first.
-_BYTE_CODES = [[(b >> (2 * j)) & 3 for j in range(4)] for b in range(256)]
-
-
-def _codes(g: tf.Tensor, residual: tf.Variable, threshold: float, velocity: tf.Variable | None, momentum: float,
-           opaque: tf.Tensor) -> tf.Tensor:
-    """Add `g` (with a velocity, 2bit_momentum: velocity = momentum * velocity + g, in place)
-    into `residual`, quantise, keep what was not sent; each value's code (uint8)."""
-    t = tf.constant(threshold, tf.float32)
+def _sum(g: tf.Tensor, residual: tf.Variable, velocity: tf.Variable | None, momentum: float,
+         opaque: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """(what is added into the residual, residual + it): `g`, or with a velocity (2bit_momentum)
+    momentum * velocity + g, rounded as numpy rounds it."""
     if velocity is not None:
         # momentum * velocity rounded on its own, as numpy does: or-ed with `opaque` (a zero the
         # compiler cannot see) it is no longer fused into one multiply-add that rounds once.
         scaled = tf.bitcast(tf.bitwise.bitwise_or(tf.bitcast(tf.constant(momentum, tf.float32) * velocity, tf.int32),
                                                   opaque), tf.float32)
         g = scaled + g
-    r = residual + g
-    pos, neg = r >= t, r <= -t
-    left = r - t * (tf.cast(pos, tf.float32) - tf.cast(neg, tf.float32))  # t * (+-1 or 0): exact
-    residual.assign(left)
-    if velocity is not None:
-        velocity.assign(tf.where(tf.abs(left) >= t, tf.zeros_like(g), g))
-    return tf.cast(pos, tf.uint8) + 2 * tf.cast(neg, tf.uint8)
+    return g, residual + g
 
 
-# One XLA computation per key: TensorFlow's own kernels take a pass over memory (and a fresh
-# buffer) per op, a dozen for a push; fused, the quantisation is about one.
+def _flat(g: Any) -> tf.Tensor:
+    return tf.reshape(tf.cast(g, tf.float32), [-1])
+
+
+# Two XLA computations per key, each one pass over memory: the words (reading the residual and the
+# gradient), then the residual's update in place (reading them again). One computation with both
+# outputs is about twice as slow: XLA's CPU backend does not fuse the words' reduction with the
+# residual's update and writes the new residual to a fresh buffer.
 @tf.function(jit_compile=True)
-def _packed(g: tf.Tensor, residual: tf.Variable, threshold: float, bounds: tuple[tuple[int, int], ...],
-            velocity: tf.Variable | None, momentum: float, opaque: tf.Tensor) -> list[tf.Tensor]:
-    c = _codes(tf.reshape(tf.cast(g, tf.float32), [-1]), residual, threshold, velocity, momentum, opaque)
-    return [words(c[start:end]) for start, end in bounds]
+def _words_of(g: tf.Tensor, residual: tf.Variable, threshold: float, bounds: tuple[tuple[int, int], ...],
+              velocity: tf.Variable | None, momentum: float, opaque: tf.Tensor) -> list[tf.Tensor]:
+    _, r = _sum(_flat(g), residual, velocity, momentum, opaque)
+    return [words_over(r[start:end], threshold) for start, end in bounds]
 
 
-def words(values: tf.Tensor) -> tf.Tensor:
-    """The uint32 words of `values`' codes (uint8, flat), the last word padded with code 0."""
+@tf.function(jit_compile=True)
+def _keep(g: tf.Tensor, residual: tf.Variable, threshold: float, velocity: tf.Variable | None, momentum: float,
+          opaque: tf.Tensor) -> None:
+    """Take the sent part out of residual + g (with a velocity: + momentum * velocity + g)."""
+    t = tf.constant(threshold, tf.float32)
+    _, r = _sum(_flat(g), residual, velocity, momentum, opaque)
+    residual.assign(r - t * (tf.cast(r >= t, tf.float32) - tf.cast(r <= -t, tf.float32)))  # t * (+-1 or 0): exact
+
+
+@tf.function(jit_compile=True)
+def _mask(g: tf.Tensor, left: tf.Variable, threshold: float, velocity: tf.Variable, momentum: float,
+          opaque: tf.Tensor) -> None:
+    """velocity = momentum * velocity + g, zeroed where the residual (`left`, after sending) still
+    holds a whole threshold. Its own pass: with the residual's update in one computation, XLA
+    writes both to fresh buffers (three times the time)."""
+    added, _ = _sum(_flat(g), left, velocity, momentum, opaque)
+    velocity.assign(tf.where(tf.abs(left) >= threshold, tf.zeros_like(added), added))
+
+
+# A word's 16 codes, code j shifted to bits 2j: their sum is the word (the bits do not overlap).
+_SHIFTS = [1 << (2 * j) for j in range(16)]
+
+
+def words_over(values: tf.Tensor, threshold: float) -> tf.Tensor:
+    """The uint32 words of the codes of `values` (float32, flat) against `threshold` (1: >= t,
+    2: <= -t, else 0), the last word padded with code 0."""
+    t = tf.constant(threshold, tf.float32)
+    codes = tf.cast(values >= t, tf.uint32) + 2 * tf.cast(values <= -t, tf.uint32)
     n = int(values.shape[0])
-    quads = tf.reshape(tf.pad(values, [[0, -n % 16]]), [-1, 4])
-    gathered = tf.bitwise.right_shift(tf.bitcast(quads, tf.uint32) * tf.constant(_GATHER, tf.uint32), 24)
-    return tf.bitcast(tf.reshape(tf.cast(gathered, tf.uint8), [-1, 4]), tf.uint32)
+    codes = tf.reshape(tf.pad(codes, [[0, -n % 16]]), [-1, 16])
+    return tf.reduce_sum(codes * tf.constant(_SHIFTS, tf.uint32), axis=1)
 
 
 def pack(grad: Any, residual: tf.Variable, threshold: float, velocity: tf.Variable | None = None,
@@ -75,14 +90,27 @@ def pack_parts(grad: Any, residual: tf.Variable, threshold: float, bounds: Seque
                velocity: tf.Variable | None = None, momentum: float = 0.0) -> list[tf.Tensor]:
     """`pack`, as the words of each part [start, end) of `bounds` (a key's parts on the
     servers, each its own payload, its last word padded)."""
-    return _packed(grad, residual, float(threshold), tuple((int(s), int(e)) for s, e in bounds), velocity,
-                   float(momentum), tf.zeros([], tf.int32))
+    opaque = tf.zeros([], tf.int32)
+    threshold, momentum = float(threshold), float(momentum)
+    words = _words_of(grad, residual, threshold, tuple((int(s), int(e)) for s, e in bounds), velocity, momentum,
+                      opaque)
+    # In this order, each reading the variables the one before wrote (TensorFlow orders them so).
+    _keep(grad, residual, threshold, velocity, momentum, opaque)
+    if velocity is not None:
+        _mask(grad, residual, threshold, velocity, momentum, opaque)
+    return words
 
 
 def unpack(words: Any, count: int, threshold: float) -> tf.Tensor:
-    """The `count` float32 values the words stand for (+t, -t or 0 each): 4 values per byte,
-    gathered from a table of the 256 bytes' values."""
+    """The `count` float32 values the words stand for (+t, -t or 0 each)."""
+    return _values_of(words, int(count), float(threshold))
+
+
+# One XLA computation: each word's 16 codes shifted out and turned into values, one pass.
+@tf.function(jit_compile=True)
+def _values_of(words: tf.Tensor, count: int, threshold: float) -> tf.Tensor:
+    codes = tf.bitwise.bitwise_and(tf.bitwise.right_shift(tf.reshape(tf.cast(words, tf.uint32), [-1, 1]),
+                                                          tf.constant([2 * j for j in range(16)], tf.uint32)), 3)
     t = tf.constant(threshold, tf.float32)
-    table = tf.gather(tf.stack([tf.zeros([]), t, -t, tf.zeros([])]), _BYTE_CODES)  # [256, 4]
-    values = tf.gather(table, tf.cast(tf.reshape(tf.bitcast(words, tf.uint8), [-1]), tf.int32))
+    values = tf.where(codes == 1, t, tf.where(codes == 2, -t, tf.zeros([], tf.float32)))
     return tf.reshape(values, [-1])[:count]
