@@ -143,14 +143,15 @@ def _step(rows: list[dict], contender: str, model: str, hosts: int, link: str | 
 
 
 def targets(rows: list[dict]) -> list[dict]:
-    """Issue 29's point-3 targets, issue 42's point-5 targets of tfkv_2way and tfkv_spare, and the
+    """The targets of issue 42's point 5 (tfkv against MWMS in every row of every model, tfkv_2way,
+    tfkv_spare, LeNet's scaling to 4 hosts), issue 29's against PSS and tfkv_2bit, and the
     reference documents' claims, each with its figure."""
     got: list[dict] = []
     links = sorted({r["link"] for r in rows if r["link"]}, key=_link_bits)
     hosts = sorted({r["hosts"] for r in rows if r["contender"] != "local"})
     models = list(dict.fromkeys(r["model"] for r in rows))
     many = [h for h in hosts if h > 1]
-    for m in ("lenet", "mlp"):
+    for m in models:
         for n in many:
             for link in links:
                 f = _ratio(rows, "tfkv", "mwms", m, n, link)
@@ -182,8 +183,8 @@ def targets(rows: list[dict]) -> list[dict]:
         r = find(rows, "tfkv", "lenet", 4, "10gbit")
         local = r and find(rows, "local", "lenet", global_batch=r["global_batch"])
         f = r["samples_per_sec"] / local["samples_per_sec"] if r and local else None
-        got.append(_verdict("scaling: tfkv lenet, 4 hosts, 10gbit >= 3x one host of the same budget (local, same "
-                            "global batch)", f, 3.0, _step(rows, "tfkv", "lenet", 4, "10gbit")))
+        got.append(_verdict("scaling: tfkv lenet, 4 hosts, 10gbit >= 3.5x one host of the same budget (local, same "
+                            "global batch)", f, 3.5, _step(rows, "tfkv", "lenet", 4, "10gbit")))
     top = max(hosts) if hosts else 0
     small = []
     for m in models:
