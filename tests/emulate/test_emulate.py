@@ -200,8 +200,10 @@ def test_a_links_rate_holds_in_each_direction(tmp_path):
                                                                                     link_out="80mbit")]
     with Cluster.up(specs, tmp_path / "cl") as cluster:
         a, b, c, d = cluster.hosts
-        measured = {"a->b": _bits_per_second(a, b), "b->a": _bits_per_second(b, a),
-                    "b->c": _bits_per_second(b, c), "b->d": _bits_per_second(b, d), "d->b": _bits_per_second(d, b)}
+        pairs = {"a->b": (a, b), "b->a": (b, a), "b->c": (b, c), "b->d": (b, d), "d->b": (d, b)}
+        # The best of two transfers: a busy machine (the other xdist worker) can only slow one
+        # below the link's rate, never lift it above, so the upper bounds still check the limit.
+        measured = {k: max(_bits_per_second(*pair) for _ in range(2)) for k, pair in pairs.items()}
     mbit = {k: round(v / 1e6, 1) for k, v in measured.items()}
     assert 80 < mbit["a->b"] < 120 and 80 < mbit["b->a"] < 120, mbit  # a's 100mbit, either way
     assert mbit["b->c"] > 5 * 100, mbit  # unlimited: veths and a bridge at memory speed
