@@ -259,3 +259,22 @@ def test_tensorflow_packing_of_a_keys_parts_is_the_oracles(kind, bounds):
         assert residual.numpy().tobytes() == np.concatenate(r_old).tobytes()
         if momentum:
             assert velocity.numpy().tobytes() == np.concatenate(v_old).tobytes()
+
+
+@pytest.mark.parametrize("n", [1, 17, (1 << 16) + 5])
+def test_unpack_onto_is_the_copy_plus_unpack_bit_for_bit_and_refuses_what_unpack_refuses(n):
+    """A copy moved by a 2-bit reply in one pass equals copy + unpack(words), -0 included; the base
+    is left as it was; malformed words are refused as unpack refuses them."""
+    rng = np.random.default_rng(n)
+    base = rng.normal(size=n).astype(np.float32)
+    base[0] = -0.0
+    words = C.pack(rng.normal(size=n).astype(np.float32), np.zeros(n, np.float32), 0.5)
+    before = base.copy()
+    got = C.unpack_onto(base, words, 0.5)
+    assert got.tobytes() == (base + C.unpack(words, n, 0.5)).tobytes() and base.tobytes() == before.tobytes()
+    bad = words.copy()
+    bad[0] |= np.uint32(3)
+    with pytest.raises(ValueError, match="invalid code 3"):
+        C.unpack_onto(base, bad, 0.5)
+    with pytest.raises(ValueError, match="cannot hold exactly"):
+        C.unpack_onto(np.zeros(n + 16, np.float32), words, 0.5)  # a word more than the payload has

@@ -210,6 +210,25 @@ def unpack(packed: np.ndarray, count: int, threshold: float) -> np.ndarray:
     """The float32 values (length `count`) that `packed` represents; ValueError if malformed."""
     from tfkv.ps import kernels
 
+    out = np.empty(count, np.float32)
+    kernels.unpack(_checked(packed, count), np.float32(threshold), out)
+    return out
+
+
+def unpack_onto(base: np.ndarray, packed: np.ndarray, threshold: float) -> np.ndarray:
+    """base + unpack(packed, base.size, threshold), as a new array, in one pass: a copy of weights
+    that a 2-bit reply moves (no key-sized array of the decoded values on the way)."""
+    from tfkv.ps import kernels
+
+    out = np.empty(base.size, np.float32)
+    kernels.unpack_onto(_checked(packed, base.size), np.float32(threshold),
+                        np.ascontiguousarray(base, np.float32).reshape(-1), out)
+    return out
+
+
+def _checked(packed: np.ndarray, count: int) -> np.ndarray:
+    """`packed` as contiguous little-endian words, if they are `count` values' words with no code 3
+    and zero padding; else ValueError."""
     packed = np.asarray(packed)
     if packed.dtype != np.uint32 or packed.ndim != 1 or packed.size != words(count):
         raise ValueError(f"2-bit payload of {packed.size} words cannot hold exactly {count} values")
@@ -222,9 +241,7 @@ def unpack(packed: np.ndarray, count: int, threshold: float) -> np.ndarray:
         raise ValueError("2-bit payload holds the invalid code 3")
     if count % 16 and int(w[-1]) >> (2 * (count % 16)):
         raise ValueError("2-bit payload has non-zero padding after its last value")
-    out = np.empty(count, np.float32)
-    kernels.unpack(w, np.float32(threshold), out)
-    return out
+    return w
 
 
 # The replies' threshold in steps: how many of one step's largest change (`pull_threshold_for`). At

@@ -52,16 +52,17 @@ class Copies:
             copy.flags.writeable = False
             self._held[skey] = (meta["version"], copy)
             return copy
-        values = compression.unpack(reply.data, reply.count, meta["threshold"])
-        if "version" not in meta:
-            return values  # a summing server's 2-bit sum
+        if "version" not in meta:  # a summing server's 2-bit sum
+            return compression.unpack(reply.data, reply.count, meta["threshold"])
         version, copy = self._held.get(skey, (None, None))
         if version == meta["version"]:
             return copy  # nothing new
         if copy is None or version != meta["version"] - 1:
             raise DistError(f"key part {skey}: a 2-bit reply making version {meta['version']} of a copy this "
                            f"worker holds at version {version}: the servers and this worker disagree")
-        copy = copy + values
+        if copy.size != reply.count:
+            raise DistError(f"key part {skey}: a 2-bit reply of {reply.count} values for a copy of {copy.size}")
+        copy = compression.unpack_onto(copy, reply.data, meta["threshold"])
         copy.flags.writeable = False
         self._held[skey] = (meta["version"], copy)
         return copy

@@ -66,3 +66,14 @@ def unpack(words: np.ndarray, t: np.float32, out: np.ndarray) -> None:
         for j in range(min(16, n - base)):
             code = (word >> np.uint32(2 * j)) & np.uint32(3)
             out[base + j] = t if code == _ONE else (-t if code == _TWO else zero)
+
+
+@numba.njit(cache=True, nogil=True)
+def unpack_onto(words: np.ndarray, t: np.float32, base: np.ndarray, out: np.ndarray) -> None:
+    """out = base + the values of `words`' codes, in one pass (a copy moved by a 2-bit reply)."""
+    n, zero = out.size, np.float32(0)
+    for w in range(words.size):
+        word, start = words[w], w * 16
+        for j in range(min(16, n - start)):
+            code = (word >> np.uint32(2 * j)) & np.uint32(3)
+            out[start + j] = base[start + j] + (t if code == _ONE else (-t if code == _TWO else zero))

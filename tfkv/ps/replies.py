@@ -50,7 +50,7 @@ class Mirror:
         """Reply to the weights `value`: their change from the copy, packed; the copy moved by it."""
         residual = np.negative(self.copy)  # value - copy, with pack's own addition
         self.words = compression.pack(value, residual, threshold)
-        self.copy = _frozen(self.copy + compression.unpack(self.words, self.copy.size, threshold))
+        self.copy = _frozen(compression.unpack_onto(self.copy, self.words, threshold))
         self.version += 1
         self.round = round_no
 

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
+
 def _sum(g: tf.Tensor, residual: tf.Variable, velocity: tf.Variable | None, momentum: float,
          opaque: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     """(what is added into the residual, residual + it): `g`, or with a velocity (2bit_momentum)
@@ -32,10 +33,10 @@ def _flat(g: Any) -> tf.Tensor:
     return tf.reshape(tf.cast(g, tf.float32), [-1])
 
 
-# Two XLA computations per key, each one pass over memory: the words (reading the residual and the
-# gradient), then the residual's update in place (reading them again). One computation with both
-# outputs is about twice as slow: XLA's CPU backend does not fuse the words' reduction with the
-# residual's update and writes the new residual to a fresh buffer.
+# XLA computations per key, each one pass over memory: the words (reading the residual and the
+# gradient), then the residual's update in place (reading them again), then, with a velocity, its
+# update (`_mask`). One computation with several outputs is about twice as slow: XLA's CPU backend
+# does not fuse the words' reduction with the updates and writes them to fresh buffers.
 @tf.function(jit_compile=True)
 def _words_of(g: tf.Tensor, residual: tf.Variable, threshold: float, bounds: tuple[tuple[int, int], ...],
               velocity: tf.Variable | None, momentum: float, opaque: tf.Tensor) -> list[tf.Tensor]:
